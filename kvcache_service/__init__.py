@@ -1,0 +1,1 @@
+"""KV-cache manager: the core (pure Python) and its gRPC servicer."""

@@ -1,0 +1,120 @@
+"""The prefix tree: one node per full, computed page, keyed by its chained hash.
+
+Because each hash chains its parent's, a hash names a whole prefix, so a flat
+dict (hash -> page) is the tree's index and a match is one lookup per page.
+Parent links and child counts are kept for eviction order and for checks.
+
+Unreferenced nodes are parked in an LRU list. Eviction takes the least
+recently parked node first; the manager parks a sequence's pages tail first,
+and a node referenced by a sequence always has its ancestors referenced by the
+same sequence, so the LRU head is always a leaf: a parent is evicted only after
+its children (checked on every eviction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+from kvcache_service.core.hashing import ROOT_HASH
+
+NO_PARENT = -1
+
+
+class PrefixTree:
+    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru")
+
+    def __init__(self, num_pages: int) -> None:
+        self.page_of: dict[int, int] = {}                      # hash -> page
+        self.hash_of: list[int | None] = [None] * num_pages    # page -> hash, None if not a node
+        self.parent_of: list[int] = [NO_PARENT] * num_pages    # page -> parent page
+        self.children: list[int] = [0] * num_pages             # page -> number of child nodes
+        self._lru: OrderedDict[int, None] = OrderedDict()      # parked pages, oldest first
+
+    def __len__(self) -> int:
+        return len(self.page_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def get(self, h: int) -> int | None:
+        return self.page_of.get(h)
+
+    def is_node(self, page: int) -> bool:
+        return self.hash_of[page] is not None
+
+    def match(self, hashes: Iterable[int]) -> Iterator[int]:
+        """Pages of the longest cached prefix of `hashes`, stopping at the first miss."""
+        page_of = self.page_of
+        for h in hashes:
+            page = page_of.get(h)
+            if page is None:
+                return
+            yield page
+
+    def insert(self, h: int, parent_hash: int, page: int) -> None:
+        """A newly computed full page. The caller checked `h` is absent and the
+        parent (unless ROOT_HASH) is a node."""
+        parent = NO_PARENT if parent_hash == ROOT_HASH else self.page_of[parent_hash]
+        self.page_of[h] = page
+        self.hash_of[page] = h
+        self.parent_of[page] = parent
+        if parent != NO_PARENT:
+            self.children[parent] += 1
+
+    def park(self, page: int) -> None:
+        """The node's refcount dropped to 0: evictable, most recently used."""
+        self._lru[page] = None
+
+    def unpark(self, page: int) -> None:
+        """The node is referenced again."""
+        del self._lru[page]
+
+    def is_parked(self, page: int) -> bool:
+        return page in self._lru
+
+    def evict(self, n: int) -> list[tuple[int, int]]:
+        """Removes the n least recently used parked nodes: [(page, hash)]."""
+        out = []
+        lru, hash_of, parent_of, children = self._lru, self.hash_of, self.parent_of, self.children
+        for _ in range(n):
+            page, _ = lru.popitem(last=False)
+            if children[page]:
+                raise AssertionError(f"prefix tree: evicting page {page}, which has children")
+            h = hash_of[page]
+            del self.page_of[h]
+            hash_of[page] = None
+            parent = parent_of[page]
+            if parent != NO_PARENT:
+                children[parent] -= 1
+                parent_of[page] = NO_PARENT
+            out.append((page, h))
+        return out
+
+    def parked(self) -> list[int]:
+        """Parked pages in eviction order."""
+        return list(self._lru)
+
+    def nodes_parent_first(self) -> list[tuple[int, int]]:
+        """(hash, parent hash) of every node, parents before children."""
+        depth: dict[int, int] = {}
+        for page in self.page_of.values():
+            d, p = 0, page
+            while p != NO_PARENT and p not in depth:
+                p = self.parent_of[p]
+                d += 1
+            depth[page] = d + (depth[p] if p != NO_PARENT else 0)
+        out = []
+        for page in sorted(self.page_of.values(), key=depth.__getitem__):
+            parent = self.parent_of[page]
+            out.append((self.hash_of[page], ROOT_HASH if parent == NO_PARENT else self.hash_of[parent]))
+        return out
+
+    def reset(self) -> None:
+        n = len(self.hash_of)
+        self.page_of = {}
+        self.hash_of = [None] * n
+        self.parent_of = [NO_PARENT] * n
+        self.children = [0] * n
+        self._lru = OrderedDict()

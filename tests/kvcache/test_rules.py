@@ -1,0 +1,354 @@
+"""One test per rule of the manager (ARCHITECTURE.md), each with a case that fails
+if the rule is broken. Page and seq ids are exact: a fresh manager hands both
+out FIFO from 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache_service.core import (
+    Admit,
+    AlreadyExists,
+    Commit,
+    FailedPrecondition,
+    Fork,
+    Grow,
+    InvalidArgument,
+    KVCacheManager,
+    ManagerConfig,
+    NotFound,
+    PreemptionMode,
+    ResourceExhausted,
+    Resume,
+    StepRequest,
+    Truncation,
+    page_hashes,
+)
+from kvcache_service.core.sequence import SWAPPED_OUT
+
+PS = 4
+
+
+def make(num_pages=16, max_seqs=8, cpu_pages=16) -> KVCacheManager:
+    return KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=PS, max_seqs=max_seqs, cpu_pages=cpu_pages))
+
+
+def admit(m, request_id, tokens, **kw):
+    plan = m.step(StepRequest(needs=[Admit(request_id, tokens, **kw)]))
+    (result,) = plan.results
+    assert result.granted, result.reason
+    return result
+
+
+def admit_computed(m, request_id, tokens):
+    """Admit and commit the whole prompt as computed."""
+    r = admit(m, request_id, tokens)
+    m.step(StepRequest(commits=[Commit(r.seq_id, len(tokens))]))
+    return r
+
+
+def test_identical_prompts_in_one_step_share_no_uncomputed_page():
+    m = make()
+    prompt = list(range(10))
+    plan = m.step(StepRequest(needs=[Admit("a", prompt), Admit("b", prompt)]))
+    a, b = plan.results
+    assert (a.page_ids, b.page_ids) == ([0, 1, 2], [3, 4, 5])
+    assert a.cached_tokens == b.cached_tokens == 0
+    # Both commit; the second finds the first's pages in the tree and keeps its own private.
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10), Commit(b.seq_id, 10)]))
+    assert m.tree.page_of == {h: p for h, p in zip(page_hashes(prompt, PS), [0, 1])}
+    m.step(StepRequest(releases=[b.seq_id]))
+    assert list(m.pool.free)[-3:] == [5, 4, 3]  # b's pages were all private: freed, tail first
+
+
+def test_uncomputed_page_is_never_a_hit():
+    m = make()
+    prompt = list(range(12))
+    first = admit(m, "a", prompt, max_tokens=8)  # chunk 1: pages 0, 1 allocated, not computed
+    again = admit(m, "b", prompt)
+    assert again.cached_tokens == 0
+    m.step(StepRequest(commits=[Commit(first.seq_id, 8)]))  # now pages 0 and 1 are computed
+    third = admit(m, "c", prompt)
+    assert third.cached_tokens == 8
+    assert third.page_ids[:2] == [0, 1]
+
+
+def test_the_last_prompt_token_is_never_a_hit():
+    m = make()
+    prompt = list(range(8))  # exactly two full pages
+    a = admit_computed(m, "a", prompt)
+    m.step(StepRequest(releases=[a.seq_id]))
+    b = admit(m, "b", prompt)
+    assert b.cached_tokens == 4  # page 1 holds the last token: recomputed, not hit
+    assert b.num_tokens == 4
+    assert m.match_prefix(prompt)[0] == 8  # the read-only query still sees both pages
+
+
+def test_release_keeps_full_computed_pages_cached_and_frees_partial():
+    m = make()
+    a = admit_computed(m, "a", list(range(10)))  # pages 0, 1 full; 2 partial
+    freed, cached = m.release_one(m.seqs[a.seq_id])
+    assert (freed, cached) == (1, 2)
+    s = m.stats()
+    assert (s.free_pages, s.cached_pages, s.used_pages) == (14, 2, 0)
+    assert m.tree.parked() == [1, 0]  # parked tail first: the leaf is the oldest
+
+
+def test_eviction_takes_lru_leaves_first():
+    m = make(num_pages=6)
+    a = admit_computed(m, "a", list(range(9)))       # pages 0, 1 full (chain 0 -> 1), 2 partial
+    b = admit_computed(m, "b", [50 + t for t in range(5)])  # page 3 full, 4 partial
+    m.step(StepRequest(releases=[a.seq_id]))        # parks 1 then 0
+    m.step(StepRequest(releases=[b.seq_id]))        # parks 3
+    assert m.tree.parked() == [1, 0, 3]
+    assert list(m.pool.free) == [5, 2, 4]
+    # Six pages wanted: the three free ones, then leaf 1, its parent 0, then 3.
+    r = admit(m, "c", [90 + t for t in range(24)], max_tokens=20)
+    assert r.page_ids == [5, 2, 4, 1, 0]
+    assert m.tree.parked() == [3]
+    assert m.stats().evictions == 2
+
+
+def test_a_hit_refreshes_recency():
+    m = make(num_pages=5)
+    a = admit_computed(m, "a", list(range(5)))             # page 0 full, 1 partial
+    b = admit_computed(m, "b", [50 + t for t in range(5)])  # page 2 full, 3 partial
+    m.step(StepRequest(releases=[a.seq_id, b.seq_id]))     # parked: 0 then 2
+    c = admit(m, "c", list(range(5)))                       # hits 0: referenced again
+    m.step(StepRequest(releases=[c.seq_id]))               # 0 parks again, now newest
+    assert m.tree.parked() == [2, 0]
+
+
+def test_can_allocate_counts_parked_hits_as_unavailable():
+    m = make(num_pages=4)
+    a = admit_computed(m, "a", list(range(9)))  # pages 0, 1 cached, 2 partial
+    m.step(StepRequest(releases=[a.seq_id]))
+    # 12 tokens: hits pages 0 and 1 (parked), needs 1 new page. Free: 2 pages.
+    check = m.can_allocate(Admit("b", list(range(12))))
+    assert check.ok and check.pages_needed == 1 and check.pages_available == 2
+    # A disjoint prompt of 4 pages would evict: 2 free + 2 parked = 4.
+    assert m.can_allocate(Admit("c", [70 + t for t in range(16)])).ok
+    # But a prompt hitting both parked pages and needing 3 more cannot have them.
+    check = m.can_allocate(Admit("d", list(range(8)) + [80 + t for t in range(12)]))
+    assert not check.ok and check.pages_needed == 3 and check.pages_available == 2
+    before = m.stats()
+    with pytest.raises(ResourceExhausted):
+        m.allocate(Admit("d", list(range(8)) + [80 + t for t in range(12)]))
+    assert m.stats() == before
+
+
+def test_can_allocate_true_means_allocate_succeeds():
+    m = make(num_pages=4)
+    need = Admit("a", list(range(16)))
+    assert m.can_allocate(need).ok
+    before = m.stats()
+    assert m.stats() == before  # the check changed nothing
+    result, _, _ = m.allocate(need)
+    assert result.page_ids == [0, 1, 2, 3]
+
+
+def test_fork_shares_full_pages_and_copies_only_the_partial_one():
+    m = make()
+    a = admit(m, "a", list(range(10)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
+    plan = m.step(StepRequest(needs=[Fork(a.seq_id, "a/1")]))
+    (child,) = plan.results
+    assert child.page_ids == [0, 1, 3]
+    assert plan.copies == [(2, 3)]
+    assert m.pool.ref[0] == m.pool.ref[1] == 2 and m.pool.ref[2] == m.pool.ref[3] == 1
+    # Forking at a page boundary copies nothing.
+    b = admit(m, "b", [40 + t for t in range(8)])
+    m.step(StepRequest(commits=[Commit(b.seq_id, 8)]))
+    plan = m.step(StepRequest(needs=[Fork(b.seq_id, "b/1")]))
+    assert plan.copies == [] and plan.results[0].page_ids == [4, 5]
+
+
+def test_truncate_frees_exactly_the_pages_past_the_new_end():
+    m = make()
+    a = admit(m, "a", list(range(13)))  # pages 0..3
+    m.step(StepRequest(commits=[Commit(a.seq_id, 13, [99])]))  # 14 tokens known
+    seq = m.seqs[a.seq_id]
+    freed, copies = m.truncate_one(seq, 6)  # 8 tokens stay: pages 0, 1
+    # Page 3 (private, partial) is freed; page 2 is full and computed: it stays cached.
+    assert (freed, copies) == (1, [])
+    assert seq.pages == [0, 1] and seq.tokens == list(range(8)) and seq.num_computed == 8
+    assert list(m.pool.free)[-1] == 3 and m.tree.parked() == [2]
+    # Truncating into a cached page copies it: the cached one is never overwritten.
+    freed, copies = m.truncate_one(seq, 2)  # 6 tokens: page 1 (a tree node) becomes partial
+    assert copies == [(1, 4)] and seq.pages == [0, 4]
+    assert m.tree.is_node(1) and m.pool.ref[1] == 0
+
+
+def test_swap_out_leaves_shared_pages_in_place_and_swap_in_dedups():
+    m = make()
+    a = admit(m, "a", list(range(10)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
+    b = admit(m, "b", list(range(9)))  # shares page 0 and 1 (cached)... the last token is on page 2
+    assert b.cached_tokens == 8 and b.page_ids == [0, 1, 3]
+    copies = m.swap_out_one(m.seqs[a.seq_id])
+    assert copies == [(2, 0)]  # only the private partial page; 0 and 1 are shared with b
+    assert m.seqs[a.seq_id].pages == [0, 1, SWAPPED_OUT]
+    result, copies = m.swap_in_one(m.seqs[a.seq_id])
+    assert copies == [(0, 4)] and result.page_ids == [0, 1, 4]  # 4: the free list's head
+
+
+def test_swap_in_shares_pages_that_stayed_cached():
+    m = make()
+    a = admit(m, "a", list(range(10)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
+    assert m.swap_out_one(m.seqs[a.seq_id]) == [(2, 0), (1, 1), (0, 2)]  # tail first
+    assert m.tree.parked() == [1, 0]  # tree pages stay cached on the device while swapped
+    result, copies = m.swap_in_one(m.seqs[a.seq_id])
+    assert copies == [(0, 3)]  # only the private page comes back by copy
+    assert result.page_ids == [0, 1, 3]
+
+
+def test_swap_in_reinserts_evicted_pages_in_the_tree():
+    m = make(num_pages=4)
+    a = admit(m, "a", list(range(10)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
+    m.swap_out_one(m.seqs[a.seq_id])
+    admit(m, "x", [70 + t for t in range(16)])  # takes free page 3 and evicts 1, 0, 2
+    assert len(m.tree) == 0
+    m.step(StepRequest(releases=[1]))
+    plan = m.step(StepRequest(needs=[Resume(a.seq_id)]))
+    assert plan.results[0].granted
+    assert sorted(plan.swap_in) == [(0, 1), (1, 0), (2, 2)] or len(plan.swap_in) == 3
+    seq = m.seqs[a.seq_id]
+    assert [m.tree.hash_of[p] for p in seq.pages[:2]] == page_hashes(list(range(10)), PS)
+
+
+def test_preemption_takes_the_tail_of_the_running_order():
+    m = make(num_pages=6, cpu_pages=0)
+    ids = [admit(m, r, [i * 10 + t for t in range(8)]).seq_id for i, r in enumerate("abc")]
+    m.step(StepRequest(commits=[Commit(s, 8) for s in ids]))
+    plan = m.step(StepRequest(needs=[Grow(ids[0], 9)]))
+    assert [p.seq_id for p in plan.preempted] == [ids[2]]
+    assert plan.preempted[0].mode is PreemptionMode.RECOMPUTE
+    assert plan.results[0].granted and plan.results[0].page_ids == [5]
+    assert m.stats().preemptions_recompute == 1
+    # c's pages were parked tail first, so a's growth evicted page 5; page 4 stays cached.
+    assert m.tree.parked() == [4]
+    assert m.match_prefix([20 + t for t in range(8)])[0] == 4
+
+
+def test_a_sequence_at_the_tail_preempts_itself():
+    m = make(num_pages=4, cpu_pages=0)
+    a = admit(m, "a", list(range(8)))
+    b = admit(m, "b", [50 + t for t in range(8)])
+    m.step(StepRequest(commits=[Commit(a.seq_id, 8), Commit(b.seq_id, 8)]))
+    plan = m.step(StepRequest(needs=[Grow(b.seq_id, 9)]))
+    assert [p.seq_id for p in plan.preempted] == [b.seq_id]
+    assert not plan.results[0].granted
+
+
+def test_swap_preemption_moves_private_pages_and_falls_back_to_recompute():
+    m = make(num_pages=6, cpu_pages=2)
+    ids = [admit(m, r, [i * 10 + t for t in range(8)]).seq_id for i, r in enumerate("abc")]
+    m.step(StepRequest(commits=[Commit(s, 8) for s in ids]))
+    plan = m.step(StepRequest(needs=[Grow(ids[0], 9)], preemption_mode=PreemptionMode.SWAP))
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(ids[2], PreemptionMode.SWAP)]
+    assert plan.swap_out == [(5, 0), (4, 1)]
+    # The CPU pool is now full: the next victim is recomputed instead.
+    plan = m.step(StepRequest(needs=[Grow(ids[0], 17)], preemption_mode=PreemptionMode.SWAP))
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(ids[1], PreemptionMode.RECOMPUTE)]
+
+
+def test_victims_granted_earlier_in_the_step_lose_their_grant():
+    m = make(num_pages=5, cpu_pages=0)
+    a = admit(m, "a", list(range(8)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 8)]))
+    plan = m.step(StepRequest(needs=[Admit("b", [50, 51]), Grow(a.seq_id, 20)]))
+    # b was admitted (1 page); a's growth needs 3 pages, 2 are left: b, the tail, is preempted.
+    assert plan.results[1].granted
+    assert [p.request_id for p in plan.preempted] == ["b"]
+    assert not plan.results[0].granted and "preempted" in plan.results[0].reason
+
+
+def test_refused_admission_blocks_later_ones():
+    m = make(num_pages=4)
+    plan = m.step(StepRequest(needs=[Admit("big", list(range(40))), Admit("small", [1, 2])]))
+    assert [r.granted for r in plan.results] == [False, False]
+    assert "earlier" in plan.results[1].reason
+
+
+def test_seq_ids_are_reused_fifo_and_released_once():
+    m = make(max_seqs=3)
+    ids = [admit(m, r, [1, 2, 3]).seq_id for r in "abc"]
+    assert ids == [0, 1, 2]
+    m.release_one(m.seqs[1])
+    with pytest.raises(NotFound):
+        m.resolve(1)
+    assert admit(m, "d", [1]).seq_id == 1
+    m.release_one(m.seqs[0])
+    m.release_one(m.seqs[2])
+    assert m.seq_ids.free_ids() == [0, 2]
+
+
+def test_a_new_epoch_resets_and_a_stale_one_is_refused():
+    m = make()
+    assert m.register(7, PS, 16) is True
+    plan = m.step(StepRequest(epoch=7, needs=[Admit("a", list(range(10)))]))
+    m.step(StepRequest(epoch=7, commits=[Commit(plan.results[0].seq_id, 10)]))
+    assert m.register(7, PS, 16) is False  # same epoch: nothing changes
+    assert m.stats().num_sequences == 1
+    assert m.register(8, PS, 16) is True
+    s = m.stats()
+    assert (s.num_sequences, s.used_pages, s.tree_pages, s.free_pages) == (0, 0, 0, 16)
+    with pytest.raises(FailedPrecondition, match="stale epoch 7"):
+        m.step(StepRequest(epoch=7))
+    with pytest.raises(InvalidArgument, match="page_size 8 does not match the manager's 4"):
+        m.register(9, 8, 16)
+
+
+def test_bad_step_changes_nothing():
+    m = make()
+    a = admit(m, "a", list(range(6)))
+    before = (m.stats(), list(m.seqs[a.seq_id].pages), list(m.pool.free))
+    bad = [
+        StepRequest(releases=[a.seq_id], needs=[Grow(99, 4)]),                    # unknown seq
+        StepRequest(releases=[a.seq_id, a.seq_id]),                               # released twice
+        StepRequest(needs=[Admit("b", [1]), Admit("b", [2])]),                    # duplicate request id
+        StepRequest(needs=[Admit("a", [1])]),                                     # live request id
+        StepRequest(needs=[Admit("c", [])]),                                      # empty prompt
+        StepRequest(needs=[Admit("c", [1], max_tokens=0)]),
+        StepRequest(needs=[Admit("c", [-1])]),
+        StepRequest(commits=[Commit(a.seq_id, 9)]),                               # beyond known tokens
+        StepRequest(needs=[Grow(a.seq_id, 0)]),
+        StepRequest(truncations=[Truncation(a.seq_id, 6)]),                       # would drop every token
+        StepRequest(needs=[Admit("d", [1])], releases=[a.seq_id], commits=[Commit(a.seq_id, 1)]),
+    ]
+    errors = (InvalidArgument, NotFound, AlreadyExists)
+    for request in bad:
+        with pytest.raises(errors):
+            m.step(request)
+        assert (m.stats(), list(m.seqs[a.seq_id].pages), list(m.pool.free)) == before, request
+
+
+def test_swapped_sequences_refuse_grow_and_commit():
+    m = make()
+    a = admit(m, "a", list(range(6)))
+    m.swap_out_one(m.seqs[a.seq_id])
+    with pytest.raises(FailedPrecondition):
+        m.step(StepRequest(needs=[Grow(a.seq_id, 12)]))
+    with pytest.raises(FailedPrecondition):
+        m.commit_one(Commit(a.seq_id, 6))
+
+
+def test_generated_tokens_are_cached_for_the_next_turn():
+    m = make()
+    a = admit(m, "a", list(range(6)))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 6, [100])]))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 7, [101])], needs=[Grow(a.seq_id, 8)]))
+    m.step(StepRequest(commits=[Commit(a.seq_id, 8, [102])], needs=[Grow(a.seq_id, 9)]))
+    m.step(StepRequest(releases=[a.seq_id]))
+    turn2 = list(range(6)) + [100, 101, 102, 7, 8]
+    assert admit(m, "b", turn2).cached_tokens == 8
+
+
+def test_extra_key_separates_caches():
+    m = make()
+    a = admit_computed(m, "a", list(range(9)))
+    m.step(StepRequest(releases=[a.seq_id]))
+    assert admit(m, "b", list(range(9)), extra_key="tenant-2").cached_tokens == 0
+    assert admit(m, "c", list(range(9))).cached_tokens == 8
