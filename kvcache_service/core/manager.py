@@ -463,25 +463,28 @@ class KVCacheManager:
         parked = sum(1 for _, page in hits if ref[page] == 0)
         return copies, hits, parked
 
-    def swap_in(self, seq: Sequence, num_tokens: int = 0) -> tuple[NeedResult, list[tuple[int, int]]]:
+    def swap_in(self, seq: Sequence, num_tokens: int = 0,
+                publish: bool = True) -> tuple[NeedResult, list[tuple[int, int]], list[int]]:
         """Brings a swapped sequence back; pages that entered the tree meanwhile are
-        shared instead of copied. The caller checked the cost fits."""
+        shared instead of copied. The caller checked the cost fits.
+
+        Copied pages that were tree nodes go back into the tree — at once with
+        `publish`, else the caller publishes the returned indices once it knows
+        the copies will run (a Step may still preempt the sequence)."""
         to_copy, hits, _ = self._resume_split(seq)
         for index, page in hits:
             self._hold(page)
             seq.pages[index] = page
         new_pages = iter(self._take(len(to_copy)))
-        copies = []
-        for index, cpu_page, was_node in sorted(to_copy):  # head first: parents enter the tree first
+        copies, renodes = [], []
+        for index, cpu_page, was_node in sorted(to_copy):
             page = next(new_pages)
             copies.append((cpu_page, page))
             seq.pages[index] = page
             if was_node:
-                h = seq.hashes[index]
-                if self.tree.get(h) is None:
-                    parent = seq.parent_hash(index)
-                    self.tree.insert(h, parent, page)
-                    self.events.stored(parent, [h])
+                renodes.append(index)
+        if publish:
+            self.publish_pages(seq, renodes)
         self.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
         seq.swapped = []
         seq.state = SeqState.RUNNING
@@ -489,7 +492,24 @@ class KVCacheManager:
         result = NeedResult(True, seq.seq_id, list(seq.pages), True)
         if num_tokens:
             result.page_ids.extend(self.grow(seq, num_tokens).page_ids)
-        return result, copies
+        return result, copies, renodes
+
+    def publish_pages(self, seq: Sequence, indices: list[int]) -> None:
+        """Puts pages that were tree nodes before a swap-out back into the tree,
+        head first so parents go in before children. A page whose hash another
+        sequence stored meanwhile stays private, and so do the ones after it."""
+        for index in indices:
+            if seq.diverged_at is not None and index >= seq.diverged_at:
+                return
+            h, page = seq.hashes[index], seq.pages[index]
+            existing = self.tree.get(h)
+            if existing is None:
+                parent = seq.parent_hash(index)
+                self.tree.insert(h, parent, page)
+                self.events.stored(parent, [h])
+            elif existing != page:
+                seq.diverged_at = index
+                return
 
     # ------------------------------------------------------------ preempting
 
@@ -538,7 +558,7 @@ class KVCacheManager:
         elif isinstance(need, Admit):
             result = self.admit(need)
         elif isinstance(need, Resume):
-            result, swap_in = self.swap_in(self.seqs[need.seq_id], need.num_tokens)
+            result, swap_in, _ = self.swap_in(self.seqs[need.seq_id], need.num_tokens)
         else:
             result, copies = self.fork(self.seqs[need.parent_seq_id], need.request_id)
         self.cpu.settle()

@@ -99,7 +99,7 @@ class _Step:
         self.plan = StepPlan()
         self.preempted: set[int] = set()
         self.fresh: set[int] = set()                  # got pages or copies this step: RECOMPUTE if preempted
-        self.resumed: dict[int, list[tuple[int, int]]] = {}  # seq id -> its swap-in copies
+        self.resumed: dict[int, tuple[list, list[int]]] = {}  # seq id -> (swap-in copies, pages to re-publish)
         self.granted: dict[int, int] = {}             # seq id -> index of its granted result
         self.queue_closed = False                     # an admission or resume was refused
 
@@ -119,8 +119,9 @@ class _Step:
             if result.granted:
                 self.granted[result.seq_id] = len(plan.results)
             plan.results.append(result)
-        for copies in self.resumed.values():
+        for seq_id, (copies, renodes) in self.resumed.items():
             plan.swap_in.extend(copies)
+            m.publish_pages(m.seqs[seq_id], renodes)  # only now: their copies will surely run
         m.settle()
         plan.available_pages = m.available()
         return plan
@@ -167,8 +168,8 @@ class _Step:
         if not m._fits(cost):
             self.queue_closed = True
             return NeedResult(False, need.seq_id, reason=self._shortage(cost))
-        result, copies = m.swap_in(m.seqs[need.seq_id], need.num_tokens)
-        self.resumed[need.seq_id] = copies
+        result, copies, renodes = m.swap_in(m.seqs[need.seq_id], need.num_tokens, publish=False)
+        self.resumed[need.seq_id] = (copies, renodes)
         self.fresh.add(need.seq_id)
         return result
 

@@ -352,3 +352,22 @@ def test_extra_key_separates_caches():
     m.step(StepRequest(releases=[a.seq_id]))
     assert admit(m, "b", list(range(9)), extra_key="tenant-2").cached_tokens == 0
     assert admit(m, "c", list(range(9))).cached_tokens == 8
+
+
+def test_a_resume_undone_in_the_same_step_publishes_nothing():
+    m = make(num_pages=6, cpu_pages=8)
+    prompt = list(range(9))
+    a = admit(m, "a", prompt)                                  # pages 0, 1, 2
+    m.step(StepRequest(commits=[Commit(a.seq_id, 9)]))        # 0, 1 enter the tree
+    m.swap_out_one(m.seqs[a.seq_id])
+    b = admit(m, "b", [50 + t for t in range(24)])             # takes 3, 4, 5, 2 and evicts 1, 0
+    assert len(m.tree) == 0
+    m.step(StepRequest(commits=[Commit(b.seq_id, 24)]))
+    m.step(StepRequest(releases=[b.seq_id]))                   # b's 6 pages all parked
+    # a resumes (3 pages, copied back) and is then the tail when c's growth needs every page.
+    c = admit(m, "c", [90, 91, 92])
+    plan = m.step(StepRequest(needs=[Resume(a.seq_id), Grow(c.seq_id, 16)]))
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(a.seq_id, PreemptionMode.RECOMPUTE)]
+    assert plan.swap_in == []  # its copies would land in pages that are no longer its own
+    hashes = page_hashes(prompt, PS)
+    assert all(m.tree.get(h) is None for h in hashes), "a page whose bytes never arrived is in the tree"
