@@ -1,0 +1,51 @@
+# kvserve: `make serve` and `make test` work on a machine with only Python 3.11+ and pip.
+# The virtual environment is created on first use and reinstalled when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+# A plain `torch` requirement pulls the CUDA build (GBs); pin the wheel first.
+# GPU: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvserve-installed
+PIP_INSTALL := $(BIN)/python -m pip install $(if $(CI),--progress-bar off)
+
+.PHONY: serve test protos bench-kvcache install clean distclean
+
+serve: $(STAMP)
+	$(BIN)/kvserve kvcache $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+bench-kvcache: $(STAMP)
+	$(BIN)/python bench/kvcache_bench.py
+
+install: $(STAMP)
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "kvserve needs Python 3.11 or newer; '$(PYTHON)' is: $$($(PYTHON) --version 2>&1)." >&2; \
+	  echo "Point PYTHON at one, e.g.: make PYTHON=python3.12 test" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# Top-level package __init__.py files count too: an editable install maps the
+# top-level packages that exist when it runs.
+$(STAMP): pyproject.toml $(wildcard */__init__.py) | $(BIN)/python
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) -e '.[dev]'
+	touch $@
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

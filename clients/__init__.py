@@ -1,0 +1,1 @@
+"""Python clients for the kvserve gRPC services."""

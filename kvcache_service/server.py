@@ -1,0 +1,26 @@
+"""Starts the manager's gRPC server: create_server(...) for tests, serve(...) for the CLI."""
+
+from __future__ import annotations
+
+import logging
+
+from kvcache_service.core import KVCacheManager, ManagerConfig
+from kvcache_service.servicer import SERVICE_NAME, KVCacheServicer
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from services.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+async def create_server(address: str, config: ManagerConfig | None = None) -> tuple[RunningServer, KVCacheManager]:
+    """A started server on `address` (port 0 picks a free port) and the manager behind it."""
+    manager = KVCacheManager(config)
+    spec = ServiceSpec(pb_grpc.add_KVCacheManagerServicer_to_server, KVCacheServicer(manager), SERVICE_NAME)
+    return await _create(address, [spec]), manager
+
+
+async def serve(address: str, config: ManagerConfig, grace_s: float = 5.0) -> None:
+    running, _ = await create_server(address, config)
+    log.info("kv-cache manager: %d pages of %d tokens, %d seq ids, %d CPU pages, on %s",
+             config.num_pages, config.page_size, config.max_seqs, config.cpu_pages, running.address)
+    await serve_until_signal(running.server, running.health, grace_s)

@@ -1,0 +1,148 @@
+"""The gRPC face of the manager: decode, call the core, encode. No logic of its own.
+
+All handlers run on the server's one asyncio loop, so the core is only ever
+touched by one call at a time and needs no lock. Domain errors become gRPC
+status codes here, in one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+
+from kvcache_service import convert
+from kvcache_service.core import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KVCacheError,
+    KVCacheManager,
+    NotFound,
+    ResourceExhausted,
+)
+from kvcache_service.core.sequence import Sequence
+from kvserve.kvcache.v1 import kvcache_pb2 as pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheManager"].full_name
+
+STATUS_OF: dict[type[KVCacheError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+T = TypeVar("T")
+
+
+class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.m = manager
+        self._wake = asyncio.Event()  # replaced after each set: a broadcast to event watchers
+        self._last_event = manager.events.last
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        """Runs one core call; a domain error ends the RPC with its status code."""
+        try:
+            out = fn()
+        except KVCacheError as exc:
+            await context.abort(STATUS_OF[type(exc)], str(exc))
+        if self.m.events.last != self._last_event:
+            self._last_event = self.m.events.last
+            self._wake.set()
+            self._wake = asyncio.Event()
+        return out
+
+    def _seq(self, ref: pb.SequenceRef, what: str = "seq") -> Sequence:
+        kind = ref.WhichOneof("id")
+        if kind == "seq_id":
+            return self.m.resolve(ref.seq_id)
+        if kind == "request_id":
+            return self.m.resolve(request_id=ref.request_id)
+        raise InvalidArgument(f"{what}: set seq_id or request_id")
+
+    # --------------------------------------------------------------- RPCs
+
+    async def Register(self, request, context):
+        m = self.m
+        reset = await self._run(context, lambda: m.register(request.epoch, request.page_size, request.num_pages))
+        c = m.config
+        return pb.RegisterResponse(reset=reset, page_size=c.page_size, num_pages=c.num_pages,
+                                   cpu_pages=c.cpu_pages, max_seqs=c.max_seqs)
+
+    async def Step(self, request, context):
+        plan = await self._run(context, lambda: self.m.step(convert.step_from_pb(request)))
+        return convert.plan_to_pb(plan)
+
+    async def CanAllocate(self, request, context):
+        check = await self._run(context, lambda: self.m.can_allocate(convert.need_from_pb(request.need)))
+        return pb.CanAllocateResponse(ok=check.ok, pages_needed=check.pages_needed,
+                                      pages_available=check.pages_available, reason=check.reason)
+
+    async def Allocate(self, request, context):
+        result, swap_in, copies = await self._run(
+            context, lambda: self.m.allocate(convert.need_from_pb(request.need)))
+        return pb.AllocateResponse(result=convert.result_to_pb(result), swap_in=convert.copies_to_pb(swap_in),
+                                   copies=convert.copies_to_pb(copies))
+
+    async def Commit(self, request, context):
+        stored = await self._run(context, lambda: self.m.commit_one(convert.commit_from_pb(request.commit)))
+        return pb.CommitResponse(pages_stored=stored)
+
+    async def Release(self, request, context):
+        freed, cached = await self._run(context, lambda: self.m.release_one(self._seq(request.seq)))
+        return pb.ReleaseResponse(pages_freed=freed, pages_cached=cached)
+
+    async def MatchPrefix(self, request, context):
+        cached, hashes = await self._run(
+            context, lambda: self.m.match_prefix(list(request.token_ids), request.extra_key))
+        return pb.MatchPrefixResponse(cached_tokens=cached, page_hashes=hashes)
+
+    async def Fork(self, request, context):
+        result, copies = await self._run(
+            context, lambda: self.m.fork_one(self._seq(request.parent, "parent"), request.request_id))
+        return pb.ForkResponse(seq_id=result.seq_id, page_ids=result.page_ids, copies=convert.copies_to_pb(copies))
+
+    async def Truncate(self, request, context):
+        def call():
+            seq = self._seq(request.seq)
+            freed, copies = self.m.truncate_one(seq, request.num_tokens)
+            return seq.pages, freed, copies
+        pages, freed, copies = await self._run(context, call)
+        return pb.TruncateResponse(page_ids=pages, pages_freed=freed, copies=convert.copies_to_pb(copies))
+
+    async def SwapOut(self, request, context):
+        copies = await self._run(context, lambda: self.m.swap_out_one(self._seq(request.seq)))
+        return pb.SwapOutResponse(swap_out=convert.copies_to_pb(copies))
+
+    async def SwapIn(self, request, context):
+        result, copies = await self._run(context, lambda: self.m.swap_in_one(self._seq(request.seq)))
+        return pb.SwapInResponse(page_ids=result.page_ids, swap_in=convert.copies_to_pb(copies))
+
+    async def GetSequence(self, request, context):
+        info = await self._run(context, lambda: self.m.sequence_info(self._seq(request.seq)))
+        return convert.sequence_to_pb(info)
+
+    async def GetStats(self, request, context):
+        return convert.stats_to_pb(self.m.stats())
+
+    async def Reset(self, request, context):
+        await self._run(context, self.m.reset)
+        return pb.ResetResponse()
+
+    async def WatchEvents(self, request, context) -> AsyncIterator[pb.Event]:
+        events = self.m.events
+        next_number = events.last + 1
+        if request.snapshot:
+            yield convert.snapshot_to_pb(events.last, self.m.tree.nodes_parent_first())
+        while True:
+            for event in events.since(next_number):
+                yield convert.event_to_pb(event)
+                next_number = event.number + 1
+            if events.last < next_number:
+                await self._wake.wait()

@@ -1,0 +1,1 @@
+"""Model service: model, attention backends, engine loop, scheduler, sampler, servicer."""

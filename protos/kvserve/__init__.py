@@ -1,0 +1,1 @@
+"""Python stubs generated from the kvserve .proto files (see scripts/gen_protos.py)."""

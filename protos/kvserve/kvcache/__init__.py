@@ -1,0 +1,1 @@
+"""The kvserve.kvcache proto package."""

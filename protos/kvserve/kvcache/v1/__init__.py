@@ -1,0 +1,1 @@
+"""kvserve.kvcache.v1: KVCacheManager messages and service stubs (generated)."""

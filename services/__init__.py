@@ -1,0 +1,1 @@
+"""Shared gRPC server plumbing (addresses, server start-up, health, reflection) and the kvserve CLI."""

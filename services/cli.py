@@ -1,0 +1,59 @@
+"""The `kvserve` command: one subcommand per service or tool.
+
+Each subcommand lives with its package and is added by a register function,
+``register(subparsers) -> None``, which calls ``subparsers.add_parser(...)`` and
+sets ``func``: a callable taking the parsed args and returning an exit code.
+Register modules must import quickly (no torch at module level) so that
+``kvserve --help`` stays fast; heavy imports belong inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+from services.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+
+# Subcommand name -> "module:function" of its register function, in --help order.
+COMMANDS: dict[str, str] = {"kvcache": "kvcache_service.cli:register"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    return int(args.func(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving over gRPC.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for spec in COMMANDS.values():
+        _register(subparsers, spec)
+    for sub in subparsers.choices.values():
+        # Accept `kvserve kvcache --log-level debug` too; SUPPRESS keeps the
+        # top-level value when the flag is given before the subcommand.
+        if "--log-level" not in sub._option_string_actions:
+            sub.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS)
+    return parser
+
+
+def _register(subparsers: argparse._SubParsersAction, spec: str) -> None:
+    module_name, _, func_name = spec.partition(":")
+    getattr(importlib.import_module(module_name), func_name)(subparsers)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

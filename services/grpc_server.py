@@ -1,0 +1,184 @@
+"""The one way kvserve starts a gRPC server (asyncio, grpc.aio).
+
+    running = await create_server("127.0.0.1:0", [ServiceSpec(add_fn, servicer, name)])
+    running.address   # "127.0.0.1:43123": the real port when 0 was asked for
+    await serve_until_signal(running.server, running.health)
+
+Every server also serves grpc.health.v1.Health (each listed service and "" are
+SERVING once started) and server reflection (grpc.reflection.v1alpha), so
+grpcurl and Kubernetes `grpc:` probes work against any kvserve process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
+from typing import Any, NamedTuple
+
+import grpc
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from services.address import ListenAddress, parse_address, remove_stale_socket
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+# Step responses carry page ids for whole batches; 64 MiB leaves room for long
+# prompts without letting one runaway message exhaust memory (gRPC default: 4 MiB).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+DEFAULT_OPTIONS: Mapping[str, int] = {
+    "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+    "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+    # Ping idle connections so a vanished peer (killed pod) is noticed in ~40 s.
+    "grpc.keepalive_time_ms": 30_000,
+    "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    # Accept client keepalive pings this often without answering GOAWAY.
+    "grpc.http2.min_ping_interval_without_data_ms": 10_000,
+    # A second server on a busy port must fail to bind, not silently share it.
+    "grpc.so_reuseport": 0,
+}
+
+
+class ServiceSpec(NamedTuple):
+    """One service to serve; a plain (add_fn, servicer, name) tuple works too."""
+
+    add_to_server: Callable[[Any, grpc.aio.Server], None]  # e.g. add_KVCacheManagerServicer_to_server
+    servicer: object
+    name: str  # full name, e.g. "kvserve.kvcache.v1.KVCacheManager"
+
+
+class RunningServer(NamedTuple):
+    """A started server, the address it really listens on, and its health servicer."""
+
+    server: grpc.aio.Server
+    address: str
+    health: health_aio.HealthServicer
+
+
+class BindError(OSError):
+    """The server could not listen on the requested address."""
+
+
+async def create_server(
+    address: str,
+    services: Iterable[ServiceSpec | tuple[Callable[[Any, grpc.aio.Server], None], object, str]],
+    *,
+    max_workers: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> RunningServer:
+    """Build, bind and start a server for ``services`` on ``address``.
+
+    ``max_workers`` sizes the thread pool that runs non-async handlers (None:
+    gRPC's default); ``options`` override DEFAULT_OPTIONS key by key. Raises
+    ValueError for a malformed address or service list, BindError when the
+    address cannot be bound.
+    """
+    listen = parse_address(address)
+    specs = _check_services(services)
+    pool = futures.ThreadPoolExecutor(max_workers) if max_workers else None
+    server = grpc.aio.server(
+        migration_thread_pool=pool,
+        options=list({**DEFAULT_OPTIONS, **(options or {})}.items()),
+    )
+    for spec in specs:
+        spec.add_to_server(spec.servicer, server)
+    health = await _add_health(server, [spec.name for spec in specs])
+    reflection.enable_server_reflection(
+        [*(spec.name for spec in specs), HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = await _bind(server, listen, address)
+    await server.start()
+    bound = listen.with_port(port)
+    log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", bound)
+    return RunningServer(server, bound, health)
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float = 5.0
+) -> None:
+    """Serve until SIGTERM or SIGINT (or the server stops), then stop gracefully.
+
+    Must run in the main thread (asyncio signal handlers). The handlers are
+    removed before draining, so a second Ctrl-C interrupts a slow drain.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+    watched = (signal.SIGTERM, signal.SIGINT)
+    for sig in watched:
+        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
+    # shield: cancelling a bare wait_for_termination() cancels grpc's own
+    # shutdown future, and server.stop() below would then raise CancelledError.
+    terminated = asyncio.shield(server.wait_for_termination())
+    waiters = [asyncio.ensure_future(stop.wait()), terminated]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        for sig in watched:
+            loop.remove_signal_handler(sig)
+    if received:
+        log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
+    await stop_gracefully(server, health, grace_s)
+
+
+async def stop_gracefully(
+    server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float = 5.0
+) -> None:
+    """Report NOT_SERVING first (so load balancers and probes move away), then stop.
+
+    In-flight calls get ``grace_s`` seconds to finish; new calls are refused.
+    """
+    await health.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def _check_services(services: Iterable[Any]) -> list[ServiceSpec]:
+    specs = [ServiceSpec(*service) for service in services]
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a service is listed twice: {names}")
+    pool = descriptor_pool.Default()
+    for name in names:
+        try:
+            pool.FindServiceByName(name)
+        except KeyError:
+            # Reflection and health are keyed by this name: a typo would go unnoticed.
+            raise ValueError(
+                f"unknown gRPC service {name!r}: use the full name (package.Service) "
+                "and import its _pb2 module first"
+            ) from None
+    return specs
+
+
+async def _add_health(server: grpc.aio.Server, names: list[str]) -> health_aio.HealthServicer:
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ("", *names):  # "" is the whole server, what a bare `grpc:` probe asks
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return health
+
+
+async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str) -> int:
+    if listen.is_unix:
+        remove_stale_socket(listen.unix_path)
+    try:
+        port = server.add_insecure_port(listen.grpc_target())
+    except RuntimeError as exc:  # grpcio raises here; older versions returned 0
+        port, cause = 0, exc
+    else:
+        cause = None
+    if port == 0:
+        await server.stop(None)
+        raise BindError(f"cannot listen on {address} (address in use or not permitted)") from cause
+    return port

@@ -1,0 +1,1 @@
+"""kvserve test suite."""

@@ -1,0 +1,1 @@
+"""Tests for the shared server plumbing in services/."""
