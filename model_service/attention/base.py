@@ -1,0 +1,41 @@
+"""The interface every attention backend implements.
+
+KV cache layout, per layer, shared by all backends (flash-attn's paged layout):
+
+    k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim)
+
+A backend writes the step's new K/V into the cache at batch.slot_mapping, then
+attends each query row to its sequence's keys 0 .. position (causal).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from model_service.batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def page_size_multiple(self) -> int:
+        """The page size must be a multiple of this (flash-attn 2's paged kernels: 256)."""
+        ...
+
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """Per-step metadata (masks, index tensors), built once and shared by every layer."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,        # (T, num_heads, head_dim)
+        k: torch.Tensor,        # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,        # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor:          # (T, num_heads, head_dim)
+        ...

@@ -1,0 +1,1 @@
+"""The engine: request state, scheduling policy, the manager client, the step loop."""

@@ -1,0 +1,127 @@
+"""The engine's link to the KV-cache manager: in-process, or remote over gRPC.
+
+Both speak the core's plain types (kvcache_service.core.types); the remote one
+converts at its edge, so the engine never sees protobuf.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvcache_service.core import KVCacheManager
+from kvcache_service.core.types import (
+    Admit,
+    Fork,
+    Grow,
+    NeedResult,
+    Preemption,
+    PreemptionMode,
+    Resume,
+    Stats,
+    StepPlan,
+    StepRequest,
+)
+
+
+class KVClient(Protocol):
+    def register(self, epoch: int, page_size: int, num_pages: int) -> None: ...
+    def step(self, request: StepRequest) -> StepPlan: ...
+    def stats(self) -> Stats: ...
+    def close(self) -> None: ...
+
+
+class InProcessKVClient:
+    """The manager in the engine's own process (`--kvcache inprocess`)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+
+    def register(self, epoch: int, page_size: int, num_pages: int) -> None:
+        self.manager.register(epoch, page_size, num_pages)
+
+    def step(self, request: StepRequest) -> StepPlan:
+        return self.manager.step(request)
+
+    def stats(self) -> Stats:
+        return self.manager.stats()
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteKVClient:
+    """A KVCacheManager service at `address` (host:port or unix:///path)."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        import grpc
+
+        from kvserve.kvcache.v1 import kvcache_pb2 as pb
+        from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+        self._pb = pb
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+        self._stub = pb_grpc.KVCacheManagerStub(self._channel)
+        self._timeout = timeout_s
+        self.address = address
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import grpc
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(f"the KV-cache manager at {self.address} did not answer "
+                                  f"within {timeout_s:.0f} s") from None
+
+    def register(self, epoch: int, page_size: int, num_pages: int) -> None:
+        self._stub.Register(self._pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
+                            timeout=self._timeout)
+
+    def step(self, request: StepRequest) -> StepPlan:
+        response = self._stub.Step(_step_to_pb(self._pb, request), timeout=self._timeout)
+        return _plan_from_pb(response)
+
+    def stats(self) -> Stats:
+        s = self._stub.GetStats(self._pb.GetStatsRequest(), timeout=self._timeout)
+        return Stats(**{f: getattr(s, f) for f in Stats.__slots__})
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _need_to_pb(pb, need):
+    if isinstance(need, Grow):
+        return pb.Need(grow=pb.Grow(seq_id=need.seq_id, num_tokens=need.num_tokens))
+    if isinstance(need, Admit):
+        admit = pb.Admit(request_id=need.request_id, token_ids=need.token_ids, extra_key=need.extra_key)
+        if need.max_tokens is not None:
+            admit.max_tokens = need.max_tokens
+        return pb.Need(admit=admit)
+    if isinstance(need, Resume):
+        return pb.Need(resume=pb.Resume(seq_id=need.seq_id, num_tokens=need.num_tokens))
+    assert isinstance(need, Fork)
+    return pb.Need(fork=pb.Fork(parent_seq_id=need.parent_seq_id, request_id=need.request_id))
+
+
+def _step_to_pb(pb, r: StepRequest):
+    return pb.StepRequest(
+        epoch=r.epoch,
+        releases=r.releases,
+        truncations=[pb.Truncation(seq_id=t.seq_id, num_tokens=t.num_tokens) for t in r.truncations],
+        commits=[pb.Commit(seq_id=c.seq_id, num_computed=c.num_computed, token_ids=c.token_ids)
+                 for c in r.commits],
+        needs=[_need_to_pb(pb, n) for n in r.needs],
+        preemption_mode=int(r.preemption_mode),
+    )
+
+
+def _plan_from_pb(msg) -> StepPlan:
+    return StepPlan(
+        results=[NeedResult(r.granted, r.seq_id, list(r.page_ids), r.replaces_table, r.cached_tokens,
+                            r.num_tokens, r.reason) for r in msg.results],
+        preempted=[Preemption(p.seq_id, p.request_id, PreemptionMode(p.mode)) for p in msg.preempted],
+        swap_out=[(c.src, c.dst) for c in msg.swap_out],
+        copies=[(c.src, c.dst) for c in msg.copies],
+        swap_in=[(c.src, c.dst) for c in msg.swap_in],
+        available_pages=msg.available_pages,
+    )

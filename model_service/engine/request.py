@@ -1,0 +1,64 @@
+"""The engine's record of one generation request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # no pages (new, or preempted by recompute)
+    RUNNING = "running"    # pages on the device
+    SWAPPED = "swapped"    # private pages in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int                  # effective: never past the model length
+    params: Any = None               # sampling.SamplingParams
+    extra_key: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(init=False)  # prompt + generated: what a re-admission prefills
+
+    status: Status = Status.WAITING
+    seq_id: int | None = None
+    page_table: list[int] = field(default_factory=list)
+    num_computed: int = 0            # tokens whose K/V are in the cache
+    told_computed: int = 0           # num_computed as the manager last heard it
+    told_tokens: int = 0             # tokens the manager knows
+    cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    aborted: bool = False
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is left to compute."""
+        return self.num_computed == len(self.tokens) - 1
+
+    def forget_pages(self) -> None:
+        """Preempted by recompute: everything goes again through admission."""
+        self.seq_id = None
+        self.page_table = []
+        self.num_computed = self.told_computed = self.told_tokens = 0
+        self.status = Status.WAITING

@@ -1,0 +1,213 @@
+"""The scheduler: which requests run this step, and how many tokens each. Policy only.
+
+One token budget per step (max_num_batched_tokens) and one cap on running
+sequences (max_num_seqs), spent in priority order:
+  1. running decodes (one token each), oldest first;
+  2. running prefills, the next chunk of each (chunked prefill, split-fuse);
+  3. swapped sequences resuming, oldest first (before any new admission);
+  4. waiting requests, FCFS; those preempted by recompute wait at the head.
+The manager serves the needs in that order and, when pages run out, preempts
+from the tail of the running order; apply() turns its answer into the batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache_service.core.types import (
+    Admit,
+    Commit,
+    Grow,
+    PreemptionMode,
+    Resume,
+    StepPlan,
+    StepRequest,
+)
+from model_service.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_num_seqs: int = 64               # sequences in one forward pass
+    max_num_batched_tokens: int = 2048   # tokens in one forward pass: bounds step latency
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class Work:
+    """One sequence's share of a forward pass: tokens[start : start + count]."""
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        """Its last row's logits give the next token."""
+        return self.start + self.count == len(self.request.tokens)
+
+
+@dataclass(slots=True)
+class Ask:
+    """One request's part of the step; `asked` when it sent the manager a need."""
+    request: Request
+    count: int
+    asked: bool
+
+
+@dataclass
+class Plan:
+    """What build() asked for, to be matched with the manager's answer."""
+    step: StepRequest
+    asks: list[Ask]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, epoch: int = 0) -> None:
+        self.config = config
+        self.epoch = epoch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []   # running order: admitted or resumed, oldest first
+        self.swapped: deque[Request] = deque()
+        self._releases: list[int] = []     # seq ids to release in the next step
+        self.by_seq: dict[int, Request] = {}
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._releases)
+
+    def finish(self, request: Request) -> None:
+        """Done (stopped, length, aborted): its pages go back in the next step."""
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.SWAPPED:
+            self.swapped.remove(request)
+        if request.seq_id is not None:
+            self._releases.append(request.seq_id)
+            del self.by_seq[request.seq_id]
+            request.seq_id = None
+        request.status = Status.FINISHED
+
+    # --------------------------------------------------------------- build
+
+    def build(self) -> Plan:
+        cfg, ps = self.config, self.config.page_size
+        needs: list = []
+        asks: list[Ask] = []
+        budget = cfg.max_num_batched_tokens
+
+        commits = []
+        for r in self.running:
+            if r.told_computed // ps < r.num_computed // ps:  # new full pages: worth committing
+                commits.append(Commit(r.seq_id, r.num_computed, r.tokens[r.told_tokens:]))
+                r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
+
+        def ask_slots(r: Request, count: int) -> None:
+            total = r.num_computed + count
+            asked = total > len(r.page_table) * ps
+            if asked:
+                needs.append(Grow(r.seq_id, total))
+            asks.append(Ask(r, count, asked))
+
+        for r in self.running:  # decodes first ...
+            if r.is_decoding and budget:
+                budget -= 1
+                ask_slots(r, 1)
+        for r in self.running:  # ... then the next chunk of each prefill
+            if not r.is_decoding and budget:
+                count = min(len(r.tokens) - r.num_computed, budget)
+                budget -= count
+                ask_slots(r, count)
+
+        seqs = len(self.running)
+        for r in self.swapped:  # resume before admitting anyone new
+            if not budget or seqs >= cfg.max_num_seqs:
+                break
+            count = min(len(r.tokens) - r.num_computed, budget)
+            budget, seqs = budget - count, seqs + 1
+            needs.append(Resume(r.seq_id, r.num_computed + count))
+            asks.append(Ask(r, count, True))
+        for r in self.waiting:
+            if not budget or seqs >= cfg.max_num_seqs:
+                break
+            count = min(len(r.tokens), budget)  # an upper bound: cached tokens cost nothing
+            budget, seqs = budget - count, seqs + 1
+            needs.append(Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
+            asks.append(Ask(r, count, True))
+
+        step = StepRequest(self.epoch, self._releases, (), commits, needs, cfg.preemption_mode)
+        self._releases = []
+        return Plan(step, asks)
+
+    # --------------------------------------------------------------- apply
+
+    def apply(self, plan: Plan, answer: StepPlan) -> list[Work]:
+        """Takes the manager's answer; returns the step's work, decodes first."""
+        results = iter(answer.results)
+        work: list[Work] = []
+        for ask in plan.asks:
+            r = ask.request
+            if not ask.asked:
+                work.append(Work(r, r.num_computed, ask.count))
+                continue
+            result = next(results)
+            if not result.granted:
+                continue
+            if r.status is Status.RUNNING:  # grow
+                r.page_table.extend(result.page_ids)
+                work.append(Work(r, r.num_computed, ask.count))
+            elif r.status is Status.SWAPPED:  # resume: the whole table comes back
+                r.page_table = list(result.page_ids)
+                self.swapped.remove(r)
+                self._start(r)
+                work.append(Work(r, r.num_computed, ask.count))
+            else:  # admission
+                r.seq_id = result.seq_id
+                r.page_table = list(result.page_ids)
+                r.num_computed = r.told_computed = result.cached_tokens
+                r.told_tokens = len(r.tokens)
+                if r.cached_tokens is None:
+                    r.cached_tokens = result.cached_tokens
+                self.waiting.remove(r)
+                self.by_seq[r.seq_id] = r
+                self._start(r)
+                work.append(Work(r, result.cached_tokens, result.num_tokens))
+        if answer.preempted:
+            gone = self._preempt(answer)
+            work = [w for w in work if w.request not in gone]
+        work.sort(key=lambda w: not w.request.is_decoding)  # decodes first; stable otherwise
+        return work
+
+    def _start(self, r: Request) -> None:
+        r.status = Status.RUNNING
+        self.running.append(r)
+
+    def _preempt(self, answer: StepPlan) -> set[Request]:
+        gone = set()
+        for p in answer.preempted:  # lowest priority first, so the last lands at the head
+            r = self.by_seq.get(p.seq_id)
+            if r is None:  # admitted and preempted within this step: it never left waiting
+                continue
+            gone.add(r)
+            (self.running if r.status is Status.RUNNING else self.swapped).remove(r)
+            if p.mode is PreemptionMode.SWAP:
+                r.status = Status.SWAPPED
+                self.swapped.appendleft(r)
+            else:
+                del self.by_seq[p.seq_id]
+                r.forget_pages()
+                self.waiting.appendleft(r)
+        return gone

@@ -1,0 +1,1 @@
+"""Generated stubs for kvserve.inference."""
