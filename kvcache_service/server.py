@@ -14,13 +14,18 @@ log = logging.getLogger(__name__)
 
 async def create_server(address: str, config: ManagerConfig | None = None) -> tuple[RunningServer, KVCacheManager]:
     """A started server on `address` (port 0 picks a free port) and the manager behind it."""
-    manager = KVCacheManager(config)
-    spec = ServiceSpec(pb_grpc.add_KVCacheManagerServicer_to_server, KVCacheServicer(manager), SERVICE_NAME)
-    return await _create(address, [spec]), manager
+    running, servicer = await _create_with_servicer(address, config)
+    return running, servicer.m
+
+
+async def _create_with_servicer(address: str, config: ManagerConfig | None) -> tuple[RunningServer, KVCacheServicer]:
+    servicer = KVCacheServicer(KVCacheManager(config))
+    spec = ServiceSpec(pb_grpc.add_KVCacheManagerServicer_to_server, servicer, SERVICE_NAME)
+    return await _create(address, [spec]), servicer
 
 
 async def serve(address: str, config: ManagerConfig, grace_s: float = 5.0) -> None:
-    running, _ = await create_server(address, config)
+    running, servicer = await _create_with_servicer(address, config)
     log.info("kv-cache manager: %d pages of %d tokens, %d seq ids, %d CPU pages, on %s",
              config.num_pages, config.page_size, config.max_seqs, config.cpu_pages, running.address)
-    await serve_until_signal(running.server, running.health, grace_s)
+    await serve_until_signal(running.server, running.health, grace_s, on_stop=servicer.close)

@@ -45,6 +45,12 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         self.m = manager
         self._wake = asyncio.Event()  # replaced after each set: a broadcast to event watchers
         self._last_event = manager.events.last
+        self._closing = False
+
+    def close(self) -> None:
+        """Shutting down: end the event streams so the drain does not wait on them."""
+        self._closing = True
+        self._wake.set()
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
         """Runs one core call; a domain error ends the RPC with its status code."""
@@ -140,9 +146,10 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         next_number = events.last + 1
         if request.snapshot:
             yield convert.snapshot_to_pb(events.last, self.m.tree.nodes_parent_first())
-        while True:
+        while not self._closing:
             for event in events.since(next_number):
                 yield convert.event_to_pb(event)
                 next_number = event.number + 1
             if events.last < next_number:
                 await self._wake.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the KV-cache manager is shutting down")

@@ -103,9 +103,15 @@ async def create_server(
 
 
 async def serve_until_signal(
-    server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float = 5.0
+    server: grpc.aio.Server,
+    health: health_aio.HealthServicer,
+    grace_s: float = 5.0,
+    on_stop: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT (or the server stops), then stop gracefully.
+
+    ``on_stop`` runs first, e.g. to end long-lived streams that would otherwise
+    hold the drain for the whole grace period.
 
     Must run in the main thread (asyncio signal handlers). The handlers are
     removed before draining, so a second Ctrl-C interrupts a slow drain.
@@ -129,6 +135,8 @@ async def serve_until_signal(
             loop.remove_signal_handler(sig)
     if received:
         log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
+    if on_stop is not None:
+        on_stop()
     await stop_gracefully(server, health, grace_s)
 
 

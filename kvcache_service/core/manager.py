@@ -49,6 +49,13 @@ from kvcache_service.core.types import (
 _INT32_MAX = 2**31 - 1
 
 
+def _out_of_range(token_ids: Seq[int]) -> int | None:
+    """The first token id outside [0, 2^31), or None."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) > _INT32_MAX):
+        return next(t for t in token_ids if not 0 <= t <= _INT32_MAX)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
     """Sizes of the pools. Defaults fit a demo on one small model."""
@@ -90,9 +97,7 @@ class KVCacheManager:
         self.running: dict[int, None] = {}  # running order: admitted / resumed / forked, oldest first
         self.epoch = 0
         self._pending_seq_ids: list[int] = []  # freed by preemption; reusable after the step
-        self._zero_counters()
-
-    def _zero_counters(self) -> None:
+        # Counters run from start-up, through resets (like any monitoring counter).
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.evictions = 0
@@ -175,8 +180,9 @@ class KVCacheManager:
             raise InvalidArgument(f"admit {need.request_id!r}: token_ids must not be empty")
         if need.max_tokens is not None and need.max_tokens <= 0:
             raise InvalidArgument(f"admit {need.request_id!r}: max_tokens must be positive, got {need.max_tokens}")
-        if min(need.token_ids) < 0 or max(need.token_ids) > _INT32_MAX:
-            raise InvalidArgument(f"admit {need.request_id!r}: token ids must be in [0, 2^31)")
+        bad = _out_of_range(need.token_ids)
+        if bad is not None:
+            raise InvalidArgument(f"admit {need.request_id!r}: token id {bad} is not in [0, 2^31)")
 
     def check_need(self, need: Need, pending: set[str] | None = None) -> None:
         """Raises for a malformed need or one naming a sequence in the wrong state."""
@@ -215,8 +221,9 @@ class KVCacheManager:
         if c.num_computed > slots:
             raise InvalidArgument(
                 f"commit seq id {c.seq_id}: num_computed {c.num_computed} exceeds the {slots} slots held")
-        if c.token_ids and (min(c.token_ids) < 0 or max(c.token_ids) > _INT32_MAX):
-            raise InvalidArgument(f"commit seq id {c.seq_id}: token ids must be in [0, 2^31)")
+        bad = _out_of_range(c.token_ids)
+        if bad is not None:
+            raise InvalidArgument(f"commit seq id {c.seq_id}: token id {bad} is not in [0, 2^31)")
 
     def check_truncate(self, seq_id: int, num_tokens: int) -> Sequence:
         seq = self.running_seq(seq_id)
@@ -396,6 +403,13 @@ class KVCacheManager:
             return 0
         last = seq.pages[keep - 1]
         return 1 if (self.tree.is_node(last) or self.pool.ref[last] > 1) else 0
+
+    def truncate_gain(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages a truncation makes available before it takes its copy page: the
+        dropped pages nobody else references (each is freed or parked)."""
+        keep = -(-(len(seq.tokens) - num_tokens) // self.page_size)
+        ref = self.pool.ref
+        return sum(1 for page in seq.pages[keep:] if ref[page] == 1)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
         """Drops the last num_tokens tokens and exactly the pages past the new end.
@@ -592,7 +606,7 @@ class KVCacheManager:
 
     def truncate_one(self, seq: Sequence, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
         self.check_truncate(seq.seq_id, num_tokens)
-        if self.truncate_cost(seq, num_tokens) > self.available():
+        if self.truncate_cost(seq, num_tokens) > self.available() + self.truncate_gain(seq, num_tokens):
             raise ResourceExhausted(f"truncate seq id {seq.seq_id}: no page left for the copy of its last page")
         return self.truncate(seq, num_tokens)
 

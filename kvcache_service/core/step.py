@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcache_service.core.errors import InvalidArgument, ResourceExhausted
+from kvcache_service.core.sequence import SWAPPED_OUT
 from kvcache_service.core.types import (
     Admit,
     Fork,
@@ -46,28 +47,32 @@ def run_step(m: KVCacheManager, req: StepRequest) -> StepPlan:
 def _validate(m: KVCacheManager, req: StepRequest) -> None:
     """Checks the whole request against the state it will meet, before any change."""
     released = set()
+    gained = 0  # pages the releases make available (freed or parked) before the truncations run
     for seq_id in req.releases:
-        m.resolve(seq_id)
+        seq = m.resolve(seq_id)
         if seq_id in released:
             raise InvalidArgument(f"step: seq id {seq_id} is released twice")
         released.add(seq_id)
+        gained += sum(1 for page in seq.pages if page != SWAPPED_OUT and m.pool.ref[page] == 1)
 
     def live(seq_id: int, what: str) -> None:
         if seq_id in released:
             raise InvalidArgument(f"step: seq id {seq_id} is released and named by a {what} in the same step")
 
     truncated: dict[int, int] = {}
-    copies_needed = 0
+    available = m.available() + gained  # followed truncation by truncation, in the order they run
     for t in req.truncations:
         live(t.seq_id, "truncation")
         seq = m.check_truncate(t.seq_id, t.num_tokens)
         if t.seq_id in truncated:
             raise InvalidArgument(f"step: seq id {t.seq_id} is truncated twice")
         truncated[t.seq_id] = len(seq.tokens) - t.num_tokens
-        copies_needed += m.truncate_cost(seq, t.num_tokens)
-    if copies_needed > m.available():
-        raise ResourceExhausted(f"step: truncations need {copies_needed} pages for copies, "
-                                f"{m.available()} available")
+        available += m.truncate_gain(seq, t.num_tokens)
+        cost = m.truncate_cost(seq, t.num_tokens)
+        if cost > available:
+            raise ResourceExhausted(f"step: truncating seq id {t.seq_id} needs {cost} page for the copy "
+                                    f"of its last page, {available} available")
+        available -= cost
     committed = set()
     for c in req.commits:
         live(c.seq_id, "commit")
@@ -178,8 +183,7 @@ class _Step:
         parent = need.parent_seq_id
         if parent in self.preempted:
             return NeedResult(False, reason=f"parent seq id {parent} was preempted in this step")
-        if parent in self.resumed:
-            return NeedResult(False, reason=f"parent seq id {parent} resumed in this step; fork it in the next")
+        # (A parent resumed in this step cannot get here: validation wants it running already.)
         cost = m.cost(need)
         if not m._fits(cost):
             return NeedResult(False, reason=self._shortage(cost))

@@ -126,8 +126,9 @@ class KVCacheManagerServicer:
     def Step(self, request, context):
         """The engine's one round trip per iteration: releases, truncations and
         commits are applied first, then the needs are served in priority order.
-        Running out of pages is an answer (granted = false), not an error.
-        FAILED_PRECONDITION when the epoch is stale.
+        Running out of pages for a need is an answer (granted = false), not an
+        error. FAILED_PRECONDITION when the epoch is stale; RESOURCE_EXHAUSTED
+        only when a truncation must copy a shared last page and no page is left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,1 @@
+"""Tests of the KV-cache manager core (kvcache_service/core)."""
