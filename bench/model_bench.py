@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""Benchmark of the model forward on the `bench` preset (Llama, hidden 512, 8 layers,
+8 q / 2 KV heads, head_dim 64, vocab 32000), float32, CPU, torch attention backend.
+
+    .venv/bin/python bench/model_bench.py               # ~1 min on 2 cores (first run builds the model)
+    .venv/bin/python bench/model_bench.py --threads 1   # steadier when other work shares the cores
+
+1. Decode step: 32 sequences, contexts 64..544 (evenly spaced), page 16, shuffled pages.
+   Time per step, split into attention (backend.forward: cache write, page gather,
+   SDPA), the nn.Linear GEMMs, and the rest; then the per-layer decode attention
+   against the PERF_NOTES peer (a Python loop over sequences, K/V heads repeated).
+2. Prefill: one 512-token prompt; tokens/s, against transformers' forward on the
+   same prompt in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from model_service.kv_cache import KVCache  # noqa: E402
+from model_service.model.loader import load_model  # noqa: E402
+from model_service.tiny_model import default_tiny_path  # noqa: E402
+from tests.model.paged import Chunk, PagePool, Sequence, build_batch  # noqa: E402
+
+PAGE = 16
+
+
+class Timer:
+    """Wall time spent inside wrapped calls (the forward runs on one thread, so no overlap)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def best_ms(fn, repeat: int) -> float:
+    """The fastest of `repeat` runs: the figure least disturbed by other work on the machine."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def decode_batch(contexts: list[int], vocab: int):
+    pool = PagePool(sum(-(-c // PAGE) for c in contexts) + 64, seed=0)
+    g = torch.Generator().manual_seed(0)
+    chunks = []
+    for c in contexts:
+        seq = Sequence(torch.randint(7, vocab, (c,), generator=g).tolist(), computed=c - 1)
+        seq.reserve(pool, PAGE, c)
+        chunks.append(Chunk(seq, 1))
+    return build_batch(chunks, len(chunks), pool, PAGE), len(pool.free) + sum(
+        len(ch.seq.pages) for ch in chunks)
+
+
+def bench_decode(model, config, repeat: int) -> None:
+    contexts = [round(64 + i * (544 - 64) / 31) for i in range(32)]
+    batch, num_pages = decode_batch(contexts, config.vocab_size)
+    cache = KVCache(config, num_pages, PAGE)
+    cache.pool.normal_()
+    backend = TorchAttentionBackend()
+
+    def step():
+        return model(batch, cache.layers, backend, backend.prepare(batch))
+
+    plain = median_ms(step, repeat)
+    # The split comes from the same runs as its total, so that the parts add up
+    # even when other work on the machine slows some runs down.
+    attn, gemm, whole = Timer(), Timer(), Timer()
+    backend.forward = attn.wrap(backend.forward)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.forward = gemm.wrap(m.forward)
+    timed_step = whole.wrap(step)
+    for _ in range(repeat):
+        timed_step()
+    for m in linears:
+        del m.forward
+    del backend.forward
+    total, attn_ms, gemm_ms = (t.seconds / repeat * 1e3 for t in (whole, attn, gemm))
+    lm_head_ms = median_ms(lambda: model.lm_head(torch.randn(32, config.hidden_size)), repeat)
+    print(f"decode step, 32 seqs, contexts {contexts[0]}..{contexts[-1]} (page {PAGE}):")
+    print(f"  step  {plain:7.2f} ms  = {32 / plain * 1e3:6.0f} tok/s (median of {repeat}; "
+          f"best {best_ms(step, repeat):.2f} ms)")
+    print(f"  split of {repeat} timed steps, mean {total:.2f} ms:")
+    print(f"    GEMMs {gemm_ms:7.2f} ms  ({gemm_ms / total:.0%}; the LM head alone {lm_head_ms:.2f} ms)")
+    print(f"    attn  {attn_ms:7.2f} ms  ({attn_ms / total:.0%}; {attn_ms / config.num_layers:.2f} ms/layer "
+          "incl. cache write + page gather)")
+    print(f"    other {total - gemm_ms - attn_ms:7.2f} ms  (norms, rope, residuals, embedding, prepare)")
+    bench_decode_attention_peer(config, batch, cache, backend, repeat)
+
+
+def bench_decode_attention_peer(config, batch, cache, backend, repeat: int) -> None:
+    """One layer's decode attention: ours vs the per-sequence loop PERF_NOTES measured."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(32, config.num_heads, config.head_dim, generator=g)
+    k = torch.randn(32, config.num_kv_heads, config.head_dim, generator=g)
+    v = torch.randn_like(k)
+    k_cache, v_cache = cache.layers[0]
+    scale = config.head_dim ** -0.5
+    meta = backend.prepare(batch)
+    groups = config.num_heads // config.num_kv_heads
+
+    def ours():
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    def loop():
+        flat_k = k_cache.view(-1, config.num_kv_heads, config.head_dim)
+        flat_k.index_copy_(0, batch.slot_mapping, k)
+        v_cache.view_as(flat_k).index_copy_(0, batch.slot_mapping, v)
+        out = []
+        for i, length in enumerate(batch.seq_lens_cpu):
+            pages = batch.block_tables[i, :-(-length // PAGE)].long()
+            keys = k_cache[pages].flatten(0, 1)[:length].repeat_interleave(groups, 1).transpose(0, 1)
+            vals = v_cache[pages].flatten(0, 1)[:length].repeat_interleave(groups, 1).transpose(0, 1)
+            out.append(F.scaled_dot_product_attention(q[i][:, None], keys, vals, scale=scale)[:, 0])
+        return torch.stack(out)
+
+    torch.testing.assert_close(ours(), loop(), rtol=1e-4, atol=1e-4)
+    ours_ms, loop_ms = median_ms(ours, repeat), median_ms(loop, repeat)
+    ours_best, loop_best = best_ms(ours, repeat), best_ms(loop, repeat)
+    print(f"  one layer's decode attention: batched {ours_ms:.2f} ms (best {ours_best:.2f}), "
+          f"per-sequence loop {loop_ms:.2f} ms (best {loop_best:.2f}); loop/batched {loop_ms / ours_ms:.1f}x")
+
+
+def bench_prefill(model, config, path: Path, repeat: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(7, config.vocab_size, (512,), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(config, 512 // PAGE + 1, PAGE)
+    backend = TorchAttentionBackend()
+
+    def ours():
+        batch = build_batch([Chunk(Sequence(tokens.tolist()), 512)], 0, PagePool(512 // PAGE + 1), PAGE)
+        return model(batch, cache.layers, backend, backend.prepare(batch))
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def theirs():
+        with torch.inference_mode():
+            return hf(tokens[None], logits_to_keep=1).logits[0, -1]
+
+    torch.testing.assert_close(ours()[0], theirs(), rtol=1e-3, atol=1e-3)
+    ours_ms, hf_ms = median_ms(ours, repeat), median_ms(theirs, repeat)
+    print(f"prefill, one 512-token prompt: {ours_ms:.1f} ms = {512 / ours_ms * 1e3:,.0f} tok/s; "
+          f"transformers {hf_ms:.1f} ms = {512 / hf_ms * 1e3:,.0f} tok/s (ours {hf_ms / ours_ms:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = default_tiny_path("bench")
+    model, config = load_model(path, torch.float32, "cpu")
+    print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_decode(model, config, args.repeat)
+    bench_prefill(model, config, path, max(3, args.repeat // 3))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Llama-family causal LM: config, rope, layers, the model and its checkpoint loader."""

@@ -1,0 +1,205 @@
+"""ModelConfig: the shape of a Llama-family checkpoint, read from its config.json.
+
+transformers reads the file (AutoConfig, local files only); this module turns
+its attributes into one frozen dataclass that the model, the loader, the KV
+cache and the engine share, and rejects what the model does not implement with
+a ValueError that says what is supported.
+
+Rope parameters: transformers 5 keeps them in `rope_parameters`
+({"rope_type", "rope_theta", ...}); 4.x in `rope_theta` and `rope_scaling`
+({"rope_type" or "type", ...}). Both are read; the newer wins where both exist.
+
+Sliding window (Mistral; Qwen2/Qwen3 with use_sliding_window): the backends
+attend to the whole context, so `max_model_len` is capped at the window. For
+sequences no longer than the window, windowed and full attention are the same
+(a query at position p sees keys p-W+1 .. p, which is all of them), so the cap
+keeps the model exact at the price of shorter contexts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> what differs from plain Llama (documentation only; the
+# differences themselves are read from the config's fields).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "attention_bias and mlp_bias flags",
+    "MistralForCausalLM": "sliding window (capped, see module docstring)",
+    "Qwen2ForCausalLM": "bias on q/k/v, none on o",
+    "Qwen3ForCausalLM": "RMSNorm on q and k per head, explicit head_dim",
+}
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent rope scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None   # None: plain rope
+    qkv_bias: bool                           # bias on q/k/v projections
+    o_bias: bool                             # bias on the output projection
+    mlp_bias: bool                           # bias on gate/up/down
+    qk_norm: bool                            # Qwen3: RMSNorm over head_dim on q and k, before rope
+    tie_word_embeddings: bool                # lm_head shares embed_tokens' weight
+    max_position_embeddings: int
+    sliding_window: int | None
+    max_model_len: int                       # longest sequence this model serves (see module docstring)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rope, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read `path`/config.json (a local checkpoint directory; never the hub)."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {path} (a local HF checkpoint directory)")
+        return cls.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Build from a transformers PretrainedConfig (or any object with its attributes)."""
+        arch = _architecture(hf)
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only hidden_act 'silu' is supported, got {hf.hidden_act!r}")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        theta, scaling = _rope(hf)
+        window = _sliding_window(hf, arch)
+        max_pos = hf.max_position_embeddings
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf.intermediate_size,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=max_pos,
+            sliding_window=window,
+            max_model_len=min(max_pos, window) if window else max_pos,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=_id_tuple(getattr(hf, "eos_token_id", None)),
+            pad_token_id=getattr(hf, "pad_token_id", None),
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _architecture(hf: Any) -> str:
+    archs = list(getattr(hf, "architectures", None) or [])
+    if not archs and getattr(hf, "model_type", None) in _ARCH_BY_MODEL_TYPE:
+        archs = [_ARCH_BY_MODEL_TYPE[hf.model_type]]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"unsupported architecture {archs or getattr(hf, 'model_type', None)!r}; "
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
+    params: dict[str, Any] = {}
+    params.update(getattr(hf, "rope_scaling", None) or {})     # transformers 4.x
+    params.update(getattr(hf, "rope_parameters", None) or {})  # transformers 5
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    theta = 10000.0 if theta is None else float(theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        try:
+            return theta, Llama3RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"llama3 rope scaling is missing {exc.args[0]!r}") from None
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _sliding_window(hf: Any, arch: str) -> int | None:
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return None
+    if arch == "MistralForCausalLM":
+        return int(window)
+    # Qwen2/Qwen3 declare a window but use it only on layers marked sliding.
+    layer_types = getattr(hf, "layer_types", None) or []
+    if getattr(hf, "use_sliding_window", False) and "sliding_attention" in layer_types:
+        return int(window)
+    return None
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,104 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a packed, paged batch.
+
+One forward call runs one engine step: every token of every sequence in one
+(T, hidden) tensor (see model_service/batch.py). Per layer:
+
+    x ─ norm ─ qkv (one matmul) ─ [q/k norm] ─ rope ─ backend: write K/V to pages,
+      │                                                attend over the pages
+      └──────────────────────────── + ── o_proj ◄────┘
+    x ─ norm ─ gate_up (one matmul) ─ silu(gate) * up ─ down ─ + x
+
+The LM head runs only on batch.logits_indices rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_service.attention.base import AttentionBackend
+from model_service.batch import ForwardBatch
+from model_service.model.config import ModelConfig
+from model_service.model.layers import GatedMLP, RMSNorm
+from model_service.model.rope import RotaryEmbedding, apply_rope
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        # [q_proj; k_proj; v_proj] stacked on the output dim.
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                backend: AttentionBackend, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)      # (T, H, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)   # (T, Hk, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)   # (T, Hk, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(t, -1))            # (T, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                backend: AttentionBackend, meta: Any) -> torch.Tensor:  # (T, hidden)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow HF's with "model." dropped and q/k/v, gate/up fused."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Built on `device` even when the layers are built on "meta" (see loader).
+        self.rope = RotaryEmbedding(config, config.max_model_len, device=device, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()   # not inference_mode: its tensors (reused buffers) would refuse later in-place use
+    def forward(self, batch: ForwardBatch, kv_caches: KVCaches,
+                backend: AttentionBackend, meta: Any) -> torch.Tensor:
+        """-> logits (S, vocab) float32 for the rows batch.logits_indices names."""
+        x = self.embed_tokens(batch.input_ids)            # (T, hidden)
+        cos, sin = self.rope.lookup(batch.positions)      # (T, 1, D/2) each, shared by all layers
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, backend, meta)
+        x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row
+        return self.lm_head(x).float()                    # (S, vocab)

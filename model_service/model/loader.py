@@ -1,0 +1,118 @@
+"""Load a local HF checkpoint directory into CausalLM.
+
+Reads config.json (ModelConfig) and the weights from model.safetensors, or from
+the shards that model.safetensors.index.json lists, or from every *.safetensors
+in the directory. HF names map to ours with "model." dropped and two fusions:
+
+    layers.i.self_attn.{q,k,v}_proj.{weight,bias} -> layers.i.self_attn.qkv_proj  (cat on dim 0)
+    layers.i.mlp.{gate,up}_proj.{weight,bias}     -> layers.i.mlp.gate_up_proj    (cat on dim 0)
+
+A checkpoint without lm_head.weight (tie_word_embeddings) uses embed_tokens'.
+The model is built on the meta device and the converted tensors are assigned
+to it, so no memory is spent on a random initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model_service.model.config import ModelConfig
+from model_service.model.llama import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[CausalLM, ModelConfig]:
+    path = Path(path)
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    config = ModelConfig.from_pretrained(path)
+    hf = read_safetensors(path)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in map_hf_weights(hf, config).items()}
+    with torch.device("meta"):
+        model = CausalLM(config, device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings or "lm_head.weight" not in hf:
+        model.tie_weights()
+    return model.eval(), config
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by HF name, as stored (CPU, checkpoint dtype)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def map_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> CausalLM state_dict names, fusing q/k/v and gate/up. Strict both ways."""
+    src = {name.removeprefix("model."): t for name, t in hf.items()}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"checkpoint is missing {name!r}")
+        used.add(name)
+        return src[name]
+
+    def fused(prefix: str, parts: tuple[str, ...], kind: str) -> torch.Tensor:
+        return torch.cat([take(f"{prefix}.{p}.{kind}") for p in parts], dim=0)
+
+    out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in src else out["embed_tokens.weight"]
+    for i in range(config.num_layers):
+        attn, mlp, layer = f"layers.{i}.self_attn", f"layers.{i}.mlp", f"layers.{i}"
+        qkv = ("q_proj", "k_proj", "v_proj")
+        out[f"{attn}.qkv_proj.weight"] = fused(attn, qkv, "weight")
+        if config.qkv_bias:
+            out[f"{attn}.qkv_proj.bias"] = fused(attn, qkv, "bias")
+        out[f"{attn}.o_proj.weight"] = take(f"{attn}.o_proj.weight")
+        if config.o_bias:
+            out[f"{attn}.o_proj.bias"] = take(f"{attn}.o_proj.bias")
+        if config.qk_norm:
+            out[f"{attn}.q_norm.weight"] = take(f"{attn}.q_norm.weight")
+            out[f"{attn}.k_norm.weight"] = take(f"{attn}.k_norm.weight")
+        out[f"{mlp}.gate_up_proj.weight"] = fused(mlp, ("gate_proj", "up_proj"), "weight")
+        out[f"{mlp}.down_proj.weight"] = take(f"{mlp}.down_proj.weight")
+        if config.mlp_bias:
+            out[f"{mlp}.gate_up_proj.bias"] = fused(mlp, ("gate_proj", "up_proj"), "bias")
+            out[f"{mlp}.down_proj.bias"] = take(f"{mlp}.down_proj.bias")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{layer}.{norm}.weight"] = take(f"{layer}.{norm}.weight")
+    unused = sorted(set(src) - used)
+    if unused:
+        raise ValueError(f"checkpoint has {len(unused)} tensors this model does not use, "
+                         f"e.g. {unused[:5]}")
+    return out

@@ -1,0 +1,179 @@
+"""Attention backends against a naive reference, and backend selection.
+
+The reference loops over every query row and attends to keys 0 .. its position
+on its sequence's pages, repeating K/V heads the plain way: slow and obvious.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from model_service.attention import flash_attn_backend
+from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
+from model_service.attention.select import select_backend
+from model_service.attention.torch_backend import TorchAttentionBackend
+from model_service.batch import ForwardBatch
+
+H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int], num_decodes: int, seed: int = 0) -> ForwardBatch:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(PAGES, generator=g).tolist()
+    tables, slots, positions = [], [], []
+    for q_len, s_len in zip(query_lens, seq_lens):
+        n = -(-s_len // PAGE)
+        table, perm = perm[:n], perm[n:]
+        tables.append(table)
+        for p in range(s_len - q_len, s_len):
+            slots.append(table[p // PAGE] * PAGE + p % PAGE)
+            positions.append(p)
+    width = max(map(len, tables))
+    cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    return ForwardBatch(
+        input_ids=torch.zeros(sum(query_lens), dtype=torch.int64),
+        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+        cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        logits_indices=cu[1:].long() - 1, num_decodes=num_decodes,
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+
+def reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32)
+    flat_k = k_cache.reshape(-1, HK, D).float().repeat_interleave(H // HK, dim=1)   # (slots, H, D)
+    flat_v = v_cache.reshape(-1, HK, D).float().repeat_interleave(H // HK, dim=1)
+    for row in range(q.shape[0]):
+        seq = int(torch.searchsorted(batch.cu_seqlens_q, row, right=True)) - 1
+        pos = int(batch.positions[row])
+        table = batch.block_tables[seq].long()
+        slots = table[torch.arange(pos + 1) // PAGE] * PAGE + torch.arange(pos + 1) % PAGE
+        scores = torch.einsum("hd,shd->hs", q[row].float(), flat_k[slots]) * scale     # (H, S)
+        out[row] = torch.einsum("hs,shd->hd", scores.softmax(-1), flat_v[slots])
+    return out
+
+
+def random_qkv(t: int, dtype=torch.float32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, H, D, generator=g).to(dtype)
+    k = torch.randn(t, HK, D, generator=g).to(dtype)
+    v = torch.randn(t, HK, D, generator=g).to(dtype)
+    k_cache = torch.randn(PAGES, PAGE, HK, D, generator=g).to(dtype)   # stale bytes everywhere
+    v_cache = torch.randn(PAGES, PAGE, HK, D, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache
+
+
+CASES = {
+    "decode only": ([1, 1, 1], [5, 17, 9], 3),
+    "prefill only, nothing cached": ([7, 12], [7, 12], 0),
+    "mixed: 3 decodes, a cached chunk, a fresh chunk": ([1, 1, 1, 6, 5], [3, 20, 8, 15, 5], 3),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_backend_matches_reference(case: str) -> None:
+    query_lens, seq_lens, num_decodes = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_decodes)
+    q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    # The step's K/V landed at their slots.
+    assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, batch, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def fake_flash_api(version: int, calls: list[str]) -> FlashApi:
+    """flash-attn's documented contracts, computed by the reference (bottom-right causal)."""
+    def varlen(q, k_cache, v_cache, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+               max_seqlen_k=None, softmax_scale=None, causal=False, block_table=None,
+               seqused_k=None, page_table=None):
+        assert causal
+        calls.append("varlen")
+        tables = block_table if version == 2 else page_table
+        lens = cu_seqlens_k.diff() if version == 2 else seqused_k
+        assert tables.dtype == lens.dtype == cu_seqlens_q.dtype == torch.int32
+        out = reference(q, k_cache, v_cache, batch_from(cu_seqlens_q, lens, tables), softmax_scale)
+        out = out.to(q.dtype)
+        return (out, None) if version == 4 else out
+
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
+                     causal=False):
+        calls.append("with_kvcache")
+        b = q.shape[0]
+        cu = torch.arange(b + 1, dtype=torch.int32)
+        out = reference(q[:, 0], k_cache, v_cache, batch_from(cu, cache_seqlens, block_table), softmax_scale)
+        return out.to(q.dtype)[:, None]
+
+    return FlashApi(version, varlen, with_kvcache if version == 2 else None)
+
+
+def batch_from(cu_q: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor) -> ForwardBatch:
+    q_lens = cu_q.diff().tolist()
+    positions = torch.cat([torch.arange(s - n, s) for n, s in zip(q_lens, seq_lens.tolist())])
+    return ForwardBatch(positions, positions, positions, cu_q, seq_lens, tables, positions, 0,
+                        max(q_lens), int(seq_lens.max()), q_lens, seq_lens.tolist())
+
+
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_flash_backend_passes_flash_attn_what_it_expects(monkeypatch, version: int, case: str) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(version, calls))
+    backend = FlashAttnBackend()
+    assert backend.page_size_multiple() == (256 if version == 2 else 1)
+    query_lens, seq_lens, num_decodes = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_decodes)
+    q, k, v, k_cache, v_cache = random_qkv(sum(query_lens), torch.bfloat16)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    expected_call = "with_kvcache" if version == 2 and case == "decode only" else "varlen"
+    assert calls == [expected_call]
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, batch, 0.3), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        backend.forward(*[t.float() for t in (q, k, v, k_cache, v_cache)], backend.prepare(batch), 0.3)
+
+
+def test_flash_backend_module_imports_without_flash_attn_and_refuses_to_start(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", None)     # import flash_attn -> ImportError
+    assert flash_attn_backend.load_flash_api() is None
+    with pytest.raises(RuntimeError, match="flash-attn 2.*flash-attn 4.*torch backend"):
+        FlashAttnBackend()
+
+
+def test_select_backend(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert select_backend("torch", "cpu").name == "torch"
+    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("auto", "cuda").name == "torch"       # no flash-attn here
+    with pytest.raises(RuntimeError, match="CUDA only"):
+        select_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError, match="auto, torch, flash_attn"):
+        select_backend("xformers", "cpu")
+
+
+def test_auto_picks_flash_on_cuda_when_it_imports_and_fits_the_page_size(monkeypatch) -> None:
+    from model_service.attention import select
+
+    monkeypatch.setattr(select, "load_flash_api", lambda: fake_flash_api(2, []))
+    monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(2, []))
+    assert select_backend("auto", "cuda").name == "flash_attn"
+    assert select_backend("auto", "cuda", page_size=512).name == "flash_attn"
+    assert select_backend("auto", "cuda", page_size=16).name == "torch"    # FA2 wants % 256
+    assert select_backend("auto", "cpu").name == "torch"
+
+
+def test_torch_backend_works_in_and_out_of_inference_mode() -> None:
+    """Its reused gather buffers must not become inference tensors (the engine runs the model
+    under inference_mode; tests and tools may not)."""
+    query_lens, seq_lens, num_decodes = CASES["mixed: 3 decodes, a cached chunk, a fresh chunk"]
+    batch = make_batch(query_lens, seq_lens, num_decodes)
+    q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
+    backend = TorchAttentionBackend()
+    with torch.inference_mode():
+        inside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    outside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    torch.testing.assert_close(inside, outside, rtol=0, atol=0)

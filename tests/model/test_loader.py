@@ -1,0 +1,112 @@
+"""Checkpoint loading: shards, tied heads, strict names, dtypes; rope and norm against HF."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.kv_cache import KVCache
+from model_service.model.loader import load_model, parse_dtype
+from model_service.model.rope import RotaryEmbedding, inverse_frequencies
+from tests.model.paged import Chunk, PagePool, Sequence, build_batch
+
+
+def copy_without_weights(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    return dst
+
+
+def prompt_logits(model, config, backend, tokens: list[int], dtype=torch.float32) -> torch.Tensor:
+    cache = KVCache(config, 32, 4, dtype=dtype)
+    batch = build_batch([Chunk(Sequence(tokens), len(tokens))], 0, PagePool(32), 4)
+    return model(batch, cache.layers, backend, backend.prepare(batch))[0]
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_model(tiny_dirs, tmp_path, backend) -> None:
+    src = tiny_dirs["tiny"]
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    dst = copy_without_weights(src, tmp_path / "sharded")
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, dst / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    whole, config = load_model(src)
+    sharded, _ = load_model(dst)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), sharded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_tied_head_shares_the_embedding(tiny_dirs) -> None:
+    model, config = load_model(tiny_dirs["tiny-qwen2"])
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_missing_lm_head_falls_back_to_the_embedding(tiny_dirs, tmp_path) -> None:
+    tensors = load_file(tiny_dirs["tiny"] / "model.safetensors")
+    del tensors["lm_head.weight"]
+    dst = copy_without_weights(tiny_dirs["tiny"], tmp_path / "headless")
+    save_file(tensors, dst / "model.safetensors")
+    model, _ = load_model(dst)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_checkpoint_names_are_strict(tiny_dirs, tmp_path, change: str) -> None:
+    tensors = load_file(tiny_dirs["tiny"] / "model.safetensors")
+    if change == "missing":
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+    else:
+        tensors["model.layers.0.self_attn.mystery.weight"] = torch.zeros(2)
+    dst = copy_without_weights(tiny_dirs["tiny"], tmp_path / change)
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match="up_proj" if change == "missing" else "mystery"):
+        load_model(dst)
+
+
+def test_no_weights_is_a_clear_error(tiny_dirs, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(copy_without_weights(tiny_dirs["tiny"], tmp_path / "empty"))
+
+
+def test_dtype_names() -> None:
+    assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        parse_dtype("int8")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])
+def test_bfloat16_matches_transformers_in_bfloat16(tiny_dirs, backend, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, config = load_model(tiny_dirs[name], "bfloat16")
+    assert model.embed_tokens.weight.dtype == model.rope.cos.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[name], dtype=torch.bfloat16)
+    tokens = list(range(7, 47))
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0, -1].float()
+    ours = prompt_logits(model, config, backend, tokens, torch.bfloat16)
+    # Observed equal to the bit on CPU; bf16 leaves room for a different GEMM blocking.
+    torch.testing.assert_close(ours, expected, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-llama3"])
+def test_rope_tables_equal_transformers_bit_for_bit(load_pair, name: str) -> None:
+    loaded = load_pair(name)
+    rotary = loaded.hf.model.rotary_emb
+    torch.testing.assert_close(inverse_frequencies(loaded.config), rotary.inv_freq, rtol=0, atol=0)
+    positions = torch.arange(0, 2048, 7)
+    ours = RotaryEmbedding(loaded.config, 2048)
+    cos, sin = ours.lookup(positions)                                        # (T, 1, D/2)
+    hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None])  # (1, T, D)
+    half = loaded.config.head_dim // 2
+    torch.testing.assert_close(cos[:, 0], hf_cos[0, :, :half], rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, 0], hf_sin[0, :, half:], rtol=0, atol=0)
