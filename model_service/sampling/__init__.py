@@ -1,0 +1,23 @@
+"""Sampling layer of the model service: parameters, the batched sampler, detokenizer, stop rules.
+
+Per engine step, for each running request (see README.md):
+    SamplerOutput = Sampler()(logits, params, prompt_ids, output_ids, generators)
+    text          = IncrementalDetokenizer.add([token_id])
+    StopResult    = StopChecker.step(token_id, text)   → stream StopResult.text; finish if told
+"""
+
+from model_service.sampling.detokenizer import IncrementalDetokenizer
+from model_service.sampling.params import SamplingParams
+from model_service.sampling.sampler import Sampler, SamplerOutput, TokenLogprobs, make_generator
+from model_service.sampling.stop import StopChecker, StopResult
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "StopChecker",
+    "StopResult",
+    "TokenLogprobs",
+    "make_generator",
+]

@@ -1,0 +1,92 @@
+"""Turns a request's output tokens into text incrementally, never half a UTF-8 character.
+
+Decoding token by token and concatenating is wrong for two reasons: byte-level BPE splits one
+character (CJK, emoji) over several tokens, each of which decodes alone to U+FFFD; and
+SentencePiece-style decoders drop the leading space of the first token of every decode call.
+So, as vLLM and TGI do, each step decodes a small window of tokens twice and emits the difference:
+
+    tokens   [ ...prompt... | out0  out1  out2  out3 ]
+                      ^prefix_offset     ^read_offset       (emitted text ends at read_offset)
+    prefix_text = decode(tokens[prefix_offset:read_offset])
+    new_text    = decode(tokens[prefix_offset:])
+    emit new_text[len(prefix_text):] unless new_text ends with U+FFFD (an incomplete character:
+    hold it, the next token may complete it); after emitting, both offsets move forward.
+
+The window starts a few prompt tokens back so the first output token decodes in context (its
+leading space survives). Offsets only move to points where the text decoded cleanly, so a window
+never starts inside a character that the output completes.
+
+Holding a tail that ends in U+FFFD is unbounded in principle (a model emitting invalid bytes is
+held until a valid character follows); `flush()` at the end of a request releases it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# How many prompt tokens precede the first output token in the decode window (vLLM uses 5).
+_PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    """What is needed of a tokenizer: transformers' fast tokenizers and `tokenizers.Tokenizer`."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        context = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._ids: list[int] = context       # window context + output ids, never trimmed below
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(0, len(context))
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (held-back bytes excluded until released)."""
+        return "".join(self._chunks)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens; return the text they complete (may be empty)."""
+        self._ids.extend(token_ids)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""  # nothing yet (a skipped special token) or an incomplete character
+        delta = new_text[len(self._prefix_text):]
+        self._advance()
+        self._chunks.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """Release a held incomplete tail as U+FFFD, as decoding all output at once would."""
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        delta = new_text[len(self._prefix_text):]
+        if delta:
+            self._advance()
+            self._chunks.append(delta)
+        return delta
+
+    def _advance(self) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        # Drop ids that no window will read again so `_ids` stays small.
+        del self._ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)

@@ -1,0 +1,108 @@
+"""Per-request sampling parameters: the core's mirror of `kvserve.inference.v1.SamplingParams`.
+
+The servicer converts the proto into this dataclass at the edge (unset optionals become the
+defaults below) and calls `validate(vocab_size)`; a ValueError maps to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature a row is sampled greedily: dividing logits by a smaller number can
+# overflow float32, and the distribution is already one-hot in all but name (vLLM's choice).
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # top-n logprobs per token; OpenAI's limit
+_MAX_SEED = 2**64  # the proto's seed is a uint64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    # 1.0 samples the model's distribution as is; 0 (anything below GREEDY_TEMPERATURE) is greedy.
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p.
+    # 1.0 keeps everything (off); must lie in (0, 1].
+    top_p: float = 1.0
+    # Keep only the k most likely tokens; 0 is off (a k above the vocabulary is off too).
+    top_k: int = 0
+    # Drop tokens whose probability is below min_p times the most likely token's; 0 is off.
+    min_p: float = 0.0
+    # HF semantics over prompt + output tokens: a seen token's logit is divided by the penalty
+    # when positive, multiplied when negative. 1.0 is off; > 1 discourages repeats.
+    repetition_penalty: float = 1.0
+    # OpenAI semantics over output tokens only: logit -= presence * (count > 0)
+    # + frequency * count. 0 is off; both lie in [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Same seed, same tokens, whatever else is in the batch. None draws from the shared stream.
+    seed: int | None = None
+    # None: up to the model length (the engine enforces that bound).
+    max_tokens: int | None = None
+    # Token ids that end the request besides EOS; their text is never streamed.
+    stop_token_ids: tuple[int, ...] = ()
+    # Stop strings; neither they nor any part of them is ever streamed.
+    stop: tuple[str, ...] = ()
+    # Keep going past EOS (EOS stays sampleable); stop_token_ids still stop.
+    ignore_eos: bool = False
+    # None: no logprobs; n: the chosen token's logprob plus the top n (0: the chosen one only).
+    logprobs: int | None = None
+    # Leave special tokens (BOS, EOS, chat markers) out of the streamed text.
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; tuples keep the dataclass hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        _check(self.temperature >= 0, "temperature", self.temperature, "a finite number >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check_int(self.top_k, "top_k", "an integer >= 0")
+        _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+               "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, value, "in [-2, 2]")
+        if self.seed is not None:
+            _check_int(self.seed, "seed", "an integer in [0, 2**64)")
+            _check(0 <= self.seed < _MAX_SEED, "seed", self.seed, "an integer in [0, 2**64)")
+        if self.max_tokens is not None:
+            _check_int(self.max_tokens, "max_tokens", "an integer >= 1")
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"an integer in [0, {MAX_LOGPROBS}]")
+        for token_id in self.stop_token_ids:
+            _check_int(token_id, "stop_token_ids", f"token ids in [0, {vocab_size})")
+            _check(0 <= token_id < vocab_size, "stop_token_ids", token_id,
+                   f"token ids in [0, {vocab_size})")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    # NaN fails every comparison, so `ok` is False for it too; infinities are rejected here.
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_int(value: object, name: str, expected: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")

@@ -1,0 +1,288 @@
+"""Samples one token per row for a batch of logits, vectorised over the batch.
+
+Per row, in this order (vLLM v1's, but with min-p after top-k/top-p):
+
+    logits (S, V) ──upcast to float32──► penalties ──┬─ greedy rows ──► argmax
+                                                     └─ other rows ──► / temperature ──► top-k
+                                                         ──► top-p ──► min-p ──► softmax
+                                                         ──► argmax(probs / Exp(1) noise)
+
+Greedy. A row with temperature 0 takes the argmax of its penalised logits; with no penalties
+that is exactly `torch.argmax` of the raw logits (upcasting is exact, ties go to the first id).
+A batch that is all greedy with no penalties takes a fast path that is just that argmax.
+
+Sampling. `argmax(probs / q)` with q ~ Exp(1) i.i.d. draws a token with probability `probs`
+(the exponential race; equivalent to Gumbel-max). A row with a generator draws its V
+exponentials from it and from nothing else, and every other op is row-wise, so a seeded row's
+tokens depend only on its own logits, parameters and seed: same seed, same tokens, whatever else
+is in the batch. Rows without a generator share one draw from torch's default generator.
+
+Logprobs. `log_softmax` of the logits after penalties and before temperature, top-k, top-p and
+min-p: the model's distribution as the penalties shaped it, independent of how the token was then
+picked. (vLLM v1's default `raw_logprobs` is taken before penalties too; the two agree whenever
+no penalty is set.) Returned for the chosen token plus the top n, most likely first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_service.sampling.params import SamplingParams
+from model_service.sampling.penalties import TokenIds, apply_penalties
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first; empty for logprobs=0
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]                   # one per row
+    logprobs: list[TokenLogprobs | None]   # one per row; None where the row asked for none
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator for a seeded request; it lives as long as the request."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass(slots=True)
+class _BatchParams:
+    """Per-row parameter vectors, built once per call on the logits' device."""
+
+    greedy: list[bool]
+    penalised: list[bool]
+    temperature: torch.Tensor  # (S,) float32
+    top_k: torch.Tensor        # (S,) int64; V where off
+    top_p: torch.Tensor        # (S,) float32
+    min_p: torch.Tensor        # (S,) float32
+    repetition: torch.Tensor   # (S,) float32
+    presence: torch.Tensor     # (S,) float32
+    frequency: torch.Tensor    # (S,) float32
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device):
+        def vec(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            greedy=[p.greedy for p in params],
+            penalised=[p.has_penalties for p in params],
+            temperature=vec([p.temperature for p in params]),
+            top_k=vec([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64),
+            top_p=vec([p.top_p for p in params]),
+            min_p=vec([p.min_p for p in params]),
+            repetition=vec([p.repetition_penalty for p in params]),
+            presence=vec([p.presence_penalty for p in params]),
+            frequency=vec([p.frequency_penalty for p in params]),
+        )
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,                               # (S, V) float32 / bf16 / fp16
+        params: Sequence[SamplingParams],                   # S
+        prompt_ids: Sequence[TokenIds] | None = None,       # S; read for penalised rows only
+        output_ids: Sequence[TokenIds] | None = None,       # S; read for penalised rows only
+        generators: Sequence[torch.Generator | None] | None = None,  # S; None: unseeded
+    ) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        if len(params) != num_rows:
+            raise ValueError(f"got {len(params)} SamplingParams for {num_rows} rows of logits")
+        if all(p.greedy and not p.has_penalties for p in params):
+            tokens = logits.argmax(dim=-1)                                # (S,)
+            return SamplerOutput(tokens.tolist(), _logprobs(logits, tokens, params))
+
+        batch = _BatchParams.build(params, vocab, logits.device)
+        x = logits.to(torch.float32, copy=any(batch.penalised))          # (S, V)
+        if any(batch.penalised):
+            x = _penalise(x, batch, prompt_ids, output_ids)
+
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        greedy = _indices(batch.greedy, logits.device)
+        sampled = _indices([not g for g in batch.greedy], logits.device)
+        if greedy.numel():
+            tokens[greedy] = x[greedy].argmax(dim=-1)
+        if sampled.numel():
+            rows = sampled.tolist()
+            gens = [generators[i] for i in rows] if generators is not None else [None] * len(rows)
+            tokens[sampled] = _sample(
+                x if len(rows) == num_rows else x[sampled],
+                batch.temperature[sampled],
+                batch.top_k[sampled],
+                batch.top_p[sampled],
+                batch.min_p[sampled],
+                gens,
+            )
+        return SamplerOutput(tokens.tolist(), _logprobs(x, tokens, params))
+
+
+def _penalise(x, batch: _BatchParams, prompt_ids, output_ids) -> torch.Tensor:
+    if prompt_ids is None or output_ids is None:
+        raise ValueError("rows with penalties need prompt_ids and output_ids")
+    rows = [i for i, p in enumerate(batch.penalised) if p]
+    idx = torch.tensor(rows, device=x.device)
+    apply_penalties(
+        x,
+        idx,
+        [prompt_ids[i] for i in rows],
+        [output_ids[i] for i in rows],
+        batch.repetition[idx],
+        batch.presence[idx],
+        batch.frequency[idx],
+    )
+    return x
+
+
+def _sample(
+    logits: torch.Tensor,       # (R, V) float32, penalised
+    temperature: torch.Tensor,  # (R,)
+    top_k: torch.Tensor,        # (R,) int64; V = off
+    top_p: torch.Tensor,        # (R,)
+    min_p: torch.Tensor,        # (R,)
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:              # (R,) int64
+    vocab = logits.shape[1]
+    scaled = logits / temperature.unsqueeze(1)                            # (R, V)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        scaled.masked_fill_(top_k_top_p_mask(logits, scaled, top_k, top_p), float("-inf"))
+    if bool((min_p > 0).any()):
+        scaled.masked_fill_(min_p_mask(scaled, min_p), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)                                 # (R, V)
+    return probs.div_(exponential_noise(probs.shape, generators, probs.device)).argmax(dim=-1)
+
+
+def top_k_top_p_mask(
+    logits: torch.Tensor,  # (R, V) before temperature: top-k ranks these
+    scaled: torch.Tensor,  # (R, V) logits / temperature: top-p's probabilities come from these
+    top_k: torch.Tensor,   # (R,) int64; >= V is off
+    top_p: torch.Tensor,   # (R,); 1.0 is off
+) -> torch.Tensor:         # (R, V) bool, True where the token is dropped
+    """Top-k, then top-p over the survivors (renormalised).
+
+    Both are thresholds on values, so ties never depend on sort order: top-k keeps every token
+    whose logit reaches the k-th largest (HF and vLLM do the same; top_k=1 is the argmax unless
+    the maximum is tied); top-p keeps, in order of probability, the tokens while the mass ranked
+    before them is below top_p, plus any token tied with the last one kept. Rows with top_p == 1
+    are never touched by top-p (a float cumsum may reach 1.0 early).
+    """
+    vocab = logits.shape[1]
+    k_on = top_k < vocab                                                  # (R,)
+    drop = torch.zeros_like(logits, dtype=torch.bool)                     # (R, V)
+    if bool(k_on.any()):
+        k_max = int(top_k[k_on].max())
+        largest = logits.topk(k_max, dim=-1).values                       # (R, k_max) descending
+        kth = largest.gather(1, top_k.clamp(max=k_max).unsqueeze(1) - 1)  # (R, 1)
+        drop = logits < kth.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
+    p_on = top_p < 1                                                      # (R,)
+    if bool(p_on.all()):
+        probs = torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)  # (R, V)
+        drop |= probs < _top_p_cutoff(probs, top_p)
+    elif bool(p_on.any()):
+        rows = torch.nonzero(p_on).squeeze(1)                             # (P,)
+        probs = torch.softmax(scaled[rows].masked_fill_(drop[rows], float("-inf")), dim=-1)
+        drop[rows] |= probs < _top_p_cutoff(probs, top_p[rows])
+    return drop
+
+
+# Candidate-set sizes tried for top-p before sorting a whole row: the nucleus of a real model's
+# distribution usually fits in the first, and a partial top-k is far cheaper than a sort on CPU.
+_TOP_P_CANDIDATES = (256, 4096)
+
+
+def _top_p_cutoff(
+    probs: torch.Tensor,  # (P, V) after top-k (dropped tokens have 0)
+    top_p: torch.Tensor,  # (P,) in (0, 1)
+) -> torch.Tensor:        # (P, 1) the smallest probability top-p keeps
+    """Walk the most likely tokens in descending order; a token is kept while the mass before it
+    is below top_p. Only the first `size` tokens are looked at; a row is settled once one of them
+    is dropped (every later token has at least as much mass before it), otherwise it retries with
+    a larger candidate set. The prefix sums do not depend on `size`, so neither does the result.
+    Only row-wise kernels are used (softmax, topk, cumsum), never a reduction that torch may split
+    across threads for one long row, so a row's result does not depend on the batch around it.
+    """
+    num_rows, vocab = probs.shape
+    cutoff = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)
+    pending = torch.arange(num_rows, device=probs.device)                # rows not settled yet
+    for size in (*(s for s in _TOP_P_CANDIDATES if s < vocab), vocab):
+        rows = probs if pending.numel() == num_rows else probs[pending]   # (n, V)
+        values = rows.topk(size, dim=-1).values                           # (n, size) descending
+        mass_before = values.cumsum(dim=-1).roll(1, dims=-1)              # (n, size) exclusive
+        mass_before[:, 0] = 0
+        kept = (mass_before < top_p[pending].unsqueeze(1)).sum(dim=-1, keepdim=True)  # (n, 1) >= 1
+        settled = (kept < size).squeeze(1) | (size == vocab)              # (n,)
+        cutoff[pending[settled]] = values.gather(1, kept - 1)[settled]
+        pending = pending[~settled]
+        if not pending.numel():
+            break
+    return cutoff
+
+
+def min_p_mask(
+    scaled: torch.Tensor,  # (R, V) logits after temperature (and any earlier masks)
+    min_p: torch.Tensor,   # (R,); 0 is off
+) -> torch.Tensor:         # (R, V) bool, True where the token is dropped
+    """Drop tokens with p < min_p * p_max, i.e. logit - max_logit < log(min_p).
+
+    Computed on logits, so no softmax is needed; log(0) = -inf leaves min_p=0 rows untouched.
+    """
+    gap = scaled - scaled.max(dim=-1, keepdim=True).values                # (R, V) <= 0
+    return gap < torch.log(min_p).unsqueeze(1)
+
+
+def exponential_noise(
+    shape: torch.Size,
+    generators: Sequence[torch.Generator | None],  # one per row
+    device: torch.device,
+) -> torch.Tensor:  # (R, V) i.i.d. Exp(1), > 0
+    """-log(1 - U) with U uniform; row i comes from generators[i] alone when it has one, other
+    rows share one draw. (Uniforms then a log are several times faster than `exponential_`.)
+    """
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        if not seeded:
+            noise.uniform_()
+        else:
+            unseeded = _indices([g is None for g in generators], device)
+            noise[unseeded] = torch.rand(unseeded.numel(), shape[1], device=device)
+    for i in seeded:  # unavoidable per-row loop: one draw per generator
+        noise[i].uniform_(generator=generators[i])
+    # U = 0 gives 0, which would turn a masked token's 0 probability into NaN (argmax picks NaN);
+    # U = 1 (CUDA's uniform_ may return it) gives inf, which would zero the likeliest token's
+    # ratio. Float32 uniforms otherwise give values in (0, 17), so the clamp changes nothing else.
+    return noise.neg_().log1p_().neg_().clamp_(torch.finfo(torch.float32).tiny, 64.0)
+
+
+def _logprobs(
+    logits: torch.Tensor,   # (S, V) penalised, before temperature
+    tokens: torch.Tensor,   # (S,) chosen ids
+    params: Sequence[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    picked = logits if len(rows) == len(params) else logits[idx]          # (R, V)
+    logprobs = torch.log_softmax(picked.float(), dim=-1)                  # (R, V)
+    chosen_ids = tokens[idx]                                              # (R,)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)       # (R,)
+    n = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
+    top_vals, top_ids = logprobs.topk(n, dim=-1)                          # (R, n), descending
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, (i, token_id, logprob) in enumerate(zip(rows, chosen_ids.tolist(), chosen.tolist())):
+        k = params[i].logprobs
+        out[i] = TokenLogprobs(token_id, logprob, list(zip(top_ids[j][:k], top_vals[j][:k])))
+    return out
+
+
+def _indices(flags: list[bool], device: torch.device) -> torch.Tensor:
+    return torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=device)

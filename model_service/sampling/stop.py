@@ -1,0 +1,107 @@
+"""Decides when a request ends and which of its text may be streamed now.
+
+Per token, in this order:
+1. a stop token id, or EOS unless ignore_eos → finished "stop"; the token's own text is dropped
+   (the caller still reports its id) and any held-back text is released;
+2. the token's text joins the held-back text; the earliest stop string in it (ties: the shortest)
+   → finished "stop"; the text before it is released, the string and everything after dropped;
+3. otherwise the longest tail that is a proper prefix of some stop string is held back (it may
+   yet become a stop string) and the rest released;
+4. the max_tokens-th token → finished "length" (unless 1–2 stopped it) with all text released.
+
+So the streamed text never contains a stop string or any part of one. Generation ends with the
+first token whose text completes a stop string, and the streamed text is then exactly the output
+up to where the earliest stop string in it begins (a longer stop string that started earlier but
+had not completed does not count: the request ended before it could).
+A stop string can span any number of tokens: only text that might begin one is ever held, and
+the search runs over held + new text, where any occurrence must start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    text: str                                # may be streamed now
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None     # the stop string or token id that ended it
+
+
+class StopChecker:
+    def __init__(
+        self,
+        stop_strings: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        max_tokens: int | None = None,
+    ) -> None:
+        self._stop_strings = tuple(stop_strings)
+        if any(not s for s in self._stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self._stop_ids = frozenset(stop_token_ids)
+        self._eos_ids = frozenset() if ignore_eos else frozenset(eos_token_ids)
+        self._max_tokens = max_tokens
+        self._held = ""
+        self._num_tokens = 0
+        self.finished = False
+
+    @property
+    def held_text(self) -> str:
+        """Text not yet streamed because it may still begin a stop string."""
+        return self._held
+
+    def step(self, token_id: int, new_text: str) -> StopResult:
+        """Account for one output token and the detokenizer's new text for it."""
+        if self.finished:
+            raise RuntimeError("StopChecker.step called after the request finished")
+        self._num_tokens += 1
+        if token_id in self._stop_ids or token_id in self._eos_ids:
+            return self._finish(self._release(), "stop", token_id)
+
+        text = self._held + new_text
+        match = self._first_stop_string(text)
+        if match is not None:
+            start, stop_string = match
+            self._held = ""
+            return self._finish(text[:start], "stop", stop_string)
+
+        hold = self._held_tail_length(text)
+        self._held = text[len(text) - hold:] if hold else ""
+        ready = text[: len(text) - hold]
+        if self._max_tokens is not None and self._num_tokens >= self._max_tokens:
+            return self._finish(ready + self._release(), "length", None)
+        return StopResult(ready)
+
+    def _finish(self, text: str, reason: FinishReason, stop: str | int | None) -> StopResult:
+        self.finished = True
+        return StopResult(text, True, reason, stop)
+
+    def _release(self) -> str:
+        text, self._held = self._held, ""
+        return text
+
+    def _first_stop_string(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None
+        for s in self._stop_strings:
+            start = text.find(s)
+            if start >= 0 and (best is None or (start, len(s)) < best[:2]):
+                best = (start, len(s), s)
+        return None if best is None else (best[0], best[2])
+
+    def _held_tail_length(self, text: str) -> int:
+        """Length of the longest tail of text that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self._stop_strings:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,104 @@
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from model_service.sampling.detokenizer import IncrementalDetokenizer
+from tests.sampling.conftest import CORPUS
+
+FFFD = "\ufffd"
+TEXTS = CORPUS + [
+    "Unseen: 龘 𝄞 🦀🦀 ☃ Ωmega — ok",
+    "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 1️⃣ keycap",
+    "",
+    " leading and trailing spaces  ",
+]
+# Characters of 1 to 4 UTF-8 bytes, plus joiners and variation selectors.
+ALPHABET = list("ab ,.\nSTOPéñ世界你好한글") + ["😀", "🌍", "👍", "\U0001f3fd", "\u200d", "\ufe0f", "𝄞"]
+
+
+def _stream(tokenizer, ids, prompt_ids=(), chunk=1, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), skip_special_tokens)
+    chunks = [detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    return detok, chunks
+
+
+def test_the_fixture_splits_characters_over_tokens(tokenizer):
+    # Otherwise the tests below would not exercise holding back incomplete characters.
+    ids = tokenizer.encode("🌍 世界", add_special_tokens=False)
+    assert any(FFFD in tokenizer.decode([i]) for i in ids)
+
+
+def test_one_token_at_a_time_equals_decoding_all(tokenizer):
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detok, chunks = _stream(tokenizer, ids)
+        assert "".join(chunks) == tokenizer.decode(ids) == text
+        assert detok.text == text
+        assert not any(FFFD in c for c in chunks)
+        assert detok.flush() == ""
+
+
+def test_incomplete_characters_are_held_then_released_whole(tokenizer):
+    ids = tokenizer.encode("a🌍", add_special_tokens=False)
+    _, chunks = _stream(tokenizer, ids)
+    assert chunks[0] == "a"
+    assert all(c == "" for c in chunks[1:-1]) and chunks[-1] == "🌍"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.sampled_from(ALPHABET), max_size=40), chunk=st.integers(1, 4))
+def test_random_text_streams_exactly(tokenizer, text, chunk):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok, chunks = _stream(tokenizer, ids, chunk=chunk)
+    assert "".join(chunks) == text
+    assert not any(FFFD in c for c in chunks)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(2, 299), max_size=30))
+def test_random_token_ids_match_decode_after_flush(tokenizer, ids):
+    # Arbitrary ids may form invalid UTF-8; flush() releases what decode(all) shows as U+FFFD.
+    detok, chunks = _stream(tokenizer, ids)
+    assert "".join(chunks) + detok.flush() == tokenizer.decode(ids)
+    assert not any(c.endswith(FFFD) for c in chunks)
+
+
+def test_output_after_a_prompt(tokenizer):
+    for prompt, output in [("Hello", " world 🌍!"), ("你好，", "世界。"), ("🎉", "🎉 again"), ("", "x")]:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        output_ids = tokenizer.encode(output, add_special_tokens=False)
+        assert tokenizer.decode(prompt_ids + output_ids) == prompt + output
+        detok, chunks = _stream(tokenizer, output_ids, prompt_ids=prompt_ids)
+        assert "".join(chunks) == output
+        assert detok.text == output
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("abc", add_special_tokens=False) + [eos]
+    ids += tokenizer.encode("世界", add_special_tokens=False)
+    _, skipped = _stream(tokenizer, ids, skip_special_tokens=True)
+    assert "".join(skipped) == "abc世界"
+    _, kept = _stream(tokenizer, ids, skip_special_tokens=False)
+    assert "".join(kept) == "abc<eos>世界"
+
+
+def test_window_stays_small(tokenizer):
+    ids = tokenizer.encode(" ".join(CORPUS), add_special_tokens=False)
+    detok, _ = _stream(tokenizer, ids)
+    assert len(detok._ids) <= 8
+
+
+def test_a_truncated_character_is_held_and_flush_releases_it(tokenizer):
+    ids = tokenizer.encode("ok 🌍", add_special_tokens=False)[:-1]  # the emoji's last byte is cut
+    detok, chunks = _stream(tokenizer, ids)
+    assert "".join(chunks) == "ok"  # " 🌍" starts with one token holding the space
+    tail = detok.flush()
+    assert tail and tail.endswith(FFFD)
+    assert detok.text == tokenizer.decode(ids)
+
+
+def test_works_with_a_bare_tokenizers_tokenizer(tokenizer):
+    bare = tokenizer.backend_tokenizer  # tokenizers.Tokenizer has the same decode signature
+    ids = tokenizer.encode("你好 🌍 world", add_special_tokens=False)
+    _, chunks = _stream(bare, ids)
+    assert "".join(chunks) == "你好 🌍 world"
