@@ -18,7 +18,12 @@ from importlib import metadata
 from services.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
 
 # Subcommand name -> "module:function" of its register function, in --help order.
-COMMANDS: dict[str, str] = {"kvcache": "kvcache_service.cli:register"}
+COMMANDS: dict[str, str] = {
+    "up": "services.up:register",
+    "kvcache": "kvcache_service.cli:register",
+    "model": "model_service.cli:register",
+    "make-tiny-model": "model_service.model_cli:register",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

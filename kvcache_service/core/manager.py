@@ -210,7 +210,8 @@ class KVCacheManager:
         seq = self.running_seq(c.seq_id)
         known = (len(seq.tokens) if num_tokens is None else num_tokens) + len(c.token_ids)
         computed = seq.num_computed if num_tokens is None else min(seq.num_computed, num_tokens)
-        slots = len(seq.pages) * self.page_size if num_tokens is None else -(-num_tokens // self.page_size) * self.page_size
+        pages = len(seq.pages) if num_tokens is None else min(len(seq.pages), -(-num_tokens // self.page_size))
+        slots = pages * self.page_size
         if c.num_computed < computed:
             raise InvalidArgument(
                 f"commit seq id {c.seq_id}: num_computed {c.num_computed} is below the {computed} "

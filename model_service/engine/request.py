@@ -35,6 +35,9 @@ class Request:
     aborted: bool = False
     finish_reason: str | None = None
     first_token_at: float | None = None
+    sink: Any = None                 # Callable[[Event], None], set by the engine's submit
+    output: Any = None               # OutputProcessor: detokenizing, stop conditions
+    generator: Any = None            # torch.Generator of a seeded request
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -1,0 +1,141 @@
+"""Builds the model service's parts from its config: model, attention backend,
+page pool, the link to the KV-cache manager, and the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
+from model_service.attention.select import select_backend
+from model_service.config import ModelServiceConfig
+from model_service.engine.engine import Engine
+from model_service.engine.kv_client import InProcessKVClient, KVClient, RemoteKVClient
+from model_service.engine.output import OutputProcessor
+from model_service.engine.runner import ModelRunner
+from model_service.engine.scheduler import SchedulerConfig
+from model_service.kv_cache import KVCache
+from model_service.model.loader import load_model
+from model_service.sampling.sampler import Sampler
+from model_service import sizing, tiny_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclass
+class ModelStack:
+    config: ModelServiceConfig
+    model_path: Path
+    model_config: object
+    tokenizer: object
+    engine: Engine
+    kv: KVClient
+    device: torch.device
+    dtype: torch.dtype
+    backend_name: str
+    page_size: int
+    num_pages: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_model_path(name: str) -> Path:
+    """A checkpoint directory, or a built-in preset generated on first use."""
+    if name in tiny_model.PRESETS:
+        return tiny_model.default_tiny_path(name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name!r} is neither a built-in model ({', '.join(tiny_model.PRESETS)}) "
+                         "nor a directory with a config.json")
+    return path
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available here")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def build(cfg: ModelServiceConfig) -> ModelStack:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.model)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    model, mcfg = load_model(path, dtype, device)
+    backend = select_backend(cfg.attention_backend, device, cfg.page_size)
+    multiple = backend.page_size_multiple()
+    page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
+    if page_size % multiple:
+        raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
+
+    model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    if cfg.num_pages is not None:
+        num_pages = cfg.num_pages
+    elif device.type == "cuda":
+        num_pages = sizing.cuda_pages(model, mcfg, backend, dtype, device, page_size,
+                                      cfg.max_num_batched_tokens, cfg.gpu_memory_utilization,
+                                      cfg.kv_cache_memory)
+    else:
+        num_pages = sizing.cpu_pages(mcfg, dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
+    max_model_len = min(model_len, num_pages * page_size)
+    if max_model_len < model_len:
+        log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)
+    if cfg.sizing_file:
+        _write_atomically(cfg.sizing_file, {"num_pages": num_pages, "page_size": page_size})
+
+    kv_cache = KVCache(mcfg, num_pages, page_size, dtype, device, cpu_pages=cfg.swap_pages)
+    kv = _connect(cfg, num_pages, page_size)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    eos_ids = frozenset(eos)
+
+    mode = PreemptionMode.SWAP if cfg.preemption_mode == "swap" else PreemptionMode.RECOMPUTE
+    engine = Engine(
+        ModelRunner(model, backend, kv_cache, page_size, device),
+        Sampler(),
+        lambda request: OutputProcessor(request, tokenizer, eos_ids),
+        kv,
+        SchedulerConfig(page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, mode),
+        num_pages=num_pages,
+        max_waiting=cfg.max_waiting,
+    )
+    log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, max_model_len %d",
+             path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name, max_model_len)
+    return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name,
+                      page_size, num_pages, max_model_len, eos_ids)
+
+
+def _connect(cfg: ModelServiceConfig, num_pages: int, page_size: int) -> KVClient:
+    if cfg.kvcache == "inprocess":
+        return InProcessKVClient(KVCacheManager(ManagerConfig(
+            num_pages=num_pages, page_size=page_size, max_seqs=2 * cfg.max_num_seqs,
+            cpu_pages=cfg.swap_pages)))
+    client = RemoteKVClient(cfg.kvcache)
+    client.wait_ready(cfg.kvcache_timeout_s)
+    return client
+
+
+def _write_atomically(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

@@ -1,0 +1,216 @@
+"""The engine loop: one thread owns torch and runs every step.
+
+    schedule → manager Step (one round trip) → swap / copy pages → forward → sample → emit
+
+Other threads (the asyncio servicer) talk to it only through submit() and
+cancel(), which post to an inbox; events go back through each request's sink,
+which must not block, so a slow client never stalls a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from model_service.engine.kv_client import KVClient
+from model_service.engine.request import Request, Status
+from model_service.engine.runner import ModelRunner
+from model_service.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests wait than max_waiting allows."""
+
+
+class DuplicateRequest(Exception):
+    """A request with this id is already in flight."""
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler,
+        new_output: Callable[[Request], object],
+        kv: KVClient,
+        scheduler_config: SchedulerConfig,
+        *,
+        num_pages: int,
+        max_waiting: int = 1024,
+    ) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.new_output = new_output  # makes a request's OutputProcessor (detokenize, stop)
+        self.kv = kv
+        self.num_pages = num_pages
+        self.max_waiting = max_waiting
+        self.epoch = time.time_ns()  # new on every start: the manager drops stale tables
+        self.scheduler = Scheduler(scheduler_config, self.epoch)
+        self.counters = EngineCounters()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, Request] = {}
+        self._lock = threading.Lock()  # guards _live
+        self._stop = threading.Event()
+        self._idle = threading.Event()  # set when a loop pass found nothing to do
+        self._thread: threading.Thread | None = None
+        self.num_running = self.num_waiting = self.num_swapped = 0
+
+    # ------------------------------------------------------ other threads
+
+    def start(self) -> None:
+        self.kv.register(self.epoch, self.scheduler.config.page_size, self.num_pages)
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> None:
+        """Queues a validated request. Raises QueueFull or DuplicateRequest."""
+        with self._lock:
+            if request.request_id in self._live:
+                raise DuplicateRequest(f"request id {request.request_id!r} is already in flight")
+            if len(self._live) - self.num_running >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting; try again later")
+            self._live[request.request_id] = request
+        request.sink = sink
+        self._inbox.put(("submit", request))
+
+    def cancel(self, request_id: str) -> bool:
+        """Aborts a live request (its pages go within one step). False if unknown."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+        self._inbox.put(("cancel", request_id))
+        return True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until the engine has nothing left to do (finished requests'
+        pages released included). For tests and orderly shutdown."""
+        self._idle.clear()
+        self._inbox.put(("wake", None))
+        return self._idle.wait(timeout_s)
+
+    # ------------------------------------------------------- engine thread
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stop.is_set():
+            self._take_inbox(block=not sched.has_work())
+            if not sched.has_work():
+                self._idle.set()
+                continue
+            self._idle.clear()
+            try:
+                self._step()
+            except Exception as exc:  # a bug or a lost manager: fail everyone, start clean
+                log.exception("engine step failed")
+                self._fail_all(f"internal error in the engine step: {exc}")
+        self._fail_all("the server is shutting down")
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, value = item
+            if kind == "submit":
+                value.output = self.new_output(value)
+                self.scheduler.add(value)
+            elif kind == "cancel":
+                request = self._live.get(value)
+                if request is not None and request.status is not Status.FINISHED:
+                    self._finish(request, "abort")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.build()
+        answer = self.kv.step(plan.step)
+        cache = self.runner.kv_cache
+        cache.swap_out(answer.swap_out)  # the manager's order: every copy reads before anything overwrites
+        cache.copy(answer.copies)
+        cache.swap_in(answer.swap_in)
+        work = sched.apply(plan, answer)
+        self.counters.steps += 1
+        self.num_running, self.num_waiting, self.num_swapped = (
+            len(sched.running), len(sched.waiting), len(sched.swapped))
+        if not work:
+            return
+        logits = self.runner.execute(work)
+        for w in work:
+            w.request.num_computed = w.start + w.count
+        sampled = [w for w in work if w.samples]
+        if not sampled:
+            return
+        requests = [w.request for w in sampled]
+        out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
+                           [r.output_ids for r in requests], [r.generator for r in requests])
+        for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
+            self._emit(r, token, logprobs)
+
+    def _emit(self, r: Request, token: int, logprobs) -> None:
+        now = time.monotonic()
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.counters.prompt_tokens += r.num_prompt
+            self.counters.cached_tokens += r.cached_tokens or 0
+            r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0))
+        r.tokens.append(token)
+        self.counters.generated_tokens += 1
+        text, done, reason, stop = r.output.add(token)
+        r.sink(Tokens([token], text, [logprobs] if logprobs is not None else []))
+        if done:
+            self._finish(r, reason, stop)
+
+    def _finish(self, r: Request, reason: str, stop: str = "") -> None:
+        self.scheduler.finish(r)
+        now = time.monotonic()
+        ttft = (r.first_token_at - r.arrival) * 1e3 if r.first_token_at else 0.0
+        if reason == "abort":
+            self.counters.aborted += 1
+        else:
+            self.counters.finished += 1
+        with self._lock:
+            self._live.pop(r.request_id, None)
+        r.sink(Finished(reason, r.num_prompt, r.num_output, r.cached_tokens or 0, ttft,
+                        (now - r.arrival) * 1e3, stop))
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for r in live:
+            if r.sink is not None:
+                r.sink(Failed(message))
+        self.epoch = time.time_ns()
+        self.scheduler = Scheduler(self.scheduler.config, self.epoch)
+        try:
+            self.kv.register(self.epoch, self.scheduler.config.page_size, self.num_pages)
+        except Exception:  # the manager is unreachable; the next step will say so again
+            log.exception("re-registering with the KV-cache manager failed")
+
+

@@ -1,0 +1,42 @@
+"""What the engine tells a request's listener, in order: PrefillDone, Tokens..., Finished.
+
+Plain data, made on the engine thread and handed to the listener's sink,
+which must not block (the servicer's sink hops onto its asyncio loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    token_ids: list[int]
+    text: str
+    logprobs: list = field(default_factory=list)  # sampling TokenLogprobs, one per token when asked
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: str          # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    total_ms: float
+    stop: str = ""       # the stop string or token that ended it
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The engine could not serve the request (an internal error); the stream ends with a status."""
+    message: str
+
+
+Event = PrefillDone | Tokens | Finished | Failed

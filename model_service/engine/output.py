@@ -1,0 +1,24 @@
+"""Per-request output processing on the engine thread: detokenize, then stop checks."""
+
+from __future__ import annotations
+
+from model_service.engine.request import Request
+from model_service.sampling.detokenizer import IncrementalDetokenizer
+from model_service.sampling.stop import StopChecker
+
+
+class OutputProcessor:
+    """Turns each sampled token into (text to stream, finished, reason, stop)."""
+
+    def __init__(self, request: Request, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        p = request.params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, p.skip_special_tokens)
+        self.stop = StopChecker(p.stop, p.stop_token_ids, eos_token_ids, p.ignore_eos, request.max_tokens)
+
+    def add(self, token: int) -> tuple[str, bool, str | None, str]:
+        result = self.stop.step(token, self.detokenizer.add([token]))
+        text = result.text
+        if result.finished and result.finish_reason == "length":
+            text += self.detokenizer.flush()  # a cut-off character ends as U+FFFD, as a full decode would
+        stop = result.stop_reason
+        return text, result.finished, result.finish_reason, "" if stop is None else str(stop)

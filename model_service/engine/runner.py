@@ -1,0 +1,69 @@
+"""Turns a step's work into one packed ForwardBatch and runs the model on it.
+
+Everything is built once per step with a handful of tensor ops; the only
+Python loops are over sequences (to gather their token ids and page tables).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_service.batch import ForwardBatch
+from model_service.engine.scheduler import Work
+
+
+class ModelRunner:
+    def __init__(self, model, backend, kv_cache, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.device = device
+
+    def build(self, work: list[Work]) -> ForwardBatch:
+        ps = self.page_size
+        query_lens = [w.count for w in work]
+        seq_lens = [w.start + w.count for w in work]
+        ids: list[int] = []
+        for w in work:
+            ids.extend(w.request.tokens[w.start:w.start + w.count])
+        width = max(-(-n // ps) for n in seq_lens)
+        tables = [w.request.page_table[:width] + [0] * (width - len(w.request.page_table[:width])) for w in work]
+        num_decodes = 0
+        while num_decodes < len(work) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.tensor([w.start for w in work], dtype=torch.int64)
+        cu = torch.zeros(len(work) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(work)), q_lens)        # (T,)
+        positions = torch.arange(len(ids)) - cu[:-1][seq_of_token] + starts[seq_of_token]  # (T,)
+        block_tables = torch.tensor(tables, dtype=torch.int32)                          # (B, width)
+        pages = block_tables[seq_of_token, positions // ps].to(torch.int64)             # (T,)
+        slot_mapping = pages * ps + positions % ps                                      # (T,)
+        samples = torch.tensor([w.samples for w in work])
+        logits_indices = cu[1:][samples] - 1                                            # (S,)
+
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            logits_indices=logits_indices.to(dev, non_blocking=True),
+            num_decodes=num_decodes,
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    @torch.inference_mode()
+    def execute(self, work: list[Work]) -> torch.Tensor:
+        """Logits (S, vocab) for the work items that sample, in order."""
+        batch = self.build(work)
+        meta = self.backend.prepare(batch)
+        return self.model(batch, self.kv_cache.layers, self.backend, meta)

@@ -1,0 +1,132 @@
+"""kvserve.inference.v1.Inference: validate, hand to the engine, stream its events.
+
+Runs on the server's asyncio loop; the engine runs on its own thread and
+reaches a call only through the call's queue (the sink hops onto this loop).
+A call that ends early — cancelled, deadline passed, client gone — cancels
+its request, so its pages go back within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from model_service.engine.engine import DuplicateRequest, QueueFull
+from model_service.engine.events import Failed, Finished, PrefillDone, Tokens
+from model_service.request_builder import RequestBuilder, RequestError
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self.engine = stack.engine
+        self.builder = RequestBuilder(stack)
+        self._draining = False
+
+    def drain(self) -> None:
+        """Shutting down: new calls get UNAVAILABLE, running ones finish."""
+        self._draining = True
+
+    async def Generate(self, request, context):
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        try:
+            req = self.builder.build(request, request.request_id or uuid.uuid4().hex)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            self.engine.submit(req, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequest as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                batch = [event]
+                while not events.empty():  # coalesce what piled up while the client was slow
+                    batch.append(events.get_nowait())
+                for message, finished, failure in _to_messages(req.request_id, batch):
+                    if failure:
+                        await context.abort(grpc.StatusCode.INTERNAL, failure)
+                    yield message
+        finally:
+            if not finished:  # cancelled, deadline, client gone: free the pages now
+                self.engine.cancel(req.request_id)
+
+    async def Cancel(self, request, context):
+        if not self.engine.cancel(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+        return pb.CancelResponse()
+
+    async def Tokenize(self, request, context):
+        try:
+            ids = self.builder.tokenize(request)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tokens = self.stack.tokenizer.convert_ids_to_tokens(ids)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(self, request, context):
+        s = self.stack
+        return pb.ModelInfo(
+            name=s.model_path.name, architecture=s.model_config.architecture, max_model_len=s.max_model_len,
+            vocab_size=s.model_config.vocab_size, page_size=s.page_size, dtype=str(s.dtype).removeprefix("torch."),
+            attention_backend=s.backend_name, device=str(s.device), num_pages=s.num_pages,
+            eos_token_ids=sorted(s.eos_token_ids))
+
+    async def GetServerStats(self, request, context):
+        e, c = self.engine, self.engine.counters
+        kv = await asyncio.to_thread(self.stack.kv.stats)
+        return pb.ServerStats(
+            running=e.num_running, waiting=e.num_waiting, swapped=e.num_swapped,
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, cached_tokens=c.cached_tokens,
+            requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
+            kvcache=kv_pb.Stats(**{f: getattr(kv, f) for f in type(kv).__slots__}))
+
+
+def _to_messages(request_id: str, events: list):
+    """Engine events → (response, finished, failure); consecutive tokens merge into one chunk."""
+    chunk: pb.TokenChunk | None = None
+    for event in events:
+        if isinstance(event, Tokens):
+            if chunk is None:
+                chunk = pb.TokenChunk()
+            chunk.token_ids.extend(event.token_ids)
+            chunk.text += event.text
+            for lp in event.logprobs:
+                chunk.logprobs.append(pb.TokenLogprob(
+                    token_id=lp.token_id, logprob=lp.logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+            continue
+        if chunk is not None:
+            yield pb.GenerateResponse(chunk=chunk), False, None
+            chunk = None
+        if isinstance(event, PrefillDone):
+            yield pb.GenerateResponse(prefill_done=pb.PrefillDone(
+                request_id=request_id, prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens)), False, None
+        elif isinstance(event, Finished):
+            usage = pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                             cached_tokens=event.cached_tokens)
+            yield pb.GenerateResponse(finished=pb.Finished(
+                finish_reason=FINISH[event.reason], usage=usage, ttft_ms=event.ttft_ms,
+                total_ms=event.total_ms, stop=event.stop)), True, None
+            return
+        elif isinstance(event, Failed):
+            yield None, True, event.message
+            return
+    if chunk is not None:
+        yield pb.GenerateResponse(chunk=chunk), False, None
