@@ -80,11 +80,18 @@ class KVCache:
             self.pool.index_copy_(_PAGE_DIM, dst, moved)
 
     def copy(self, pairs: PagePairs) -> None:
-        """Device page -> device page (copy-on-write of a forked sequence's last page)."""
-        if pairs:
+        """Device page -> device page (copy-on-write), in list order as the manager plans them.
+
+        One batched copy when no page is written and then read (the usual case);
+        a chain such as (a -> b), (b -> c) is copied pair by pair, so c gets a."""
+        if not pairs:
+            return
+        if {d for _, d in pairs}.isdisjoint(s for s, _ in pairs):
             src, dst = self._indices(pairs, self.device, self.device)
-            # index_select copies first, so a page that is both a source and a destination is safe.
             self.pool.index_copy_(_PAGE_DIM, dst, self.pool.index_select(_PAGE_DIM, src))
+            return
+        for s, d in pairs:
+            self.pool[:, :, d].copy_(self.pool[:, :, s])
 
     @staticmethod
     def _indices(pairs: PagePairs, src_device: torch.device,
