@@ -40,4 +40,5 @@ WORKDIR /home/kvserve
 
 # 50051: model service / gateway (Inference API); 50061: KV-cache manager.
 EXPOSE 50051 50061
-CMD ["kvserve", "kvcache", "--listen", "0.0.0.0:50061"]
+# The whole stack on the built-in tiny model; give --model /models/NAME for a real checkpoint.
+CMD ["kvserve", "up", "--model", "tiny", "--listen", "0.0.0.0:50051"]

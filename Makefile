@@ -13,10 +13,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 PIP_INSTALL := $(BIN)/python -m pip install $(if $(CI),--progress-bar off)
 
-.PHONY: serve test protos bench-kvcache install clean distclean
+.PHONY: serve test protos bench-kvcache bench-throughput install clean distclean
 
+# The whole stack on the built-in tiny model: manager on 127.0.0.1:50061, model service on :50051.
 serve: $(STAMP)
-	$(BIN)/kvserve kvcache $(SERVE_ARGS)
+	$(BIN)/kvserve up --model tiny $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -26,6 +27,9 @@ protos: $(STAMP)
 
 bench-kvcache: $(STAMP)
 	$(BIN)/python bench/kvcache_bench.py
+
+bench-throughput: $(STAMP)
+	$(BIN)/python bench/throughput.py
 
 install: $(STAMP)
 
