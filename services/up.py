@@ -60,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
         sizing = Path(tmp) / "sizing.json"
+        # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
         model = subprocess.Popen(cli + ["model", "--listen", args.listen, "--kvcache", args.kvcache_listen,
-                                        "--sizing-file", str(sizing)] + _flag_args(args))
+                                        "--sizing-file", str(sizing)] + _flag_args(args), start_new_session=True)
         procs = [model]
         try:
             size = _wait_for_sizing(sizing, model, args.startup_timeout, stop)
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
             max_seqs = args.max_seqs or max(256, 2 * args.max_num_seqs)
             kv = subprocess.Popen(cli + ["kvcache", "--listen", args.kvcache_listen,
                                          "--num-pages", str(size["num_pages"]), "--page-size", str(size["page_size"]),
-                                         "--max-seqs", str(max_seqs), "--cpu-pages", str(args.swap_pages)])
+                                         "--max-seqs", str(max_seqs), "--cpu-pages", str(args.swap_pages)],
+                                  start_new_session=True)
             procs.append(kv)
             while stop["signal"] is None and all(p.poll() is None for p in procs):
                 time.sleep(0.2)
@@ -97,13 +99,12 @@ def _wait_for_sizing(path: Path, model: subprocess.Popen, timeout: float, stop: 
 
 
 def _stop_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Model service first (it drains its requests, which still need the manager), then the manager."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
         try:
-            p.wait(max(0.1, deadline - time.monotonic()))
+            p.wait(timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

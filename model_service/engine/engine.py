@@ -126,6 +126,7 @@ class Engine:
             except Exception as exc:  # a bug or a lost manager: fail everyone, start clean
                 log.exception("engine step failed")
                 self._fail_all(f"internal error in the engine step: {exc}")
+                self._restart()
         self._fail_all("the server is shutting down")
 
     def _take_inbox(self, block: bool) -> None:
@@ -206,6 +207,9 @@ class Engine:
         for r in live:
             if r.sink is not None:
                 r.sink(Failed(message))
+
+    def _restart(self) -> None:
+        """A new epoch: the manager drops every stale page table of ours."""
         self.epoch = time.time_ns()
         self.scheduler = Scheduler(self.scheduler.config, self.epoch)
         try:
