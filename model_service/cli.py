@@ -32,6 +32,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"queued requests before RESOURCE_EXHAUSTED (default {_D.max_waiting})")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--cache-salt", default="", help="keeps this deployment's prefix cache apart")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="never share KV pages between requests (for measurements)")
     p.add_argument("--grace-period", type=float, default=_D.grace_s, help="seconds to drain on SIGTERM")
 
 
@@ -42,7 +44,8 @@ def model_config(args: argparse.Namespace, **override) -> ModelServiceConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_pages=args.swap_pages, preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        max_model_len=args.max_model_len, cache_salt=args.cache_salt, grace_s=args.grace_period)
+        max_model_len=args.max_model_len, cache_salt=args.cache_salt, prefix_caching=args.prefix_caching,
+        grace_s=args.grace_period)
     fields.update(override)
     try:
         return ModelServiceConfig(**fields)

@@ -27,6 +27,7 @@ class ModelServiceConfig:
     max_waiting: int = 1024               # queued requests before RESOURCE_EXHAUSTED
     max_model_len: int | None = None      # None: the model's, capped by the page pool
     cache_salt: str = ""                  # extra_key: keeps this deployment's prefix cache apart
+    prefix_caching: bool = True           # off: every request's pages are keyed apart (no hits)
     kvcache_timeout_s: float = 60.0       # how long to wait for the manager at start
     grace_s: float = 5.0                  # SIGTERM drain
     sizing_file: str | None = None        # where to write {"num_pages", "page_size"} once sized (kvserve up)

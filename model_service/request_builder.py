@@ -33,7 +33,10 @@ class RequestBuilder:
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                                f"{len(prompt) + max_tokens} exceeds the model length {limit}")
-        request = Request(request_id, prompt, max_tokens, params, extra_key=self.stack.config.cache_salt)
+        salt = self.stack.config.cache_salt
+        if not self.stack.config.prefix_caching:
+            salt = f"{salt}\x00{request_id}"  # pages of one request only: nothing is ever shared
+        request = Request(request_id, prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
         return request

@@ -94,7 +94,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             running=e.num_running, waiting=e.num_waiting, swapped=e.num_swapped,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, cached_tokens=c.cached_tokens,
             requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
-            kvcache=kv_pb.Stats(**{f: getattr(kv, f) for f in type(kv).__slots__}))
+            kvcache=kv_pb.Stats(**{f: getattr(kv, f) for f in type(kv).__slots__}),
+            schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,
+            forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s)
 
 
 def _to_messages(request_id: str, events: list):

@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _flag_args(args: argparse.Namespace) -> list[str]:
-    out = []
+    out = [] if args.prefix_caching else ["--no-prefix-caching"]
     for name in _MODEL_FLAGS:
         value = getattr(args, name)
         if value is not None:

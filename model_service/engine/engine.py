@@ -41,6 +41,13 @@ class EngineCounters:
     cached_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    # seconds per phase of the step, since start
+    schedule_s: float = 0.0
+    manager_s: float = 0.0
+    copy_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    emit_s: float = 0.0
 
 
 class Engine:
@@ -149,30 +156,43 @@ class Engine:
                 return
 
     def _step(self) -> None:
-        sched = self.scheduler
+        sched, c, clock = self.scheduler, self.counters, time.perf_counter
+        t0 = clock()
         plan = sched.build()
+        t1 = clock()
         answer = self.kv.step(plan.step)
+        t2 = clock()
         cache = self.runner.kv_cache
         cache.swap_out(answer.swap_out)  # the manager's order: every copy reads before anything overwrites
         cache.copy(answer.copies)
         cache.swap_in(answer.swap_in)
+        t3 = clock()
         work = sched.apply(plan, answer)
-        self.counters.steps += 1
+        c.steps += 1
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
+        t4 = clock()
+        c.schedule_s += (t1 - t0) + (t4 - t3)
+        c.manager_s += t2 - t1
+        c.copy_s += t3 - t2
         if not work:
             return
         logits = self.runner.execute(work)
         for w in work:
             w.request.num_computed = w.start + w.count
         sampled = [w for w in work if w.samples]
+        t5 = clock()
+        c.forward_s += t5 - t4
         if not sampled:
             return
         requests = [w.request for w in sampled]
         out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
                            [r.output_ids for r in requests], [r.generator for r in requests])
+        t6 = clock()
         for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
             self._emit(r, token, logprobs)
+        c.sample_s += t6 - t5
+        c.emit_s += clock() - t6
 
     def _emit(self, r: Request, token: int, logprobs) -> None:
         now = time.monotonic()

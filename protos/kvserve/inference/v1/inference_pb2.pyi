@@ -230,7 +230,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache")
+    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,12 @@ class ServerStats(_message.Message):
     REQUESTS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -251,4 +257,10 @@ class ServerStats(_message.Message):
     requests_aborted: int
     steps: int
     kvcache: _kvcache_pb2.Stats
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ...) -> None: ...
+    schedule_seconds: float
+    manager_seconds: float
+    copy_seconds: float
+    forward_seconds: float
+    sample_seconds: float
+    emit_seconds: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ...) -> None: ...
