@@ -1,0 +1,283 @@
+"""End-to-end throughput of kvserve against transformers on the same model, in one run.
+
+    .venv/bin/python bench/throughput.py                # the issue's workload (several minutes)
+    .venv/bin/python bench/throughput.py --quick        # 8 requests, 16 tokens: a smoke run
+
+Workload: the `bench` model (Llama, hidden 512, 8 layers, 8 heads / 2 KV heads,
+intermediate 1536, vocab 32000, float32, seed 0), 32 requests sent at once,
+prompts of 32-512 random tokens, greedy, EOS ignored, 64 then 256 new tokens.
+Printed side by side:
+  - kvserve through gRPC (`kvserve up`: both services as real processes),
+  - transformers `generate` on one static left-padded batch,
+  - transformers `generate_batch` (its continuous batching),
+  - the roofline: the workload's matmul FLOPs over the GEMM FLOP/s measured here,
+  - a multi-turn conversation (8 turns, +64 tokens each): time to first token
+    per turn with the prefix cache on and off,
+  - where the engine's step time goes (its phase timers, via GetServerStats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+from model_service.tiny_model import default_tiny_path  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- workload
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
+
+
+def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
+    """2 x weights x tokens: every prompt token through the layers, one LM-head row per
+    sequence at the end of its prefill, then (new_tokens - 1) decode tokens through all."""
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    layers, head = cfg.num_layers * layer, h * cfg.vocab_size
+    n = len(prompts)
+    prefill = sum(map(len, prompts)) * layers + n * head
+    decode = n * (new_tokens - 1) * (layers + head)
+    return 2.0 * (prefill + decode)
+
+
+def gemm_rate(cfg, rows: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of the model's own layer GEMMs at prefill size, measured now, on this machine."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for k, n in shapes:
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            torch.nn.functional.linear(x, w)
+            t = time.perf_counter()
+            for _ in range(reps):
+                torch.nn.functional.linear(x, w)
+            seconds += time.perf_counter() - t
+            flops += 2.0 * rows * k * n * reps
+    return flops / seconds
+
+
+# ------------------------------------------------------------------------------ kvserve
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """`kvserve up` as a subprocess, ready once both health services answer."""
+
+    def __init__(self, model: Path, extra: list[str]) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-")
+        self.address = f"127.0.0.1:{free_port()}"
+        self.kv_address = f"unix://{self.tmp.name}/kv.sock"
+        cmd = [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--model", str(model),
+               "--listen", self.address, "--kvcache-listen", self.kv_address, *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve up exited with {self.proc.returncode}")
+            try:
+                self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+                return
+            except grpc.RpcError:
+                time.sleep(0.5)
+        raise RuntimeError("kvserve up did not become ready")
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.tmp.cleanup()
+
+
+def generate(stub, prompt: list[int], new_tokens: int, out: dict) -> None:
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    sent = time.perf_counter()
+    first = None
+    for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)):
+        if r.HasField("chunk") and first is None:
+            first = time.perf_counter()
+        if r.HasField("finished"):
+            out["finished"] = r.finished
+    out["client_ttft_ms"] = (first - sent) * 1e3
+    out["done"] = time.perf_counter()
+
+
+def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict:
+    generate(stack.stub, prompts[0][:32], 4, {})  # warm-up: allocator, kernels
+    before = stack.stub.GetServerStats(pb.GetServerStatsRequest())
+    outs = [{} for _ in prompts]
+    threads = [threading.Thread(target=generate, args=(stack.stub, p, new_tokens, o)) for p, o in zip(prompts, outs)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = stack.stub.GetServerStats(pb.GetServerStatsRequest())
+    tokens = sum(o["finished"].usage.completion_tokens for o in outs)
+    assert tokens == len(prompts) * new_tokens, "a request stopped early"
+    phases = {name: getattr(after, f"{name}_seconds") - getattr(before, f"{name}_seconds")
+              for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
+    steps = after.steps - before.steps
+    return {"tok_s": tokens / wall, "wall": wall, "steps": steps, "phases": phases,
+            "ttft_ms": sorted(o["finished"].ttft_ms for o in outs)}
+
+
+# -------------------------------------------------------------------------- transformers
+
+def hf_static(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=2, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        wall = time.perf_counter() - start
+    assert out.shape[1] == width + new_tokens
+    return {"tok_s": len(prompts) * new_tokens / wall, "wall": wall}
+
+
+def hf_batch(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    try:  # no inference_mode: generate_batch updates its tensors in place from its own thread
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        wall = time.perf_counter() - start
+    except Exception as exc:  # an API that moves between releases: report, don't crash the run
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    if tokens != len(prompts) * new_tokens:
+        return {"error": f"generated {tokens} of {len(prompts) * new_tokens} tokens"}
+    return {"tok_s": tokens / wall, "wall": wall}
+
+
+# ------------------------------------------------------------------------------ multi-turn
+
+def multi_turn(stack: Stack, vocab: int, turns: int, add: int, reply: int, seed: int = 1) -> list[float]:
+    """Server-side time to first token of each turn of one growing conversation."""
+    rng = random.Random(seed)
+    history: list[int] = []
+    ttfts = []
+    for _ in range(turns):
+        history += [rng.randrange(3, vocab) for _ in range(add)]
+        out: dict = {}
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True)
+        tokens = []
+        for r in stack.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=history), sampling=sampling)):
+            if r.HasField("chunk"):
+                tokens += r.chunk.token_ids
+            if r.HasField("finished"):
+                out = r.finished
+        ttfts.append(out.ttft_ms)
+        history += tokens
+    return ttfts
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens, 3 turns")
+    ap.add_argument("--skip-hf-batch", action="store_true", help="skip transformers' generate_batch (slow)")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.new_tokens, args.turns = 8, [16], 3
+
+    from transformers import AutoModelForCausalLM
+
+    from model_service.model.config import ModelConfig
+
+    path = Path(args.model) if args.model else default_tiny_path("bench")
+    cfg = ModelConfig.from_pretrained(path)
+    prompts = make_prompts(args.requests, 32, 512, cfg.vocab_size)
+    print(f"model {path.name}: {cfg.architecture}, hidden {cfg.hidden_size}, {cfg.num_layers} layers; "
+          f"{args.requests} requests, {sum(map(len, prompts))} prompt tokens; torch threads {torch.get_num_threads()}")
+
+    rate = gemm_rate(cfg)
+    print(f"GEMM rate measured on the model's layer shapes: {rate / 1e9:.1f} GFLOP/s")
+    server = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
+    rows = []
+    stack = Stack(path, server)
+    try:
+        results = {n: run_kvserve(stack, prompts, n) for n in args.new_tokens}
+    finally:
+        stack.close()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for n in args.new_tokens:
+        k = results[n]
+        static = hf_static(hf, prompts, n)
+        batch = {"error": "skipped"} if args.skip_hf_batch else hf_batch(hf, prompts, n)
+        roof = args.requests * n / (matmul_flops(cfg, prompts, n) / rate)
+        rows.append((n, k, static, batch, roof))
+        rate = gemm_rate(cfg)  # re-measured between runs: the machine's speed drifts
+
+    turns = {}
+    for caching in (True, False):
+        stack = Stack(path, server + ([] if caching else ["--no-prefix-caching"]))
+        try:
+            multi_turn(stack, cfg.vocab_size, 2, 16, 4, seed=99)  # warm-up
+            turns[caching] = multi_turn(stack, cfg.vocab_size, args.turns, 64, 16)
+        finally:
+            stack.close()
+
+    print("\n| new tokens | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | roofline tok/s "
+          "| kvserve / HF generate | kvserve / roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for n, k, static, batch, roof in rows:
+        b = f"{batch['tok_s']:.1f}" if "tok_s" in batch else f"n/a ({batch['error']})"
+        print(f"| {n} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {roof:.1f} | "
+              f"{k['tok_s'] / static['tok_s']:.2f}x | {100 * k['tok_s'] / roof:.0f}% |")
+    print("\nwhere kvserve's step time went (engine phase timers):")
+    for n, k, *_ in rows:
+        total = sum(k["phases"].values())
+        split = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in k["phases"].items())
+        print(f"  {n} new tokens: {k['steps']} steps, {1e3 * total / max(1, k['steps']):.1f} ms/step; {split}")
+    print(f"\nmulti-turn time to first token (ms), turns 1..{args.turns}, +64 tokens per turn:")
+    for caching, ttfts in turns.items():
+        label = "cache on " if caching else "cache off"
+        print(f"  {label}: {' '.join(f'{t:.1f}' for t in ttfts)}   last/first {ttfts[-1] / ttfts[0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
