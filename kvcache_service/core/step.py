@@ -30,6 +30,7 @@ from kvcache_service.core.types import (
     Preemption,
     PreemptionMode,
     Resume,
+    SeqState,
     StepPlan,
     StepRequest,
 )
@@ -48,12 +49,14 @@ def _validate(m: KVCacheManager, req: StepRequest) -> None:
     """Checks the whole request against the state it will meet, before any change."""
     released = set()
     gained = 0  # pages the releases make available (freed or parked) before the truncations run
+    ref = m.pool.ref
     for seq_id in req.releases:
         seq = m.resolve(seq_id)
         if seq_id in released:
             raise InvalidArgument(f"step: seq id {seq_id} is released twice")
         released.add(seq_id)
-        gained += sum(1 for page in seq.pages if page != SWAPPED_OUT and m.pool.ref[page] == 1)
+        if req.truncations:  # only truncations need it: a walk over every page of the sequence
+            gained += sum(1 for page in seq.pages if page != SWAPPED_OUT and ref[page] == 1)
 
     def live(seq_id: int, what: str) -> None:
         if seq_id in released:
@@ -82,7 +85,18 @@ def _validate(m: KVCacheManager, req: StepRequest) -> None:
         m.check_commit(c, truncated.get(c.seq_id))
     new_ids: set[str] = set()
     needing: set[int] = set()
+    seqs = m.seqs
     for need in req.needs:
+        if type(need) is Grow:  # the common need, checked inline; errors come from check_need
+            seq_id = need.seq_id
+            seq = seqs.get(seq_id)
+            if seq is None or seq.state is not SeqState.RUNNING or need.num_tokens <= 0:
+                m.check_need(need, new_ids)
+            live(seq_id, "need")
+            if seq_id in needing:
+                raise InvalidArgument(f"step: seq id {seq_id} has two needs")
+            needing.add(seq_id)
+            continue
         m.check_need(need, new_ids)
         if isinstance(need, (Admit, Fork)):
             new_ids.add(need.request_id)
@@ -120,7 +134,7 @@ class _Step:
         for c in req.commits:
             m.commit(c)
         for need in req.needs:
-            result = self._serve(need)
+            result = self._grow(need) if type(need) is Grow else self._serve(need)
             if result.granted:
                 self.granted[result.seq_id] = len(plan.results)
             plan.results.append(result)
@@ -144,6 +158,14 @@ class _Step:
         m = self.m
         if need.seq_id in self.preempted:
             return NeedResult(False, need.seq_id, reason="preempted earlier in this step")
+        seq = m.seqs[need.seq_id]
+        n = -(-need.num_tokens // m.page_size) - len(seq.pages)
+        if n <= 0:
+            return NeedResult(True, need.seq_id, [])
+        if n <= m.available():  # fits without preempting anybody: what m.grow below would do
+            pages = m._take(n)
+            seq.pages.extend(pages)
+            return NeedResult(True, need.seq_id, pages)
         cost = m.cost(need)
         while not m._fits(cost):
             victim = next(reversed(m.running))
