@@ -85,6 +85,11 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         plan = await self._run(context, lambda: self.m.step(convert.step_from_pb(request)))
         return convert.plan_to_pb(plan)
 
+    async def StepStream(self, request_iterator, context):
+        async for request in request_iterator:
+            plan = await self._run(context, lambda: self.m.step(convert.step_from_pb(request)))
+            yield convert.plan_to_pb(plan)
+
     async def CanAllocate(self, request, context):
         check = await self._run(context, lambda: self.m.can_allocate(convert.need_from_pb(request.need)))
         return pb.CanAllocateResponse(ok=check.ok, pages_needed=check.pages_needed,

@@ -6,6 +6,7 @@ converts at its edge, so the engine never sees protobuf.
 
 from __future__ import annotations
 
+import queue
 from typing import Protocol
 
 from kvcache_service.core import KVCacheManager
@@ -60,9 +61,12 @@ class RemoteKVClient:
 
         self._pb = pb
         self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1)])
         self._stub = pb_grpc.KVCacheManagerStub(self._channel)
         self._timeout = timeout_s
+        self._stream: _StepStream | None = None
         self.address = address
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -78,15 +82,42 @@ class RemoteKVClient:
                             timeout=self._timeout)
 
     def step(self, request: StepRequest) -> StepPlan:
-        response = self._stub.Step(_step_to_pb(self._pb, request), timeout=self._timeout)
-        return _plan_from_pb(response)
+        """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""
+        if self._stream is None:
+            self._stream = _StepStream(self._stub)
+        try:
+            return _plan_from_pb(self._stream.call(_step_to_pb(self._pb, request)))
+        except Exception:
+            self._stream.close()
+            self._stream = None
+            raise
 
     def stats(self) -> Stats:
         s = self._stub.GetStats(self._pb.GetStatsRequest(), timeout=self._timeout)
         return Stats(**{f: getattr(s, f) for f in Stats.__slots__})
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._channel.close()
+
+
+class _StepStream:
+    """Request in, response out, over one bidirectional stream: no per-call setup."""
+
+    def __init__(self, stub) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = stub.StepStream(iter(self._requests.get, None))
+
+    def call(self, request):
+        # No per-message deadline on a stream: a dead manager is caught by the
+        # channel's keepalive pings, which end the stream with UNAVAILABLE.
+        self._requests.put(request)
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._responses.cancel()
 
 
 def _add_need(needs, need) -> None:

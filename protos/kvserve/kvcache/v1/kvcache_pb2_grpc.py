@@ -44,6 +44,11 @@ class KVCacheManagerStub:
                 request_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvserve.kvcache.v1.KVCacheManager/StepStream',
+                request_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.CanAllocate = channel.unary_unary(
                 '/kvserve.kvcache.v1.KVCacheManager/CanAllocate',
                 request_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.CanAllocateRequest.SerializeToString,
@@ -129,6 +134,15 @@ class KVCacheManagerServicer:
         Running out of pages for a need is an answer (granted = false), not an
         error. FAILED_PRECONDITION when the epoch is stale; RESOURCE_EXHAUSTED
         only when a truncation must copy a shared last page and no page is left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Step over one long-lived stream: a response per request, in order. The
+        same semantics as Step with less per-call overhead; an error ends the
+        stream with its status (open a new one to go on).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,6 +253,11 @@ def add_KVCacheManagerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.FromString,
+                    response_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.FromString,
                     response_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.SerializeToString,
             ),
@@ -360,6 +379,33 @@ class KVCacheManager:
             request,
             target,
             '/kvserve.kvcache.v1.KVCacheManager/Step',
+            kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
+            kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvserve.kvcache.v1.KVCacheManager/StepStream',
             kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
             kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
             options,
