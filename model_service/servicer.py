@@ -16,6 +16,7 @@ import grpc
 from model_service.engine.engine import DuplicateRequest, QueueFull
 from model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from model_service.request_builder import RequestBuilder, RequestError
+from model_service.tiny_model import PRESETS
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
@@ -82,7 +83,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         s = self.stack
         return pb.ModelInfo(
-            name=s.model_path.name, architecture=s.model_config.architecture, max_model_len=s.max_model_len,
+            name=s.config.model if s.config.model in PRESETS else s.model_path.name, architecture=s.model_config.architecture, max_model_len=s.max_model_len,
             vocab_size=s.model_config.vocab_size, page_size=s.page_size, dtype=str(s.dtype).removeprefix("torch."),
             attention_backend=s.backend_name, device=str(s.device), num_pages=s.num_pages,
             eos_token_ids=sorted(s.eos_token_ids))
@@ -123,9 +124,11 @@ def _to_messages(request_id: str, events: list):
         elif isinstance(event, Finished):
             usage = pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              cached_tokens=event.cached_tokens)
-            yield pb.GenerateResponse(finished=pb.Finished(
-                finish_reason=FINISH[event.reason], usage=usage, ttft_ms=event.ttft_ms,
-                total_ms=event.total_ms, stop=event.stop)), True, None
+            finished = pb.Finished(finish_reason=FINISH[event.reason], usage=usage, ttft_ms=event.ttft_ms,
+                                   total_ms=event.total_ms, stop=event.stop)
+            if event.stop_token_id is not None:
+                finished.stop_token_id = event.stop_token_id
+            yield pb.GenerateResponse(finished=finished), True, None
             return
         elif isinstance(event, Failed):
             yield None, True, event.message

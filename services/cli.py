@@ -23,6 +23,8 @@ COMMANDS: dict[str, str] = {
     "kvcache": "kvcache_service.cli:register",
     "model": "model_service.cli:register",
     "make-tiny-model": "model_service.model_cli:register",
+    "generate": "clients.cli:register_generate",
+    "chat": "clients.cli:register_chat",
 }
 
 

@@ -208,7 +208,7 @@ class Engine:
         if done:
             self._finish(r, reason, stop)
 
-    def _finish(self, r: Request, reason: str, stop: str = "") -> None:
+    def _finish(self, r: Request, reason: str, stop: str | int | None = None) -> None:
         self.scheduler.finish(r)
         now = time.monotonic()
         ttft = (r.first_token_at - r.arrival) * 1e3 if r.first_token_at else 0.0
@@ -219,7 +219,8 @@ class Engine:
         with self._lock:
             self._live.pop(r.request_id, None)
         r.sink(Finished(reason, r.num_prompt, r.num_output, r.cached_tokens or 0, ttft,
-                        (now - r.arrival) * 1e3, stop))
+                        (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
+                        stop if isinstance(stop, int) else None))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -30,7 +30,8 @@ class Finished:
     cached_tokens: int
     ttft_ms: float
     total_ms: float
-    stop: str = ""       # the stop string or token that ended it
+    stop: str = ""                     # the stop string that ended it
+    stop_token_id: int | None = None   # or the stop token / EOS
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,10 @@ class OutputProcessor:
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, p.skip_special_tokens)
         self.stop = StopChecker(p.stop, p.stop_token_ids, eos_token_ids, p.ignore_eos, request.max_tokens)
 
-    def add(self, token: int) -> tuple[str, bool, str | None, str]:
+    def add(self, token: int) -> tuple[str, bool, str | None, str | int | None]:
+        """(text to stream, finished, reason, the stop string or stop token id that ended it)."""
         result = self.stop.step(token, self.detokenizer.add([token]))
         text = result.text
         if result.finished and result.finish_reason == "length":
             text += self.detokenizer.flush()  # a cut-off character ends as U+FFFD, as a full decode would
-        stop = result.stop_reason
-        return text, result.finished, result.finish_reason, "" if stop is None else str(stop)
+        return text, result.finished, result.finish_reason, result.stop_reason

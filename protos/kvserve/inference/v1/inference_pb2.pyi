@@ -144,18 +144,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "usage", "ttft_ms", "total_ms", "stop")
+    __slots__ = ("finish_reason", "usage", "ttft_ms", "total_ms", "stop", "stop_token_id")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     ttft_ms: float
     total_ms: float
     stop: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stop: _Optional[str] = ...) -> None: ...
+    stop_token_id: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stop: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("queued", "prefill_done", "chunk", "finished")

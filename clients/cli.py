@@ -1,0 +1,259 @@
+"""`kvserve generate` and `kvserve chat`: command-line clients of the Inference service.
+
+    kvserve generate "Once upon a time" --max-tokens 64 --temperature 0
+    printf 'hi\\nand then?\\n' | kvserve chat --system "You are terse."
+
+The text streams to stdout; summaries and errors go to stderr, so stdout holds
+only model output. Imports of grpc and the SDK happen inside the commands, to
+keep `kvserve --help` fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from clients.inference_client import Finished, GenerateStream, PrefillDone
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Both commands."""
+    register_generate(subparsers)
+    register_chat(subparsers)
+
+
+def register_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="stream a completion from a model service",
+        description="Send one prompt to a model service and stream the text to stdout; a summary "
+                    "(tokens, cache hits, latency) goes to stderr. Ctrl-C cancels the request.")
+    p.add_argument("text", nargs="?", default="-", metavar="TEXT",
+                   help="the prompt; '-' or nothing: read it from stdin. With --token-ids: token ids, "
+                        "separated by commas or spaces")
+    _add_common(p)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
+    p.add_argument("--stop", action="append", default=[], metavar="S",
+                   help="stop at this string (repeatable); it is not printed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--token-ids", action="store_true", help="TEXT is a list of token ids, not text")
+    p.set_defaults(func=run_generate)
+
+
+def register_chat(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "chat", help="a multi-turn chat with a model service (reads turns from stdin)",
+        description="Each line read from stdin is a user turn; the whole conversation is sent with "
+                    "every turn and rendered by the model's chat template, so each turn finds the "
+                    "previous ones in the prefix cache (shown on stderr). /reset clears the "
+                    "history, /quit or end of input ends.")
+    _add_common(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
+    p.add_argument("--seed", type=int, default=None, help="seed of every turn's sampling")
+    p.set_defaults(func=run_chat)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS,
+                   help=f"the model service (or gateway): host:port or unix:///path (default {DEFAULT_ADDRESS})")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each request, in seconds")
+
+
+# --------------------------------------------------------------------------- generate
+
+def run_generate(args: argparse.Namespace) -> int:
+    from clients.inference_client import InferenceClient, KVServeError
+
+    _tolerant_stdout()
+    text = sys.stdin.read() if args.text == "-" else args.text
+    inputs: dict[str, object] = {"prompt": text}
+    if args.token_ids:
+        try:
+            inputs = {"token_ids": [int(t) for t in text.replace(",", " ").split()]}
+        except ValueError:
+            print(f"kvserve generate: --token-ids wants integers, got {text!r}", file=sys.stderr)
+            return 2
+    out = _Output(sys.stdout)
+    stream = None
+    with InferenceClient(args.address, timeout=args.timeout) as client:
+        try:
+            stream = client.generate(
+                **inputs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+            _, finished = _stream_text(stream, out)
+        except KVServeError as exc:
+            out.end_line()
+            print(f"kvserve generate: {exc.code}: {exc.message}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            if stream is not None:
+                stream.cancel()
+            out.end_line()
+            print("[cancelled]", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:  # `kvserve generate ... | head`: stop generating, quietly
+            if stream is not None:
+                stream.cancel()
+            _silence_stdout()
+            return 1
+    out.end_line()
+    print(_generate_summary(finished), file=sys.stderr)
+    return 0
+
+
+def _generate_summary(f: Finished) -> str:
+    rate = f.completion_tokens / (f.total_ms / 1e3) if f.total_ms > 0 else 0.0
+    stop = f" ({f.stop!r})" if f.stop else ""
+    return (f"[{f.prompt_tokens} prompt tokens ({f.cached_tokens} cached), {f.completion_tokens} completion "
+            f"tokens, ttft {f.ttft_ms:.1f} ms, total {f.total_ms:.1f} ms, {rate:.1f} tokens/s, "
+            f"finish {f.reason}{stop}]")
+
+
+# --------------------------------------------------------------------------- chat
+
+def run_chat(args: argparse.Namespace) -> int:
+    from clients.inference_client import InferenceClient, KVServeError
+
+    _tolerant_stdout()
+    interactive = sys.stdin.isatty()
+    out = _Output(sys.stdout)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    turn, failed = 0, False
+    with InferenceClient(args.address, timeout=args.timeout) as client:
+        while True:
+            try:
+                line = _read_turn(interactive)
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat
+                out.end_line(force=True)
+                return EXIT_INTERRUPTED
+            if line is None or line.strip() == "/quit":
+                break
+            if line.strip() == "/reset":
+                history, turn = list(opening), 0
+                print("[history cleared]", file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            turn += 1
+            history.append({"role": "user", "content": line})
+            stream = None
+            try:
+                stream = client.generate(messages=history, max_tokens=args.max_tokens,
+                                         temperature=args.temperature, seed=args.seed)
+                reply: list[str] = []
+                _, finished = _stream_text(stream, out, collect=reply)
+            except KVServeError as exc:
+                out.end_line()
+                print(f"kvserve chat: {exc.code}: {exc.message}", file=sys.stderr)
+                history.pop()  # the turn did not happen; the user may send it again
+                turn -= 1
+                failed = True
+                continue
+            except KeyboardInterrupt:  # Ctrl-C during a reply cancels that reply only
+                if stream is not None:
+                    stream.cancel()
+                out.end_line(force=True)
+                print("[reply cancelled]", file=sys.stderr)
+                history.pop()
+                turn -= 1
+                if not interactive:
+                    return EXIT_INTERRUPTED
+                continue
+            except BrokenPipeError:
+                if stream is not None:
+                    stream.cancel()
+                _silence_stdout()
+                return 1
+            out.end_line(force=True)  # every reply ends with a newline of its own
+            history.append({"role": "assistant", "content": "".join(reply)})
+            print(_chat_summary(turn, finished), file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next user line without its newline; None at end of input."""
+    if interactive:
+        try:
+            return input("you> ")
+        except EOFError:
+            print()
+            return None
+    line = sys.stdin.readline()
+    return line.removesuffix("\n").removesuffix("\r") if line else None
+
+
+def _chat_summary(turn: int, f: Finished) -> str:
+    end = "" if f.reason == "stop" else f", finish {f.reason}"
+    return (f"[turn {turn}: {f.prompt_tokens} prompt tokens, {f.cached_tokens} from cache, "
+            f"{f.completion_tokens} generated, ttft {f.ttft_ms:.1f} ms{end}]")
+
+
+# --------------------------------------------------------------------------- shared
+
+class _Output:
+    """stdout, remembering whether the last line written is still open."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.open_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.stream.write(text)
+            self.stream.flush()
+            self.open_line = not text.endswith("\n")
+
+    def end_line(self, force: bool = False) -> None:
+        """Finish a partly written line (any line with force) so what follows starts on its own."""
+        if force or self.open_line:
+            try:
+                self.write("\n")
+            except (BrokenPipeError, ValueError):
+                pass
+        self.open_line = False
+
+
+def _stream_text(stream: GenerateStream, out: _Output, collect: list[str] | None = None
+                 ) -> tuple[PrefillDone | None, Finished]:
+    """Write each chunk's text to `out` as it arrives; -> (prefill_done, finished)."""
+    from clients.inference_client import Chunk, Finished, KVServeError, PrefillDone
+
+    prefill = finished = None
+    for event in stream:
+        if isinstance(event, Chunk):
+            out.write(event.text)
+            if collect is not None:
+                collect.append(event.text)
+        elif isinstance(event, PrefillDone):
+            prefill = event
+        elif isinstance(event, Finished):
+            finished = event
+    if finished is None:
+        raise KVServeError("INTERNAL", "the stream ended without a finished event")
+    return prefill, finished
+
+
+def _tolerant_stdout() -> None:
+    """Model output may hold characters the terminal's encoding lacks: replace, never crash."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="replace")
+
+
+def _silence_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush is quiet."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

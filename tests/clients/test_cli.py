@@ -1,0 +1,129 @@
+"""`kvserve generate` and `kvserve chat` as real subprocesses against the test model service."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clients.inference_client import InferenceClient
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60
+GENERATE_SUMMARY = re.compile(
+    r"\[(\d+) prompt tokens \((\d+) cached\), (\d+) completion tokens, ttft [\d.]+ ms, total [\d.]+ ms, "
+    r"[\d.]+ tokens/s, finish (\w+)")
+TURN_SUMMARY = re.compile(r"\[turn (\d+): (\d+) prompt tokens, (\d+) from cache, (\d+) generated, ttft [\d.]+ ms")
+
+
+def kvserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], input=stdin, capture_output=True,
+                          text=True, encoding="utf-8", errors="replace", cwd=REPO, timeout=TIMEOUT_S)
+
+
+def test_generate_streams_text_and_a_summary(model_server, client: InferenceClient) -> None:
+    prompt = "The cache page holds the key and value vectors"
+    expected = client.complete(prompt, max_tokens=20, temperature=0, ignore_eos=True)
+    r = kvserve("generate", prompt, "--address", model_server.address, "--max-tokens", "20",
+                "--temperature", "0", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == expected.text.replace("\r\n", "\n").rstrip("\n")
+    m = GENERATE_SUMMARY.search(r.stderr)
+    assert m, r.stderr
+    assert (int(m[1]), int(m[3]), m[4]) == (expected.finished.prompt_tokens, 20, "length")
+
+
+def test_generate_token_ids_and_stop(model_server, client: InferenceClient) -> None:
+    ids = client.tokenize("The cache page holds").token_ids
+    free = client.complete(token_ids=ids, max_tokens=20, temperature=0, ignore_eos=True)
+    stop = re.search(r"[a-z]{2}", free.text).group()
+    r = kvserve("generate", ",".join(map(str, ids)), "--token-ids", "--address", model_server.address,
+                "--max-tokens", "20", "--temperature", "0", "--ignore-eos", "--stop", "zzzz", "--stop", stop)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == free.text[:free.text.index(stop)].rstrip("\n")
+    assert GENERATE_SUMMARY.search(r.stderr)[4] == "stop"
+
+
+def test_generate_reports_a_server_error(model_server) -> None:
+    r = kvserve("generate", "hello", "--address", model_server.address, "--temperature", "-1")
+    assert r.returncode == 1
+    assert r.stderr.startswith("kvserve generate: INVALID_ARGUMENT: ")
+    assert "temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_with_no_server_is_unavailable() -> None:
+    r = kvserve("generate", "hello", "--address", "127.0.0.1:1")
+    assert r.returncode == 1
+    assert r.stderr.startswith("kvserve generate: UNAVAILABLE: ")
+
+
+def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
+    before = client.server_stats()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "generate", "The cache page", "--address", model_server.address,
+         "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+        cwd=REPO)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while client.server_stats().running == 0:  # the request is streaming
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "[cancelled]" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while (stats := client.server_stats()).running:  # aborted within an engine step or so
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert stats.requests_aborted == before.requests_aborted + 1
+    assert stats.kvcache.used_pages == 0
+
+
+def test_chat_reuses_the_conversation_from_the_cache(model_server, client: InferenceClient) -> None:
+    page = client.model_info().page_size
+    turns = "What is a page?\nAnd a prefix tree?\nThanks, and eviction?\n/reset\nWhat is a page?\n/quit\nnot sent\n"
+    r = kvserve("chat", "--address", model_server.address, "--max-tokens", "16", "--temperature", "0",
+                "--system", "You are a helpful assistant for the kvserve model server; answer briefly.",
+                stdin=turns)
+    assert r.returncode == 0, r.stderr
+    summaries = [tuple(map(int, m.groups())) for m in TURN_SUMMARY.finditer(r.stderr)]
+    assert [s[0] for s in summaries] == [1, 2, 3, 1], r.stderr  # /reset restarts; /quit stops before "not sent"
+    assert "[history cleared]" in r.stderr
+    assert r.stdout.count("\n") >= 4 and r.stdout.strip()  # 4 replies, each ending its line
+    (_, p1, _, _), (_, p2, c2, _), (_, p3, c3, _), (_, p4, c4, _) = summaries
+    # each turn's prompt holds the previous prompt, its reply and the new user line ...
+    assert p1 + 4 < p2 < p3  # 4: <|end|><|user|> ... <|end|><|assistant|>
+    # ... and every full page of the previous turn's prompt comes from the prefix cache
+    assert c2 >= p1 // page * page > 0
+    assert c3 >= p2 // page * page > 0
+    # after /reset the first turn is sent again: same prompt, all but its last page cached
+    assert p4 == p1 and c4 == (p1 - 1) // page * page
+
+
+def test_chat_error_keeps_going_and_exits_1(model_server) -> None:
+    r = kvserve("chat", "--address", model_server.address, "--max-tokens", "100000", stdin="hello\n")
+    assert r.returncode == 1
+    assert r.stderr.startswith("kvserve chat: INVALID_ARGUMENT: ")
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_help_does_not_import_torch_or_grpc(command: str) -> None:
+    code = ("import sys; from services import cli\n"
+            f"try: cli.main(['{command}', '--help'])\nexcept SystemExit: pass\n"
+            "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ}, timeout=TIMEOUT_S)
+    assert r.stdout.strip().endswith("[]"), r.stdout + r.stderr

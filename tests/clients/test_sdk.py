@@ -1,0 +1,245 @@
+"""The Python SDK against a real model service (tiny model, in-process KV-cache manager)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import re
+import threading
+import time
+
+import grpc
+import pytest
+
+from clients.inference_client import (
+    Chunk, Completion, Finished, InferenceClient, KVCacheStats, KVServeError, ModelInfo, PrefillDone,
+    ServerStats, Tokenized,
+)
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+
+# About 40 tokens: two full pages of 16, so a repeated prompt has something to find in the cache.
+PROMPT = ("The cache page holds the key and value vectors of sixteen tokens, and the server keeps "
+          "every full page in a prefix tree so that the next request with the same start reuses it")
+SYSTEM = {"role": "system", "content": "You are a helpful assistant for the kvserve model server; answer briefly."}
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- generate / complete
+
+def test_events_come_in_order(client: InferenceClient) -> None:
+    events = list(client.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True))
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "PrefillDone" and kinds[-1] == "Finished", kinds
+    assert set(kinds[1:-1]) == {"Chunk"}, kinds
+    prefill, finished, chunks = events[0], events[-1], events[1:-1]
+    assert prefill.request_id
+    assert finished.reason == "length"
+    assert finished.completion_tokens == 12 == sum(len(c.token_ids) for c in chunks)
+    assert finished.prompt_tokens == prefill.prompt_tokens == len(client.tokenize(PROMPT).token_ids)
+    assert finished.cached_tokens == prefill.cached_tokens
+    assert 0 < finished.ttft_ms <= finished.total_ms
+    assert all(isinstance(c.token_ids, tuple) and isinstance(c.text, str) for c in chunks)
+
+
+def test_complete_is_the_concatenated_stream(client: InferenceClient) -> None:
+    chunks = [e for e in client.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+              if isinstance(e, Chunk)]
+    done = client.complete(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    assert isinstance(done, Completion)
+    assert done.text == "".join(c.text for c in chunks)
+    assert done.token_ids == tuple(t for c in chunks for t in c.token_ids)
+    assert len(done.token_ids) == done.finished.completion_tokens == 16
+    assert done.request_id == done.prefill.request_id != ""
+
+
+def test_seeded_sampling_is_reproducible(client: InferenceClient) -> None:
+    def sample(seed: int) -> tuple[int, ...]:
+        return client.complete(PROMPT, max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True).token_ids
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))  # the seed is really used
+    greedy = client.complete(PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids
+    assert client.complete(PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids == greedy
+
+
+def test_token_ids_input_is_the_prompt_tokenized(client: InferenceClient) -> None:
+    ids = client.tokenize(PROMPT).token_ids
+    by_text = client.complete(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    by_ids = client.complete(token_ids=list(ids), max_tokens=8, temperature=0, ignore_eos=True)
+    assert by_ids.prefill.prompt_tokens == len(ids)
+    assert by_ids.token_ids == by_text.token_ids
+    # the second identical prompt finds the first one's full pages in the prefix cache
+    page = client.model_info().page_size
+    assert by_ids.finished.cached_tokens == (len(ids) - 1) // page * page
+
+
+def test_messages_input_uses_the_chat_template(client: InferenceClient) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "What is a page?"}]
+    rendered = client.tokenize(messages=messages)
+    assert rendered.tokens[:2] == ("<s>", "<|system|>")
+    assert rendered.tokens[-1] == "<|assistant|>"
+    done = client.complete(messages=messages, max_tokens=8, temperature=0)
+    assert done.prefill.prompt_tokens == len(rendered.token_ids)
+    # (role, content) pairs and plain dicts are the same conversation
+    pairs = [(m["role"], m["content"]) for m in messages]
+    assert client.tokenize(messages=pairs).token_ids == rendered.token_ids
+
+
+def test_chat_history_rerenders_as_a_prefix(client: InferenceClient) -> None:
+    """What `kvserve chat` relies on: turn n+1's prompt starts with all of turn n's prompt
+    tokens, so every full page of it comes from the prefix cache."""
+    page = client.model_info().page_size
+    messages = [SYSTEM, {"role": "user", "content": "What is a page?"}]
+    for turn in range(3):
+        before = client.tokenize(messages=messages).token_ids
+        reply = client.complete(messages=messages, max_tokens=16, temperature=0)
+        messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": f"And {turn}?"}]
+        after = client.tokenize(messages=messages).token_ids
+        assert after[:len(before)] == before, f"turn {turn + 2} re-renders the history differently"
+        nxt = client.complete(messages=messages, max_tokens=1, temperature=0)
+        assert nxt.finished.cached_tokens >= len(before) // page * page > 0
+
+
+def test_logprobs(client: InferenceClient) -> None:
+    done = client.complete(PROMPT, max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    assert len(done.logprobs) == 6
+    for token, lp in zip(done.token_ids, done.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0].token_id == token  # greedy: the chosen one is the top one
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+
+
+def test_stop_string_ends_the_stream(client: InferenceClient) -> None:
+    free = client.complete(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    stop = re.search(r"[a-z]{2}", free.text).group()  # two letters the greedy output is sure to produce
+    done = client.complete(PROMPT, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    assert done.finished.reason == "stop" and done.finished.stop == stop
+    assert done.text == free.text[:free.text.index(stop)]
+
+
+# ---------------------------------------------------------------- cancellation
+
+def test_cancel_by_request_id_ends_the_stream_with_abort(client: InferenceClient) -> None:
+    stream = client.generate(PROMPT, max_tokens=1500, temperature=0, ignore_eos=True, request_id="to-cancel")
+    first = next(stream)
+    assert isinstance(first, PrefillDone) and first.request_id == "to-cancel" == stream.request_id
+    client.cancel("to-cancel")
+    rest = list(stream)
+    assert isinstance(rest[-1], Finished) and rest[-1].reason == "abort"
+    assert rest[-1].completion_tokens < 1500
+
+
+def test_cancelling_the_stream_aborts_the_request(client: InferenceClient) -> None:
+    before = client.server_stats().requests_aborted
+    with client.generate(PROMPT, max_tokens=1500, temperature=0, ignore_eos=True) as stream:
+        assert isinstance(next(stream), PrefillDone)
+        assert isinstance(next(stream), Chunk)
+        stream.cancel()
+        with pytest.raises(KVServeError) as info:
+            list(stream)
+    assert info.value.code == "CANCELLED"
+    wait_until(lambda: client.server_stats().requests_aborted == before + 1)
+    wait_until(lambda: client.server_stats().running == 0)
+
+
+def test_cancel_from_another_thread(client: InferenceClient) -> None:
+    stream = client.generate(PROMPT, max_tokens=1500, temperature=0, ignore_eos=True, request_id="threaded")
+    threading.Timer(0.3, client.cancel, args=("threaded",)).start()
+    events = list(stream)
+    assert events[-1].reason == "abort"
+
+
+# ---------------------------------------------------------------- errors
+
+def test_cancel_of_an_unknown_id_is_not_found(client: InferenceClient) -> None:
+    with pytest.raises(KVServeError) as info:
+        client.cancel("no-such-request")
+    err = info.value
+    assert err.code == "NOT_FOUND"
+    assert "no-such-request" in err.message
+    assert str(err) == f"NOT_FOUND: {err.message}"
+    assert isinstance(err.__cause__, grpc.RpcError)
+    assert pickle.loads(pickle.dumps(err)).args == err.args
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(), "set one input"),
+    (dict(token_ids=[1, 5, 99999]), "99999 is outside the vocabulary"),
+    (dict(token_ids=[]), "no tokens"),
+    (dict(messages=[]), "messages is empty"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", max_tokens=10**6), "exceeds the model length"),
+])
+def test_bad_input_is_invalid_argument(client: InferenceClient, kwargs: dict, words: str) -> None:
+    with pytest.raises(KVServeError) as info:
+        client.complete(**kwargs)
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert words in info.value.message
+
+
+def test_two_inputs_are_refused_before_sending(client: InferenceClient) -> None:
+    with pytest.raises(ValueError, match="one input"):
+        client.generate(prompt="hi", token_ids=[1, 2])
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    with InferenceClient("127.0.0.1:1", timeout=5) as c:
+        with pytest.raises(KVServeError) as info:
+            c.model_info()
+        assert info.value.code == "UNAVAILABLE"
+
+
+# ---------------------------------------------------------------- unary calls
+
+def test_tokenize(client: InferenceClient) -> None:
+    t = client.tokenize("hello world")
+    assert isinstance(t, Tokenized) and len(t.token_ids) == len(t.tokens) > 0
+    assert "".join(t.tokens).replace("\u0120", " ") == "hello world"  # byte-level BPE pieces
+    with pytest.raises(KVServeError) as info:
+        client.tokenize()
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_model_info(client: InferenceClient) -> None:
+    info = client.model_info()
+    assert isinstance(info, ModelInfo)
+    assert (info.name, info.architecture, info.vocab_size, info.page_size) == ("tiny", "LlamaForCausalLM", 1024, 16)
+    assert info.device == "cpu" and info.num_pages == 512 and info.max_model_len == 2048
+    assert info.eos_token_ids == (2, 6)  # </s> and <|end|>
+
+
+def test_server_stats(client: InferenceClient) -> None:
+    before = client.server_stats()
+    client.complete(PROMPT, max_tokens=5, temperature=0, ignore_eos=True)
+    after = client.server_stats()
+    assert isinstance(after, ServerStats) and isinstance(after.kvcache, KVCacheStats)
+    assert after.requests_finished == before.requests_finished + 1
+    assert after.generated_tokens == before.generated_tokens + 5
+    assert after.running == after.waiting == 0
+    assert after.kvcache.page_size == 16 and after.kvcache.total_pages == 512
+    assert after.forward_seconds > before.forward_seconds > 0
+
+
+@pytest.mark.parametrize("cls, message", [
+    (ModelInfo, pb.ModelInfo), (ServerStats, pb.ServerStats), (KVCacheStats, kv_pb.Stats),
+    (PrefillDone, pb.PrefillDone),
+])
+def test_dataclasses_cover_the_contract(cls: type, message) -> None:
+    """Every proto field has its dataclass field and back, so the edge drops nothing."""
+    assert {f.name for f in dataclasses.fields(cls)} == {f.name for f in message.DESCRIPTOR.fields}
+
+
+def test_finished_covers_the_contract() -> None:
+    usage = {f.name for f in pb.Usage.DESCRIPTOR.fields}
+    finished = {f.name for f in pb.Finished.DESCRIPTOR.fields} - {"usage", "finish_reason"} | {"reason"}
+    assert {f.name for f in dataclasses.fields(Finished)} == usage | finished
