@@ -15,10 +15,7 @@ from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.kvcache.conftest import admit, commit, grow
 
-try:
-    from tests.kvcache.invariants import check_invariants
-except ImportError:  # written separately; GetStats checks below still run
-    check_invariants = None
+from tests.kvcache.invariants import check_invariants
 
 THREADS = 16
 ROUNDS = 30
@@ -140,8 +137,7 @@ def test_sixteen_clients_leave_nothing_behind(kv_factory) -> None:
     assert fresh.number == s.last_event and len(fresh.snapshot.pages) == s.tree_pages
     assert replay(events) == {p.hash: p.parent_hash for p in fresh.snapshot.pages}
 
-    if check_invariants is not None:  # every call has returned: the manager is idle
-        check_invariants(kv.manager)
+    check_invariants(kv.manager)  # every call has returned: the manager is idle
 
 
 def run_clients(address: str) -> None:

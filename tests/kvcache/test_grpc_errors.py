@@ -16,10 +16,7 @@ from kvcache_service.core import ManagerConfig
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.conftest import T10, KV, admit, commit, fork, grow, resume, rpc_error
 
-try:  # another engineer's deep checks of the core; the gRPC-level checks run without them
-    from tests.kvcache.invariants import check_invariants, snapshot as core_state
-except ImportError:
-    check_invariants = core_state = None
+from tests.kvcache.invariants import check_invariants, snapshot as core_state
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -163,7 +160,7 @@ def seeded(kv: KV) -> KV:
 def snapshot(kv: KV) -> tuple:
     """What clients can see, plus (between calls, when the server is idle) the core's whole state."""
     seen = (kv.stats(), kv.seq(seq_id=0), kv.seq(seq_id=1))
-    return seen if core_state is None else (*seen, core_state(kv.manager))
+    return (*seen, core_state(kv.manager))
 
 
 @pytest.mark.parametrize("fails, code, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -177,8 +174,7 @@ def test_error_changes_nothing_and_the_server_keeps_serving(
     for word in words:
         assert word in err.details()
     assert snapshot(kv) == before
-    if check_invariants is not None:
-        check_invariants(kv.manager)
+    check_invariants(kv.manager)
     # Still serving, and no id leaked: the next admission gets the next seq id and page.
     r = kv.step(epoch=EPOCH, needs=[admit("after", [9, 9])]).results[0]
     assert (r.granted, r.seq_id, list(r.page_ids)) == (True, 2, [5])
