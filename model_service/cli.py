@@ -69,7 +69,10 @@ def run_model(args: argparse.Namespace) -> int:
 
     from model_service.server import serve
 
-    asyncio.run(serve(model_config(args, sizing_file=args.sizing_file)))
+    try:
+        asyncio.run(serve(model_config(args, sizing_file=args.sizing_file)))
+    except (ValueError, ConnectionError) as exc:  # bad model/config, manager refused or unreachable
+        raise SystemExit(f"kvserve model: {exc}") from None
     return 0
 
 

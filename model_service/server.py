@@ -18,13 +18,14 @@ async def create_server(config: ModelServiceConfig, stack: ModelStack | None = N
                         ) -> tuple[RunningServer, InferenceServicer]:
     """A started server (the engine running) on config.listen; port 0 picks a free port."""
     stack = stack or await asyncio.to_thread(build, config)
-    stack.engine.start()
-    servicer = InferenceServicer(stack)
-    spec = ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)
     try:
+        stack.engine.start()
+        servicer = InferenceServicer(stack)
+        spec = ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)
         return await _create(config.listen, [spec]), servicer
     except Exception:
         stack.engine.stop()
+        stack.kv.close()
         raise
 
 

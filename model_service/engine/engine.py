@@ -121,8 +121,8 @@ class Engine:
     # ------------------------------------------------------- engine thread
 
     def _loop(self) -> None:
-        sched = self.scheduler
         while not self._stop.is_set():
+            sched = self.scheduler  # _restart() replaces it after a failed step
             self._take_inbox(block=not sched.has_work())
             if not sched.has_work():
                 self._idle.set()

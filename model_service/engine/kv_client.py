@@ -78,8 +78,16 @@ class RemoteKVClient:
                                   f"within {timeout_s:.0f} s") from None
 
     def register(self, epoch: int, page_size: int, num_pages: int) -> None:
-        self._stub.Register(self._pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
-                            timeout=self._timeout)
+        import grpc
+        try:
+            self._stub.Register(self._pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
+                                timeout=self._timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(f"the KV-cache manager at {self.address} refused to register this model service: "
+                                 f"{exc.details().removeprefix('register: ')} (start both with the same "
+                                 "--page-size and --num-pages, or use `kvserve up`)") from None
+            raise ConnectionError(f"the KV-cache manager at {self.address}: {exc.code().name}: {exc.details()}") from None
 
     def step(self, request: StepRequest) -> StepPlan:
         """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""

@@ -1,0 +1,118 @@
+"""The model service's life beyond single calls: draining on shutdown, and a failed
+engine step (a bug, a lost manager) that must end the streams in flight with a status
+and leave the engine serving, and idle when there is nothing to do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from services.grpc_server import stop_gracefully
+from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error, wait_until
+
+PROMPT = [17, 4, 250, 999, 31, 8, 77]
+
+
+def _stream_until_chunk(stub, msg, timeout: float = 60):
+    call = stub.Generate(msg, timeout=timeout)
+    events = []
+    for event in call:
+        events.append(event)
+        if event.HasField("chunk"):
+            return call, events
+    raise AssertionError("the stream ended before its first chunk")
+
+
+def test_drain_refuses_new_calls_and_lets_running_ones_finish(fresh_server):
+    address, servicer = fresh_server
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        short, events = _stream_until_chunk(stub, request(token_ids=PROMPT, **greedy(30)))
+        servicer.drain()
+        err = rpc_error(lambda: stub.Generate(request(token_ids=PROMPT, **greedy(3)), timeout=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in err.details()
+        events += list(short)  # the running call is not cut
+        assert events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(e.chunk.token_ids) for e in events if e.HasField("chunk")) == 30
+        # the other RPCs still answer while draining
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).page_size == 4
+
+
+def test_graceful_stop_ends_a_long_call_with_unavailable_and_frees_its_pages(tiny_dirs):
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            call, _ = _stream_until_chunk(stub, request(token_ids=PROMPT, **greedy(1900)))
+            server.servicer.drain()
+            stopping = asyncio.run_coroutine_threadsafe(
+                stop_gracefully(server.running.server, server.running.health, 0.3), server.loop)
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            stopping.result(10)
+        wait_until(lambda: server.servicer.engine.counters.aborted == 1, what="the abort")
+        assert_pages_free(server.servicer)
+    finally:
+        server.stop()
+
+
+def _fail_fifth_forward(servicer):
+    """The runner's 5th forward pass raises (as a CUDA error or a bug would)."""
+    runner = servicer.engine.runner
+    execute, calls = runner.execute, {"n": 0}
+
+    def failing(work):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("injected failure")
+        return execute(work)
+
+    runner.execute = failing
+
+
+def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_server):
+    address, servicer = fresh_server
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        solo = generate(stub, request(token_ids=PROMPT, **greedy(12))).tokens
+        _fail_fifth_forward(servicer)
+        calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(40)), timeout=30) for i in range(3)]
+        for call in calls:
+            events = []
+            with pytest.raises(grpc.RpcError) as info:
+                for event in call:
+                    events.append(event)
+            # a status, never an error message inside the stream
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "internal error in the engine step: injected failure" in info.value.details()
+            assert not any(e.HasField("finished") for e in events)
+        # a new epoch, a clean manager, and the same tokens as before
+        again = generate(stub, request(token_ids=PROMPT, **greedy(12)))
+        assert again.tokens == solo
+
+
+def test_engine_goes_idle_after_a_failed_step(fresh_server):
+    address, servicer = fresh_server
+    engine = servicer.engine
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        _fail_fifth_forward(servicer)
+        with pytest.raises(grpc.RpcError):
+            for _ in stub.Generate(request(token_ids=PROMPT, **greedy(40)), timeout=30):
+                pass
+        generate(stub, request(token_ids=PROMPT, **greedy(4)))
+    assert engine.wait_idle(2), "the engine never went idle after recovering"
+    steps = engine.counters.steps
+    time.sleep(0.3)
+    assert engine.counters.steps == steps, "the engine keeps stepping with nothing to do"
+    assert_pages_free(servicer)

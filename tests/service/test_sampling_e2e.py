@@ -1,0 +1,228 @@
+"""Sampling through the server: seeds, top-k/top-p limits, logprobs and stop strings,
+end to end over gRPC (tiny checkpoint, in-process KV-cache manager)."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.service.util import Stream, assert_pages_free, generate, greedy, request
+
+_rng = random.Random(99)
+PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (7, 16, 29, 38)]
+
+
+# ---------------------------------------------------------------------- seeds
+
+
+TARGET = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
+# Five neighbours with every other kind of parameter, seeded and not.
+NEIGHBOURS = [
+    (PROMPTS[1], dict(temperature=0.0, max_tokens=48, ignore_eos=True)),
+    (PROMPTS[2], dict(temperature=1.3, seed=7, max_tokens=48, ignore_eos=True)),
+    (PROMPTS[3], dict(temperature=1.0, top_k=20, max_tokens=48, ignore_eos=True)),
+    (PROMPTS[0], dict(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
+                      seed=99, max_tokens=48, ignore_eos=True)),
+    (PROMPTS[0], dict(temperature=1.0, min_p=0.1, logprobs=5, seed=1234, max_tokens=48, ignore_eos=True)),
+]
+
+
+def _concurrently(stub, jobs: list[tuple[list[int], dict]]) -> list[Stream]:
+    """Runs every job at once: all have finished prefill before any stream is read further."""
+    started = threading.Barrier(len(jobs), timeout=30)
+
+    def run(job):
+        prompt, sampling = job
+        out = Stream()
+        for event in stub.Generate(request(token_ids=prompt, **sampling), timeout=60):
+            out.events.append(event)
+            if event.HasField("prefill_done"):
+                started.wait()
+        return out
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
+
+
+def test_seed_gives_the_same_tokens_whatever_the_batch(stub, model_server):
+    alone = generate(stub, request(token_ids=PROMPTS[0], **TARGET))
+    assert len(alone.tokens) == 32
+    # twice, in two different mixes: the target first, then last
+    for jobs in ([(PROMPTS[0], TARGET)] + NEIGHBOURS, NEIGHBOURS[::-1] + [(PROMPTS[0], TARGET)]):
+        results = _concurrently(stub, jobs)
+        target = results[jobs.index((PROMPTS[0], TARGET))]
+        assert target.tokens == alone.tokens
+        assert all(r.finished.finish_reason == pb.FINISH_REASON_LENGTH for r in results)
+    # two copies of the target in one batch agree too
+    a, b = _concurrently(stub, [(PROMPTS[0], TARGET), (PROMPTS[0], TARGET)])
+    assert a.tokens == b.tokens == alone.tokens
+    # ... and the seed matters: another one samples something else
+    other = generate(stub, request(token_ids=PROMPTS[0], **{**TARGET, "seed": 4321}))
+    assert other.tokens != alone.tokens
+    assert_pages_free(model_server.servicer)
+
+
+def test_unseeded_sampling_varies(stub):
+    """Without a seed, sampling at temperature 1 draws from the shared stream (not a constant)."""
+    runs = {tuple(generate(stub, request(token_ids=PROMPTS[1], temperature=1.0, max_tokens=16,
+                                         ignore_eos=True)).tokens) for _ in range(3)}
+    assert len(runs) > 1
+
+
+# ---------------------------------------------------------------------- limits that make it greedy
+
+
+@pytest.mark.parametrize("limit", [dict(top_k=1), dict(top_p=1e-6)], ids=["top_k=1", "top_p=1e-6"])
+def test_limits_that_keep_one_token_equal_greedy(stub, limit):
+    for prompt in PROMPTS:
+        want = generate(stub, request(token_ids=prompt, **greedy(24))).tokens
+        got = generate(stub, request(token_ids=prompt, temperature=1.0, max_tokens=24, ignore_eos=True,
+                                     **limit)).tokens
+        assert got == want
+
+
+# ---------------------------------------------------------------------- logprobs
+
+
+def _hf_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at each output position: (len(output), V)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(output) - 1], dim=-1)
+
+
+def test_greedy_logprobs_match_transformers(stub, hf_tiny):
+    prompt = PROMPTS[2]
+    out = generate(stub, request(token_ids=prompt, logprobs=5, **greedy(12)))
+    lps = out.logprobs
+    assert len(lps) == len(out.tokens) == 12
+    ref = _hf_logprobs(hf_tiny, prompt, out.tokens)
+    for i, (token, lp) in enumerate(zip(out.tokens, lps)):
+        assert lp.token_id == token
+        top = [(t.token_id, t.logprob) for t in lp.top]
+        assert len(top) == 5
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][0] == token and top[0][1] == lp.logprob  # greedy: the chosen one is the best
+        assert lp.logprob <= 0 and math.isfinite(lp.logprob)
+        assert sum(math.exp(v) for _, v in top) <= 1 + 1e-5
+        ref_top = torch.topk(ref[i], 5)
+        assert [t for t, _ in top] == ref_top.indices.tolist(), i
+        assert [v for _, v in top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
+
+
+def test_sampled_logprobs_are_the_models_before_temperature(stub, hf_tiny):
+    """At temperature 2 the chosen token is often not the best; its logprob is still present,
+    and it is the model's own (before temperature), as transformers computes it."""
+    prompt = PROMPTS[1]
+    out = generate(stub, request(token_ids=prompt, temperature=2.0, seed=5, logprobs=20, max_tokens=16,
+                                 ignore_eos=True))
+    ref = _hf_logprobs(hf_tiny, prompt, out.tokens)
+    for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(ref[i, token].item(), abs=1e-4)
+        top = {t.token_id: t.logprob for t in lp.top}
+        assert len(lp.top) == 20
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        if token in top:
+            assert top[token] == lp.logprob
+        else:  # not among the top 20: no likelier than the 20th
+            assert lp.logprob <= lp.top[-1].logprob
+    assert any(lp.token_id != lp.top[0].token_id for lp in out.logprobs), "nothing but argmax at temperature 2"
+
+
+def test_logprobs_zero_is_the_chosen_token_only(stub):
+    out = generate(stub, request(token_ids=PROMPTS[0], logprobs=0, **greedy(6)))
+    assert [lp.token_id for lp in out.logprobs] == out.tokens
+    assert all(len(lp.top) == 0 and lp.logprob <= 0 for lp in out.logprobs)
+    # unset: none at all
+    assert generate(stub, request(token_ids=PROMPTS[0], **greedy(6))).logprobs == []
+
+
+# ---------------------------------------------------------------------- stop strings
+
+
+def _boundaries(tokenizer, tokens: list[int], text: str) -> list[tuple[int, int]]:
+    """(k, offset): the text of the first k output tokens is text[:offset], cleanly."""
+    out = []
+    for k in range(1, len(tokens) + 1):
+        piece = tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        if text.startswith(piece) and not piece.endswith("\ufffd"):
+            out.append((k, len(piece)))
+    return out
+
+
+def _clean(s: str) -> bool:
+    return bool(s) and all(c.isprintable() and c != "\ufffd" for c in s)
+
+
+def _spanning_stop(tokenizer, full: Stream, tokens_spanned: int) -> tuple[str, int, int]:
+    """A stop string that first occurs across `tokens_spanned` output tokens:
+    (string, where it starts in the text, tokens up to the one that completes it)."""
+    text = full.text
+    bounds = _boundaries(tokenizer, full.tokens, text)
+    # the last character of token k0, tokens k0+1 .. k1 whole, the first character of token k1+1
+    for (k0, b0), (k1, b1) in zip(bounds, bounds[tokens_spanned - 2:]):
+        if k1 - k0 != tokens_spanned - 2 or b0 < 1 or b1 >= len(text):
+            continue
+        start, end = b0 - 1, b1 + 1
+        s = text[start:end]
+        if _clean(s) and text.find(s) == start:
+            done = next(k for k, b in bounds if b >= end)
+            return s, start, done
+    pytest.skip(f"no clean stop string across {tokens_spanned} tokens in {text!r}")
+
+
+@pytest.fixture(scope="module")
+def long_greedy(model_server):
+    """Each prompt's 60-token greedy run (the texts stop strings are picked from)."""
+    with grpc.insecure_channel(model_server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        return [generate(stub, request(token_ids=p, **greedy(60))) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("span", [2, 3, 5])
+def test_stop_string_across_tokens(stub, tokenizer, long_greedy, span):
+    for prompt, full in zip(PROMPTS, long_greedy):
+        try:
+            s, start, done = _spanning_stop(tokenizer, full, span)
+        except pytest.skip.Exception:
+            continue
+        out = generate(stub, request(token_ids=prompt, stop=[s], **greedy(60)))
+        assert out.finished.finish_reason == pb.FINISH_REASON_STOP
+        assert out.finished.stop == s and not out.finished.HasField("stop_token_id")
+        assert out.text == full.text[:start]  # nothing of the stop string, nothing after it
+        assert out.tokens == full.tokens[:done]  # ends with the token that completes it
+        assert out.finished.usage.completion_tokens == done
+        # no chunk ever carried a part of it that was later taken back
+        assert "".join(c.text for c in out.chunks) == full.text[:start]
+        return
+    pytest.fail(f"no prompt's greedy text has a clean stop string across {span} tokens")
+
+
+def test_earliest_of_several_stop_strings_wins(stub, tokenizer, long_greedy):
+    prompt, full = PROMPTS[0], long_greedy[0]
+    early, start, done = _spanning_stop(tokenizer, full, 2)
+    late = next((full.text[i:i + 3] for i in range(start + len(early), len(full.text) - 3)
+                 if _clean(full.text[i:i + 3]) and full.text.find(full.text[i:i + 3]) == i), None)
+    assert late is not None
+    out = generate(stub, request(token_ids=prompt, stop=[late, early], **greedy(60)))
+    assert out.finished.stop == early and out.text == full.text[:start]
+
+
+def test_held_back_prefix_is_released_at_max_tokens(stub, long_greedy):
+    """A text that could begin a stop string is held back, and released when the request
+    ends by length: the streamed text is then the whole output."""
+    prompt, full = PROMPTS[1], long_greedy[1]
+    tail = full.text[-2:]
+    out = generate(stub, request(token_ids=prompt, stop=[tail + "\x00never"], **greedy(60)))
+    assert out.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert out.text == full.text and out.tokens == full.tokens
+    assert out.chunks[-1].text.endswith(tail)
