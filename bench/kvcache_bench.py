@@ -384,7 +384,8 @@ class GrpcBackend:
     """`kvserve kvcache` in its own process (python -m services.cli kvcache ...), a sync grpc
     channel in this one: client and server do not share a GIL."""
 
-    def __init__(self, name: str, listen: str, num_pages: int, max_seqs: int, server_profile: str | None) -> None:
+    def __init__(self, name: str, listen: str, num_pages: int, max_seqs: int, server_profile: str | None,
+                 stream: bool = False) -> None:
         import grpc
         from kvserve.kvcache.v1 import kvcache_pb2 as pb
         from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -404,7 +405,13 @@ class GrpcBackend:
             raise RuntimeError(f"kvserve kvcache did not come up on {listen}") from None
         self.stub = pb_grpc.KVCacheManagerStub(self.channel)
         self.stub.Register(pb.RegisterRequest(epoch=EPOCH, page_size=PS, num_pages=num_pages, instance="bench"))
-        self._step = self.stub.Step
+        if stream:  # what the engine uses: one long-lived StepStream
+            from model_service.engine.kv_client import _StepStream
+            self._stream = _StepStream(self.stub)
+            self._step = self._stream.call
+        else:
+            self._stream = None
+            self._step = self.stub.Step
 
     def build(self, d: StepDesc):
         return build_pb(self.pb, d)
@@ -434,6 +441,8 @@ class GrpcBackend:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.channel.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -767,8 +776,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=2048, help="prefill tokens per step")
     ap.add_argument("--steady-threshold", type=int, default=250, help="'at 256 running' means >= this many")
     ap.add_argument("--admission-samples", type=int, default=60, help="admissions timed per bin and case")
-    ap.add_argument("--backends", default="core,pb,unix,tcp",
-                    help="comma list of: core (in-process), pb (in-process via protobuf+convert), unix, tcp")
+    ap.add_argument("--backends", default="core,pb,unix,unix-stream,tcp",
+                    help="comma list of: core (in-process), pb (in-process via protobuf+convert), unix, "
+                         "unix-stream (the engine's StepStream), tcp")
     ap.add_argument("--profile", action="store_true",
                     help="run the trace in-process under cProfile and print the top 25 functions "
                          "(core step; client pb build; server conversion)")
@@ -830,11 +840,13 @@ def main(argv=None) -> int:
                 backend = CoreBackend(args.num_pages, args.max_running)
             elif b == "pb":
                 backend = PbInProcBackend(args.num_pages, args.max_running)
-            elif b in ("unix", "tcp"):
-                listen = f"unix://{tmp}/kv.sock" if b == "unix" else f"127.0.0.1:{free_tcp_port()}"
+            elif b in ("unix", "tcp", "unix-stream"):
+                listen = f"unix://{tmp}/kv.sock" if b != "tcp" else f"127.0.0.1:{free_tcp_port()}"
                 sp = f"{args.server_profile}-{b}.prof" if args.server_profile and rep == 0 else None
-                backend = GrpcBackend(f"gRPC {'Unix socket' if b == 'unix' else 'TCP loopback'}", listen,
-                                      args.num_pages, args.max_running, sp)
+                name = {"unix": "gRPC Unix socket", "tcp": "gRPC TCP loopback",
+                        "unix-stream": "gRPC Unix, StepStream"}[b]
+                backend = GrpcBackend(name, listen, args.num_pages, args.max_running, sp,
+                                      stream=b == "unix-stream")
             else:
                 raise SystemExit(f"unknown backend {b!r}")
             print(f"running the trace: {backend.name} ({rep + 1}/{args.repeat}) ...", flush=True)
