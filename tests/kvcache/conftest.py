@@ -7,10 +7,8 @@ test gets a fresh manager, so page ids and seq ids start at 0 (FIFO).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 
 from kvcache_service.core import KVCacheManager, ManagerConfig
 from kvcache_service.server import create_server
+from tests.server_thread import LoopThread
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from services.grpc_server import RunningServer
@@ -28,36 +27,25 @@ GRPC_CONFIG = ManagerConfig(num_pages=16, page_size=4, max_seqs=8, cpu_pages=8)
 RPC_TIMEOUT_S = 5.0
 
 
-class ServerThread:
-    """create_server(...) on a private event loop in a daemon thread."""
+class ServerThread(LoopThread):
+    """The manager's create_server(...) on a private event loop in a daemon thread."""
 
     def __init__(self, address: str, config: ManagerConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kvcache-grpc-server", daemon=True)
-        self.thread.start()
+        super().__init__("kvcache-grpc-server")
         try:
-            running, manager = self._call(create_server(address, config))
+            running, manager = self.call(create_server(address, config), timeout=10)
         except BaseException:
-            self._close_loop()
+            self.close()
             raise
         self.running: RunningServer = running
         self.manager: KVCacheManager = manager
         self.address: str = running.address
 
-    def _call(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
     def stop(self) -> None:
         try:
-            self._call(self.running.server.stop(None))
+            self.call(self.running.server.stop(None), timeout=10)
         finally:
-            self._close_loop()
-
-    def _close_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
+            self.close()
 
 
 class KV:
