@@ -26,8 +26,8 @@ def add_manager_arguments(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("kvcache", help="run the KV-cache manager",
                               description="Run the KV-cache manager gRPC service.")
-    p.add_argument("--listen", default=DEFAULT_LISTEN,
-                   help=f"host:port or unix:///path (default {DEFAULT_LISTEN})")
+    p.add_argument("--listen", action="append", default=None, metavar="ADDR",
+                   help=f"host:port or unix:///path; repeat to listen on several (default {DEFAULT_LISTEN})")
     add_manager_arguments(p)
     p.add_argument("--grace-period", type=float, default=5.0,
                    help="seconds in-flight calls get on SIGTERM (default 5)")
@@ -44,5 +44,5 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
 
 def run(args: argparse.Namespace) -> int:
     from kvcache_service.server import serve
-    asyncio.run(serve(args.listen, manager_config(args), grace_s=args.grace_period))
+    asyncio.run(serve(args.listen or [DEFAULT_LISTEN], manager_config(args), grace_s=args.grace_period))
     return 0

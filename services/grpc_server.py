@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -57,11 +57,13 @@ class ServiceSpec(NamedTuple):
 
 
 class RunningServer(NamedTuple):
-    """A started server, the address it really listens on, and its health servicer."""
+    """A started server, the address it really listens on (the first, when several),
+    its health servicer, and every address it listens on."""
 
     server: grpc.aio.Server
     address: str
     health: health_aio.HealthServicer
+    addresses: tuple[str, ...] = ()
 
 
 class BindError(OSError):
@@ -69,20 +71,24 @@ class BindError(OSError):
 
 
 async def create_server(
-    address: str,
+    address: str | Sequence[str],
     services: Iterable[ServiceSpec | tuple[Callable[[Any, grpc.aio.Server], None], object, str]],
     *,
     max_workers: int | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> RunningServer:
-    """Build, bind and start a server for ``services`` on ``address``.
+    """Build, bind and start a server for ``services`` on ``address`` (or on each of
+    several addresses, e.g. TCP for the world and a Unix socket for a sidecar).
 
     ``max_workers`` sizes the thread pool that runs non-async handlers (None:
     gRPC's default); ``options`` override DEFAULT_OPTIONS key by key. Raises
     ValueError for a malformed address or service list, BindError when the
     address cannot be bound.
     """
-    listen = parse_address(address)
+    wanted = [address] if isinstance(address, str) else list(address)
+    if not wanted:
+        raise ValueError("no address to listen on")
+    listens = [parse_address(a) for a in wanted]
     specs = _check_services(services)
     pool = futures.ThreadPoolExecutor(max_workers) if max_workers else None
     server = grpc.aio.server(
@@ -95,11 +101,12 @@ async def create_server(
     reflection.enable_server_reflection(
         [*(spec.name for spec in specs), HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = await _bind(server, listen, address)
+    bound = []
+    for listen, text in zip(listens, wanted):
+        bound.append(listen.with_port(await _bind(server, listen, text)))
     await server.start()
-    bound = listen.with_port(port)
-    log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", bound)
-    return RunningServer(server, bound, health)
+    log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
+    return RunningServer(server, bound[0], health, tuple(bound))
 
 
 async def serve_until_signal(

@@ -60,8 +60,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
         sizing = Path(tmp) / "sizing.json"
+        # Both run on this host: the engine reaches the manager over a private Unix socket;
+        # --kvcache-listen stays open for everyone else (grpcurl, a gateway's WatchEvents).
+        link = args.kvcache_listen if args.kvcache_listen.startswith("unix:") else f"unix://{tmp}/kv.sock"
         # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-        model = subprocess.Popen(cli + ["model", "--listen", args.listen, "--kvcache", args.kvcache_listen,
+        model = subprocess.Popen(cli + ["model", "--listen", args.listen, "--kvcache", link,
                                         "--sizing-file", str(sizing)] + _flag_args(args), start_new_session=True)
         procs = [model]
         try:
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             if size is None:
                 return 1 if stop["signal"] is None else 0
             max_seqs = args.max_seqs or max(256, 2 * args.max_num_seqs)
-            kv = subprocess.Popen(cli + ["kvcache", "--listen", args.kvcache_listen,
+            listens = ["--listen", args.kvcache_listen] + (["--listen", link] if link != args.kvcache_listen else [])
+            kv = subprocess.Popen(cli + ["kvcache", *listens,
                                          "--num-pages", str(size["num_pages"]), "--page-size", str(size["page_size"]),
                                          "--max-seqs", str(max_seqs), "--cpu-pages", str(args.swap_pages)],
                                   start_new_session=True)

@@ -78,6 +78,23 @@ def test_unix_socket_serves_health(tmp_path: Path) -> None:
     with_server(f"unix://{path}", scenario)
 
 
+def test_one_server_listens_on_several_addresses(tmp_path: Path) -> None:
+    """TCP for the world and a Unix socket for a sidecar, one server behind both."""
+    path = tmp_path / "kv.sock"
+
+    async def main() -> None:
+        running = await create_server(["127.0.0.1:0", f"unix://{path}"], [kvcache_spec()])
+        try:
+            assert running.addresses[1] == f"unix://{path}" and running.address == running.addresses[0]
+            for address in running.addresses:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    assert await check(channel, KVCACHE) == SERVING
+        finally:
+            await running.server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "kv.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
