@@ -16,7 +16,6 @@ its children (checked on every eviction).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
 
 from kvcache_service.core.hashing import ROOT_HASH
 
@@ -47,15 +46,6 @@ class PrefixTree:
 
     def is_node(self, page: int) -> bool:
         return self.hash_of[page] is not None
-
-    def match(self, hashes: Iterable[int]) -> Iterator[int]:
-        """Pages of the longest cached prefix of `hashes`, stopping at the first miss."""
-        page_of = self.page_of
-        for h in hashes:
-            page = page_of.get(h)
-            if page is None:
-                return
-            yield page
 
     def match_bytes(self, data: bytes, width: int, extra_key: str = "") -> list[int]:
         """Pages of the longest cached prefix of the pages of `data` (int32 LE token
@@ -92,9 +82,6 @@ class PrefixTree:
     def unpark(self, page: int) -> None:
         """The node is referenced again."""
         del self._lru[page]
-
-    def is_parked(self, page: int) -> bool:
-        return page in self._lru
 
     def evict(self, n: int) -> list[tuple[int, int]]:
         """Removes the n least recently used parked nodes: [(page, hash)]."""

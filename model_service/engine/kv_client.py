@@ -154,20 +154,6 @@ def _add_need(needs, need) -> None:
         f.request_id = need.request_id
 
 
-def _need_to_pb(pb, need):
-    if isinstance(need, Grow):
-        return pb.Need(grow=pb.Grow(seq_id=need.seq_id, num_tokens=need.num_tokens))
-    if isinstance(need, Admit):
-        admit = pb.Admit(request_id=need.request_id, token_ids=need.token_ids, extra_key=need.extra_key)
-        if need.max_tokens is not None:
-            admit.max_tokens = need.max_tokens
-        return pb.Need(admit=admit)
-    if isinstance(need, Resume):
-        return pb.Need(resume=pb.Resume(seq_id=need.seq_id, num_tokens=need.num_tokens))
-    assert isinstance(need, Fork)
-    return pb.Need(fork=pb.Fork(parent_seq_id=need.parent_seq_id, request_id=need.request_id))
-
-
 def _step_to_pb(pb, r: StepRequest):
     # Sub-messages are filled in place (repeated.add()): constructing each one and handing
     # a list of them to the constructor makes upb copy every one again (2x the time).

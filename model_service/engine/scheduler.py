@@ -13,7 +13,7 @@ from the tail of the running order; apply() turns its answer into the batch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcache_service.core.types import (
     Admit,

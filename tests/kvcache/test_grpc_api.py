@@ -9,7 +9,6 @@ test_grpc_errors.py, events in test_grpc_events.py.
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from kvcache_service.core.hashing import page_hashes
 from kvserve.kvcache.v1 import kvcache_pb2 as pb

@@ -9,7 +9,6 @@ Server: 16 pages of 4 tokens, 8 seq ids, 8 CPU pages; ids are handed out FIFO.
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from kvcache_service.core import ManagerConfig
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
