@@ -18,6 +18,7 @@ from model_service.sampling.sampler import make_generator
 
 @dataclass
 class Outcome:
+    request_id: str = ""
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     prefill: PrefillDone | None = None
@@ -55,9 +56,8 @@ class EngineHarness:
         request = Request(f"req-{self._n}", list(prompt_ids), max_tokens, sp)
         if sp.seed is not None:
             request.generator = make_generator(sp.seed, self.stack.device)
-        outcome = Outcome()
+        outcome = Outcome(request.request_id)
         self.engine.submit(request, outcome.sink)
-        outcome.request_id = request.request_id
         return outcome
 
     def run(self, prompts: list[list[int]], max_tokens: int = 12, **params) -> list[Outcome]:
