@@ -22,7 +22,7 @@ from model_service.engine.scheduler import SchedulerConfig
 from model_service.kv_cache import KVCache
 from model_service.model.loader import load_model
 from model_service.sampling.sampler import Sampler
-from model_service import sizing, tiny_model
+from model_service import host_memory, sizing, tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
     path = resolve_model_path(cfg.model)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cpu":
+        host_memory.keep_freed_memory()   # before the first big allocation
     model, mcfg = load_model(path, dtype, device)
     backend = select_backend(cfg.attention_backend, device, cfg.page_size)
     multiple = backend.page_size_multiple()

@@ -1,10 +1,12 @@
-"""The building blocks: RMSNorm and the gated SiLU MLP with gate and up fused."""
+"""The building blocks: RMSNorm and the gated SiLU MLP."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model_service.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -28,18 +30,45 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up in one matmul.
+    """residual + down(silu(gate(x)) * up(x)).
 
-    gate_up_proj.weight is [gate_proj.weight; up_proj.weight] stacked on the
-    output dim, so the first half of the output is the gate.
+    Loaded with gate and up in one matmul: gate_up_proj.weight is
+    [gate_proj.weight; up_proj.weight] stacked on the output dim, so the first
+    half of its output is the gate. pack() splits it in two oneDNN matmuls
+    instead, so that silu, the product and the residual add all run in GEMM
+    epilogues: no pass over the (T, intermediate) activations of its own.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: Linear | None = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_proj: Linear | None = None   # set by pack()
+        self.up_proj: Linear | None = None
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+    def pack(self) -> None:
+        fused, size = self.gate_up_proj, self.intermediate_size
+        self.gate_proj, self.up_proj = (_linear_from(fused, rows) for rows in (slice(0, size), slice(size, None)))
+        self.gate_up_proj = None
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            linear.pack()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+            h = F.silu(gate) * up
+        else:
+            h = self.up_proj.mul(x, self.gate_proj.silu(x))                      # (T, I)
+        return self.down_proj.add(h, residual)
+
+
+def _linear_from(linear: Linear, rows: slice) -> Linear:
+    """A Linear holding `rows` of `linear`'s outputs (sharing its memory)."""
+    weight = linear.weight[rows]
+    part = Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None,
+                  device="meta", dtype=weight.dtype)
+    part.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        part.bias = nn.Parameter(linear.bias[rows], requires_grad=False)
+    return part

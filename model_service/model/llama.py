@@ -5,10 +5,11 @@ One forward call runs one engine step: every token of every sequence in one
 
     x ─ norm ─ qkv (one matmul) ─ [q/k norm] ─ rope ─ backend: write K/V to pages,
       │                                                attend over the pages
-      └──────────────────────────── + ── o_proj ◄────┘
+      └──────────────────────────── + ── o_proj ◄────┘   (the add is o_proj's epilogue)
     x ─ norm ─ gate_up (one matmul) ─ silu(gate) * up ─ down ─ + x
 
-The LM head runs only on batch.logits_indices rows.
+The LM head runs only on batch.logits_indices rows. On CPU, pack() moves every
+matmul to oneDNN with the element-wise ops fused in (model/linear.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from model_service.attention.base import AttentionBackend
 from model_service.batch import ForwardBatch
 from model_service.model.config import ModelConfig
 from model_service.model.layers import GatedMLP, RMSNorm
+from model_service.model.linear import Linear
 from model_service.model.rope import RotaryEmbedding, apply_rope
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
@@ -36,14 +38,15 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
         # [q_proj; k_proj; v_proj] stacked on the output dim.
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 backend: AttentionBackend, meta: Any) -> torch.Tensor:
+        """-> residual + attention(x), (T, hidden)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)      # (T, H, D)
@@ -55,7 +58,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(t, -1))            # (T, hidden)
+        return self.o_proj.add(out.reshape(t, -1), residual)  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -69,8 +72,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 backend: AttentionBackend, meta: Any) -> torch.Tensor:  # (T, hidden)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos, sin, k_cache, v_cache, backend, meta)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class CausalLM(nn.Module):
@@ -83,7 +86,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Built on `device` even when the layers are built on "meta" (see loader).
         self.rope = RotaryEmbedding(config, config.max_model_len, device=device, dtype=dtype)
         if config.tie_word_embeddings:
@@ -91,6 +94,14 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
+
+    def pack(self) -> None:
+        """Every matmul to oneDNN (CPU; see linear.onednn_available). Irreversible."""
+        for layer in self.layers:
+            layer.self_attn.qkv_proj.pack()
+            layer.self_attn.o_proj.pack()
+            layer.mlp.pack()
+        self.lm_head.pack()   # tied: the embedding keeps its own reference to the weight
 
     @torch.no_grad()   # not inference_mode: its tensors (reused buffers) would refuse later in-place use
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches,

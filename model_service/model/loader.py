@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from model_service.model.config import ModelConfig
+from model_service.model.linear import onednn_available
 from model_service.model.llama import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,7 +29,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints sa
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[CausalLM, ModelConfig]:
+               device: torch.device | str = "cpu", pack: bool | None = None) -> tuple[CausalLM, ModelConfig]:
+    """pack: matmuls through oneDNN (model/linear.py); None = wherever it runs (CPU)."""
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
@@ -40,6 +42,12 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings or "lm_head.weight" not in hf:
         model.tie_weights()
+    if pack is None:
+        pack = device.type == "cpu" and onednn_available(dtype)
+    elif pack and (device.type != "cpu" or not onednn_available(dtype)):
+        raise ValueError(f"oneDNN linears do not run on {device} in {dtype}")
+    if pack:
+        model.pack()
     return model.eval(), config
 
 

@@ -1,0 +1,105 @@
+"""Linear's fused forms, eager and packed for oneDNN; packed models against unpacked ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_service.model.layers import GatedMLP
+from model_service.model.linear import Linear, onednn_available
+from model_service.model.loader import load_model
+from tests.model.test_loader import prompt_logits
+
+needs_onednn = pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN linears do not run here")
+
+
+def random_linear(n_in: int, n_out: int, bias: bool, dtype=torch.float32, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    linear = Linear(n_in, n_out, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in ** 0.5)
+        if bias:
+            linear.bias.copy_(torch.randn(n_out, generator=g))
+    return linear
+
+
+def all_forms(linear: Linear, x: torch.Tensor, other: torch.Tensor) -> list[torch.Tensor]:
+    return [linear(x), linear.silu(x), linear.mul(x, other), linear.add(x, other)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_eager_forms_are_the_linear_then_the_op(bias: bool) -> None:
+    linear = random_linear(24, 40, bias)
+    x, other = torch.randn(7, 24), torch.randn(7, 40)
+    y = F.linear(x, linear.weight, linear.bias)
+    expected = [y, F.silu(y), y * other, y + other]
+    for got, want in zip(all_forms(linear, x, other), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 33, 300])
+def test_packed_forms_match_eager(bias: bool, rows: int) -> None:
+    linear = random_linear(64, 96, bias)
+    x, other = torch.randn(rows, 64), torch.randn(rows, 96)
+    expected = all_forms(linear, x, other)
+    linear.pack()
+    assert linear.fused and linear.packed is not None and "weight" not in dict(linear.named_parameters())
+    for got, want in zip(all_forms(linear, x, other), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_takes_strided_and_batched_inputs() -> None:
+    linear = random_linear(32, 16, bias=True)
+    wide = torch.randn(6, 64)[:, ::2]                 # (6, 32), not contiguous
+    batched = torch.randn(2, 3, 32)
+    expected = linear(wide), linear(batched)
+    linear.pack()
+    torch.testing.assert_close(linear(wide), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(batched), expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="no native bfloat16 oneDNN here")
+def test_bfloat16_packs_without_fusing_so_it_rounds_like_eager() -> None:
+    linear = random_linear(64, 96, bias=False, dtype=torch.bfloat16)
+    x, other = torch.randn(9, 64).bfloat16(), torch.randn(9, 96).bfloat16()
+    plain = linear(x)
+    linear.pack()
+    assert not linear.fused
+    torch.testing.assert_close(linear.silu(x), F.silu(linear(x)), rtol=0, atol=0)
+    torch.testing.assert_close(linear(x).float(), plain.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_onednn
+def test_packed_mlp_splits_gate_and_up_and_matches() -> None:
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.2)
+    x, residual = torch.randn(11, 32), torch.randn(11, 32)
+    expected = mlp(x, residual)
+    mlp.pack()
+    assert mlp.gate_up_proj is None and mlp.gate_proj.packed is not None and mlp.up_proj.packed is not None
+    torch.testing.assert_close(mlp(x, residual), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3"])
+def test_load_packs_on_cpu_and_the_logits_stay(tiny_dirs, backend, name: str) -> None:
+    packed, config = load_model(tiny_dirs[name])
+    plain, _ = load_model(tiny_dirs[name], pack=False)
+    assert packed.lm_head.packed is not None and plain.lm_head.packed is None
+    if config.tie_word_embeddings:   # packing the head must leave the embedding whole
+        torch.testing.assert_close(packed.embed_tokens.weight, plain.embed_tokens.weight, rtol=0, atol=0)
+    tokens = list(range(5, 45))
+    torch.testing.assert_close(prompt_logits(packed, config, backend, tokens),
+                               prompt_logits(plain, config, backend, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_pack_where_onednn_cannot_run_is_refused(tiny_dirs) -> None:
+    with pytest.raises(ValueError, match="oneDNN"):
+        load_model(tiny_dirs["tiny"], "float16", pack=True)
