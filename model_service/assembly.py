@@ -87,7 +87,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
     if page_size % multiple:
         raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
 
-    model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # window-capped (config.py)
     if cfg.num_pages is not None:
         num_pages = cfg.num_pages
     elif device.type == "cuda":

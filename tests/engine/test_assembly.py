@@ -1,0 +1,17 @@
+"""build(): what the assembled stack serves, from the model's config and the options."""
+
+from __future__ import annotations
+
+from tests.engine.harness import EngineHarness
+
+
+def test_a_sliding_window_model_serves_no_more_than_its_window(tiny_dirs) -> None:
+    # tiny-mistral: max_position_embeddings 2048, sliding_window 512 (config.py caps max_model_len)
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4)
+    try:
+        assert h.stack.max_model_len == 512
+        [outcome] = h.run([list(range(3, 503))], max_tokens=8)   # 508 of 512 positions
+        assert outcome.finished.completion_tokens == 8
+    finally:
+        h.close()
+
