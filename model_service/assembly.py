@@ -22,7 +22,7 @@ from model_service.engine.scheduler import SchedulerConfig
 from model_service.kv_cache import KVCache
 from model_service.model.loader import load_model
 from model_service.sampling.sampler import Sampler
-from model_service import host_memory, sizing, tiny_model
+from model_service import dummy_step, host_memory, sizing, tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
                                       cfg.kv_cache_memory)
     else:
         num_pages = sizing.cpu_pages(mcfg, dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
+        dummy_step.warm_up(model, mcfg, backend, dtype, device, page_size,
+                           min(cfg.max_num_batched_tokens, model_len))
     max_model_len = min(model_len, num_pages * page_size)
     if max_model_len < model_len:
         log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)

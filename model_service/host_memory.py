@@ -5,7 +5,7 @@ A CPU forward allocates and frees activations of several MB per op (the MLP's
 defaults hand such blocks back to the kernel (munmap, heap trim), so the next
 step touches fresh pages and the kernel zero-fills them. On the bench workload
 that was 165k minor faults (650 MB) in a 3.5 s run; with the settings below,
-11k, and the run 15-20 % faster (docs/benchmarks.md). torch's CUDA caching
+2-4k, and the run 15-20 % faster (docs/benchmarks.md). torch's CUDA caching
 allocator does this for GPU memory; tcmalloc or jemalloc do it for the host
 when preloaded, which a pip install cannot arrange, so we ask glibc directly.
 """
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 _SETTINGS = (
     # Blocks up to 32 MiB (glibc's largest allowed threshold) come from the heap, not mmap.
@@ -31,6 +32,10 @@ _SETTINGS = (
     (_M_TRIM_THRESHOLD, 1 << 30),
     # Grow the heap in 64 MiB steps: fewer, larger extensions.
     (_M_TOP_PAD, 64 << 20),
+    # One arena for every thread: the engine thread then reuses the heap that loading and the
+    # warm-up step (dummy_step.py, on the main thread) grew, instead of faulting in its own.
+    # Small blocks come from glibc's per-thread caches and Python's own allocator, lock-free.
+    (_M_ARENA_MAX, 1),
 )
 
 _done = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from tests.engine.harness import EngineHarness
 
 
@@ -15,3 +17,12 @@ def test_a_sliding_window_model_serves_no_more_than_its_window(tiny_dirs) -> Non
     finally:
         h.close()
 
+
+def test_cpu_start_runs_one_warm_up_step(tiny_dirs, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="model_service.dummy_step"):
+        h = EngineHarness(tiny_dirs["tiny"], page_size=4, max_num_batched_tokens=96)
+    try:
+        assert any("warm-up step of 96 tokens" in r.getMessage() for r in caplog.records)
+        assert h.stats().used_pages == 0   # the warm-up used a scratch pool, not the served one
+    finally:
+        h.close()
