@@ -10,7 +10,8 @@ Printed side by side:
   - kvserve through gRPC (`kvserve up`: both services as real processes),
   - transformers `generate` on one static left-padded batch,
   - transformers `generate_batch` (its continuous batching),
-  - the roofline: the workload's matmul FLOPs over the GEMM FLOP/s measured here,
+  - the roofline: the workload's matmul FLOPs over the GEMM FLOP/s measured here (the
+    faster of torch's F.linear and the oneDNN-packed linear kvserve uses),
   - a multi-turn conversation (8 turns, +64 tokens each): time to first token
     per turn with the prefix cache on and off,
   - where the engine's step time goes (its phase timers, via GetServerStats).
@@ -59,22 +60,31 @@ def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
     return 2.0 * (prefill + decode)
 
 
-def gemm_rate(cfg, rows: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of the model's own layer GEMMs at prefill size, measured now, on this machine."""
+def gemm_rates(cfg, rows: int = 2048, reps: int = 5) -> dict[str, float]:
+    """FLOP/s of the model's own layer GEMMs at prefill size, measured now, on this machine, for
+    torch's F.linear (MKL on x86) and for the oneDNN-packed Linear the model service runs on CPU."""
+    from model_service.model.linear import Linear, onednn_available
+
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
-    flops = seconds = 0.0
+    impls = ["F.linear"] + (["oneDNN"] if onednn_available(torch.float32) else [])
+    rates = {}
     with torch.inference_mode():
-        for k, n in shapes:
-            x, w = torch.randn(rows, k), torch.randn(n, k)
-            torch.nn.functional.linear(x, w)
-            t = time.perf_counter()
-            for _ in range(reps):
-                torch.nn.functional.linear(x, w)
-            seconds += time.perf_counter() - t
-            flops += 2.0 * rows * k * n * reps
-    return flops / seconds
+        for impl in impls:
+            flops = seconds = 0.0
+            for k, n in shapes:
+                x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
+                if impl == "oneDNN":
+                    linear.pack()
+                linear(x)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    linear(x)
+                seconds += time.perf_counter() - t
+                flops += 2.0 * rows * k * n * reps
+            rates[impl] = flops / seconds
+    return rates
 
 
 # ------------------------------------------------------------------------------ kvserve
@@ -234,8 +244,9 @@ def main() -> None:
     print(f"model {path.name}: {cfg.architecture}, hidden {cfg.hidden_size}, {cfg.num_layers} layers; "
           f"{args.requests} requests, {sum(map(len, prompts))} prompt tokens; torch threads {torch.get_num_threads()}")
 
-    rate = gemm_rate(cfg)
-    print(f"GEMM rate measured on the model's layer shapes: {rate / 1e9:.1f} GFLOP/s")
+    rates = gemm_rates(cfg)
+    print("GEMM rate on the model's layer shapes, 2048 rows: "
+          + ", ".join(f"{name} {r / 1e9:.1f} GFLOP/s" for name, r in rates.items()))
     server = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
     rows = []
     stack = Stack(path, server)
@@ -248,9 +259,9 @@ def main() -> None:
         k = results[n]
         static = hf_static(hf, prompts, n)
         batch = {"error": "skipped"} if args.skip_hf_batch else hf_batch(hf, prompts, n)
-        roof = args.requests * n / (matmul_flops(cfg, prompts, n) / rate)
-        rows.append((n, k, static, batch, roof))
-        rate = gemm_rate(cfg)  # re-measured between runs: the machine's speed drifts
+        roofs = {name: args.requests * n / (matmul_flops(cfg, prompts, n) / r) for name, r in rates.items()}
+        rows.append((n, k, static, batch, roofs))
+        rates = gemm_rates(cfg)  # re-measured between runs: the machine's speed drifts
 
     turns = {}
     for caching in (True, False):
@@ -264,10 +275,15 @@ def main() -> None:
     print("\n| new tokens | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | roofline tok/s "
           "| kvserve / HF generate | kvserve / roofline |")
     print("|---|---|---|---|---|---|---|")
-    for n, k, static, batch, roof in rows:
+    for n, k, static, batch, roofs in rows:
         b = f"{batch['tok_s']:.1f}" if "tok_s" in batch else f"n/a ({batch['error']})"
+        roof = max(roofs.values())
         print(f"| {n} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {roof:.1f} | "
               f"{k['tok_s'] / static['tok_s']:.2f}x | {100 * k['tok_s'] / roof:.0f}% |")
+    print("\nroofline per GEMM implementation (tok/s, and kvserve's share of it):")
+    for n, k, _, _, roofs in rows:
+        print(f"  {n} new tokens: " + ", ".join(f"{name} {r:.1f} ({100 * k['tok_s'] / r:.0f}%)"
+                                               for name, r in roofs.items()))
     print("\nwhere kvserve's step time went (engine phase timers):")
     for n, k, *_ in rows:
         total = sum(k["phases"].values())
