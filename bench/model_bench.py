@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from model_service.kv_cache import KVCache  # noqa: E402
+from model_service.model.linear import Linear  # noqa: E402
 from model_service.model.loader import load_model  # noqa: E402
 from model_service.tiny_model import default_tiny_path  # noqa: E402
 from tests.model.paged import Chunk, PagePool, Sequence, build_batch  # noqa: E402
@@ -98,14 +99,17 @@ def bench_decode(model, config, repeat: int) -> None:
     # even when other work on the machine slows some runs down.
     attn, gemm, whole = Timer(), Timer(), Timer()
     backend.forward = attn.wrap(backend.forward)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    forms = ("forward", "silu", "mul", "add")   # the plain matmul and the fused ones
     for m in linears:
-        m.forward = gemm.wrap(m.forward)
+        for form in forms:
+            setattr(m, form, gemm.wrap(getattr(m, form)))
     timed_step = whole.wrap(step)
     for _ in range(repeat):
         timed_step()
     for m in linears:
-        del m.forward
+        for form in forms:
+            delattr(m, form)
     del backend.forward
     total, attn_ms, gemm_ms = (t.seconds / repeat * 1e3 for t in (whole, attn, gemm))
     lm_head_ms = median_ms(lambda: model.lm_head(torch.randn(32, config.hidden_size)), repeat)

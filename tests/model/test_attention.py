@@ -14,7 +14,7 @@ import torch
 from model_service.attention import flash_attn_backend
 from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
 from model_service.attention.select import select_backend
-from model_service.attention.torch_backend import TorchAttentionBackend
+from model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
 from model_service.batch import ForwardBatch
 
 H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
@@ -71,6 +71,10 @@ CASES = {
     "decode only": ([1, 1, 1], [5, 17, 9], 3),
     "prefill only, nothing cached": ([7, 12], [7, 12], 0),
     "mixed: 3 decodes, a cached chunk, a fresh chunk": ([1, 1, 1, 6, 5], [3, 20, 8, 15, 5], 3),
+    # 20 decodes: two length groups (decode_groups), masks inside each
+    "many decodes of mixed lengths": ([1] * 20, [(7 * i) % 12 + 1 for i in range(20)], 20),
+    # 16 decodes of two lengths: each group all one length, so no mask at all
+    "two groups of equal lengths, and a chunk": ([1] * 16 + [3], [9, 4] * 8 + [6], 16),
 }
 
 
@@ -85,6 +89,14 @@ def test_torch_backend_matches_reference(case: str) -> None:
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, batch, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_groups_split_rows_by_context_length_longest_first() -> None:
+    assert decode_groups([5, 9, 2]) == [[0, 1, 2]]            # too few rows to be worth splitting
+    lens = [10, 40, 20, 30] * 4                                 # 16 rows: two groups of 8
+    assert decode_groups(lens) == [[1, 5, 9, 13, 3, 7, 11, 15], [2, 6, 10, 14, 0, 4, 8, 12]]
+    groups = decode_groups(list(range(64)))                     # at most four groups
+    assert [len(g) for g in groups] == [16] * 4 and groups[0][0] == 63 and groups[-1][-1] == 0
 
 
 def fake_flash_api(version: int, calls: list[str]) -> FlashApi:
@@ -130,7 +142,8 @@ def test_flash_backend_passes_flash_attn_what_it_expects(monkeypatch, version: i
     batch = make_batch(query_lens, seq_lens, num_decodes)
     q, k, v, k_cache, v_cache = random_qkv(sum(query_lens), torch.bfloat16)
     out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
-    expected_call = "with_kvcache" if version == 2 and case == "decode only" else "varlen"
+    decode_only = num_decodes == len(query_lens)
+    expected_call = "with_kvcache" if version == 2 and decode_only else "varlen"
     assert calls == [expected_call]
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, batch, 0.3), rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
