@@ -15,6 +15,7 @@ import grpc
 
 from model_service.engine.engine import DuplicateRequest, QueueFull
 from model_service.engine.events import Failed, Finished, PrefillDone, Tokens
+from model_service.event_relay import EventRelay
 from model_service.request_builder import RequestBuilder, RequestError
 from model_service.tiny_model import PRESETS
 from kvserve.inference.v1 import inference_pb2 as pb
@@ -32,6 +33,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.engine = stack.engine
         self.builder = RequestBuilder(stack)
         self._draining = False
+        self._relay: EventRelay | None = None   # made on the serving loop, at the first call
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -44,10 +46,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = self.builder.build(request, request.request_id or uuid.uuid4().hex)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        loop = asyncio.get_running_loop()
+        if self._relay is None:
+            self._relay = EventRelay(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
         try:
-            self.engine.submit(req, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            self.engine.submit(req, self._relay.sink(events))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except DuplicateRequest as exc:
