@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from model_service.assembly import ModelStack, build
 from model_service.config import ModelServiceConfig
@@ -17,7 +18,13 @@ log = logging.getLogger(__name__)
 async def create_server(config: ModelServiceConfig, stack: ModelStack | None = None
                         ) -> tuple[RunningServer, InferenceServicer]:
     """A started server (the engine running) on config.listen; port 0 picks a free port."""
-    stack = stack or await asyncio.to_thread(build, config)
+    if stack is None:
+        # On a thread that ends once built: a thread that ran torch keeps an idle OpenMP
+        # pool while it lives, and with more OpenMP threads than cores libgomp stops spinning
+        # between parallel regions, so every region of the engine thread's forward waited to
+        # wake its workers (bench model, 256 new tokens: 8.3 s instead of 6.9 s).
+        with ThreadPoolExecutor(1, thread_name_prefix="kvserve-build") as build_thread:
+            stack = await asyncio.get_running_loop().run_in_executor(build_thread, build, config)
     try:
         stack.engine.start()
         servicer = InferenceServicer(stack)

@@ -116,3 +116,23 @@ def test_engine_goes_idle_after_a_failed_step(fresh_server):
     time.sleep(0.3)
     assert engine.counters.steps == steps, "the engine keeps stepping with nothing to do"
     assert_pages_free(servicer)
+
+
+def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
+    # A live thread that ran torch keeps an idle OpenMP pool, which makes libgomp stop
+    # spinning between the engine's parallel regions (model_service/server.py).
+    import threading
+
+    from model_service import server as server_module
+    from tests.service.conftest import ModelServerThread
+
+    built_on = []
+    real_build = server_module.build
+    monkeypatch.setattr(server_module, "build",
+                        lambda config: built_on.append(threading.current_thread()) or real_build(config))
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        [thread] = built_on
+        assert thread is not server.servicer.engine._thread and not thread.is_alive()
+    finally:
+        server.stop()
