@@ -1,6 +1,11 @@
 """The engine loop: one thread owns torch and runs every step.
 
-    schedule → manager Step (one round trip) → swap / copy pages → forward → sample → emit
+    manager's answer → swap / copy pages → next plan out → forward → sample → emit
+
+One Step round trip per step, pipelined: step N+1's plan is built and sent just
+before step N's forward, so the manager works while the model does, and step
+N+1 starts with its answer usually there (scheduler.py says how plans are built
+ahead of the tokens they wait for).
 
 Other threads (the asyncio servicer) talk to it only through submit() and
 cancel(), which post to an inbox; events go back through each request's sink,
@@ -78,6 +83,7 @@ class Engine:
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0
+        self._in_flight: tuple | None = None  # (plan, callable giving the manager's answer)
 
     # ------------------------------------------------------ other threads
 
@@ -123,8 +129,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             sched = self.scheduler  # _restart() replaces it after a failed step
-            self._take_inbox(block=not sched.has_work())
-            if not sched.has_work():
+            self._take_inbox(block=not self._has_work())
+            if not self._has_work():
                 self._idle.set()
                 continue
             self._idle.clear()
@@ -155,12 +161,25 @@ class Engine:
             except queue.Empty:
                 return
 
+    def _has_work(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_work()
+
+    def _send_next_plan(self) -> None:
+        c, clock = self.counters, time.perf_counter
+        t0 = clock()
+        plan = self.scheduler.build()
+        t1 = clock()
+        self._in_flight = (plan, self.kv.send_step(plan.step))
+        c.schedule_s += t1 - t0
+        c.manager_s += clock() - t1
+
     def _step(self) -> None:
         sched, c, clock = self.scheduler, self.counters, time.perf_counter
-        t0 = clock()
-        plan = sched.build()
+        if self._in_flight is None:  # nothing sent ahead: the first step after idling
+            self._send_next_plan()
+        (plan, answer_of), self._in_flight = self._in_flight, None
         t1 = clock()
-        answer = self.kv.step(plan.step)
+        answer = answer_of()
         t2 = clock()
         cache = self.runner.kv_cache
         cache.swap_out(answer.swap_out)  # the manager's order: every copy reads before anything overwrites
@@ -168,18 +187,19 @@ class Engine:
         cache.swap_in(answer.swap_in)
         t3 = clock()
         work = sched.apply(plan, answer)
+        sched.launch(work)
         c.steps += 1
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
-        t4 = clock()
-        c.schedule_s += (t1 - t0) + (t4 - t3)
+        c.schedule_s += clock() - t3
         c.manager_s += t2 - t1
         c.copy_s += t3 - t2
+        if sched.has_work():
+            self._send_next_plan()  # its round trip overlaps this step's forward
         if not work:
             return
+        t4 = clock()
         logits = self.runner.execute(work)
-        for w in work:
-            w.request.num_computed = w.start + w.count
         sampled = [w for w in work if w.samples]
         t5 = clock()
         c.forward_s += t5 - t4
@@ -201,6 +221,7 @@ class Engine:
             self.counters.prompt_tokens += r.num_prompt
             self.counters.cached_tokens += r.cached_tokens or 0
             r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0))
+        r.pending = 0
         r.tokens.append(token)
         self.counters.generated_tokens += 1
         text, done, reason, stop = r.output.add(token)
@@ -232,6 +253,7 @@ class Engine:
     def _restart(self) -> None:
         """A new epoch: the manager drops every stale page table of ours."""
         self.epoch = time.time_ns()
+        self._in_flight = None
         self.scheduler = Scheduler(self.scheduler.config, self.epoch)
         try:
             self.kv.register(self.epoch, self.scheduler.config.page_size, self.num_pages)

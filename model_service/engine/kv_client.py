@@ -7,6 +7,7 @@ converts at its edge, so the engine never sees protobuf.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from typing import Protocol
 
 from kvcache_service.core import KVCacheManager
@@ -27,6 +28,9 @@ from kvcache_service.core.types import (
 class KVClient(Protocol):
     def register(self, epoch: int, page_size: int, num_pages: int) -> None: ...
     def step(self, request: StepRequest) -> StepPlan: ...
+    def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
+        """Sends a Step now; the callable waits for its answer. Steps are answered in order."""
+        ...
     def stats(self) -> Stats: ...
     def close(self) -> None: ...
 
@@ -42,6 +46,15 @@ class InProcessKVClient:
 
     def step(self, request: StepRequest) -> StepPlan:
         return self.manager.step(request)
+
+    def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
+        try:
+            plan = self.manager.step(request)
+        except Exception as exc:  # raised where the answer is awaited, as the remote client does
+            def fail() -> StepPlan:
+                raise exc
+            return fail
+        return lambda: plan
 
     def stats(self) -> Stats:
         return self.manager.stats()
@@ -90,15 +103,24 @@ class RemoteKVClient:
             raise ConnectionError(f"the KV-cache manager at {self.address}: {exc.code().name}: {exc.details()}") from None
 
     def step(self, request: StepRequest) -> StepPlan:
+        return self.send_step(request)()
+
+    def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""
         if self._stream is None:
             self._stream = _StepStream(self._stub)
-        try:
-            return _plan_from_pb(self._stream.call(_step_to_pb(self._pb, request)))
-        except Exception:
-            self._stream.close()
-            self._stream = None
-            raise
+        stream = self._stream
+        stream.send(_step_to_pb(self._pb, request))
+
+        def answer() -> StepPlan:
+            try:
+                return _plan_from_pb(stream.receive())
+            except Exception:
+                stream.close()
+                if self._stream is stream:
+                    self._stream = None
+                raise
+        return answer
 
     def stats(self) -> Stats:
         s = self._stub.GetStats(self._pb.GetStatsRequest(), timeout=self._timeout)
@@ -117,10 +139,16 @@ class _StepStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = stub.StepStream(iter(self._requests.get, None))
 
+    def send(self, request) -> None:
+        self._requests.put(request)
+
     def call(self, request):
+        self.send(request)
+        return self.receive()
+
+    def receive(self):
         # No per-message deadline on a stream: a dead manager is caught by the
         # channel's keepalive pings, which end the stream with UNAVAILABLE.
-        self._requests.put(request)
         return next(self._responses)
 
     def close(self) -> None:

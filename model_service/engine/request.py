@@ -28,7 +28,8 @@ class Request:
     status: Status = Status.WAITING
     seq_id: int | None = None
     page_table: list[int] = field(default_factory=list)
-    num_computed: int = 0            # tokens whose K/V are in the cache
+    num_computed: int = 0            # tokens whose K/V are in the cache (or are being computed)
+    pending: int = 0                 # 1 while the step that samples its next token runs
     told_computed: int = 0           # num_computed as the manager last heard it
     told_tokens: int = 0             # tokens the manager knows
     cached_tokens: int | None = None  # prefix-cache hit at the first admission
@@ -55,9 +56,14 @@ class Request:
         return self.tokens[len(self.prompt_ids):]
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens including one being sampled: what the next step's plan must make room for."""
+        return len(self.tokens) + self.pending
+
+    @property
     def is_decoding(self) -> bool:
         """Only the last sampled token is left to compute."""
-        return self.num_computed == len(self.tokens) - 1
+        return self.num_computed == self.num_tokens - 1
 
     def forget_pages(self) -> None:
         """Preempted by recompute: everything goes again through admission."""

@@ -8,6 +8,13 @@ sequences (max_num_seqs), spent in priority order:
   4. waiting requests, FCFS; those preempted by recompute wait at the head.
 The manager serves the needs in that order and, when pages run out, preempts
 from the tail of the running order; apply() turns its answer into the batch.
+
+Pipelined: the engine builds and sends step N+1's plan while step N computes, so
+the manager's round trip hides behind the forward. launch(work) first moves each
+request to where step N leaves it (computed through its chunk, one token pending
+if it samples), and build() plans from there. By the time N+1's answer is applied,
+step N may have finished some of those requests (a stop, a cancel): apply() drops
+their work and gives back what the manager granted them.
 """
 
 from __future__ import annotations
@@ -56,10 +63,10 @@ class Work:
 
 @dataclass(slots=True)
 class Ask:
-    """One request's part of the step; `asked` when it sent the manager a need."""
+    """One request's part of the step, and the need it sent the manager (None: none needed)."""
     request: Request
     count: int
-    asked: bool
+    need: Grow | Resume | Admit | None
 
 
 @dataclass
@@ -117,10 +124,10 @@ class Scheduler:
 
         def ask_slots(r: Request, count: int) -> None:
             total = r.num_computed + count
-            asked = total > len(r.page_table) * ps
-            if asked:
-                needs.append(Grow(r.seq_id, total))
-            asks.append(Ask(r, count, asked))
+            need = Grow(r.seq_id, total) if total > len(r.page_table) * ps else None
+            if need is not None:
+                needs.append(need)
+            asks.append(Ask(r, count, need))
 
         for r in self.running:  # decodes first ...
             if r.is_decoding and budget:
@@ -128,7 +135,7 @@ class Scheduler:
                 ask_slots(r, 1)
         for r in self.running:  # ... then the next chunk of each prefill
             if not r.is_decoding and budget:
-                count = min(len(r.tokens) - r.num_computed, budget)
+                count = min(r.num_tokens - r.num_computed, budget)
                 budget -= count
                 ask_slots(r, count)
 
@@ -138,15 +145,15 @@ class Scheduler:
                 break
             count = min(len(r.tokens) - r.num_computed, budget)
             budget, seqs = budget - count, seqs + 1
-            needs.append(Resume(r.seq_id, r.num_computed + count))
-            asks.append(Ask(r, count, True))
+            needs.append(need := Resume(r.seq_id, r.num_computed + count))
+            asks.append(Ask(r, count, need))
         for r in self.waiting:
             if not budget or seqs >= cfg.max_num_seqs:
                 break
             count = min(len(r.tokens), budget)  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
-            needs.append(Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
-            asks.append(Ask(r, count, True))
+            needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
+            asks.append(Ask(r, count, need))
 
         step = StepRequest(self.epoch, self._releases, (), commits, needs, cfg.preemption_mode)
         self._releases = []
@@ -158,12 +165,19 @@ class Scheduler:
         """Takes the manager's answer; returns the step's work, decodes first."""
         results = iter(answer.results)
         work: list[Work] = []
+        recomputed = {p.seq_id for p in answer.preempted if p.mode is PreemptionMode.RECOMPUTE}
+        if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
+            self._releases = [s for s in self._releases if s not in recomputed]
         for ask in plan.asks:
             r = ask.request
-            if not ask.asked:
+            result = next(results) if ask.need is not None else None
+            if r.status is Status.FINISHED:   # ended after this plan was built
+                if type(ask.need) is Admit and result.granted and result.seq_id not in recomputed:
+                    self._releases.append(result.seq_id)   # admitted for nobody: give it back
+                continue   # a grown or resumed sequence's release is already queued (finish)
+            if result is None:
                 work.append(Work(r, r.num_computed, ask.count))
                 continue
-            result = next(results)
             if not result.granted:
                 continue
             if r.status is Status.RUNNING:  # grow
@@ -190,6 +204,13 @@ class Scheduler:
             work = [w for w in work if w.request not in gone]
         work.sort(key=lambda w: not w.request.is_decoding)  # decodes first; stable otherwise
         return work
+
+    def launch(self, work: list[Work]) -> None:
+        """Moves each request to where this step leaves it, before the step computes:
+        the next plan is built from there (pipelined, see the module docstring)."""
+        for w in work:
+            w.request.num_computed = w.start + w.count
+            w.request.pending = 1 if w.samples else 0
 
     def _start(self, r: Request) -> None:
         r.status = Status.RUNNING
