@@ -1,10 +1,10 @@
-"""Engine events onto the asyncio loop: one loop wake-up per burst of events, not per event.
+"""Engine events onto the asyncio loop: one loop wake-up per engine step, not per event.
 
 The engine thread emits one event per sampled token, so a step of 32 running requests posts 32
 events back to back. With one call_soon_threadsafe each, the loop's wake-up pipe is written 32
-times and the loop wakes (and takes the GIL from the engine thread) up to 32 times per step.
-Here the first event of a burst schedules one drain and the rest join its list; the drain hands
-every event to its call's queue in the order they were posted.
+times, and the loop wakes and takes the GIL from the engine thread in the middle of its step.
+Here events only join a list; the engine calls flush() after each pass of its loop, which
+schedules one drain handing every event to its call's queue, in the order they were posted.
 """
 
 from __future__ import annotations
@@ -19,19 +19,28 @@ class EventRelay:
         self._loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, object]] = []
+        self._scheduled = False   # a drain is on its way to the loop
 
     def sink(self, queue: asyncio.Queue) -> Callable[[object], None]:
-        """A callable for the engine thread that delivers each event to `queue`."""
+        """A callable for the engine thread: `queue` gets the event at the next flush."""
         def post(event: object) -> None:
             with self._lock:
-                first = not self._pending   # else a drain is already scheduled and will take it
                 self._pending.append((queue, event))
-            if first:
-                self._loop.call_soon_threadsafe(self._drain)
         return post
+
+    def flush(self) -> None:
+        """Engine thread: hands what was posted to the loop (one wake-up, none if nothing)."""
+        with self._lock:
+            if not self._pending or self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:   # the loop is closed: the server is gone, and its calls with it
+            pass
 
     def _drain(self) -> None:   # on the loop
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending, self._scheduled = self._pending, [], False
         for queue, event in pending:
             queue.put_nowait(event)

@@ -48,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._relay is None:
             self._relay = EventRelay(asyncio.get_running_loop())
+            self.engine.flush_events = self._relay.flush
         events: asyncio.Queue = asyncio.Queue()
         try:
             self.engine.submit(req, self._relay.sink(events))

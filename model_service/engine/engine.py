@@ -9,7 +9,9 @@ ahead of the tokens they wait for).
 
 Other threads (the asyncio servicer) talk to it only through submit() and
 cancel(), which post to an inbox; events go back through each request's sink,
-which must not block, so a slow client never stalls a step.
+which must not block, so a slow client never stalls a step. After each pass
+of the loop the engine calls `flush_events`, so a sink may hold its events
+until then and hand over a whole step's at once.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0
         self._in_flight: tuple | None = None  # (plan, callable giving the manager's answer)
+        self.flush_events: Callable[[], None] = lambda: None  # after each loop pass (servicer's relay)
 
     # ------------------------------------------------------ other threads
 
@@ -128,19 +131,20 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            sched = self.scheduler  # _restart() replaces it after a failed step
             self._take_inbox(block=not self._has_work())
+            if self._has_work():
+                self._idle.clear()
+                try:
+                    self._step()
+                except Exception as exc:  # a bug or a lost manager: fail everyone, start clean
+                    log.exception("engine step failed")
+                    self._fail_all(f"internal error in the engine step: {exc}")
+                    self._restart()
+            self.flush_events()
             if not self._has_work():
                 self._idle.set()
-                continue
-            self._idle.clear()
-            try:
-                self._step()
-            except Exception as exc:  # a bug or a lost manager: fail everyone, start clean
-                log.exception("engine step failed")
-                self._fail_all(f"internal error in the engine step: {exc}")
-                self._restart()
         self._fail_all("the server is shutting down")
+        self.flush_events()
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -1,4 +1,4 @@
-"""EventRelay: engine events reach each call's queue in order, one loop wake-up per burst."""
+"""EventRelay: engine events reach each call's queue in order, one loop wake-up per flush."""
 
 from __future__ import annotations
 
@@ -27,22 +27,35 @@ def drain_queue(q: asyncio.Queue) -> list:
     return [q.get_nowait() for _ in range(q.qsize())]
 
 
-def test_a_burst_schedules_one_drain_that_delivers_everything_in_order() -> None:
+def test_a_flush_schedules_one_drain_that_delivers_everything_in_order() -> None:
     loop = RecordingLoop()
     relay = EventRelay(loop)
     a, b = asyncio.Queue(), asyncio.Queue()
     post_a, post_b = relay.sink(a), relay.sink(b)
+    relay.flush()                       # nothing posted: no wake-up
     for i in range(5):
         post_a(("a", i))
         post_b(("b", i))
+    assert loop.scheduled == []         # posting alone never wakes the loop
+    relay.flush()
+    relay.flush()                       # a drain is already on its way
     assert len(loop.scheduled) == 1 and a.empty()
     loop.run_scheduled()
     assert drain_queue(a) == [("a", i) for i in range(5)]
     assert drain_queue(b) == [("b", i) for i in range(5)]
-    post_b("next")                      # after a drain, the next event schedules again
+    post_b("next")                      # after a drain, the next flush schedules again
+    relay.flush()
     assert len(loop.scheduled) == 1
     loop.run_scheduled()
     assert drain_queue(b) == ["next"]
+
+
+def test_a_flush_after_the_loop_closed_is_quiet() -> None:
+    loop = asyncio.new_event_loop()
+    relay = EventRelay(loop)
+    relay.sink(asyncio.Queue())("late")
+    loop.close()
+    relay.flush()   # the engine thread must not die at shutdown
 
 
 def test_events_from_the_engine_thread_arrive_on_the_loop_in_order() -> None:
@@ -55,6 +68,9 @@ def test_events_from_the_engine_thread_arrive_on_the_loop_in_order() -> None:
             for i in range(500):
                 for k in range(4):
                     sinks[k](i)
+                if i % 7 == 0:
+                    relay.flush()
+            relay.flush()
 
         thread = threading.Thread(target=engine)
         thread.start()
