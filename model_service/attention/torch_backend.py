@@ -15,7 +15,7 @@ Runs on CPU and on any GPU. Per layer:
    puts the G queries in SDPA's query-length slot, so K/V are never repeated.
    One call for all rows would gather and attend every row up to the longest
    context; four groups of sorted lengths halve that work (bench model, 32
-   decodes of contexts 32-512: 1.20 -> 0.63 ms a layer; PERF_NOTES.md).
+   decodes of contexts 32-512: 1.20 -> 0.63 ms a layer; docs/benchmarks.md).
 3. Prefill chunk rows: one SDPA per sequence over its gathered pages. Query i
    of a chunk sits at absolute position cached + i and sees keys 0 .. cached + i
    (causal, offset by the cached length); with nothing cached that is plain
