@@ -42,6 +42,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings or "lm_head.weight" not in hf:
         model.tie_weights()
+    del hf, state   # the model holds the weights now: packing frees each plain one as it goes
     if pack is None:
         pack = device.type == "cpu" and onednn_available(dtype)
     elif pack and (device.type != "cpu" or not onednn_available(dtype)):
