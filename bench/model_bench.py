@@ -5,6 +5,8 @@
     .venv/bin/python bench/model_bench.py               # ~1 min on 2 cores (first run builds the model)
     .venv/bin/python bench/model_bench.py --threads 1   # steadier when other work shares the cores
 
+0. GEMMs: each matmul shape of the model at 2048 and 32 rows, F.linear against the
+   oneDNN-packed Linear the model service uses on CPU.
 1. Decode step: 32 sequences, contexts 64..544 (evenly spaced), page 16, shuffled pages.
    Time per step, split into attention (backend.forward: cache write, page gather,
    SDPA), the nn.Linear GEMMs, and the rest; then the per-layer decode attention
@@ -180,6 +182,31 @@ def bench_prefill(model, config, path: Path, repeat: int) -> None:
           f"transformers {hf_ms:.1f} ms = {512 / hf_ms * 1e3:,.0f} tok/s (ours {hf_ms / ours_ms:.2f}x)")
 
 
+def bench_gemms(config, repeat: int) -> None:
+    """Each of the model's matmul shapes, F.linear (MKL on x86) against the oneDNN-packed Linear."""
+    from model_service.model.linear import onednn_available
+
+    if not onednn_available(torch.float32):
+        print("GEMMs: oneDNN linears do not run here; the model uses F.linear")
+        return
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    qkv = config.q_size + 2 * config.kv_size
+    shapes = [("qkv", h, qkv), ("o", config.q_size, h), ("gate/up", h, i), ("down", i, h), ("lm head", h, v)]
+    print("GEMMs, GFLOP/s, F.linear vs oneDNN packed (best of runs):")
+    for rows in (2048, 32):
+        cells = []
+        for name, k, n in shapes:
+            if name == "lm head" and rows > 32:
+                continue   # the LM head runs only on the rows that sample
+            x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
+            plain = best_ms(lambda: linear(x), repeat)
+            linear.pack()
+            packed = best_ms(lambda: linear(x), repeat)
+            flop = 2 * rows * k * n / 1e6   # per ms -> GFLOP/s
+            cells.append(f"{name} {flop / plain:.0f} vs {flop / packed:.0f}")
+        print(f"  {rows:5d} rows: " + "; ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,6 +218,7 @@ def main() -> None:
     path = default_tiny_path("bench")
     model, config = load_model(path, torch.float32, "cpu")
     print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_gemms(config, args.repeat)
     bench_decode(model, config, args.repeat)
     bench_prefill(model, config, path, max(3, args.repeat // 3))
 

@@ -8,9 +8,9 @@ by one element-wise op. Eagerly they are F.linear and then the op.
 time. From then on every call is one oneDNN matmul whose op runs in the GEMM's
 epilogue, so the output is written once and never read back for the op.
 Why not F.linear on CPU: torch's CPU matmul is MKL's, and on AMD EPYC MKL runs
-its AVX2 code while oneDNN JITs AVX-512. Measured on the 2-core dev VM (float32,
-bench model shapes): 512x3072 at 2048 rows 200 vs 486 GFLOP/s; at 32 rows
-(decode) 161 vs 429 GFLOP/s; the 32000-row LM head at 32 rows 109 vs 354
+its AVX2 code while oneDNN JITs AVX-512. `bench/model_bench.py` on the 2-core
+dev VM (float32, the bench model's shapes, GFLOP/s): at 2048 rows ~220 vs ~510;
+at 32 rows (decode) 166-179 vs 335-421; the LM head at 32 rows 117 vs 379
 (docs/benchmarks.md). Results differ from F.linear's only in summation order
 (~1e-6 relative in float32).
 
