@@ -96,6 +96,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
                                       cfg.kv_cache_memory)
     else:
         num_pages = sizing.cpu_pages(mcfg, dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
+    if device.type == "cpu":   # CUDA's profile run (sizing) has done the same
         dummy_step.warm_up(model, mcfg, backend, dtype, device, page_size,
                            min(cfg.max_num_batched_tokens, model_len))
     max_model_len = min(model_len, num_pages * page_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tests.engine.harness import EngineHarness
 
 
@@ -18,9 +20,10 @@ def test_a_sliding_window_model_serves_no_more_than_its_window(tiny_dirs) -> Non
         h.close()
 
 
-def test_cpu_start_runs_one_warm_up_step(tiny_dirs, caplog) -> None:
+@pytest.mark.parametrize("num_pages", [None, 64])   # sized from memory, or given
+def test_cpu_start_runs_one_warm_up_step(tiny_dirs, caplog, num_pages) -> None:
     with caplog.at_level(logging.INFO, logger="model_service.dummy_step"):
-        h = EngineHarness(tiny_dirs["tiny"], page_size=4, max_num_batched_tokens=96)
+        h = EngineHarness(tiny_dirs["tiny"], page_size=4, max_num_batched_tokens=96, num_pages=num_pages)
     try:
         assert any("warm-up step of 96 tokens" in r.getMessage() for r in caplog.records)
         assert h.stats().used_pages == 0   # the warm-up used a scratch pool, not the served one
