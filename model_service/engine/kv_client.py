@@ -27,7 +27,6 @@ from kvcache_service.core.types import (
 
 class KVClient(Protocol):
     def register(self, epoch: int, page_size: int, num_pages: int) -> None: ...
-    def step(self, request: StepRequest) -> StepPlan: ...
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         """Sends a Step now; the callable waits for its answer. Steps are answered in order."""
         ...
@@ -43,9 +42,6 @@ class InProcessKVClient:
 
     def register(self, epoch: int, page_size: int, num_pages: int) -> None:
         self.manager.register(epoch, page_size, num_pages)
-
-    def step(self, request: StepRequest) -> StepPlan:
-        return self.manager.step(request)
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         try:
@@ -101,9 +97,6 @@ class RemoteKVClient:
                                  f"{exc.details().removeprefix('register: ')} (start both with the same "
                                  "--page-size and --num-pages, or use `kvserve up`)") from None
             raise ConnectionError(f"the KV-cache manager at {self.address}: {exc.code().name}: {exc.details()}") from None
-
-    def step(self, request: StepRequest) -> StepPlan:
-        return self.send_step(request)()
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""
