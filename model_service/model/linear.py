@@ -73,9 +73,16 @@ class Linear(nn.Linear):
         return self(x) + other
 
 
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a bᵀ through oneDNN, b a plain (unpacked) matrix: (M, K) x (N, K) -> (M, N).
+    For operands that change every call (attention's keys and values); only where
+    onednn_available(a.dtype)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
 @functools.cache
 def onednn_available(dtype: torch.dtype) -> bool:
-    """Whether packed oneDNN linears run here in `dtype` (CPU) and agree with F.linear."""
+    """Whether oneDNN linears (packed, and matmul_nt) run here in `dtype` (CPU) and agree with torch."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -87,9 +94,11 @@ def onednn_available(dtype: torch.dtype) -> bool:
             probe.weight.copy_(torch.randn(48, 64, generator=g))
             probe.bias.copy_(torch.randn(48, generator=g))
         x, other = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 48, generator=g).to(dtype)
-        expected = [probe(x), probe.silu(x), probe.mul(x, other), probe.add(x, other)]
+        weight = probe.weight.detach()
+        expected = [probe(x), probe.silu(x), probe.mul(x, other), probe.add(x, other), x @ weight.T]
+        product = matmul_nt(x, weight)
         probe.pack()
-        got = [probe(x), probe.silu(x), probe.mul(x, other), probe.add(x, other)]
+        got = [probe(x), probe.silu(x), probe.mul(x, other), probe.add(x, other), product]
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * 10) for a, b in zip(got, expected))
     except (RuntimeError, AttributeError, NotImplementedError) as exc:

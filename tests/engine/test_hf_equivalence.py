@@ -81,15 +81,18 @@ def test_prefix_hits(tiny_dirs, hf_refs, arch):
     hf, _ = hf_refs(arch)
     system = [_rng.randrange(3, 1024) for _ in range(37)]
     first, second = system + [5, 6, 7], system + [8, 9, 10, 11]
+    # A long turn after the cached prefix: 71 queries behind it (CPU: the oneDNN matmul path).
+    third = system + [(7 * i) % 1000 + 3 for i in range(70)]
     h = EngineHarness(tiny_dirs[arch], page_size=4)
     try:
         (a,) = h.run([first], NEW_TOKENS)
         (b,) = h.run([second], NEW_TOKENS)
+        (c,) = h.run([third], NEW_TOKENS)
     finally:
         h.close()
     assert a.prefill.cached_tokens == 0
-    assert b.prefill.cached_tokens == 36  # nine full pages of the shared system prompt
-    for outcome, prompt in ((a, first), (b, second)):
+    assert b.prefill.cached_tokens == c.prefill.cached_tokens == 36  # nine full pages of the system prompt
+    for outcome, prompt in ((a, first), (b, second), (c, third)):
         ref, margins = hf_greedy(hf, prompt, NEW_TOKENS)
         assert_same_tokens(outcome.tokens, ref, margins, f"{arch} prefix")
 

@@ -16,6 +16,7 @@ from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBacken
 from model_service.attention.select import select_backend
 from model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
 from model_service.batch import ForwardBatch
+from model_service.model.linear import onednn_available
 
 H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
 
@@ -75,6 +76,8 @@ CASES = {
     "many decodes of mixed lengths": ([1] * 20, [(7 * i) % 12 + 1 for i in range(20)], 20),
     # 16 decodes of two lengths: each group all one length, so no mask at all
     "two groups of equal lengths, and a chunk": ([1] * 16 + [3], [9, 4] * 8 + [6], 16),
+    # 70 queries behind 100 cached keys: on CPU with oneDNN, the matmul path (MATMUL_MIN_QUERIES)
+    "a decode, and a long chunk behind a cached prefix": ([1, 70], [9, 170], 1),
 }
 
 
@@ -89,6 +92,15 @@ def test_torch_backend_matches_reference(case: str) -> None:
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, batch, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_only_mid_sized_cached_chunks_take_the_onednn_matmul_path() -> None:
+    if not onednn_available(torch.float32):
+        pytest.skip("oneDNN linears do not run here")
+    chunks = TorchAttentionBackend().prepare(make_batch([1, 70, 8, 12], [9, 170, 20, 12], 1)).prefills
+    assert [c.bias is not None for c in chunks] == [True, False, False]   # short chunk; nothing cached
+    bias, mask = chunks[0].bias, chunks[0].mask
+    assert torch.equal(bias == 0, mask) and torch.isneginf(bias[~mask]).all()
 
 
 def test_decode_groups_split_rows_by_context_length_longest_first() -> None:

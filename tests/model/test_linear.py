@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model_service.model.layers import GatedMLP
-from model_service.model.linear import Linear, onednn_available
+from model_service.model.linear import Linear, matmul_nt, onednn_available
 from model_service.model.loader import load_model
 from tests.model.test_loader import prompt_logits
 
@@ -60,6 +60,14 @@ def test_packed_linear_takes_strided_and_batched_inputs() -> None:
     linear.pack()
     torch.testing.assert_close(linear(wide), expected[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(batched), expected[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows, cols, inner", [(320, 624, 64), (5, 3, 7), (320, 64, 624)])
+def test_matmul_nt_is_a_times_b_transposed(rows: int, cols: int, inner: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(rows, inner, generator=g), torch.randn(cols, inner, generator=g)
+    torch.testing.assert_close(matmul_nt(a, b), a @ b.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="no native bfloat16 oneDNN here")
