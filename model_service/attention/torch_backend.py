@@ -23,7 +23,7 @@ Runs on CPU and on any GPU. Per layer:
    A chunk behind a cached prefix (a chat turn, a prompt's second chunk) needs
    an explicit mask, and SDPA's CPU kernel then runs its matmuls at ~110
    GFLOP/s (MKL's AVX2 code on AMD). On CPU in float32, a mid-sized one instead
-   runs as two oneDNN matmuls and a softmax per KV head (MaskedChunkMatmul):
+   runs as two oneDNN matmuls and a softmax per KV head (masked_chunk_matmul):
    80 queries behind 544 cached keys 0.84 -> 0.63 ms a layer, 512 behind 512
    8.2 -> 4.7 ms. Small chunks pay oneDNN's per-call cost and huge ones its
    (L, S) score matrix, so those stay with SDPA.
