@@ -352,5 +352,6 @@ def main() -> None:
 
     print_goals(rows, turns)
 
+
 if __name__ == "__main__":
     main()
