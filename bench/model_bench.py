@@ -182,6 +182,16 @@ def bench_prefill(model, config, path: Path, repeat: int) -> None:
           f"transformers {hf_ms:.1f} ms = {512 / hf_ms * 1e3:,.0f} tok/s (ours {hf_ms / ours_ms:.2f}x)")
 
 
+def gemm_seconds(k: int, n: int, rows: int, packed: bool, repeat: int) -> float:
+    """Fastest of `repeat` calls of a bias-free (rows, k) x (k -> n) Linear, plain (F.linear)
+    or packed for oneDNN: the call least disturbed by anything else on the machine."""
+    x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
+    if packed:
+        linear.pack()
+    with torch.inference_mode():
+        return best_ms(lambda: linear(x), repeat) / 1e3
+
+
 def bench_gemms(config, repeat: int) -> None:
     """Each of the model's matmul shapes, F.linear (MKL on x86) against the oneDNN-packed Linear."""
     from model_service.model.linear import onednn_available
@@ -198,11 +208,8 @@ def bench_gemms(config, repeat: int) -> None:
         for name, k, n in shapes:
             if name == "lm head" and rows > 32:
                 continue   # the LM head runs only on the rows that sample
-            x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
-            plain = best_ms(lambda: linear(x), repeat)
-            linear.pack()
-            packed = best_ms(lambda: linear(x), repeat)
-            flop = 2 * rows * k * n / 1e6   # per ms -> GFLOP/s
+            plain, packed = (gemm_seconds(k, n, rows, pack, repeat) for pack in (False, True))
+            flop = 2 * rows * k * n / 1e9   # per second -> GFLOP/s
             cells.append(f"{name} {flop / plain:.0f} vs {flop / packed:.0f}")
         print(f"  {rows:5d} rows: " + "; ".join(cells))
 

@@ -66,32 +66,17 @@ def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
 def gemm_rates(cfg, rows: int = 2048, reps: int = 7) -> dict[str, float]:
     """FLOP/s of the model's own layer GEMMs at prefill size, measured now, on this machine, for
     torch's F.linear (MKL on x86) and for the oneDNN-packed Linear the model service runs on CPU.
-    Each shape counts its fastest of `reps` runs: a roofline is the best the machine does, and
-    the best run is the one least disturbed by anything else on it."""
-    from model_service.model.linear import Linear, onednn_available
+    Each shape counts its fastest of `reps` calls: a roofline is the best the machine does."""
+    from bench.model_bench import gemm_seconds
+    from model_service.model.linear import onednn_available
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
-    impls = ["F.linear"] + (["oneDNN"] if onednn_available(torch.float32) else [])
-    rates = {}
-    with torch.inference_mode():
-        for impl in impls:
-            flops = seconds = 0.0
-            for k, n in shapes:
-                x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
-                if impl == "oneDNN":
-                    linear.pack()
-                linear(x)
-                best = float("inf")
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    linear(x)
-                    best = min(best, time.perf_counter() - t)
-                seconds += best
-                flops += 2.0 * rows * k * n
-            rates[impl] = flops / seconds
-    return rates
+    flops = sum(2.0 * rows * k * n for k, n in shapes)
+    impls = {"F.linear": False} | ({"oneDNN": True} if onednn_available(torch.float32) else {})
+    return {name: flops / sum(gemm_seconds(k, n, rows, packed, reps) for k, n in shapes)
+            for name, packed in impls.items()}
 
 
 def best_rates(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
