@@ -122,6 +122,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
         SchedulerConfig(page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, mode),
         num_pages=num_pages,
         max_waiting=cfg.max_waiting,
+        stream_interval=cfg.stream_interval,
     )
     log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, max_model_len %d",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name, max_model_len)

@@ -25,6 +25,7 @@ class ModelServiceConfig:
     max_num_seqs: int = 64                # sequences in one forward pass
     max_num_batched_tokens: int = 2048    # tokens in one forward pass (chunked prefill splits longer prompts)
     max_waiting: int = 1024               # queued requests before RESOURCE_EXHAUSTED
+    stream_interval: int = 1              # tokens per streamed chunk; the first token goes out at once
     max_model_len: int | None = None      # None: the model's, capped by the page pool
     cache_salt: str = ""                  # extra_key: keeps this deployment's prefix cache apart
     prefix_caching: bool = True           # off: every request's pages are keyed apart (no hits)
@@ -42,7 +43,7 @@ class ModelServiceConfig:
 
         for name in ("page_size", "num_pages", "kv_cache_memory", "max_model_len"):
             positive(name)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             positive(name, allow_none=False)
         if self.swap_pages < 0:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")

@@ -68,6 +68,7 @@ class Engine:
         *,
         num_pages: int,
         max_waiting: int = 1024,
+        stream_interval: int = 1,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
@@ -75,6 +76,7 @@ class Engine:
         self.kv = kv
         self.num_pages = num_pages
         self.max_waiting = max_waiting
+        self.stream_interval = stream_interval  # tokens per Tokens event (the first goes alone)
         self.epoch = time.time_ns()  # new on every start: the manager drops stale tables
         self.scheduler = Scheduler(scheduler_config, self.epoch)
         self.counters = EngineCounters()
@@ -229,9 +231,19 @@ class Engine:
         r.tokens.append(token)
         self.counters.generated_tokens += 1
         text, done, reason, stop = r.output.add(token)
-        r.sink(Tokens([token], text, [logprobs] if logprobs is not None else []))
+        r.unsent.append((token, text, logprobs))
+        n = r.num_output
         if done:
-            self._finish(r, reason, stop)
+            self._finish(r, reason, stop)   # sends what is unsent first
+        elif n == 1 or n % self.stream_interval == 0:
+            self._send_tokens(r)
+
+    @staticmethod
+    def _send_tokens(r: Request) -> None:
+        """One Tokens event for what the request sampled since its last one."""
+        unsent, r.unsent = r.unsent, []
+        r.sink(Tokens([t for t, _, _ in unsent], "".join(text for _, text, _ in unsent),
+                      [lp for _, _, lp in unsent if lp is not None]))
 
     def _finish(self, r: Request, reason: str, stop: str | int | None = None) -> None:
         self.scheduler.finish(r)
@@ -243,6 +255,8 @@ class Engine:
             self.counters.finished += 1
         with self._lock:
             self._live.pop(r.request_id, None)
+        if r.unsent:
+            self._send_tokens(r)
         r.sink(Finished(reason, r.num_prompt, r.num_output, r.cached_tokens or 0, ttft,
                         (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
                         stop if isinstance(stop, int) else None))

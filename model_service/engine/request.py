@@ -36,6 +36,7 @@ class Request:
     aborted: bool = False
     finish_reason: str | None = None
     first_token_at: float | None = None
+    unsent: list = field(default_factory=list)  # (token, text, logprobs) sampled, not yet streamed
     sink: Any = None                 # Callable[[Event], None], set by the engine's submit
     output: Any = None               # OutputProcessor: detokenizing, stop conditions
     generator: Any = None            # torch.Generator of a seeded request
