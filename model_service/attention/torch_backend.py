@@ -52,7 +52,7 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    rows: torch.Tensor | None  # (n,) int64 decode rows, longest context first; None: all, in order
+    rows: torch.Tensor | slice  # (n,) int64 decode rows, longest context first; or a range of them
     tables: torch.Tensor       # (n, P) int64 page ids, P = pages of the longest context
     length: int                # the longest context in the group
     mask: torch.Tensor | None  # (n, 1, 1, length) bool, True = attend; None: all are `length` long
@@ -114,16 +114,20 @@ class PageGather:
         return rows.view(b, p * page_shape[0], *page_shape[1:])[:, :length]
 
 
-def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int], whole: bool) -> DecodeGroup:
-    """`rows` of the batch's decodes; `whole`: they are all of them, in order (no index needed)."""
+def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int]) -> DecodeGroup:
+    """`rows` of the batch's decodes. Rows in order (the scheduler sends decodes longest
+    first, so groups of sorted lengths are ranges) are sliced; others are indexed."""
     device = tables.device
     lens = [batch.seq_lens_cpu[i] for i in rows]
     length = max(lens)
-    index = None if whole else torch.tensor(rows, device=device)
-    group_tables = tables[:len(rows)] if whole else tables.index_select(0, index)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))
+        group_tables, group_lens = tables[index], batch.seq_lens[index]
+    else:
+        index = torch.tensor(rows, device=device)
+        group_tables, group_lens = tables.index_select(0, index), batch.seq_lens.index_select(0, index)
     mask = None
     if min(lens) != length:
-        group_lens = batch.seq_lens[:len(rows)] if whole else batch.seq_lens.index_select(0, index)
         key_idx = torch.arange(length, device=device)
         mask = (key_idx[None, :] < group_lens[:, None])[:, None, None, :]     # (n, 1, 1, L)
     return DecodeGroup(index, group_tables, length, mask)
@@ -144,8 +148,7 @@ class TorchAttentionBackend:
         tables = batch.block_tables.long()                                  # (B, max_pages)
         groups = []
         if nd:
-            row_sets = decode_groups(batch.seq_lens_cpu[:nd])
-            groups = [_decode_group(batch, tables, rows, whole=len(row_sets) == 1) for rows in row_sets]
+            groups = [_decode_group(batch, tables, rows) for rows in decode_groups(batch.seq_lens_cpu[:nd])]
         prefills = []
         starts = batch.cu_seqlens_q.tolist()
         for i in range(nd, batch.num_seqs):
@@ -185,12 +188,16 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TorchAttentionMeta, scale: float) -> torch.Tensor:
         """q (Bd, H, D) -> (Bd, H, D): one SDPA per group of decode rows."""
-        if len(meta.decode_groups) == 1:
-            return self._attend_decodes(q, k_cache, v_cache, meta.decode_groups[0], scale)
+        groups = meta.decode_groups
+        if len(groups) == 1 and isinstance(groups[0].rows, slice):     # all rows, in order
+            return self._attend_decodes(q, k_cache, v_cache, groups[0], scale)
         out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            rows = q.index_select(0, group.rows)                            # (n, H, D)
-            out.index_copy_(0, group.rows, self._attend_decodes(rows, k_cache, v_cache, group, scale))
+        for group in groups:
+            if isinstance(group.rows, slice):
+                out[group.rows] = self._attend_decodes(q[group.rows], k_cache, v_cache, group, scale)
+            else:
+                rows = q.index_select(0, group.rows)                        # (n, H, D)
+                out.index_copy_(0, group.rows, self._attend_decodes(rows, k_cache, v_cache, group, scale))
         return out
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

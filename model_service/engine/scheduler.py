@@ -202,7 +202,9 @@ class Scheduler:
         if answer.preempted:
             gone = self._preempt(answer)
             work = [w for w in work if w.request not in gone]
-        work.sort(key=lambda w: not w.request.is_decoding)  # decodes first; stable otherwise
+        # Decodes first, longest context first (the torch backend then attends them in length
+        # groups that are row ranges); the rest in plan order.
+        work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding else 1)
         return work
 
     def launch(self, work: list[Work]) -> None:

@@ -74,6 +74,9 @@ CASES = {
     "mixed: 3 decodes, a cached chunk, a fresh chunk": ([1, 1, 1, 6, 5], [3, 20, 8, 15, 5], 3),
     # 20 decodes: two length groups (decode_groups), masks inside each
     "many decodes of mixed lengths": ([1] * 20, [(7 * i) % 12 + 1 for i in range(20)], 20),
+    # 24 decodes longest first, as the scheduler sends them: three groups that are row ranges
+    "many decodes, longest first, and a chunk": ([1] * 24 + [4], sorted(((5 * i) % 12 + 2 for i in range(24)),
+                                                                     reverse=True) + [7], 24),
     # 16 decodes of two lengths: each group all one length, so no mask at all
     "two groups of equal lengths, and a chunk": ([1] * 16 + [3], [9, 4] * 8 + [6], 16),
     # 70 queries behind 100 cached keys: on CPU with oneDNN, the matmul path (MATMUL_MIN_QUERIES)
@@ -109,6 +112,14 @@ def test_decode_groups_split_rows_by_context_length_longest_first() -> None:
     assert decode_groups(lens) == [[1, 5, 9, 13, 3, 7, 11, 15], [2, 6, 10, 14, 0, 4, 8, 12]]
     groups = decode_groups(list(range(64)))                     # at most four groups
     assert [len(g) for g in groups] == [16] * 4 and groups[0][0] == 63 and groups[-1][-1] == 0
+
+
+def test_decodes_in_length_order_are_sliced_not_indexed() -> None:
+    lens = sorted(((5 * i) % 12 + 2 for i in range(24)), reverse=True)
+    meta = TorchAttentionBackend().prepare(make_batch([1] * 24, lens, 24))
+    assert [g.rows for g in meta.decode_groups] == [slice(0, 8), slice(8, 16), slice(16, 24)]
+    meta = TorchAttentionBackend().prepare(make_batch([1] * 24, lens[::-1], 24))
+    assert all(isinstance(g.rows, torch.Tensor) for g in meta.decode_groups)
 
 
 def fake_flash_api(version: int, calls: list[str]) -> FlashApi:
