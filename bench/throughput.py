@@ -10,6 +10,8 @@ Printed side by side:
   - kvserve through gRPC (`kvserve up`: both services as real processes), streaming every
     token (--stream-interval 1, the default) and in chunks of 4 (fewer messages: on 2 cores
     each one's gRPC work in server and client takes CPU from the forward),
+  - kvserve's engine alone (bench/engine_alone.py: no gRPC, manager in-process), the
+    peer that shows what the stack around the engine costs,
   - transformers `generate` on one static left-padded batch,
   - transformers `generate_batch` (its continuous batching),
   - the roofline: the workload's matmul FLOPs over the GEMM FLOP/s measured here (the best
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import socket
 import statistics
@@ -167,6 +170,20 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
             "ttft_ms": sorted(f.ttft_ms for f in finished)}
 
 
+ALONE = "engine alone"
+
+
+def engine_alone(model: Path, requests: int, new_tokens: int) -> dict:
+    """bench/engine_alone.py in a process of its own (it must be the first to run torch there)."""
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        out = Path(tmp) / "alone.json"
+        subprocess.run([sys.executable, str(ROOT / "bench" / "engine_alone.py"), "--model", str(model),
+                        "--requests", str(requests), "--new-tokens", str(new_tokens),
+                        "--max-num-seqs", str(max(64, requests)), "--json", str(out)],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 # -------------------------------------------------------------------------- transformers
 
 def hf_static(model, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -240,16 +257,16 @@ def multi_turn_median(stack: Stack, vocab: int, turns: int, conversations: int) 
 
 def print_throughput(rows: list) -> None:
     """The markdown table docs/benchmarks.md carries: each roofline and kvserve's share of it,
-    a row per new-token count and kvserve --stream-interval."""
+    a row per new-token count and way of running kvserve."""
     names = list(rows[0][5])
-    print("\n| new tokens | stream interval | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | "
+    print("\n| new tokens | kvserve | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | "
           + " | ".join(f"roofline ({name}) tok/s | kvserve / it" for name in names)
           + " | kvserve / HF generate |")
     print("|---" * (6 + 2 * len(names)) + "|")
-    for n, interval, k, static, batch, roofs in rows:
+    for n, how, k, static, batch, roofs in rows:
         b = f"{batch['tok_s']:.1f}" if "tok_s" in batch else f"n/a ({batch['error']})"
         shares = " | ".join(f"{r:.1f} | {100 * k['tok_s'] / r:.0f}%" for r in roofs.values())
-        print(f"| {n} | {interval} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {shares} | "
+        print(f"| {n} | {how} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {shares} | "
               f"{k['tok_s'] / static['tok_s']:.2f}x |")
 
 
@@ -263,11 +280,11 @@ def print_goals(rows: list, turns: dict) -> None:
         return "met" if ok else "NOT met"
 
     print("\ngoals:")
-    for interval in dict.fromkeys(row[1] for row in rows):
-        mine = [row for row in rows if row[1] == interval]
+    for how in dict.fromkeys(row[1] for row in rows):
+        mine = [row for row in rows if row[1] == how]
         vs_hf = [k["tok_s"] / static["tok_s"] for _, _, k, static, _, _ in mine]
         vs_roof = [k["tok_s"] / roofs["F.linear"] for _, _, k, _, _, roofs in mine]
-        print(f"  --stream-interval {interval}:")
+        print(f"  {how}{' (not the goal: no gRPC)' if how == ALONE else ''}:")
         print(f"    >= 2x HF generate: {', '.join(f'{r:.2f}x' for r in vs_hf)}  {verdict(min(vs_hf) >= 2)}")
         print(f"    >= 75% of the roofline at torch's GEMM rate: "
               f"{', '.join(f'{100 * r:.0f}%' for r in vs_roof)}  {verdict(min(vs_roof) >= 0.75)}")
@@ -289,6 +306,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=15, help="multi-turn: median of this many")
     ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4],
                     help="kvserve --stream-interval values to run (default 1, the server's default, and 4)")
+    ap.add_argument("--skip-engine-alone", action="store_true", help="skip the engine-alone peer run")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
     args = ap.parse_args()
     if args.quick:
@@ -314,14 +332,16 @@ def main() -> None:
         for interval in args.stream_intervals:  # a fresh stack each: a last run's prompts would be prefix hits
             stack = Stack(path, server + ["--stream-interval", str(interval)])
             try:
-                results[n, interval] = run_kvserve(stack, prompts, n)
+                results[n, f"gRPC, interval {interval}"] = run_kvserve(stack, prompts, n)
             finally:
                 stack.close()
+        if not args.skip_engine_alone:
+            results[n, ALONE] = engine_alone(path, args.requests, n)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for n in args.new_tokens:
         static = hf_static(hf, prompts, n)
         batch = {"error": "skipped"} if args.skip_hf_batch else hf_batch(hf, prompts, n)
-        rows += [(n, interval, results[n, interval], static, batch) for interval in args.stream_intervals]
+        rows += [(n, how, k, static, batch) for (m, how), k in results.items() if m == n]
         rates = best_rates(rates, gemm_rates(cfg))  # re-measured: the machine's speed drifts
 
     turns = {}
@@ -335,15 +355,15 @@ def main() -> None:
 
     rates = best_rates(rates, gemm_rates(cfg))
     print("best GEMM rate of the run: " + ", ".join(f"{name} {r / 1e9:.1f} GFLOP/s" for name, r in rates.items()))
-    rows = [(n, interval, k, static, batch, {name: args.requests * n / (matmul_flops(cfg, prompts, n) / r)
-                                             for name, r in rates.items()})
-            for n, interval, k, static, batch in rows]
+    rows = [(n, how, k, static, batch, {name: args.requests * n / (matmul_flops(cfg, prompts, n) / r)
+                                        for name, r in rates.items()})
+            for n, how, k, static, batch in rows]
     print_throughput(rows)
     print("\nwhere kvserve's step time went (engine phase timers):")
-    for n, interval, k, *_ in rows:
+    for n, how, k, *_ in rows:
         total = sum(k["phases"].values())
         split = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in k["phases"].items())
-        print(f"  {n} new tokens, interval {interval}: {k['steps']} steps, "
+        print(f"  {n} new tokens, {how}: {k['steps']} steps, "
               f"{1e3 * total / max(1, k['steps']):.1f} ms/step; {split}")
     print(f"\nmulti-turn time to first token (ms), turns 1..{args.turns}, +64 tokens per turn, "
           f"median of {args.conversations} conversations:")

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""The throughput workload on kvserve's engine alone: no gRPC, no second process.
+
+    .venv/bin/python bench/engine_alone.py                    # 32 requests, 256 new tokens
+    .venv/bin/python bench/engine_alone.py --new-tokens 64 --json out.json
+
+The model service's own build (`model_service.assembly.build`, in-process manager), its
+engine thread, and the requests handed to `Engine.submit` directly, their events to a
+callback. What kvserve up adds on top (the asyncio front end streaming every token over
+gRPC, the manager in its own process, the client) is the gap between this and
+bench/throughput.py's kvserve row; bench/throughput.py runs this script as its peer.
+
+Run in a process of its own: it must build the model on a thread that ends, as the server
+does (model_service/server.py), and no other thread may have run torch first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import make_prompts  # noqa: E402
+from model_service.assembly import build  # noqa: E402
+from model_service.config import ModelServiceConfig  # noqa: E402
+from model_service.engine.events import Failed, Finished  # noqa: E402
+from model_service.engine.request import Request  # noqa: E402
+from model_service.sampling.params import SamplingParams  # noqa: E402
+from model_service.tiny_model import default_tiny_path  # noqa: E402
+
+
+def build_on_a_thread_that_ends(config: ModelServiceConfig):
+    """A thread that ran torch keeps an idle OpenMP pool while it lives; with more OpenMP
+    threads than cores libgomp stops spinning, and the engine's every op would wait."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(stack=build(config)), name="build")
+    thread.start()
+    thread.join()
+    return box["stack"]
+
+
+def run(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> list[Finished]:
+    finished: list[Finished] = []
+    done = threading.Semaphore(0)
+
+    def sink(event) -> None:
+        if isinstance(event, (Finished, Failed)):
+            finished.append(event)
+            done.release()
+
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        engine.submit(Request(f"{tag}-{i}", list(prompt), new_tokens, params), sink)
+    for _ in prompts:
+        done.acquire()
+    failed = [e for e in finished if isinstance(e, Failed)]
+    assert not failed, failed[0].message
+    return finished
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = ap.parse_args()
+
+    path = Path(args.model) if args.model else default_tiny_path("bench")
+    stack = build_on_a_thread_that_ends(ModelServiceConfig(
+        model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs))
+    engine = stack.engine
+    engine.start()
+    try:
+        run(engine, [list(range(3, 35))], 4, "warm-up")   # as throughput.py: no workload prefix
+        assert engine.wait_idle(60)
+        prompts = make_prompts(args.requests, 32, 512, stack.model_config.vocab_size)
+        before = dict(vars(engine.counters))
+        start = time.perf_counter()
+        finished = run(engine, prompts, args.new_tokens, "run")
+        wall = time.perf_counter() - start
+        after = vars(engine.counters)
+    finally:
+        engine.stop()
+    tokens = sum(f.completion_tokens for f in finished)
+    assert tokens == args.requests * args.new_tokens, "a request stopped early"
+    assert not any(f.cached_tokens for f in finished), "the workload hit the prefix cache"
+    phases = {name: after[f"{name}_s"] - before[f"{name}_s"]
+              for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
+    result = {"tok_s": tokens / wall, "wall": wall, "steps": after["steps"] - before["steps"], "phases": phases}
+    print(f"engine alone, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
+          f"({wall:.2f} s, {result['steps']} steps; forward {phases['forward']:.2f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
