@@ -48,8 +48,8 @@ def model_config(args: argparse.Namespace, **override) -> ModelServiceConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_pages=args.swap_pages, preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        stream_interval=args.stream_interval, max_model_len=args.max_model_len, cache_salt=args.cache_salt, prefix_caching=args.prefix_caching,
-        grace_s=args.grace_period)
+        stream_interval=args.stream_interval, max_model_len=args.max_model_len, cache_salt=args.cache_salt,
+        prefix_caching=args.prefix_caching, grace_s=args.grace_period)
     fields.update(override)
     try:
         return ModelServiceConfig(**fields)

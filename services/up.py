@@ -23,7 +23,8 @@ from model_service.config import DEFAULT_LISTEN
 
 _MODEL_FLAGS = ("model", "dtype", "device", "attention_backend", "page_size", "num_pages", "kv_cache_memory",
                 "gpu_memory_utilization", "swap_pages", "preemption_mode", "max_num_seqs",
-                "max_num_batched_tokens", "max_waiting", "stream_interval", "max_model_len", "cache_salt", "grace_period")
+                "max_num_batched_tokens", "max_waiting", "stream_interval", "max_model_len", "cache_salt",
+                "grace_period")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,6 +16,8 @@ Runs on CPU and on any GPU. Per layer:
    One call for all rows would gather and attend every row up to the longest
    context; four groups of sorted lengths halve that work (bench model, 32
    decodes of contexts 32-512: 1.20 -> 0.63 ms a layer; docs/benchmarks.md).
+   The scheduler sends decodes longest first, so each group is a row range,
+   sliced; rows in any other order are indexed.
 3. Prefill chunk rows: one SDPA per sequence over its gathered pages. Query i
    of a chunk sits at absolute position cached + i and sees keys 0 .. cached + i
    (causal, offset by the cached length); with nothing cached that is plain
