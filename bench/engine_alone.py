@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/engine_alone.py                    # 32 requests, 256 new tokens
     .venv/bin/python bench/engine_alone.py --new-tokens 64 --json out.json
+    .venv/bin/python bench/engine_alone.py --burn 5:29        # beside 5 ms of busy CPU every 29 ms
 
 The model service's own build (`model_service.assembly.build`, in-process manager), its
 engine thread, and the requests handed to `Engine.submit` directly, their events to a
@@ -12,12 +13,17 @@ bench/throughput.py's kvserve row; bench/throughput.py runs this script as its p
 
 Run in a process of its own: it must build the model on a thread that ends, as the server
 does (model_service/server.py), and no other thread may have run torch first.
+
+--burn BUSY:PERIOD runs a process beside the workload that keeps one core busy BUSY ms of
+every PERIOD ms: about what kvserve up's front end, manager and client take per engine step.
+It shows what any CPU taken from the forward's OpenMP threads costs on a small host.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -63,12 +69,32 @@ def run(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> list[Fin
     return finished
 
 
+BURNER = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(max(0.0, period - busy))
+"""
+
+
+def burner(spec: str | None) -> subprocess.Popen | None:
+    if not spec:
+        return None
+    busy, period = spec.split(":")
+    return subprocess.Popen([sys.executable, "-c", BURNER, busy, period])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--burn", metavar="BUSY:PERIOD", default=None,
+                    help="beside the run, keep one core busy BUSY ms of every PERIOD ms")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args()
 
@@ -77,10 +103,12 @@ def main() -> None:
         model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs))
     engine = stack.engine
     engine.start()
+    burn = None
     try:
         run(engine, [list(range(3, 35))], 4, "warm-up")   # as throughput.py: no workload prefix
         assert engine.wait_idle(60)
         prompts = make_prompts(args.requests, 32, 512, stack.model_config.vocab_size)
+        burn = burner(args.burn)
         before = dict(vars(engine.counters))
         start = time.perf_counter()
         finished = run(engine, prompts, args.new_tokens, "run")
@@ -88,13 +116,16 @@ def main() -> None:
         after = vars(engine.counters)
     finally:
         engine.stop()
+        if burn is not None:
+            burn.kill()
     tokens = sum(f.completion_tokens for f in finished)
     assert tokens == args.requests * args.new_tokens, "a request stopped early"
     assert not any(f.cached_tokens for f in finished), "the workload hit the prefix cache"
     phases = {name: after[f"{name}_s"] - before[f"{name}_s"]
               for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
     result = {"tok_s": tokens / wall, "wall": wall, "steps": after["steps"] - before["steps"], "phases": phases}
-    print(f"engine alone, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
+    beside = f", beside {args.burn} ms of busy CPU" if args.burn else ""
+    print(f"engine alone{beside}, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
           f"({wall:.2f} s, {result['steps']} steps; forward {phases['forward']:.2f} s)")
     if args.json:
         args.json.write_text(json.dumps(result))

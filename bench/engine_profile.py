@@ -43,12 +43,10 @@ PHASES = [
 
 
 def model_service_pid(stack: Stack) -> int:
-    children = subprocess.run(["pgrep", "-P", str(stack.proc.pid)], capture_output=True, text=True).stdout.split()
-    for pid in children:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"model" in argv:
-            return int(pid)
-    raise RuntimeError("no model service process under `kvserve up`")
+    pid = stack.children().get("model service")
+    if pid is None:
+        raise RuntimeError("no model service process under `kvserve up`")
+    return pid
 
 
 def read_raw(path: Path) -> list[tuple[str, list[str], int]]:

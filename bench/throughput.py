@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import resource
 import socket
 import statistics
 import subprocess
@@ -120,6 +122,15 @@ class Stack:
                 time.sleep(0.5)
         raise RuntimeError("kvserve up did not become ready")
 
+    def children(self) -> dict[str, int]:
+        """The pids of `kvserve up`'s two processes: {"model service": pid, "manager": pid}."""
+        pids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        out = {}
+        for pid in pids:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            out["model service" if b"model" in argv else "manager"] = int(pid)
+        return out
+
     def close(self) -> None:
         self.channel.close()
         self.proc.terminate()
@@ -153,11 +164,23 @@ async def send_all(address: str, prompts: list[list[int]], new_tokens: int) -> t
         return time.perf_counter() - start, finished
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time of a process (Linux /proc), or of this one."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict:
     for _ in stack.stub.Generate(request(list(range(3, 35)), 4)):  # warm-up; no workload prefix
         pass
     before = stack.stub.GetServerStats(pb.GetServerStatsRequest())
+    pids = {**stack.children(), "client": None}
+    cpu = {name: -cpu_seconds(pid) for name, pid in pids.items()}
     wall, finished = asyncio.run(send_all(stack.address, prompts, new_tokens))
+    cpu = {name: cpu[name] + cpu_seconds(pid) for name, pid in pids.items()}
     after = stack.stub.GetServerStats(pb.GetServerStatsRequest())
     tokens = sum(f.usage.completion_tokens for f in finished)
     assert tokens == len(prompts) * new_tokens, "a request stopped early"
@@ -166,7 +189,7 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
     phases = {name: getattr(after, f"{name}_seconds") - getattr(before, f"{name}_seconds")
               for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
     steps = after.steps - before.steps
-    return {"tok_s": tokens / wall, "wall": wall, "steps": steps, "phases": phases,
+    return {"tok_s": tokens / wall, "wall": wall, "steps": steps, "phases": phases, "cpu": cpu,
             "ttft_ms": sorted(f.ttft_ms for f in finished)}
 
 
@@ -365,6 +388,8 @@ def main() -> None:
         split = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in k["phases"].items())
         print(f"  {n} new tokens, {how}: {k['steps']} steps, "
               f"{1e3 * total / max(1, k['steps']):.1f} ms/step; {split}")
+        if "cpu" in k:   # on 2 cores, CPU outside the engine costs the forward about as much wall time
+            print(f"    {k['wall']:.2f} s wall; CPU s: " + ", ".join(f"{name} {s:.2f}" for name, s in k["cpu"].items()))
     print(f"\nmulti-turn time to first token (ms), turns 1..{args.turns}, +64 tokens per turn, "
           f"median of {args.conversations} conversations:")
     for caching, ttfts in turns.items():
