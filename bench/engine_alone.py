@@ -4,6 +4,7 @@
     .venv/bin/python bench/engine_alone.py                    # 32 requests, 256 new tokens
     .venv/bin/python bench/engine_alone.py --new-tokens 64 --json out.json
     .venv/bin/python bench/engine_alone.py --burn 5:29        # beside 5 ms of busy CPU every 29 ms
+    .venv/bin/python bench/engine_alone.py --step-burst 2 --burst-in process
 
 The model service's own build (`model_service.assembly.build`, in-process manager), its
 engine thread, and the requests handed to `Engine.submit` directly, their events to a
@@ -17,12 +18,18 @@ does (model_service/server.py), and no other thread may have run torch first.
 --burn BUSY:PERIOD runs a process beside the workload that keeps one core busy BUSY ms of
 every PERIOD ms: about what kvserve up's front end, manager and client take per engine step.
 It shows what any CPU taken from the forward's OpenMP threads costs on a small host.
+
+--step-burst MS keeps a core busy MS ms after every pass of the engine loop, where the
+servicer hands a step's events to its asyncio loop: the front end's streaming work, in a
+thread of the engine's process that holds the GIL as the front end does (--burst-in thread),
+or in a process of its own, as if the engine ran apart from the front end (process).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -87,6 +94,39 @@ def burner(spec: str | None) -> subprocess.Popen | None:
     return subprocess.Popen([sys.executable, "-c", BURNER, busy, period])
 
 
+STEP_BURNER = """
+import os, sys, time
+fd, busy = int(sys.argv[1]), float(sys.argv[2]) / 1e3
+while os.read(fd, 4096):
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+"""
+
+
+def step_burst(engine, ms: float, where: str):
+    """After every engine loop pass, a core busy `ms` (see the module docstring); returns a
+    function that stops it."""
+    read_fd, write_fd = os.pipe()
+    if where == "process":
+        proc = subprocess.Popen([sys.executable, "-c", STEP_BURNER, str(read_fd), str(ms)], pass_fds=(read_fd,))
+    else:
+        def spin() -> None:
+            while os.read(read_fd, 4096):
+                start = time.perf_counter()
+                while time.perf_counter() - start < ms / 1e3:
+                    pass
+        threading.Thread(target=spin, daemon=True).start()
+    engine.flush_events = lambda: os.write(write_fd, b"x")
+
+    def stop() -> None:
+        engine.flush_events = lambda: None
+        os.close(write_fd)   # the burner reads end of file and ends
+        if where == "process":
+            proc.wait()
+    return stop
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
@@ -95,6 +135,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--burn", metavar="BUSY:PERIOD", default=None,
                     help="beside the run, keep one core busy BUSY ms of every PERIOD ms")
+    ap.add_argument("--step-burst", metavar="MS", type=float, default=None,
+                    help="after every engine loop pass, keep a core busy MS ms")
+    ap.add_argument("--burst-in", choices=("thread", "process"), default="thread",
+                    help="where --step-burst runs (default thread: in this process, holding the GIL)")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args()
 
@@ -103,18 +147,22 @@ def main() -> None:
         model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs))
     engine = stack.engine
     engine.start()
-    burn = None
+    burn = stop_burst = None
     try:
         run(engine, [list(range(3, 35))], 4, "warm-up")   # as throughput.py: no workload prefix
         assert engine.wait_idle(60)
         prompts = make_prompts(args.requests, 32, 512, stack.model_config.vocab_size)
         burn = burner(args.burn)
+        if args.step_burst:
+            stop_burst = step_burst(engine, args.step_burst, args.burst_in)
         before = dict(vars(engine.counters))
         start = time.perf_counter()
         finished = run(engine, prompts, args.new_tokens, "run")
         wall = time.perf_counter() - start
         after = vars(engine.counters)
     finally:
+        if stop_burst is not None:
+            stop_burst()
         engine.stop()
         if burn is not None:
             burn.kill()
@@ -125,6 +173,8 @@ def main() -> None:
               for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
     result = {"tok_s": tokens / wall, "wall": wall, "steps": after["steps"] - before["steps"], "phases": phases}
     beside = f", beside {args.burn} ms of busy CPU" if args.burn else ""
+    if args.step_burst:
+        beside += f", {args.step_burst:g} ms busy after every step in a {args.burst_in}"
     print(f"engine alone{beside}, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
           f"({wall:.2f} s, {result['steps']} steps; forward {phases['forward']:.2f} s)")
     if args.json:
