@@ -1,7 +1,8 @@
-"""--stream-interval N: a request's tokens reach the client in chunks of N, the first alone.
+"""--stream-interval N over gRPC: a request's tokens reach the client in chunks of N.
 
 The tokens, text, logprobs and stop behaviour are those of N = 1; only how they are cut
 into messages changes (fewer messages: less per-message work in the server and client).
+The exact cut, the first token alone, is tested at the engine (tests/engine/).
 """
 
 from __future__ import annotations
@@ -33,20 +34,29 @@ def chunked(chunked_server: Served) -> Iterator[pb_grpc.InferenceStub]:
         yield pb_grpc.InferenceStub(ch)
 
 
-def _expected_sizes(n: int) -> list[int]:
-    """Chunk boundaries after token 1, after every multiple of INTERVAL, and at the end."""
-    cuts = sorted({1, n} | set(range(INTERVAL, n, INTERVAL)))
-    return [b - a for a, b in zip([0] + cuts, cuts)]
+def _cuts(n: int) -> set[int]:
+    """Where a chunk may end: after token 1, after every multiple of INTERVAL, and at the end."""
+    return {1, n} | set(range(INTERVAL, n, INTERVAL))
+
+
+def _chunk_ends(out) -> list[int]:
+    ends, total = [], 0
+    for chunk in out.chunks:
+        total += len(chunk.token_ids)
+        ends.append(total)
+    return ends
 
 
 @pytest.mark.parametrize("max_tokens", [1, 4, 5, 11])
 def test_chunks_of_interval_first_alone(chunked, stub, max_tokens):
     out = generate(chunked, request(token_ids=PROMPT_IDS, **greedy(max_tokens)))
-    assert [len(c.token_ids) for c in out.chunks] == _expected_sizes(max_tokens)
+    # The servicer merges events that piled up behind a slow client, so a chunk may span
+    # several intervals; it never ends anywhere else.
+    ends = _chunk_ends(out)
+    assert set(ends) <= _cuts(max_tokens) and ends[-1] == max_tokens, ends
     assert out.kinds[0] == "prefill_done" and out.kinds[-1] == "finished"
     assert out.finished.usage.completion_tokens == max_tokens
     one_by_one = generate(stub, request(token_ids=PROMPT_IDS, **greedy(max_tokens)))
-    assert [len(c.token_ids) for c in one_by_one.chunks] == [1] * max_tokens
     assert out.tokens == one_by_one.tokens and out.text == one_by_one.text
 
 
