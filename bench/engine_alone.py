@@ -12,8 +12,8 @@ callback. What kvserve up adds on top (the asyncio front end streaming every tok
 gRPC, the manager in its own process, the client) is the gap between this and
 bench/throughput.py's kvserve row; bench/throughput.py runs this script as its peer.
 
-Run in a process of its own: it must build the model on a thread that ends, as the server
-does (model_service/server.py), and no other thread may have run torch first.
+Run in a process of its own: it builds the model on a thread that ends, as the server does
+(model_service.assembly.build_on_a_thread_that_ends), and no other thread may run torch first.
 
 --burn BUSY:PERIOD runs a process beside the workload that keeps one core busy BUSY ms of
 every PERIOD ms: about what kvserve up's front end, manager and client take per engine step.
@@ -39,22 +39,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import make_prompts  # noqa: E402
-from model_service.assembly import build  # noqa: E402
+from model_service.assembly import build_on_a_thread_that_ends  # noqa: E402
 from model_service.config import ModelServiceConfig  # noqa: E402
 from model_service.engine.events import Failed, Finished  # noqa: E402
 from model_service.engine.request import Request  # noqa: E402
 from model_service.sampling.params import SamplingParams  # noqa: E402
 from model_service.tiny_model import default_tiny_path  # noqa: E402
-
-
-def build_on_a_thread_that_ends(config: ModelServiceConfig):
-    """A thread that ran torch keeps an idle OpenMP pool while it lives; with more OpenMP
-    threads than cores libgomp stops spinning, and the engine's every op would wait."""
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(stack=build(config)), name="build")
-    thread.start()
-    thread.join()
-    return box["stack"]
 
 
 def run(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> list[Finished]:

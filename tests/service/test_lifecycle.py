@@ -120,15 +120,15 @@ def test_engine_goes_idle_after_a_failed_step(fresh_server):
 
 def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
     # A live thread that ran torch keeps an idle OpenMP pool, which makes libgomp stop
-    # spinning between the engine's parallel regions (model_service/server.py).
+    # spinning between the engine's parallel regions (assembly.build_on_a_thread_that_ends).
     import threading
 
-    from model_service import server as server_module
+    from model_service import assembly
     from tests.service.conftest import ModelServerThread
 
     built_on = []
-    real_build = server_module.build
-    monkeypatch.setattr(server_module, "build",
+    real_build = assembly.build
+    monkeypatch.setattr(assembly, "build",
                         lambda config: built_on.append(threading.current_thread()) or real_build(config))
     server = ModelServerThread(tiny_dirs["tiny"])
     try:
@@ -136,3 +136,11 @@ def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
         assert thread is not server.servicer.engine._thread and not thread.is_alive()
     finally:
         server.stop()
+
+
+def test_a_build_error_reaches_the_caller(tmp_path):
+    from model_service.assembly import build_on_a_thread_that_ends
+    from model_service.config import ModelServiceConfig
+
+    with pytest.raises(ValueError, match="neither a built-in model"):
+        build_on_a_thread_that_ends(ModelServiceConfig(model=str(tmp_path / "missing")))
