@@ -14,10 +14,10 @@ Printed side by side:
     peer that shows what the stack around the engine costs,
   - transformers `generate` on one static left-padded batch,
   - transformers `generate_batch` (its continuous batching),
-  - the roofline: the workload's matmul FLOPs over the GEMM FLOP/s measured here (the best
-    of measurements before, between and after the runs), at two rates: torch's own GEMM
-    (F.linear, the rate the goal is read against) and the oneDNN-packed linear kvserve
-    runs on CPU (a ceiling our own matmuls can reach),
+  - the roofline: the workload's matmul FLOPs (weights and attention) over the GEMM FLOP/s
+    measured here (the best of measurements before, between and after the runs), at two
+    rates: torch's own GEMM (F.linear, the rate the goal is read against) and the
+    oneDNN-packed linear kvserve runs on CPU (a ceiling our own matmuls can reach),
   - multi-turn conversations (8 turns, +64 tokens each): time to first token
     per turn with the prefix cache on and off (median of 15 conversations),
   - where the engine's step time goes (its phase timers, via GetServerStats).
@@ -57,7 +57,7 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
 
 
-def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
+def weight_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
     """2 x weights x tokens: every prompt token through the layers, one LM-head row per
     sequence at the end of its prefill, then (new_tokens - 1) decode tokens through all."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
@@ -68,6 +68,21 @@ def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
     prefill = sum(map(len, prompts)) * layers + n * head
     decode = n * (new_tokens - 1) * (layers + head)
     return 2.0 * (prefill + decode)
+
+
+def attention_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
+    """The attention matmuls, Q K^T and P V: 2 x head_dim FLOPs each per query head, layer and
+    (query, key) pair a causal model must compute. A prompt of L tokens has L(L+1)/2 pairs;
+    its k-th decode token (k = 1 .. new_tokens - 1) attends L + k keys."""
+    per_pair = 2 * 2 * cfg.head_dim * cfg.num_heads * cfg.num_layers
+    pairs = sum(n * (n + 1) // 2 + (new_tokens - 1) * n + new_tokens * (new_tokens - 1) // 2
+                for n in map(len, prompts))
+    return float(per_pair * pairs)
+
+
+def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
+    """The workload's matmul FLOPs: the weight matmuls and the attention matmuls."""
+    return weight_flops(cfg, prompts, new_tokens) + attention_flops(cfg, prompts, new_tokens)
 
 
 def gemm_rates(cfg, rows: int = 2048, reps: int = 7) -> dict[str, float]:
@@ -345,6 +360,10 @@ def main() -> None:
     print(f"model {path.name}: {cfg.architecture}, hidden {cfg.hidden_size}, {cfg.num_layers} layers; "
           f"{args.requests} requests, {sum(map(len, prompts))} prompt tokens; torch threads {torch.get_num_threads()}")
 
+    for n in args.new_tokens:
+        w, a = weight_flops(cfg, prompts, n), attention_flops(cfg, prompts, n)
+        print(f"matmul FLOPs at {n} new tokens: {(w + a) / 1e9:.1f} G (weights {w / 1e9:.1f}, "
+              f"attention {a / 1e9:.1f})")
     rates = gemm_rates(cfg)
     print("GEMM rate on the model's layer shapes, 2048 rows: "
           + ", ".join(f"{name} {r / 1e9:.1f} GFLOP/s" for name, r in rates.items()))
