@@ -27,6 +27,11 @@ RUN if ! python3 -m venv /opt/kvserve 2>/dev/null; then \
     fi \
  && pip install --upgrade pip
 
+# A C compiler: the cpu attention backend builds its decode kernel at first start, for the CPU
+# it runs on (-march=native). Without one, kvserve warns and serves with the torch backend.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Own layer: torch is by far the largest download and changes least often.
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 

@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--attention-backend", default="auto", help="auto | torch | cpu (as the model service)")
     ap.add_argument("--burn", metavar="BUSY:PERIOD", default=None,
                     help="beside the run, keep one core busy BUSY ms of every PERIOD ms")
     ap.add_argument("--step-burst", metavar="MS", type=float, default=None,
@@ -134,7 +135,8 @@ def main() -> None:
 
     path = Path(args.model) if args.model else default_tiny_path("bench")
     stack = build_on_a_thread_that_ends(ModelServiceConfig(
-        model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs))
+        model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend))
     engine = stack.engine
     engine.start()
     burn = stop_burst = None

@@ -82,7 +82,8 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
     if device.type == "cpu":
         host_memory.keep_freed_memory()   # before the first big allocation
     model, mcfg = load_model(path, dtype, device)
-    backend = select_backend(cfg.attention_backend, device, cfg.page_size)
+    backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
+                             mcfg.num_heads * mcfg.head_dim)
     multiple = backend.page_size_multiple()
     page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
     if page_size % multiple:

@@ -15,7 +15,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "(tiny, bench, ...) generated on first use (default tiny)")
     p.add_argument("--dtype", default=_D.dtype, help="auto | float32 | bfloat16 | float16 (default auto)")
     p.add_argument("--device", default=_D.device, help="auto | cpu | cuda[:N] (default auto)")
-    p.add_argument("--attention-backend", default=_D.attention_backend, help="auto | torch | flash_attn")
+    p.add_argument("--attention-backend", default=_D.attention_backend, help="auto | torch | cpu | flash_attn")
     p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; 256 for flash-attn 2)")
     p.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from the memory budget)")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None,

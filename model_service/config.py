@@ -15,7 +15,7 @@ class ModelServiceConfig:
     kvcache: str = DEFAULT_KVCACHE        # the manager's address, or "inprocess"
     dtype: str = "auto"                   # float32 | bfloat16 | float16; auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"                  # cpu | cuda | cuda:N; auto: cuda when available
-    attention_backend: str = "auto"       # auto | torch | flash_attn
+    attention_backend: str = "auto"       # auto | torch | cpu | flash_attn
     page_size: int | None = None          # tokens per page; None: 16, or 256 for flash-attn 2
     num_pages: int | None = None          # device pages; None: from the memory budget below
     kv_cache_memory: int | None = None    # bytes for KV pages; None: 1 GiB on CPU, profiled on CUDA
@@ -51,8 +51,8 @@ class ModelServiceConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "flash_attn"):
-            raise ValueError(f"--attention-backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
+            raise ValueError(f"--attention-backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_pages == 0:

@@ -145,12 +145,17 @@ class TorchAttentionBackend:
         return 1
 
     def prepare(self, batch: ForwardBatch) -> TorchAttentionMeta:
-        device = batch.input_ids.device
         nd = batch.num_decodes
         tables = batch.block_tables.long()                                  # (B, max_pages)
         groups = []
         if nd:
             groups = [_decode_group(batch, tables, rows) for rows in decode_groups(batch.seq_lens_cpu[:nd])]
+        return TorchAttentionMeta(batch.slot_mapping, nd, groups, self.prepare_prefills(batch, tables))
+
+    def prepare_prefills(self, batch: ForwardBatch, tables: torch.Tensor) -> list[PrefillChunk]:
+        """One chunk per sequence after the decodes: its rows, pages and causal mask."""
+        device = batch.input_ids.device
+        nd = batch.num_decodes
         prefills = []
         starts = batch.cu_seqlens_q.tolist()
         for i in range(nd, batch.num_seqs):
@@ -163,7 +168,7 @@ class TorchAttentionBackend:
                 if self._matmul_path(device, q_len, seq_len):
                     bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, bias))
-        return TorchAttentionMeta(batch.slot_mapping, nd, groups, prefills)
+        return prefills
 
     @staticmethod
     def _matmul_path(device: torch.device, queries: int, keys: int) -> bool:

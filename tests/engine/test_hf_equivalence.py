@@ -49,19 +49,25 @@ def run(tiny_dirs, arch, **config):
         h.close()
 
 
+# auto: the cpu backend (native decode kernel) where it builds; torch: the reference backend.
+BACKENDS = ["auto", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_concurrent_requests(tiny_dirs, hf_refs, arch):
+def test_concurrent_requests(tiny_dirs, hf_refs, arch, backend):
     _, refs = hf_refs(arch)
-    outcomes, stats = run(tiny_dirs, arch, page_size=4)
-    check_all(outcomes, refs, f"{arch} batched")
+    outcomes, stats = run(tiny_dirs, arch, page_size=4, attention_backend=backend)
+    check_all(outcomes, refs, f"{arch} batched, {backend} backend")
     assert stats.used_pages == 0 and stats.num_sequences == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill(tiny_dirs, hf_refs, arch):
+def test_chunked_prefill(tiny_dirs, hf_refs, arch, backend):
     _, refs = hf_refs(arch)
-    outcomes, _ = run(tiny_dirs, arch, page_size=4, max_num_batched_tokens=16)
-    check_all(outcomes, refs, f"{arch} chunked")
+    outcomes, _ = run(tiny_dirs, arch, page_size=4, max_num_batched_tokens=16, attention_backend=backend)
+    check_all(outcomes, refs, f"{arch} chunked, {backend} backend")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

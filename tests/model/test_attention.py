@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from model_service.attention import flash_attn_backend
+from model_service.attention import cpu_decode_kernel, flash_attn_backend
+from model_service.attention.cpu_backend import CpuAttentionBackend
 from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
 from model_service.attention.select import select_backend
 from model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
@@ -84,12 +85,24 @@ CASES = {
 }
 
 
+def kernel_or_skip() -> cpu_decode_kernel.PagedDecodeKernel:
+    try:
+        return cpu_decode_kernel.load()
+    except cpu_decode_kernel.KernelUnavailable as exc:
+        pytest.skip(f"the cpu backend's kernel does not build here: {exc}")
+
+
+def make_backend(name: str) -> TorchAttentionBackend:
+    return CpuAttentionBackend(kernel_or_skip()) if name == "cpu" else TorchAttentionBackend()
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu"])
 @pytest.mark.parametrize("case", CASES)
-def test_torch_backend_matches_reference(case: str) -> None:
+def test_cpu_backends_match_reference(case: str, name: str) -> None:
     query_lens, seq_lens, num_decodes = CASES[case]
     batch = make_batch(query_lens, seq_lens, num_decodes)
     q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
-    backend = TorchAttentionBackend()
+    backend = make_backend(name)
     out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
     # The step's K/V landed at their slots.
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
@@ -183,12 +196,42 @@ def test_flash_backend_module_imports_without_flash_attn_and_refuses_to_start(mo
 def test_select_backend(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     assert select_backend("torch", "cpu").name == "torch"
-    assert select_backend("auto", "cpu").name == "torch"
     assert select_backend("auto", "cuda").name == "torch"       # no flash-attn here
     with pytest.raises(RuntimeError, match="CUDA only"):
         select_backend("flash_attn", "cpu")
-    with pytest.raises(ValueError, match="auto, torch, flash_attn"):
+    with pytest.raises(ValueError, match="auto, torch, cpu, flash_attn"):
         select_backend("xformers", "cpu")
+
+
+def test_select_cpu_backend_where_its_kernel_runs() -> None:
+    kernel_or_skip()
+    assert select_backend("auto", "cpu").name == "cpu"
+    assert select_backend("auto", "cpu", page_size=16, dtype=torch.float32).name == "cpu"
+    assert select_backend("cpu", "cpu").name == "cpu"
+    # auto falls back to torch where the kernel does not apply; asked for by name, it refuses.
+    assert select_backend("auto", "cpu", dtype=torch.bfloat16).name == "torch"
+    assert select_backend("auto", "cpu", page_size=512).name == "torch"
+    with pytest.raises(RuntimeError, match="float32 only"):
+        select_backend("cpu", "cpu", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 256"):
+        select_backend("cpu", "cpu", page_size=512)
+    assert select_backend("auto", "cpu", head_floats=64 * 512).name == "torch"
+    with pytest.raises(RuntimeError, match="up to 16384, not 32768"):
+        select_backend("cpu", "cpu", head_floats=64 * 512)
+    with pytest.raises(RuntimeError, match="CPU only"):
+        select_backend("cpu", "cuda")
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:
+    from model_service.attention import select
+
+    def unavailable():
+        raise cpu_decode_kernel.KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
+
+    monkeypatch.setattr(select.cpu_decode_kernel, "load", unavailable)
+    assert select_backend("auto", "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="kernel is unavailable: no C compiler"):
+        select_backend("cpu", "cpu")
 
 
 def test_auto_picks_flash_on_cuda_when_it_imports_and_fits_the_page_size(monkeypatch) -> None:
@@ -199,7 +242,7 @@ def test_auto_picks_flash_on_cuda_when_it_imports_and_fits_the_page_size(monkeyp
     assert select_backend("auto", "cuda").name == "flash_attn"
     assert select_backend("auto", "cuda", page_size=512).name == "flash_attn"
     assert select_backend("auto", "cuda", page_size=16).name == "torch"    # FA2 wants % 256
-    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("auto", "cpu").name in ("cpu", "torch")          # never flash_attn
 
 
 def test_torch_backend_works_in_and_out_of_inference_mode() -> None:
