@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of the model forward on the `bench` preset (Llama, hidden 512, 8 layers,
-8 q / 2 KV heads, head_dim 64, vocab 32000), float32, CPU, torch attention backend.
+8 q / 2 KV heads, head_dim 64, vocab 32000), float32, CPU; decode on the torch and the cpu
+attention backends.
 
     .venv/bin/python bench/model_bench.py               # ~1 min on 2 cores (first run builds the model)
     .venv/bin/python bench/model_bench.py --threads 1   # steadier when other work shares the cores
@@ -8,9 +9,10 @@
 0. GEMMs: each matmul shape of the model at 2048 and 32 rows, F.linear against the
    oneDNN-packed Linear the model service uses on CPU.
 1. Decode step: 32 sequences, contexts 64..544 (evenly spaced), page 16, shuffled pages.
-   Time per step, split into attention (backend.forward: cache write, page gather,
-   SDPA), the nn.Linear GEMMs, and the rest; then the per-layer decode attention
-   against the PERF_NOTES peer (a Python loop over sequences, K/V heads repeated).
+   For each CPU attention backend (torch: page gather + SDPA; cpu: the native paged
+   kernel), time per step, split into attention (backend.forward), the nn.Linear GEMMs,
+   and the rest; then the per-layer decode attention against the PERF_NOTES peer (a
+   Python loop over sequences, K/V heads repeated).
 2. Prefill: one 512-token prompt; tokens/s, against transformers' forward on the
    same prompt in the same process.
 """
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from model_service.attention.select import select_backend  # noqa: E402
 from model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from model_service.kv_cache import KVCache  # noqa: E402
 from model_service.model.linear import Linear  # noqa: E402
@@ -86,12 +89,16 @@ def decode_batch(contexts: list[int], vocab: int):
         len(ch.seq.pages) for ch in chunks)
 
 
-def bench_decode(model, config, repeat: int) -> None:
+def bench_decode(model, config, repeat: int, backend_name: str) -> None:
     contexts = [round(64 + i * (544 - 64) / 31) for i in range(32)]
     batch, num_pages = decode_batch(contexts, config.vocab_size)
     cache = KVCache(config, num_pages, PAGE)
     cache.pool.normal_()
-    backend = TorchAttentionBackend()
+    try:
+        backend = select_backend(backend_name, "cpu", PAGE, torch.float32)
+    except RuntimeError as exc:
+        print(f"decode step, {backend_name} backend: not here ({exc})")
+        return
 
     def step():
         return model(batch, cache.layers, backend, backend.prepare(batch))
@@ -115,13 +122,13 @@ def bench_decode(model, config, repeat: int) -> None:
     del backend.forward
     total, attn_ms, gemm_ms = (t.seconds / repeat * 1e3 for t in (whole, attn, gemm))
     lm_head_ms = median_ms(lambda: model.lm_head(torch.randn(32, config.hidden_size)), repeat)
-    print(f"decode step, 32 seqs, contexts {contexts[0]}..{contexts[-1]} (page {PAGE}):")
+    print(f"decode step, {backend.name} backend, 32 seqs, contexts {contexts[0]}..{contexts[-1]} (page {PAGE}):")
     print(f"  step  {plain:7.2f} ms  = {32 / plain * 1e3:6.0f} tok/s (median of {repeat}; "
           f"best {best_ms(step, repeat):.2f} ms)")
     print(f"  split of {repeat} timed steps, mean {total:.2f} ms:")
     print(f"    GEMMs {gemm_ms:7.2f} ms  ({gemm_ms / total:.0%}; the LM head alone {lm_head_ms:.2f} ms)")
     print(f"    attn  {attn_ms:7.2f} ms  ({attn_ms / total:.0%}; {attn_ms / config.num_layers:.2f} ms/layer "
-          "incl. cache write + page gather)")
+          "incl. cache write)")
     print(f"    other {total - gemm_ms - attn_ms:7.2f} ms  (norms, rope, residuals, embedding, prepare)")
     bench_decode_attention_peer(config, batch, cache, backend, repeat)
 
@@ -155,8 +162,8 @@ def bench_decode_attention_peer(config, batch, cache, backend, repeat: int) -> N
     torch.testing.assert_close(ours(), loop(), rtol=1e-4, atol=1e-4)
     ours_ms, loop_ms = median_ms(ours, repeat), median_ms(loop, repeat)
     ours_best, loop_best = best_ms(ours, repeat), best_ms(loop, repeat)
-    print(f"  one layer's decode attention: batched {ours_ms:.2f} ms (best {ours_best:.2f}), "
-          f"per-sequence loop {loop_ms:.2f} ms (best {loop_best:.2f}); loop/batched {loop_ms / ours_ms:.1f}x")
+    print(f"  one layer's decode attention: {backend.name} backend {ours_ms:.2f} ms (best {ours_best:.2f}), "
+          f"per-sequence loop {loop_ms:.2f} ms (best {loop_best:.2f}); loop/{backend.name} {loop_ms / ours_ms:.1f}x")
 
 
 def bench_prefill(model, config, path: Path, repeat: int) -> None:
@@ -226,7 +233,8 @@ def main() -> None:
     model, config = load_model(path, torch.float32, "cpu")
     print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_gemms(config, args.repeat)
-    bench_decode(model, config, args.repeat)
+    for backend_name in ("torch", "cpu"):
+        bench_decode(model, config, args.repeat, backend_name)
     bench_prefill(model, config, path, max(3, args.repeat // 3))
 
 
