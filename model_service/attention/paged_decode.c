@@ -64,13 +64,15 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
         const float *values = v_cache + (int64_t)table[p] * page_stride;
 
         for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *k = keys + t * token_stride + (h / group) * head_dim;
-                float dot = 0.f;
+            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                const float *k = keys + t * token_stride + kh * head_dim;
+                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                    float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++)
-                    dot += qs[h][d] * k[d];
-                scores[h][t] = dot;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        dot += qs[h][d] * k[d];
+                    scores[h][t] = dot;
+                }
             }
         /* Online softmax: rescale what was summed so far to this page's new maximum. */
         for (int64_t h = 0; h < num_heads; h++) {
@@ -92,12 +94,14 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
                     acc[h][d] *= correction;
         }
         for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *v = values + t * token_stride + (h / group) * head_dim;
-                const float w = scores[h][t];
+            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                const float *v = values + t * token_stride + kh * head_dim;
+                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                    const float w = scores[h][t];
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++)
-                    acc[h][d] += w * v[d];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        acc[h][d] += w * v[d];
+                }
             }
     }
     for (int64_t h = 0; h < num_heads; h++) {
