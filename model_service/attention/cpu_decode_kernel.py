@@ -100,7 +100,10 @@ def _build_and_load() -> PagedDecodeKernel:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
     path = _cache_dir() / f"paged_decode-{_build_key(compiler, openmp)}.so"
     if not path.is_file():
-        _build(compiler, openmp, path)
+        try:
+            _build(compiler, openmp, path)
+        except OSError as exc:   # a read-only or full cache dir, say
+            raise KernelUnavailable(f"cannot build into {path.parent}: {exc}") from exc
     try:
         library = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -126,3 +126,11 @@ def test_a_missing_or_failing_compiler_is_reported(tmp_path, monkeypatch) -> Non
     with pytest.raises(KernelUnavailable, match="failed:\ncc: internal error"):
         cpu_decode_kernel._build_and_load()
     assert not list((tmp_path / "kvserve" / "kernels").glob("*.so"))
+
+
+def test_a_cache_dir_that_cannot_be_written_is_reported(tmp_path, monkeypatch) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
+    with pytest.raises(KernelUnavailable, match="cannot build into"):
+        cpu_decode_kernel._build_and_load()
