@@ -26,6 +26,7 @@ class CpuAttentionMeta:
     num_decodes: int
     decode_tables: torch.Tensor     # (num_decodes, max_pages) int32, rows contiguous
     decode_lens: torch.Tensor       # (num_decodes,) int32
+    max_decode_len: int             # the longest of decode_lens
     prefills: list[PrefillChunk]
 
 
@@ -40,8 +41,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = batch.num_decodes
         prefills = self.prepare_prefills(batch, batch.block_tables.long()) if nd < batch.num_seqs else []
         return CpuAttentionMeta(batch.slot_mapping, nd, batch.block_tables[:nd].contiguous(),
-                                batch.seq_lens[:nd].contiguous(), prefills)
+                                batch.seq_lens[:nd].contiguous(), max(batch.seq_lens_cpu[:nd], default=0),
+                                prefills)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: CpuAttentionMeta, scale: float) -> torch.Tensor:
-        return self.kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
+        return self.kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale,
+                           meta.max_decode_len)

@@ -56,8 +56,9 @@ class PagedDecodeKernel:
         self._fn = fn
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """tables (n, >= pages) int32 with rows contiguous, seq_lens (n,) int32, each >= 1."""
+                 tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+        """tables (n, >= pages) int32 with rows contiguous, seq_lens (n,) int32, each >= 1;
+        max_len: the longest of seq_lens (the caller has it as a Python int)."""
         n, h, d = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -67,7 +68,8 @@ class PagedDecodeKernel:
                 and seq_lens.is_contiguous() and tables.dtype == seq_lens.dtype == torch.int32
                 and h % k_cache.shape[2] == 0 and k_cache.shape[3] == d
                 and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and q.device.type == "cpu"
-                and h * d <= MAX_HEAD_FLOATS and k_cache.shape[1] <= MAX_PAGE_SIZE):
+                and h * d <= MAX_HEAD_FLOATS and k_cache.shape[1] <= MAX_PAGE_SIZE
+                and max_len <= tables.shape[1] * k_cache.shape[1]):
             raise ValueError("paged decode kernel: inconsistent shapes, strides or dtypes")
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),

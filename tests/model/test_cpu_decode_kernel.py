@@ -67,7 +67,7 @@ def test_kernel_matches_reference(kernel, seed, num_kv_heads, group, head_dim, p
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=head_dim ** -0.5)
+        out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
     finally:
         torch.set_num_threads(before)
     expected = reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
@@ -77,7 +77,7 @@ def test_kernel_matches_reference(kernel, seed, num_kv_heads, group, head_dim, p
 def test_large_scores_do_not_overflow(kernel) -> None:
     """Scores in the thousands: the online softmax must rescale, never exponentiate them raw."""
     q, k_cache, v_cache, tables, seq_lens = random_case(7, 2, 4, 64, 16, [1, 40, 300], 1, magnitude=200.0)
-    out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=0.125, max_len=300)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, seq_lens, 0.125),
                                rtol=1e-4, atol=1e-4)
@@ -87,11 +87,14 @@ def test_a_row_view_of_the_tables_and_queries_is_read_right(kernel) -> None:
     """The backend passes the decode rows of wider tensors: a row slice, queries not contiguous."""
     q, k_cache, v_cache, tables, seq_lens = random_case(3, 2, 2, 16, 4, [9, 30, 2, 17], 2)
     wide_q = torch.cat([q, q], dim=2)[:, :, :16]             # strided view, same values
-    out = kernel(wide_q[1:3], k_cache, v_cache, tables[1:3], seq_lens[1:3], scale=0.25)
+    out = kernel(wide_q[1:3], k_cache, v_cache, tables[1:3], seq_lens[1:3], scale=0.25, max_len=30)
     expected = reference(q[1:3], k_cache, v_cache, tables[1:3], seq_lens[1:3], 0.25)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="inconsistent"):   # more rows than tables: reads past them
-        kernel(wide_q, k_cache, v_cache, tables[1:3], seq_lens[1:3], scale=0.25)
+    # What would read past the tables is refused: more queries than rows, a context longer than a row.
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel(wide_q, k_cache, v_cache, tables[1:3], seq_lens[1:3], scale=0.25, max_len=30)
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel(wide_q[1:3], k_cache, v_cache, tables[1:3, :2], seq_lens[1:3], scale=0.25, max_len=30)
 
 
 def test_loading_the_kernel_keeps_denormals_and_one_openmp_runtime(kernel) -> None:
