@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from model_service.user_cache import user_cache_dir
+
 # Bump whenever the files a preset produces change, so that cached copies are rebuilt.
 GENERATOR_VERSION = 1
 
@@ -139,8 +141,7 @@ def random_weights(config: dict[str, Any], generator: Any) -> dict[str, Any]:
 
 def cache_root() -> Path:
     """$XDG_CACHE_HOME/kvserve/models, or ~/.cache/kvserve/models."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvserve" / "models"
+    return user_cache_dir("models")
 
 
 def default_tiny_path(preset: str = "tiny") -> Path:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from model_service.user_cache import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -100,7 +102,7 @@ def _build_and_load() -> PagedDecodeKernel:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
-    path = _cache_dir() / f"paged_decode-{_build_key(compiler, openmp)}.so"
+    path = user_cache_dir("kernels") / f"paged_decode-{_build_key(compiler, openmp)}.so"
     if not path.is_file():
         try:
             _build(compiler, openmp, path)
@@ -126,11 +128,6 @@ def _torch_openmp_library() -> Path:
         if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
             return Path(fields[5])
     raise KernelUnavailable("torch's OpenMP runtime is not GNU libgomp")
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvserve" / "kernels"
 
 
 def _build_key(compiler: str, openmp: Path) -> str:

@@ -38,7 +38,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
             return backend
         log.info("attention: flash_attn wants page_size %% %d == 0, got %d; using torch",
                  backend.page_size_multiple(), page_size)
-    if device.type == "cpu" and dtype in (None, torch.float32):
+    if device.type == "cpu":   # _cpu_backend says why not (bfloat16, no compiler, ...)
         try:
             return _cpu_backend(device, page_size, dtype, head_floats)
         except RuntimeError as exc:   # a kernel that should build and does not is worth a warning

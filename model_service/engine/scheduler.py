@@ -203,7 +203,8 @@ class Scheduler:
             gone = self._preempt(answer)
             work = [w for w in work if w.request not in gone]
         # Decodes first, longest context first (the torch backend then attends them in length
-        # groups that are row ranges); the rest in plan order.
+        # groups that are row ranges; the cpu kernel's dynamic schedule starts the longest
+        # first); the rest in plan order.
         work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding else 1)
         return work
 
