@@ -27,8 +27,9 @@ RUN if ! python3 -m venv /opt/kvserve 2>/dev/null; then \
     fi \
  && pip install --upgrade pip
 
-# A C compiler: the cpu attention backend builds its decode kernel at first start, for the CPU
-# it runs on (-march=native). Without one, kvserve warns and serves with the torch backend.
+# A C compiler: the native GEMM and the cpu attention backend's decode kernel are built at first
+# start, for the CPU they run on (-march=native). Without one, kvserve serves with oneDNN and the
+# torch attention backend (and warns).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 

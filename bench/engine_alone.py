@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--attention-backend", default="auto", help="auto | torch | cpu (as the model service)")
+    ap.add_argument("--cpu-gemm", default="auto", help="auto | native | onednn | torch (as the model service)")
     ap.add_argument("--burn", metavar="BUSY:PERIOD", default=None,
                     help="beside the run, keep one core busy BUSY ms of every PERIOD ms")
     ap.add_argument("--step-burst", metavar="MS", type=float, default=None,
@@ -136,7 +137,7 @@ def main() -> None:
     path = Path(args.model) if args.model else default_tiny_path("bench")
     stack = build_on_a_thread_that_ends(ModelServiceConfig(
         model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend))
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm))
     engine = stack.engine
     engine.start()
     burn = stop_burst = None
@@ -167,7 +168,7 @@ def main() -> None:
     beside = f", beside {args.burn} ms of busy CPU" if args.burn else ""
     if args.step_burst:
         beside += f", {args.step_burst:g} ms busy after every step in a {args.burst_in}"
-    print(f"engine alone{beside}, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
+    print(f"engine alone{beside}, GEMM {args.cpu_gemm}, {args.requests} requests, {args.new_tokens} new tokens: {result['tok_s']:.1f} tok/s "
           f"({wall:.2f} s, {result['steps']} steps; forward {phases['forward']:.2f} s)")
     if args.json:
         args.json.write_text(json.dumps(result))

@@ -5,9 +5,11 @@ attention backends.
 
     .venv/bin/python bench/model_bench.py               # ~1 min on 2 cores (first run builds the model)
     .venv/bin/python bench/model_bench.py --threads 1   # steadier when other work shares the cores
+    .venv/bin/python bench/model_bench.py --cpu-gemm onednn   # the model on the other packed GEMM
 
 0. GEMMs: each matmul shape of the model at 2048 and 32 rows, F.linear against the
-   oneDNN-packed Linear the model service uses on CPU.
+   packed GEMMs the model service runs on CPU (oneDNN, native), weights hot; then a decode
+   step's 41 matmuls one after the other at 32 rows, weights cold as in the model.
 1. Decode step: 32 sequences, contexts 64..544 (evenly spaced), page 16, shuffled pages.
    For each CPU attention backend (torch: page gather + SDPA; cpu: the native paged
    kernel), time per step, split into attention (backend.forward), the nn.Linear GEMMs,
@@ -189,36 +191,67 @@ def bench_prefill(model, config, path: Path, repeat: int) -> None:
           f"transformers {hf_ms:.1f} ms = {512 / hf_ms * 1e3:,.0f} tok/s (ours {hf_ms / ours_ms:.2f}x)")
 
 
-def gemm_seconds(k: int, n: int, rows: int, packed: bool, repeat: int) -> float:
-    """Fastest of `repeat` calls of a bias-free (rows, k) x (k -> n) Linear, plain (F.linear)
-    or packed for oneDNN: the call least disturbed by anything else on the machine."""
+def gemm_seconds(k: int, n: int, rows: int, gemm: str, repeat: int) -> float:
+    """Fastest of `repeat` calls of a bias-free (rows, k) x (k -> n) Linear, plain ("torch":
+    F.linear) or packed ("onednn", "native"): the call least disturbed by anything else."""
     x, linear = torch.randn(rows, k), Linear(k, n, bias=False)
-    if packed:
-        linear.pack()
+    if gemm != "torch":
+        linear.pack(gemm)
     with torch.inference_mode():
         return best_ms(lambda: linear(x), repeat) / 1e3
 
 
-def bench_gemms(config, repeat: int) -> None:
-    """Each of the model's matmul shapes, F.linear (MKL on x86) against the oneDNN-packed Linear."""
-    from model_service.model.linear import onednn_available
+def packed_gemms() -> list[str]:
+    """The packed CPU GEMMs that run here (model/linear.py)."""
+    from model_service.model.linear import choose_gemm
 
-    if not onednn_available(torch.float32):
-        print("GEMMs: oneDNN linears do not run here; the model uses F.linear")
-        return
+    out = []
+    for name in ("onednn", "native"):
+        try:
+            out.append(choose_gemm(name, torch.float32, torch.device("cpu")))
+        except ValueError as exc:
+            print(f"({name} GEMM: not here, {exc})")
+    return out
+
+
+def bench_gemms(model, config, repeat: int) -> None:
+    """Each of the model's matmul shapes, F.linear (MKL on x86) against each packed GEMM, weights
+    hot; then a decode step's matmuls one after the other, weights cold as in the model (162 MB
+    on the bench model: they do not stay in a 32 MiB L3 from one step to the next)."""
+    gemms = ["torch", *packed_gemms()]
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     qkv = config.q_size + 2 * config.kv_size
     shapes = [("qkv", h, qkv), ("o", config.q_size, h), ("gate/up", h, i), ("down", i, h), ("lm head", h, v)]
-    print("GEMMs, GFLOP/s, F.linear vs oneDNN packed (best of runs):")
+    print(f"GEMMs, GFLOP/s, {' vs '.join(gemms)} (torch = F.linear; best of runs, weights hot):")
     for rows in (2048, 32):
         cells = []
         for name, k, n in shapes:
             if name == "lm head" and rows > 32:
                 continue   # the LM head runs only on the rows that sample
-            plain, packed = (gemm_seconds(k, n, rows, pack, repeat) for pack in (False, True))
             flop = 2 * rows * k * n / 1e9   # per second -> GFLOP/s
-            cells.append(f"{name} {flop / plain:.0f} vs {flop / packed:.0f}")
+            rates = (flop / gemm_seconds(k, n, rows, gemm, repeat) for gemm in gemms)
+            cells.append(f"{name} {' vs '.join(f'{r:.0f}' for r in rates)}")
         print(f"  {rows:5d} rows: " + "; ".join(cells))
+    layer = [(h, qkv), (config.q_size, h), (h, i), (h, i), (i, h)]   # gate and up: two matmuls once packed
+    step = layer * config.num_layers + [(h, v)]
+    flop = sum(2 * 32 * k * n for k, n in step) / 1e9
+    cells = []
+    for gemm in gemms[1:]:
+        linears = []
+        for k, n in step:
+            linear = Linear(k, n, bias=False)
+            linear.pack(gemm)
+            linears.append(linear)
+        xs = {k: torch.randn(32, k) for k, _ in step}
+
+        def run(linears=linears, xs=xs):
+            for linear in linears:
+                linear(xs[linear.in_features])
+
+        with torch.inference_mode():
+            ms = median_ms(run, repeat)
+        cells.append(f"{gemm} {ms:.2f} ms ({flop / ms * 1e3:.0f} GFLOP/s)")
+    print(f"  a decode step's {len(step)} matmuls at 32 rows, weights cold: " + "; ".join(cells))
 
 
 def main() -> None:
@@ -226,13 +259,15 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--cpu-gemm", default="auto", help="the model's GEMM: auto | native | onednn | torch")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = default_tiny_path("bench")
-    model, config = load_model(path, torch.float32, "cpu")
-    print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bench_gemms(config, args.repeat)
+    model, config = load_model(path, torch.float32, "cpu", args.cpu_gemm)
+    print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"GEMM {model.lm_head.gemm}")
+    bench_gemms(model, config, args.repeat)
     for backend_name in ("torch", "cpu"):
         bench_decode(model, config, args.repeat, backend_name)
     bench_prefill(model, config, path, max(3, args.repeat // 3))

@@ -87,18 +87,17 @@ def matmul_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
 
 def gemm_rates(cfg, rows: int = 2048, reps: int = 7) -> dict[str, float]:
     """FLOP/s of the model's own layer GEMMs at prefill size, measured now, on this machine, for
-    torch's F.linear (MKL on x86) and for the oneDNN-packed Linear the model service runs on CPU.
-    Each shape counts its fastest of `reps` calls: a roofline is the best the machine does."""
-    from bench.model_bench import gemm_seconds
-    from model_service.model.linear import onednn_available
+    torch's F.linear (MKL on x86) and for the packed GEMMs the model service runs on CPU (oneDNN,
+    native). Each shape counts its fastest of `reps` calls: a roofline is the best the machine does."""
+    from bench.model_bench import gemm_seconds, packed_gemms
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
     flops = sum(2.0 * rows * k * n for k, n in shapes)
-    impls = {"F.linear": False} | ({"oneDNN": True} if onednn_available(torch.float32) else {})
-    return {name: flops / sum(gemm_seconds(k, n, rows, packed, reps) for k, n in shapes)
-            for name, packed in impls.items()}
+    names = {"torch": "F.linear", "onednn": "oneDNN", "native": "native"}
+    return {names[gemm]: flops / sum(gemm_seconds(k, n, rows, gemm, reps) for k, n in shapes)
+            for gemm in ["torch", *packed_gemms()]}
 
 
 def best_rates(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

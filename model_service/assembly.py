@@ -81,7 +81,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cpu":
         host_memory.keep_freed_memory()   # before the first big allocation
-    model, mcfg = load_model(path, dtype, device)
+    model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm)
     backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
                              mcfg.num_heads * mcfg.head_dim)
     multiple = backend.page_size_multiple()
@@ -126,8 +126,9 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
         max_waiting=cfg.max_waiting,
         stream_interval=cfg.stream_interval,
     )
-    log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, max_model_len %d",
-             path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name, max_model_len)
+    log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
+             path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name,
+             model.lm_head.gemm, max_model_len)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name,
                       page_size, num_pages, max_model_len, eos_ids)
 

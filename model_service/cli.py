@@ -16,6 +16,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=_D.dtype, help="auto | float32 | bfloat16 | float16 (default auto)")
     p.add_argument("--device", default=_D.device, help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--attention-backend", default=_D.attention_backend, help="auto | torch | cpu | flash_attn")
+    p.add_argument("--cpu-gemm", default=_D.cpu_gemm,
+                   help="what runs the matmuls on CPU: auto | native | onednn | torch (default auto: "
+                        "native in float32 where it builds, else oneDNN)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; 256 for flash-attn 2)")
     p.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from the memory budget)")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None,
@@ -44,7 +47,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_config(args: argparse.Namespace, **override) -> ModelServiceConfig:
     fields = dict(
         model=args.model, listen=args.listen, kvcache=args.kvcache, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, page_size=args.page_size, num_pages=args.num_pages,
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, page_size=args.page_size, num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_pages=args.swap_pages, preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,

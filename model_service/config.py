@@ -16,6 +16,7 @@ class ModelServiceConfig:
     dtype: str = "auto"                   # float32 | bfloat16 | float16; auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"                  # cpu | cuda | cuda:N; auto: cuda when available
     attention_backend: str = "auto"       # auto | torch | cpu | flash_attn
+    cpu_gemm: str = "auto"                # auto | native | onednn | torch: what runs the matmuls on CPU
     page_size: int | None = None          # tokens per page; None: 16, or 256 for flash-attn 2
     num_pages: int | None = None          # device pages; None: from the memory budget below
     kv_cache_memory: int | None = None    # bytes for KV pages; None: 1 GiB on CPU, profiled on CUDA
@@ -53,6 +54,8 @@ class ModelServiceConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
             raise ValueError(f"--attention-backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
+        if self.cpu_gemm not in ("auto", "native", "onednn", "torch"):
+            raise ValueError(f"--cpu-gemm must be auto, native, onednn or torch, got {self.cpu_gemm!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_pages == 0:

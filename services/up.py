@@ -21,7 +21,7 @@ from kvcache_service.cli import DEFAULT_LISTEN as KV_LISTEN
 from model_service.cli import add_model_arguments
 from model_service.config import DEFAULT_LISTEN
 
-_MODEL_FLAGS = ("model", "dtype", "device", "attention_backend", "page_size", "num_pages", "kv_cache_memory",
+_MODEL_FLAGS = ("model", "dtype", "device", "attention_backend", "cpu_gemm", "page_size", "num_pages", "kv_cache_memory",
                 "gpu_memory_utilization", "swap_pages", "preemption_mode", "max_num_seqs",
                 "max_num_batched_tokens", "max_waiting", "stream_interval", "max_model_len", "cache_salt",
                 "grace_period")

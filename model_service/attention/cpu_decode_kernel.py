@@ -1,48 +1,23 @@
 """The native paged decode kernel (paged_decode.c): built on first use, called through ctypes.
 
-The build runs the machine's C compiler once, with -march=native, and keeps the
-library in the user cache dir under a name that hashes the source, the flags,
-the compiler, the CPU and torch's OpenMP runtime; later starts load it in
-milliseconds. Nothing here is required: without a compiler, or with a torch that
-brings no OpenMP runtime, load() says why and the torch backend serves as before.
-
-Two rules the build keeps:
-- The kernel's `omp parallel` must run on torch's own OpenMP pool: a second
-  OpenMP runtime in the process would keep its own spinning threads and fight
-  torch's for the same cores. So the library links the exact libgomp file torch
-  loaded (found in /proc/self/maps), and the loader reuses the loaded copy.
-- -ffast-math (for vectorised expf) at compile time only: linking a shared
-  library with it makes GCC add crtfastmath.o, which would switch on
-  flush-to-zero for every thread of the process, torch's included.
+How it is built, cached and linked against torch's OpenMP runtime: model_service/native_build.py.
+Without a compiler load() says why, and the torch backend serves as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from model_service.user_cache import user_cache_dir
-
-log = logging.getLogger(__name__)
+from model_service.native_build import KernelUnavailable, build_and_load, once_per_process
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a thread's stack
 MAX_PAGE_SIZE = 256       # the page's scores live on the stack too
 
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why."""
+__all__ = ["KernelUnavailable", "PagedDecodeKernel", "load"]
 
 
 class PagedDecodeKernel:
@@ -80,94 +55,9 @@ class PagedDecodeKernel:
         return out
 
 
-def load() -> PagedDecodeKernel:
-    """The kernel, built if this machine has no copy yet. Raises KernelUnavailable, with the
-    same reason on every call: one build attempt per process."""
-    kernel = _load_once()
-    if isinstance(kernel, KernelUnavailable):
-        raise KernelUnavailable(str(kernel))
-    return kernel
-
-
-@functools.cache
-def _load_once() -> PagedDecodeKernel | KernelUnavailable:
-    try:
-        return _build_and_load()
-    except KernelUnavailable as exc:
-        return exc
-
-
 def _build_and_load() -> PagedDecodeKernel:
-    openmp = _torch_openmp_library()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
-    path = user_cache_dir("kernels") / f"paged_decode-{_build_key(compiler, openmp)}.so"
-    if not path.is_file():
-        try:
-            _build(compiler, openmp, path)
-        except OSError as exc:   # a read-only or full cache dir, say
-            raise KernelUnavailable(f"cannot build into {path.parent}: {exc}") from exc
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
+    library, path = build_and_load(SOURCE)
     return PagedDecodeKernel(library, path)
 
 
-def _torch_openmp_library() -> Path:
-    """The libgomp file torch runs its intra-op threads on, as loaded in this process."""
-    if "OpenMP" not in torch.__config__.parallel_info():
-        raise KernelUnavailable("this torch build runs no OpenMP intra-op pool")
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot read /proc/self/maps ({exc}): not Linux?") from exc
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
-            return Path(fields[5])
-    raise KernelUnavailable("torch's OpenMP runtime is not GNU libgomp")
-
-
-def _build_key(compiler: str, openmp: Path) -> str:
-    """Anything that changes the machine code, or which library it must run against."""
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
-    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version, str(openmp), platform.machine(), _cpu_flags()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """-march=native code runs only on a CPU with the same features."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str, openmp: Path, path: Path) -> None:
-    """Compile into a private temp dir, then rename into place: several processes may build
-    at once, and a reader sees no library or a whole one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / path.name
-        commands = [
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(lib), str(openmp),
-             f"-Wl,-rpath,{openmp.parent}", "-lm"],
-        ]
-        for command in commands:
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise KernelUnavailable(f"{' '.join(command)}: {exc}") from exc
-            if done.returncode:
-                raise KernelUnavailable(f"{' '.join(command)} failed:\n{done.stderr.strip()[-2000:]}")
-        os.replace(lib, path)
-    log.info("built the paged decode kernel: %s", path)
+load = once_per_process(_build_and_load)

@@ -34,7 +34,7 @@ class GatedMLP(nn.Module):
 
     Loaded with gate and up in one matmul: gate_up_proj.weight is
     [gate_proj.weight; up_proj.weight] stacked on the output dim, so the first
-    half of its output is the gate. pack() splits it in two oneDNN matmuls
+    half of its output is the gate. pack() splits it in two packed matmuls
     instead, so that silu, the product and the residual add all run in GEMM
     epilogues: no pass over the (T, intermediate) activations of its own.
     """
@@ -47,12 +47,12 @@ class GatedMLP(nn.Module):
         self.up_proj: Linear | None = None
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def pack(self) -> None:
+    def pack(self, gemm: str) -> None:
         fused, size = self.gate_up_proj, self.intermediate_size
         self.gate_proj, self.up_proj = (_linear_from(fused, rows) for rows in (slice(0, size), slice(size, None)))
         self.gate_up_proj = None
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
-            linear.pack()
+            linear.pack(gemm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         if self.gate_up_proj is not None:

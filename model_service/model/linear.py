@@ -1,22 +1,25 @@
-"""Linear layers, with the fused forms the decoder needs, and oneDNN on CPU.
+"""Linear layers, with the fused forms the decoder needs, and packed GEMMs on CPU.
 
 `Linear` is nn.Linear (same parameters, same state_dict names) plus three fused
 calls: `silu(x)`, `mul(x, other)` and `add(x, other)`, i.e. the linear followed
 by one element-wise op. Eagerly they are F.linear and then the op.
 
-`Linear.pack()` moves the weight into oneDNN's blocked layout, once, at load
-time. From then on every call is one oneDNN matmul whose op runs in the GEMM's
-epilogue, so the output is written once and never read back for the op.
+`Linear.pack(gemm)` moves the weight, once, at load time, into the layout of one
+of two CPU GEMMs; from then on every call is one matmul whose op runs in its
+epilogue, so the output is written once and never read back for the op:
+- "native" (float32, AVX-512): model/cpu_gemm.c, weights in 32-column panels.
+  Decode steps multiply few rows by weights far larger than the caches; it
+  prefetches the next panel while it computes this one. Bench model, its 41
+  matmuls, weights cold: 32 rows 6.6 ms against oneDNN's 8.8; 2048 rows on a
+  par (docs/benchmarks.md).
+- "onednn" (float32, bfloat16): torch.ops.mkldnn._linear_pointwise, the op
+  torch's own compiler (inductor) emits for packed linears. It is private, so
+  `onednn_available` probes it once.
 Why not F.linear on CPU: torch's CPU matmul is MKL's, and on AMD EPYC MKL runs
-its AVX2 code while oneDNN JITs AVX-512. `bench/model_bench.py` on the 2-core
-dev VM (float32, the bench model's shapes, GFLOP/s): at 2048 rows ~220 vs ~510;
-at 32 rows (decode) 166-179 vs 335-421; the LM head at 32 rows 117 vs 379
-(docs/benchmarks.md). Results differ from F.linear's only in summation order
-(~1e-6 relative in float32).
-
-torch.ops.mkldnn._linear_pointwise is the op torch's own compiler (inductor)
-emits for packed linears; it is private, so `onednn_available` probes it once
-and everything falls back to F.linear where it is missing or misbehaves.
+its AVX2 code: on the 2-core dev VM (float32, the bench model's shapes,
+GFLOP/s) at 2048 rows ~220 against oneDNN's ~510; at 32 rows 166-179 against
+335-421. `choose_gemm` picks native, else onednn, else F.linear ("torch").
+Results differ from F.linear's only in summation order (~1e-6 relative in float32).
 """
 
 from __future__ import annotations
@@ -28,49 +31,99 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_service.model import cpu_gemm
+
 log = logging.getLogger(__name__)
+
+GEMMS = ("auto", "native", "onednn", "torch")
 
 
 class Linear(nn.Linear):
-    """y = x Wᵀ + b; after pack() through oneDNN with W held packed instead of `weight`."""
+    """y = x Wᵀ + b; after pack() through a CPU GEMM with W held packed instead of `weight`."""
 
-    packed: torch.Tensor | None = None   # oneDNN's layout of weight, once packed
+    packed: torch.Tensor | None = None   # the weight in the GEMM's layout, once packed
+    gemm = "torch"                       # which GEMM runs it: torch (F.linear), native or onednn
     fused = False                        # ops in the GEMM epilogue (float32 only, see pack)
 
-    def pack(self) -> None:
-        """Repacks the weight for oneDNN and drops the plain copy (a tied weight's
-        other user keeps its own reference).
+    def pack(self, gemm: str = "onednn") -> None:
+        """Repacks the weight for `gemm` ("native" or "onednn") and drops the plain copy (a
+        tied weight's other user keeps its own reference).
 
         Epilogues are fused in float32 only: they compute in float32 and round
         once, which in bfloat16 would skip the rounding transformers does after
         each op, and move logits by up to ~0.1 on the tiny test models."""
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self.fused = self.weight.dtype == torch.float32
+        weight = self.weight.detach()
+        if gemm == "native":
+            if weight.dtype != torch.float32:
+                raise ValueError(f"the native CPU GEMM runs float32, not {weight.dtype}")
+            self._native = cpu_gemm.load()
+            packed = self._native.pack(weight)
+        elif gemm == "onednn":
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        else:
+            raise ValueError(f"cannot pack for {gemm!r}: native or onednn")
+        self.fused = weight.dtype == torch.float32
         del self.weight                       # the Parameter: packed replaces it
-        self.packed = packed
+        self.packed, self.gemm = packed, gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (..., in) -> (..., out)
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.gemm == "native":
+            return self._native(x, self.packed, self.out_features, self.bias)
+        if self.gemm == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
+        if self.gemm == "native":
+            return self._native(x, self.packed, self.out_features, self.bias, "silu")
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
         return F.silu(self(x))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) * other; other has the output's shape."""
+        if self.gemm == "native":
+            return self._native(x, self.packed, self.out_features, self.bias, "mul", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
         return self(x) * other
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) + other (a residual); other has the output's shape."""
+        if self.gemm == "native":
+            return self._native(x, self.packed, self.out_features, self.bias, "add", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return self(x) + other
+
+
+def choose_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
+    """--cpu-gemm NAME -> the GEMM the linears run: "auto" takes native, else onednn, else torch;
+    a named one that cannot run here raises ValueError saying why. Off CPU: torch."""
+    if name not in GEMMS:
+        raise ValueError(f"unknown GEMM {name!r}: one of {', '.join(GEMMS)}")
+    if device.type != "cpu" or name == "torch":
+        if name not in ("auto", "torch"):
+            raise ValueError(f"the {name} GEMM runs on CPU, not {device}")
+        return "torch"
+    if name in ("auto", "native"):
+        if dtype != torch.float32:
+            if name == "native":
+                raise ValueError(f"the native CPU GEMM cannot run here: it runs float32, not {dtype}")
+        else:
+            try:
+                cpu_gemm.load()
+                return "native"
+            except cpu_gemm.KernelUnavailable as exc:
+                if name == "native":
+                    raise ValueError(f"the native CPU GEMM cannot run here: {exc}") from None
+                log.warning("the native CPU GEMM is unavailable (%s); matmuls go to oneDNN or F.linear", exc)
+    if onednn_available(dtype):
+        return "onednn"
+    if name == "onednn":
+        raise ValueError(f"oneDNN linears do not run here in {dtype}")
+    return "torch"
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ One forward call runs one engine step: every token of every sequence in one
     x ─ norm ─ gate_up (one matmul) ─ silu(gate) * up ─ down ─ + x
 
 The LM head runs only on batch.logits_indices rows. On CPU, pack() moves every
-matmul to oneDNN with the element-wise ops fused in (model/linear.py).
+matmul to a packed GEMM (native or oneDNN) with the element-wise ops fused in
+(model/linear.py).
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
 
-    def pack(self) -> None:
-        """Every matmul to oneDNN (CPU; see linear.onednn_available). Irreversible."""
+    def pack(self, gemm: str) -> None:
+        """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""
         for layer in self.layers:
-            layer.self_attn.qkv_proj.pack()
-            layer.self_attn.o_proj.pack()
-            layer.mlp.pack()
-        self.lm_head.pack()   # tied: the embedding keeps its own reference to the weight
+            layer.self_attn.qkv_proj.pack(gemm)
+            layer.self_attn.o_proj.pack(gemm)
+            layer.mlp.pack(gemm)
+        self.lm_head.pack(gemm)   # tied: the embedding keeps its own reference to the weight
 
     @torch.no_grad()   # not inference_mode: its tensors (reused buffers) would refuse later in-place use
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches,

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from model_service.model.config import ModelConfig
-from model_service.model.linear import onednn_available
+from model_service.model.linear import choose_gemm
 from model_service.model.llama import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,11 +29,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints sa
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", pack: bool | None = None) -> tuple[CausalLM, ModelConfig]:
-    """pack: matmuls through oneDNN (model/linear.py); None = wherever it runs (CPU)."""
+               device: torch.device | str = "cpu", gemm: str = "auto") -> tuple[CausalLM, ModelConfig]:
+    """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (linear.choose_gemm;
+    ValueError if the one named cannot run here)."""
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
+    gemm = choose_gemm(gemm, dtype, device)   # before the weights: a refusal comes at once
     config = ModelConfig.from_pretrained(path)
     hf = read_safetensors(path)
     state = {name: t.to(device=device, dtype=dtype) for name, t in map_hf_weights(hf, config).items()}
@@ -43,12 +45,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if config.tie_word_embeddings or "lm_head.weight" not in hf:
         model.tie_weights()
     del hf, state   # the model holds the weights now: packing frees each plain one as it goes
-    if pack is None:
-        pack = device.type == "cpu" and onednn_available(dtype)
-    elif pack and (device.type != "cpu" or not onednn_available(dtype)):
-        raise ValueError(f"oneDNN linears do not run on {device} in {dtype}")
-    if pack:
-        model.pack()
+    if gemm != "torch":
+        model.pack(gemm)
     return model.eval(), config
 
 

@@ -1,4 +1,4 @@
-"""Linear's fused forms, eager and packed for oneDNN; packed models against unpacked ones."""
+"""Linear's fused forms, eager and packed for each CPU GEMM; packed models against unpacked ones."""
 
 from __future__ import annotations
 
@@ -6,12 +6,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_service.model import cpu_gemm
 from model_service.model.layers import GatedMLP
-from model_service.model.linear import Linear, matmul_nt, onednn_available
+from model_service.model.linear import Linear, choose_gemm, matmul_nt, onednn_available
 from model_service.model.loader import load_model
 from tests.model.test_loader import prompt_logits
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN linears do not run here")
+
+
+def native_reason() -> str | None:
+    try:
+        cpu_gemm.load()
+        return None
+    except cpu_gemm.KernelUnavailable as exc:
+        return str(exc)
+
+
+# Each packed GEMM, skipped where it cannot run.
+GEMMS = [pytest.param("native", marks=pytest.mark.skipif(native_reason() is not None,
+                                                          reason=f"no native GEMM here: {native_reason()}")),
+         pytest.param("onednn", marks=needs_onednn)]
 
 
 def random_linear(n_in: int, n_out: int, bias: bool, dtype=torch.float32, seed: int = 0) -> Linear:
@@ -38,26 +53,26 @@ def test_eager_forms_are_the_linear_then_the_op(bias: bool) -> None:
         assert torch.equal(got, want)
 
 
-@needs_onednn
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 33, 300])
-def test_packed_forms_match_eager(bias: bool, rows: int) -> None:
+def test_packed_forms_match_eager(gemm: str, bias: bool, rows: int) -> None:
     linear = random_linear(64, 96, bias)
     x, other = torch.randn(rows, 64), torch.randn(rows, 96)
     expected = all_forms(linear, x, other)
-    linear.pack()
-    assert linear.fused and linear.packed is not None and "weight" not in dict(linear.named_parameters())
+    linear.pack(gemm)
+    assert linear.fused and linear.gemm == gemm and "weight" not in dict(linear.named_parameters())
     for got, want in zip(all_forms(linear, x, other), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packed_linear_takes_strided_and_batched_inputs() -> None:
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_packed_linear_takes_strided_and_batched_inputs(gemm: str) -> None:
     linear = random_linear(32, 16, bias=True)
     wide = torch.randn(6, 64)[:, ::2]                 # (6, 32), not contiguous
     batched = torch.randn(2, 3, 32)
     expected = linear(wide), linear(batched)
-    linear.pack()
+    linear.pack(gemm)
     torch.testing.assert_close(linear(wide), expected[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(batched), expected[1], rtol=1e-5, atol=1e-5)
 
@@ -75,14 +90,14 @@ def test_bfloat16_packs_without_fusing_so_it_rounds_like_eager() -> None:
     linear = random_linear(64, 96, bias=False, dtype=torch.bfloat16)
     x, other = torch.randn(9, 64).bfloat16(), torch.randn(9, 96).bfloat16()
     plain = linear(x)
-    linear.pack()
+    linear.pack("onednn")
     assert not linear.fused
     torch.testing.assert_close(linear.silu(x), F.silu(linear(x)), rtol=0, atol=0)
     torch.testing.assert_close(linear(x).float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
-@needs_onednn
-def test_packed_mlp_splits_gate_and_up_and_matches() -> None:
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_packed_mlp_splits_gate_and_up_and_matches(gemm: str) -> None:
     torch.manual_seed(0)
     mlp = GatedMLP(32, 48)
     with torch.no_grad():
@@ -90,17 +105,17 @@ def test_packed_mlp_splits_gate_and_up_and_matches() -> None:
             p.normal_(0, 0.2)
     x, residual = torch.randn(11, 32), torch.randn(11, 32)
     expected = mlp(x, residual)
-    mlp.pack()
-    assert mlp.gate_up_proj is None and mlp.gate_proj.packed is not None and mlp.up_proj.packed is not None
+    mlp.pack(gemm)
+    assert mlp.gate_up_proj is None and mlp.gate_proj.gemm == mlp.up_proj.gemm == gemm
     torch.testing.assert_close(mlp(x, residual), expected, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3"])
-def test_load_packs_on_cpu_and_the_logits_stay(tiny_dirs, backend, name: str) -> None:
-    packed, config = load_model(tiny_dirs[name])
-    plain, _ = load_model(tiny_dirs[name], pack=False)
-    assert packed.lm_head.packed is not None and plain.lm_head.packed is None
+def test_load_packs_on_cpu_and_the_logits_stay(tiny_dirs, backend, gemm: str, name: str) -> None:
+    packed, config = load_model(tiny_dirs[name], gemm=gemm)
+    plain, _ = load_model(tiny_dirs[name], gemm="torch")
+    assert packed.lm_head.gemm == gemm and plain.lm_head.gemm == "torch" and plain.lm_head.packed is None
     if config.tie_word_embeddings:   # packing the head must leave the embedding whole
         torch.testing.assert_close(packed.embed_tokens.weight, plain.embed_tokens.weight, rtol=0, atol=0)
     tokens = list(range(5, 45))
@@ -108,6 +123,28 @@ def test_load_packs_on_cpu_and_the_logits_stay(tiny_dirs, backend, name: str) ->
                                prompt_logits(plain, config, backend, tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_pack_where_onednn_cannot_run_is_refused(tiny_dirs) -> None:
-    with pytest.raises(ValueError, match="oneDNN"):
-        load_model(tiny_dirs["tiny"], "float16", pack=True)
+def test_a_gemm_that_cannot_run_is_refused_before_loading(tiny_dirs) -> None:
+    with pytest.raises(ValueError, match="oneDNN linears do not run here in torch.float16"):
+        load_model(tiny_dirs["tiny"], "float16", gemm="onednn")
+    with pytest.raises(ValueError, match="native CPU GEMM cannot run here: it runs float32, not torch.bfloat16"):
+        load_model(tiny_dirs["tiny"], "bfloat16", gemm="native")
+    with pytest.raises(ValueError, match="runs on CPU, not meta"):
+        choose_gemm("onednn", torch.float32, torch.device("meta"))
+    with pytest.raises(ValueError, match="unknown GEMM 'mkl'"):
+        choose_gemm("mkl", torch.float32, torch.device("cpu"))
+
+
+def test_auto_takes_native_then_onednn_then_torch(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    expected = "native" if native_reason() is None else "onednn" if onednn_available(torch.float32) else "torch"
+    assert choose_gemm("auto", torch.float32, cpu) == expected
+    assert choose_gemm("auto", torch.float16, cpu) == "torch"          # neither packs float16
+    assert choose_gemm("auto", torch.float32, torch.device("meta")) == "torch"
+
+    def unavailable():
+        raise cpu_gemm.KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
+
+    monkeypatch.setattr(cpu_gemm, "load", unavailable)
+    assert choose_gemm("auto", torch.float32, cpu) == ("onednn" if onednn_available(torch.float32) else "torch")
+    with pytest.raises(ValueError, match="native CPU GEMM cannot run here: no C compiler"):
+        choose_gemm("native", torch.float32, cpu)

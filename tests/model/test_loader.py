@@ -38,14 +38,14 @@ def test_sharded_checkpoint_with_index_loads_the_same_model(tiny_dirs, tmp_path,
     index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
-    whole, config = load_model(src, pack=False)   # unpacked: every weight is in the state_dict
-    sharded, _ = load_model(dst, pack=False)
+    whole, config = load_model(src, gemm="torch")   # unpacked: every weight is in the state_dict
+    sharded, _ = load_model(dst, gemm="torch")
     for (name, a), (_, b) in zip(whole.state_dict().items(), sharded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
 def test_tied_head_shares_the_embedding(tiny_dirs) -> None:
-    model, config = load_model(tiny_dirs["tiny-qwen2"], pack=False)
+    model, config = load_model(tiny_dirs["tiny-qwen2"], gemm="torch")
     assert config.tie_word_embeddings
     assert model.lm_head.weight is model.embed_tokens.weight
 
@@ -55,7 +55,7 @@ def test_missing_lm_head_falls_back_to_the_embedding(tiny_dirs, tmp_path) -> Non
     del tensors["lm_head.weight"]
     dst = copy_without_weights(tiny_dirs["tiny"], tmp_path / "headless")
     save_file(tensors, dst / "model.safetensors")
-    model, _ = load_model(dst, pack=False)
+    model, _ = load_model(dst, gemm="torch")
     assert model.lm_head.weight is model.embed_tokens.weight
 
 

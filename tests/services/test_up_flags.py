@@ -27,8 +27,9 @@ def test_every_model_option_is_forwarded():
 def test_forwarded_values_reach_the_model_config():
     root = _parser()
     args = root.parse_args(["up", "--model", "bench", "--stream-interval", "4", "--max-num-seqs", "7",
-                            "--max-waiting", "9", "--kv-cache-memory", "64MiB", "--no-prefix-caching"])
+                            "--max-waiting", "9", "--kv-cache-memory", "64MiB", "--no-prefix-caching",
+                            "--cpu-gemm", "onednn"])
     model_args = root.parse_args(["model", *up._flag_args(args)])
     cfg = model_cli.model_config(model_args)
     assert (cfg.model, cfg.stream_interval, cfg.max_num_seqs, cfg.max_waiting) == ("bench", 4, 7, 9)
-    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.prefix_caching is False
+    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.prefix_caching is False and cfg.cpu_gemm == "onednn"

@@ -1,0 +1,119 @@
+/* y = op(x Wᵀ + b) for float32 on CPU, with W packed once into column panels.
+ *
+ * Why not oneDNN here: a decode step's GEMMs have few rows (one per sequence)
+ * and weights far larger than the caches, so each call streams its weights
+ * from memory once. oneDNN's kernels (and ours without the prefetch below)
+ * then stall on the first pass over each block of weights; measured on the
+ * bench model's 41 matmuls at 32 rows, weights cold: oneDNN 8.9 ms, this file
+ * 6.0 ms (docs/benchmarks.md).
+ *
+ * Layout: W (N, K) becomes panels of NR = 32 output columns, panel p holding
+ * W[p*32 .. p*32+31][k] for k = 0..K-1 as K rows of 32 floats (the last
+ * panel zero-padded). A tile of up to 8 rows x 32 columns keeps its 16
+ * accumulators in registers over the whole K loop: per k, two loads of W and
+ * eight broadcasts of x feed 16 FMAs.
+ *
+ * Order of work: rows in blocks of MC (x's block stays in L2), then panels,
+ * split between the threads; within a block, 8-row tiles. While a block's
+ * tiles run over panel p, each tile prefetches its share of panel p + 1, so
+ * the next panel's weights arrive from memory spread over the whole panel's
+ * compute instead of in one burst when its first tile starts.
+ *
+ * Each output is one sum over k in order, in float32 with FMA: the results
+ * differ from torch's matmul only in rounding (~1e-6 relative).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define NR 32   /* columns per panel: two 16-float vectors */
+#define MR 8    /* rows per tile */
+#define MC 64   /* rows per block */
+
+enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
+
+void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *panels) {
+    int64_t np = (n + NR - 1) / NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t kk = 0; kk < k; ++kk)
+            for (int64_t j = 0; j < NR; ++j) {
+                int64_t col = p * NR + j;
+                panels[(p * k + kk) * NR + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+/* The epilogue on one finished row segment of up to 32 outputs. */
+static __attribute__((noinline)) void finish_row(float *y, int ncols, const float *bias, int op, const float *other) {
+    for (int j = 0; j < ncols; ++j) {
+        float v = y[j] + (bias ? bias[j] : 0.0f);
+        if (op == OP_SILU)   /* the clamp keeps expf finite: -ffast-math assumes no infinities */
+            v = v / (1.0f + expf(-fmaxf(v, -88.0f)));
+        else if (op == OP_MUL)
+            v *= other[j];
+        else if (op == OP_ADD)
+            v += other[j];
+        y[j] = v;
+    }
+}
+
+/* rows x 32 outputs over the whole K; `rows` is a constant in each inlined copy, so the
+   unused accumulators vanish and the rest stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+        const int rows, const float *x, int64_t ldx, const float *panel, int64_t k,
+        const float *prefetch, int64_t prefetch_lines,
+        float *y, int64_t ldy, int ncols, const float *bias, int op, const float *other, int64_t ldo) {
+    int64_t due = 0;   /* prefetch_lines spread evenly over the k loop, without a division */
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00,
+           c70 = c00, c71 = c00;
+    for (int64_t kk = 0; kk < k; ++kk) {
+        __m512 b0 = _mm512_loadu_ps(panel + kk * NR), b1 = _mm512_loadu_ps(panel + kk * NR + 16);
+        for (due += prefetch_lines; due >= k; due -= k, prefetch += 16)
+            _mm_prefetch((const char *)prefetch, _MM_HINT_T1);
+#define ROW(i) if (rows > i) { __m512 a = _mm512_set1_ps(x[i * ldx + kk]); \
+            c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1); }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+#undef ROW
+    }
+    __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+    __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+#define STORE(i) if (rows > i) { \
+            _mm512_mask_storeu_ps(y + i * ldy, m0, c##i##0); _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c##i##1); \
+            if (bias || op != OP_NONE) finish_row(y + i * ldy, ncols, bias, op, other ? other + i * ldo : 0); }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
+#undef STORE
+}
+
+static void tile_of(int rows, const float *x, int64_t ldx, const float *panel, int64_t k,
+                    const float *prefetch, int64_t prefetch_lines,
+                    float *y, int64_t ldy, int ncols, const float *bias, int op, const float *other, int64_t ldo) {
+#define CASE(r) case r: tile(r, x, ldx, panel, k, prefetch, prefetch_lines, y, ldy, ncols, bias, op, other, ldo); break;
+    switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+
+/* y (m, n; rows ldy apart) = op(x (m, k; rows ldx apart) Wᵀ + bias); `other` (rows ldo
+   apart) for OP_MUL and OP_ADD. */
+void kvserve_gemm_f32(const float *x, int64_t ldx, const float *panels, const float *bias,
+                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                      int op, const float *other, int64_t ldo, int threads) {
+    const int64_t np = (n + NR - 1) / NR, nblocks = (m + MC - 1) / MC;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < nblocks; ++blk)
+        for (int64_t p = 0; p < np; ++p) {
+            const int64_t row0 = blk * MC, rows = m - row0 < MC ? m - row0 : MC;
+            const int64_t tiles = (rows + MR - 1) / MR;
+            const float *panel = panels + p * k * NR;
+            /* tile t prefetches the t-th of `tiles` equal parts of the next panel (64-byte
+               lines; the last panel has no next: its tiles prefetch nothing) */
+            const int64_t lines = p + 1 < np ? (k * NR / 16 + tiles - 1) / tiles : 0;
+            const int ncols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t r = row0 + t * MR;
+                tile_of((int)(rows - t * MR < MR ? rows - t * MR : MR), x + r * ldx, ldx, panel, k,
+                        panel + k * NR + t * lines * 16, lines, y + r * ldy + p * NR, ldy, ncols,
+                        bias ? bias + p * NR : 0, op, other ? other + r * ldo + p * NR : 0, ldo);
+            }
+        }
+}

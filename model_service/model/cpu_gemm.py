@@ -1,0 +1,80 @@
+"""The native float32 GEMM (cpu_gemm.c): weights packed once into panels, called through ctypes.
+
+Built on first use like every native kernel (model_service/native_build.py). It needs
+AVX-512; elsewhere load() says why and linears stay on oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from model_service.native_build import KernelUnavailable, build_and_load, cpu_flags, once_per_process
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+PANEL = 32   # output columns per panel (NR in the C file)
+OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+
+__all__ = ["CpuGemm", "KernelUnavailable", "load"]
+
+
+class CpuGemm:
+    """pack(W) once; then y = op(x Wᵀ + b) for any number of rows."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._pack = library.kvserve_gemm_pack_f32
+        self._pack.argtypes = [ptr, i64, i64, ptr]
+        self._pack.restype = None
+        self._gemm = library.kvserve_gemm_f32
+        self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+        self._gemm.restype = None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """W (N, K) float32 -> panels (ceil(N / 32), K, 32), the last zero-padded."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("cpu gemm: the weight must be a 2-D float32 CPU tensor")
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        panels = torch.empty(-(-n // PANEL), k, PANEL)
+        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
+        return panels
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                 op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        """op(x Wᵀ + bias) for x (..., K): silu, or `other` (..., N) multiplied or added."""
+        k = panels.shape[1]
+        if not (x.shape[-1] == k and x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
+                and panels.is_contiguous() and panels.shape[0] * PANEL >= n > panels.shape[0] * PANEL - PANEL
+                and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous()))
+                and (other is not None) == (op in ("mul", "add"))
+                and (other is None or (other.shape == (*x.shape[:-1], n) and other.dtype == torch.float32))):
+            raise ValueError("cpu gemm: inconsistent shapes, dtypes or op")
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(*x.shape[:-1], n)
+        if other is not None:
+            other = other.reshape(-1, n)
+            if other.stride(1) != 1:
+                other = other.contiguous()
+        if m:
+            self._gemm(rows.data_ptr(), rows.stride(0), panels.data_ptr(),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, OPS[op],
+                       None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
+                       torch.get_num_threads())
+        return y
+
+
+def _build_and_load() -> CpuGemm:
+    if "avx512f" not in cpu_flags().split():
+        raise KernelUnavailable("this CPU has no AVX-512 (the cpu gemm's tiles are AVX-512 code)")
+    library, path = build_and_load(SOURCE)
+    return CpuGemm(library, path)
+
+
+load = once_per_process(_build_and_load)

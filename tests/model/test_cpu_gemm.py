@@ -1,0 +1,98 @@
+"""The native float32 GEMM (model/cpu_gemm.c) against a float64 reference, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_service.model import cpu_gemm
+from model_service.model.cpu_gemm import KernelUnavailable
+
+
+@pytest.fixture(scope="module")
+def gemm() -> cpu_gemm.CpuGemm:
+    try:
+        return cpu_gemm.load()
+    except KernelUnavailable as exc:
+        pytest.skip(f"the native GEMM does not build here: {exc}")
+
+
+def reference(x, weight, bias, op, other) -> torch.Tensor:
+    y = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    return {"none": y, "silu": F.silu(y), "mul": y * (other.double() if other is not None else 1),
+            "add": y + (other.double() if other is not None else 0)}[op]
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # float32 sums of k products: error grows like sqrt(k) times the terms' size
+    scale = want.abs().max().item() + 1.0
+    assert (got.double() - want).abs().max().item() <= 1e-6 * (k ** 0.5 + 1) * scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 140), n=st.integers(1, 100), k=st.integers(1, 300),
+       op=st.sampled_from(["none", "silu", "mul", "add"]), bias=st.booleans(),
+       pad=st.integers(0, 5), threads=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, seed) -> None:
+    """Rows beyond one 64-row block and one 8-row tile, columns beyond one 32-column panel,
+    ragged everywhere; x's rows may be further apart than K (a view of a wider tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k + pad, generator=g)[:, :k]
+    other = torch.randn(rows, n, generator=g) if op in ("mul", "add") else None
+    panels = gemm.pack(weight)
+    assert panels.shape == (-(-n // 32), k, 32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gemm(x, panels, n, b, op, other)
+    finally:
+        torch.set_num_threads(previous)
+    assert_matches(got, reference(x, weight, b, op, other), k)
+
+
+def test_leading_dims_and_no_rows(gemm) -> None:
+    weight, x = torch.randn(40, 24), torch.randn(2, 3, 24)
+    panels = gemm.pack(weight)
+    assert_matches(gemm(x, panels, 40), reference(x, weight, None, "none", None), 24)
+    assert gemm(torch.empty(0, 24), panels, 40).shape == (0, 40)
+
+
+def test_silu_of_large_negative_values_is_finite(gemm) -> None:
+    """-ffast-math assumes no infinities: expf(200) must not become inf and then NaN."""
+    weight = torch.full((3, 1), 1.0)
+    x = torch.tensor([[-300.0], [-50.0], [30.0]])
+    got = gemm(x, gemm.pack(weight), 3, op="silu")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, F.silu(x @ weight.T), rtol=1e-6, atol=1e-30)
+
+
+def test_inconsistent_calls_are_refused(gemm) -> None:
+    panels = gemm.pack(torch.randn(40, 24))
+    x = torch.randn(3, 24)
+    bad = [
+        lambda: gemm(torch.randn(3, 23), panels, 40),                       # K differs
+        lambda: gemm(x, panels, 70),                                        # more columns than panels
+        lambda: gemm(x, panels, 8),                                         # a whole panel too few
+        lambda: gemm(x.double(), panels, 40),
+        lambda: gemm(x, panels, 40, torch.randn(39)),                       # bias length
+        lambda: gemm(x, panels, 40, op="mul"),                              # mul without other
+        lambda: gemm(x, panels, 40, op="add", other=torch.randn(3, 39)),
+        lambda: gemm(x, panels, 40, other=torch.randn(3, 40)),              # other without an op for it
+        lambda: gemm.pack(torch.randn(4, 4, 4)),
+        lambda: gemm.pack(torch.randn(4, 4).bfloat16()),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+
+
+def test_a_cpu_without_avx512_is_reported(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: "flags\t: fpu sse sse2 avx avx2 fma")
+    with pytest.raises(KernelUnavailable, match="no AVX-512"):
+        cpu_gemm._build_and_load()
