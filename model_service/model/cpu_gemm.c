@@ -13,8 +13,11 @@
  * accumulators in registers over the whole K loop: per k, two loads of W and
  * eight broadcasts of x feed 16 FMAs.
  *
- * Order of work: rows in blocks of MC (x's block stays in L2), then panels,
- * split between the threads; within a block, 8-row tiles. While a block's
+ * Order of work: rows in equal blocks of at most MC (x's block stays in L2
+ * for K up to ~2000),
+ * then panels, each block's split evenly between the threads (a thread with
+ * a whole block while the other has a sliver would leave a core idle); within
+ * a block, 8-row tiles. While a block's
  * tiles run over panel p, each tile prefetches its share of panel p + 1, so
  * the next panel's weights arrive from memory spread over the whole panel's
  * compute instead of in one burst when its first tile starts.
@@ -28,7 +31,7 @@
 
 #define NR 32   /* columns per panel: two 16-float vectors */
 #define MR 8    /* rows per tile */
-#define MC 64   /* rows per block */
+#define MC 128  /* rows per block: a chat turn's chunk (~80 rows) streams the weights once */
 
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
@@ -99,21 +102,24 @@ void kvserve_gemm_f32(const float *x, int64_t ldx, const float *panels, const fl
                       float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                       int op, const float *other, int64_t ldo, int threads) {
     const int64_t np = (n + NR - 1) / NR, nblocks = (m + MC - 1) / MC;
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int64_t blk = 0; blk < nblocks; ++blk)
+    /* blocks of equal size, a whole number of tiles each: 80 rows are 40 + 40, not 64 + 16 */
+    const int64_t block = ((m + nblocks - 1) / nblocks + MR - 1) / MR * MR;
+    #pragma omp parallel num_threads(threads)
+    for (int64_t row0 = 0; row0 < m; row0 += block) {
+        const int64_t rows = m - row0 < block ? m - row0 : block, tiles = (rows + MR - 1) / MR;
+        /* tile t prefetches the t-th of `tiles` equal parts of the next panel (64-byte lines) */
+        const int64_t lines = (k * NR / 16 + tiles - 1) / tiles;
+        #pragma omp for schedule(static)   /* every block's panels split evenly between the threads */
         for (int64_t p = 0; p < np; ++p) {
-            const int64_t row0 = blk * MC, rows = m - row0 < MC ? m - row0 : MC;
-            const int64_t tiles = (rows + MR - 1) / MR;
             const float *panel = panels + p * k * NR;
-            /* tile t prefetches the t-th of `tiles` equal parts of the next panel (64-byte
-               lines; the last panel has no next: its tiles prefetch nothing) */
-            const int64_t lines = p + 1 < np ? (k * NR / 16 + tiles - 1) / tiles : 0;
+            const int64_t prefetch = p + 1 < np ? lines : 0;   /* the last panel has no next */
             const int ncols = (int)(n - p * NR < NR ? n - p * NR : NR);
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t r = row0 + t * MR;
                 tile_of((int)(rows - t * MR < MR ? rows - t * MR : MR), x + r * ldx, ldx, panel, k,
-                        panel + k * NR + t * lines * 16, lines, y + r * ldy + p * NR, ldy, ncols,
+                        panel + k * NR + t * lines * 16, prefetch, y + r * ldy + p * NR, ldy, ncols,
                         bias ? bias + p * NR : 0, op, other ? other + r * ldo + p * NR : 0, ldo);
             }
         }
+    }
 }
