@@ -11,6 +11,8 @@ reference (docs/benchmarks.md has the measurements).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMeta(batch.slot_mapping, nd, batch.block_tables[:nd].contiguous(),
                                 batch.seq_lens[:nd].contiguous(), max(batch.seq_lens_cpu[:nd], default=0),
                                 prefills)
+
+    def chunk_softmax(self, chunk: PrefillChunk, length: int,
+                      scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Scale, causal mask and softmax in one native pass (torch takes three; a chat turn's
+        80 queries behind 560 cached keys: 64 -> ~20 us a KV head and layer)."""
+        return functools.partial(self.kernel.chunk_softmax, chunk=length,
+                                 cached=chunk.seq_len - length, scale=scale)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: CpuAttentionMeta, scale: float) -> torch.Tensor:

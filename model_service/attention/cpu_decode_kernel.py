@@ -21,7 +21,8 @@ __all__ = ["KernelUnavailable", "PagedDecodeKernel", "load"]
 
 
 class PagedDecodeKernel:
-    """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages."""
+    """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages;
+    and chunk_softmax, for the matmul path of a chunk behind a cached prefix."""
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -31,6 +32,10 @@ class PagedDecodeKernel:
                        ctypes.c_float, ctypes.c_int32]
         fn.restype = None
         self._fn = fn
+        softmax = library.kvserve_chunk_softmax_f32
+        softmax.argtypes = [ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int32]
+        softmax.restype = None
+        self._softmax = softmax
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
@@ -53,6 +58,17 @@ class PagedDecodeKernel:
                  seq_lens.data_ptr(), out.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1],
                  scale, torch.get_num_threads())
         return out
+
+
+    def chunk_softmax(self, scores: torch.Tensor, chunk: int, cached: int, scale: float) -> torch.Tensor:
+        """scores (rows, cached + chunk) float32, row r for query r % chunk, in place: the softmax
+        of scale * scores over the keys query r % chunk sees (cached + r % chunk + 1), 0 beyond."""
+        rows, cols = scores.shape
+        if not (scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.is_contiguous()
+                and chunk >= 1 and cached >= 0 and cols == cached + chunk and rows % chunk == 0 and scale > 0):
+            raise ValueError("chunk softmax: inconsistent shapes, dtype or scale")
+        self._softmax(scores.data_ptr(), rows, cols, chunk, cached, scale, torch.get_num_threads())
+        return scores
 
 
 def _build_and_load() -> PagedDecodeKernel:

@@ -146,3 +146,32 @@ void kvserve_paged_decode_f32(const float *q, const float *k_cache, const float 
                    seq_lens[s], out + s * num_heads * head_dim, num_heads, num_kv_heads,
                    head_dim, page_size, scale);
 }
+
+/* The softmax of a chunk of queries behind a cached prefix, for the cpu backend's
+ * matmul path (scores = Q Kᵀ by oneDNN, then this, then P V by oneDNN), in place:
+ *   scores   (rows, cols), rows = the query heads of one KV head x `chunk` queries
+ *            (row r is query r % chunk), cols = cached + chunk keys
+ * Row r becomes softmax(scale * scores) over its first cached + r % chunk + 1 keys
+ * (causal within the chunk) and 0 beyond. One pass where torch takes three (scale,
+ * mask, softmax); its exp is the vectorised one -ffast-math allows. */
+void kvserve_chunk_softmax_f32(float *scores, int64_t rows, int64_t cols, int64_t chunk,
+                               int64_t cached, float scale, int32_t num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * cols;
+        const int64_t n = cached + r % chunk + 1;
+        float top = -FLT_MAX, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++)
+            top = fmaxf(top, s[j]);
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf((s[j] - top) * scale);   /* scale > 0: the largest scaled score is scale * top */
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++)
+            s[j] *= inv;
+        for (int64_t j = n; j < cols; j++)
+            s[j] = 0.0f;
+    }
+}

@@ -33,6 +33,8 @@ Runs on CPU and on any GPU. Per layer:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +222,11 @@ class TorchAttentionBackend:
                                              scale=scale)                   # (n, Hk, G, D)
         return out.reshape(n, h, d)
 
+    def chunk_softmax(self, chunk: PrefillChunk, length: int,
+                      scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The softmax of a cached-prefix chunk's matmul path (masked_chunk_matmul)."""
+        return functools.partial(scaled_masked_softmax, bias=chunk.bias, scale=scale)
+
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  chunk: PrefillChunk, scale: float) -> torch.Tensor:
         """q (L, H, D) of one chunk -> (L, H, D)."""
@@ -234,7 +241,7 @@ class TorchAttentionBackend:
         keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
         values = self.gather(1, v_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
         if chunk.bias is not None and q.dtype == torch.float32:
-            out = masked_chunk_matmul(grouped, keys[:, 0], values[:, 0], chunk.bias, scale)
+            out = masked_chunk_matmul(grouped, keys[:, 0], values[:, 0], self.chunk_softmax(chunk, length, scale))
         elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
             out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
         else:
@@ -244,15 +251,22 @@ class TorchAttentionBackend:
 
 
 def masked_chunk_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one chunk as oneDNN matmuls: q (Hk, G, L, D), keys / values (Hk, S, D),
-    bias (L, S) 0 / -inf -> (Hk, G, L, D). Per KV head, its G query heads' rows form one
-    (G*L, D) matrix, so each K/V is read once by one larger GEMM."""
+                        softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Attention of one chunk as oneDNN matmuls: q (Hk, G, L, D), keys / values (Hk, S, D) ->
+    (Hk, G, L, D). Per KV head, its G query heads' rows form one (G*L, D) matrix, so each K/V is
+    read once by one larger GEMM. softmax: raw scores (G*L, S) -> probabilities, scaled and
+    masked (it may work in place)."""
     hk, g, length, d = q.shape
     out = torch.empty_like(q)
     for h in range(hk):
         scores = matmul_nt(q[h].reshape(g * length, d), keys[h].contiguous())   # (G*L, S)
-        scores.view(g, length, -1).mul_(scale).add_(bias)
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax(scores)
         out[h] = matmul_nt(probs, values[h].t().contiguous()).view(g, length, d)   # (G*L, D)
     return out
+
+
+def scaled_masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores (G*L, S) -> softmax(scale * scores + bias) per row, bias (L, S) 0 / -inf."""
+    rows, keys = scores.shape
+    scores.view(-1, bias.shape[0], keys).mul_(scale).add_(bias)
+    return torch.softmax(scores, dim=-1)

@@ -137,3 +137,33 @@ def test_a_cache_dir_that_cannot_be_written_is_reported(tmp_path, monkeypatch) -
     monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
     with pytest.raises(KernelUnavailable, match="cannot build into"):
         cpu_decode_kernel._build_and_load()
+
+
+@settings(max_examples=40, deadline=None)
+@given(group=st.integers(1, 8), chunk=st.integers(1, 40), cached=st.integers(0, 100),
+       scale=st.floats(0.01, 2.0), magnitude=st.sampled_from([1.0, 50.0]), seed=st.integers(0, 2**16))
+def test_chunk_softmax_matches_the_masked_torch_softmax(kernel, group, chunk, cached, scale, magnitude, seed) -> None:
+    """Row r is query r % chunk of one of `group` query heads; it sees cached + r % chunk + 1
+    keys. Large scores must not overflow."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(group * chunk, cached + chunk, generator=g) * magnitude
+    seen = torch.arange(cached + chunk)[None, :] <= cached + torch.arange(chunk)[:, None]   # (chunk, S)
+    mask = seen.repeat(group, 1)
+    expected = torch.softmax((scores.double() * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    got = kernel.chunk_softmax(scores, chunk, cached, scale)
+    assert got.data_ptr() == scores.data_ptr()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    assert (got[~mask] == 0).all()
+
+
+def test_chunk_softmax_refuses_inconsistent_calls(kernel) -> None:
+    bad = [
+        (torch.randn(8, 30), 4, 20, 0.1),          # cols != cached + chunk
+        (torch.randn(9, 24), 4, 20, 0.1),          # rows not a multiple of chunk
+        (torch.randn(8, 24).double(), 4, 20, 0.1),
+        (torch.randn(24, 8).t(), 4, 20, 0.1),      # not contiguous
+        (torch.randn(8, 24), 4, 20, 0.0),          # scale must be > 0
+    ]
+    for scores, chunk, cached, scale in bad:
+        with pytest.raises(ValueError):
+            kernel.chunk_softmax(scores, chunk, cached, scale)
