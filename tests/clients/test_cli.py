@@ -71,10 +71,9 @@ def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
         cwd=REPO)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while client.server_stats().running == 0:  # the request is streaming
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
+        # Streaming once its first text is out. (Polling the server's stats until it shows the
+        # request running missed the whole ~3 s stream once, with a benchmark on the same cores.)
+        assert proc.stdout.read(1), proc.communicate()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
