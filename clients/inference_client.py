@@ -137,6 +137,7 @@ class ModelInfo:
     device: str
     num_pages: int
     eos_token_ids: tuple[int, ...]
+    cpu_gemm: str = ""     # native | onednn | torch; empty from a server older than the field
 
 
 @dataclass(frozen=True, slots=True)

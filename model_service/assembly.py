@@ -41,6 +41,7 @@ class ModelStack:
     device: torch.device
     dtype: torch.dtype
     backend_name: str
+    gemm: str                      # what runs the matmuls: native | onednn | torch (model/linear.py)
     page_size: int
     num_pages: int
     max_model_len: int
@@ -129,7 +130,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
     log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name,
              model.lm_head.gemm, max_model_len)
-    return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name,
+    return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids)
 
 

@@ -216,6 +216,7 @@ def test_model_info(client: InferenceClient) -> None:
     assert (info.name, info.architecture, info.vocab_size, info.page_size) == ("tiny", "LlamaForCausalLM", 1024, 16)
     assert info.device == "cpu" and info.num_pages == 512 and info.max_model_len == 2048
     assert info.eos_token_ids == (2, 6)  # </s> and <|end|>
+    assert info.cpu_gemm in ("native", "onednn", "torch")
 
 
 def test_server_stats(client: InferenceClient) -> None:

@@ -12,10 +12,12 @@ import threading
 
 import grpc
 import pytest
+import torch
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from model_service.attention.select import select_backend
+from model_service.model.linear import choose_gemm
 from tests.engine.harness import assert_same_tokens, hf_greedy
 from tests.service.util import (
     VOCAB,
@@ -255,6 +257,7 @@ def test_get_model_info(stub, tokenizer):
     assert info.page_size == 4
     assert info.dtype == "float32"
     assert info.attention_backend == select_backend("auto", "cpu").name   # cpu where its kernel builds
+    assert info.cpu_gemm == choose_gemm("auto", torch.float32, torch.device("cpu"))   # native where it builds
     assert info.device == "cpu"
     assert info.num_pages == 512
     assert info.max_model_len == 2048  # the model's; 512 pages of 4 hold that much

@@ -204,7 +204,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_GEMM_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -225,7 +226,8 @@ class ModelInfo(_message.Message):
     device: str
     num_pages: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cpu_gemm: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
