@@ -4,8 +4,8 @@
  * and weights far larger than the caches, so each call streams its weights
  * from memory once. oneDNN's kernels (and ours without the prefetch below)
  * then stall on the first pass over each block of weights; measured on the
- * bench model's 41 matmuls at 32 rows, weights cold: oneDNN 8.9 ms, this file
- * 6.0 ms (docs/benchmarks.md).
+ * bench model's 41 matmuls at 32 rows, weights cold: oneDNN 8.8 ms, this file
+ * 6.0-6.8 ms; at 2048 rows the two are on a par (docs/benchmarks.md).
  *
  * Layout: W (N, K) becomes panels of NR = 32 output columns, panel p holding
  * W[p*32 .. p*32+31][k] for k = 0..K-1 as K rows of 32 floats (the last
@@ -14,13 +14,12 @@
  * eight broadcasts of x feed 16 FMAs.
  *
  * Order of work: rows in equal blocks of at most MC (x's block stays in L2
- * for K up to ~2000),
- * then panels, each block's split evenly between the threads (a thread with
- * a whole block while the other has a sliver would leave a core idle); within
- * a block, 8-row tiles. While a block's
- * tiles run over panel p, each tile prefetches its share of panel p + 1, so
- * the next panel's weights arrive from memory spread over the whole panel's
- * compute instead of in one burst when its first tile starts.
+ * for K up to ~2000), then panels, each block's split evenly between the
+ * threads (a thread with a whole block while the other has a sliver would
+ * leave a core idle); within a block, 8-row tiles. While a block's tiles run
+ * over panel p, each tile prefetches its share of panel p + 1, so the next
+ * panel's weights arrive from memory spread over the whole panel's compute
+ * instead of in one burst when its first tile starts.
  *
  * Each output is one sum over k in order, in float32 with FMA: the results
  * differ from torch's matmul only in rounding (~1e-6 relative).
@@ -46,7 +45,8 @@ void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *panels) 
             }
 }
 
-/* The epilogue on one finished row segment of up to 32 outputs. */
+/* The epilogue on one finished row segment of up to 32 outputs. Not inlined: inside
+ * a tile, its vectorised expf call made GCC keep the accumulators in memory. */
 static __attribute__((noinline)) void finish_row(float *y, int ncols, const float *bias, int op, const float *other) {
     for (int j = 0; j < ncols; ++j) {
         float v = y[j] + (bias ? bias[j] : 0.0f);
