@@ -31,6 +31,8 @@
 #define NR 32   /* columns per panel: two 16-float vectors */
 #define MR 8    /* rows per tile */
 #define MC 128  /* rows per block: a chat turn's chunk (~80 rows) streams the weights once */
+#define KMAX 2048  /* longer K is split into chunks of at most KC */
+#define KC 1024
 
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
@@ -60,16 +62,25 @@ static __attribute__((noinline)) void finish_row(float *y, int ncols, const floa
     }
 }
 
-/* rows x 32 outputs over the whole K; `rows` is a constant in each inlined copy, so the
-   unused accumulators vanish and the rest stay in registers. */
+/* rows x 32 outputs over k values of K (a chunk of it: `resume` continues the sums stored
+   in y, `finish` applies the epilogue after the last chunk); `rows` is a constant in each
+   inlined copy, so the unused accumulators vanish and the rest stay in registers. */
 static inline __attribute__((always_inline)) void tile(
         const int rows, const float *x, int64_t ldx, const float *panel, int64_t k,
-        const float *prefetch, int64_t prefetch_lines,
-        float *y, int64_t ldy, int ncols, const float *bias, int op, const float *other, int64_t ldo) {
+        const float *prefetch, int64_t prefetch_lines, float *y, int64_t ldy, int ncols,
+        int resume, int finish, const float *bias, int op, const float *other, int64_t ldo) {
     int64_t due = 0;   /* prefetch_lines spread evenly over the k loop, without a division */
+    __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+    __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00,
            c70 = c00, c71 = c00;
+    if (resume) {   /* the float32 sums stored after the last chunk: the order of k is kept */
+#define LOAD(i) if (rows > i) { c##i##0 = _mm512_maskz_loadu_ps(m0, y + i * ldy); \
+            c##i##1 = _mm512_maskz_loadu_ps(m1, y + i * ldy + 16); }
+        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
+#undef LOAD
+    }
     for (int64_t kk = 0; kk < k; ++kk) {
         __m512 b0 = _mm512_loadu_ps(panel + kk * NR), b1 = _mm512_loadu_ps(panel + kk * NR + 16);
         for (due += prefetch_lines; due >= k; due -= k, prefetch += 16)
@@ -79,19 +90,18 @@ static inline __attribute__((always_inline)) void tile(
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
     }
-    __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
-    __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
 #define STORE(i) if (rows > i) { \
             _mm512_mask_storeu_ps(y + i * ldy, m0, c##i##0); _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c##i##1); \
-            if (bias || op != OP_NONE) finish_row(y + i * ldy, ncols, bias, op, other ? other + i * ldo : 0); }
+            if (finish && (bias || op != OP_NONE)) finish_row(y + i * ldy, ncols, bias, op, other ? other + i * ldo : 0); }
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
 #undef STORE
 }
 
 static void tile_of(int rows, const float *x, int64_t ldx, const float *panel, int64_t k,
-                    const float *prefetch, int64_t prefetch_lines,
-                    float *y, int64_t ldy, int ncols, const float *bias, int op, const float *other, int64_t ldo) {
-#define CASE(r) case r: tile(r, x, ldx, panel, k, prefetch, prefetch_lines, y, ldy, ncols, bias, op, other, ldo); break;
+                    const float *prefetch, int64_t prefetch_lines, float *y, int64_t ldy, int ncols,
+                    int resume, int finish, const float *bias, int op, const float *other, int64_t ldo) {
+#define CASE(r) case r: tile(r, x, ldx, panel, k, prefetch, prefetch_lines, y, ldy, ncols, \
+                             resume, finish, bias, op, other, ldo); break;
     switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 #undef CASE
 }
@@ -104,22 +114,30 @@ void kvserve_gemm_f32(const float *x, int64_t ldx, const float *panels, const fl
     const int64_t np = (n + NR - 1) / NR, nblocks = (m + MC - 1) / MC;
     /* blocks of equal size, a whole number of tiles each: 80 rows are 40 + 40, not 64 + 16 */
     const int64_t block = ((m + nblocks - 1) / nblocks + MR - 1) / MR * MR;
+    /* K in equal chunks of at most KC once it is longer than KMAX, so that a tile's 8 rows of x
+       stay in L1 and a block's in L2 (a 7B model's 11008-long down projection); a single tile's
+       rows fit as they are, and every chunk costs a barrier */
+    const int64_t nchunks = k <= KMAX || m <= MR ? 1 : (k + KC - 1) / KC, chunk = (k + nchunks - 1) / nchunks;
     #pragma omp parallel num_threads(threads)
-    for (int64_t row0 = 0; row0 < m; row0 += block) {
-        const int64_t rows = m - row0 < block ? m - row0 : block, tiles = (rows + MR - 1) / MR;
-        /* tile t prefetches the t-th of `tiles` equal parts of the next panel (64-byte lines) */
-        const int64_t lines = (k * NR / 16 + tiles - 1) / tiles;
-        #pragma omp for schedule(static)   /* every block's panels split evenly between the threads */
-        for (int64_t p = 0; p < np; ++p) {
-            const float *panel = panels + p * k * NR;
-            const int64_t prefetch = p + 1 < np ? lines : 0;   /* the last panel has no next */
-            const int ncols = (int)(n - p * NR < NR ? n - p * NR : NR);
-            for (int64_t t = 0; t < tiles; ++t) {
-                const int64_t r = row0 + t * MR;
-                tile_of((int)(rows - t * MR < MR ? rows - t * MR : MR), x + r * ldx, ldx, panel, k,
-                        panel + k * NR + t * lines * 16, prefetch, y + r * ldy + p * NR, ldy, ncols,
-                        bias ? bias + p * NR : 0, op, other ? other + r * ldo + p * NR : 0, ldo);
+    for (int64_t row0 = 0; row0 < m; row0 += block)
+        for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+            const int64_t rows = m - row0 < block ? m - row0 : block, tiles = (rows + MR - 1) / MR;
+            const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
+            /* tile t prefetches the t-th of `tiles` equal parts of the next panel's chunk
+               (64-byte lines); a lone tile streams, the hardware prefetcher does better */
+            const int64_t lines = (kc * NR / 16 + tiles - 1) / tiles;
+            #pragma omp for schedule(static)   /* every block's panels split evenly between the threads */
+            for (int64_t p = 0; p < np; ++p) {
+                const float *panel = panels + (p * k + k0) * NR;
+                const int64_t prefetch = p + 1 < np && tiles > 1 ? lines : 0;   /* the last panel has no next */
+                const int ncols = (int)(n - p * NR < NR ? n - p * NR : NR);
+                for (int64_t t = 0; t < tiles; ++t) {
+                    const int64_t r = row0 + t * MR;
+                    tile_of((int)(rows - t * MR < MR ? rows - t * MR : MR), x + r * ldx + k0, ldx, panel, kc,
+                            panel + k * NR + t * lines * 16, prefetch, y + r * ldy + p * NR, ldy, ncols,
+                            k0 > 0, k0 + kc == k, bias ? bias + p * NR : 0, op,
+                            other ? other + r * ldo + p * NR : 0, ldo);
+                }
             }
         }
-    }
 }

@@ -56,6 +56,19 @@ def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, s
     assert_matches(got, reference(x, weight, b, op, other), k)
 
 
+@pytest.mark.parametrize("k", [2049, 3001])
+@pytest.mark.parametrize("op", ["none", "silu", "add"])
+@pytest.mark.parametrize("rows", [5, 13])
+def test_long_k_is_summed_in_chunks_with_one_epilogue(gemm, k: int, op: str, rows: int) -> None:
+    """K beyond 2048 runs in chunks (more than one 8-row tile), each resuming the sums the last
+    one stored; the bias and the op come once, after the last."""
+    g = torch.Generator().manual_seed(k)
+    weight, b = torch.randn(70, k, generator=g), torch.randn(70, generator=g)
+    x, other = torch.randn(rows, k, generator=g), torch.randn(rows, 70, generator=g)
+    other = other if op == "add" else None
+    assert_matches(gemm(x, gemm.pack(weight), 70, b, op, other), reference(x, weight, b, op, other), k)
+
+
 def test_leading_dims_and_no_rows(gemm) -> None:
     weight, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     panels = gemm.pack(weight)
