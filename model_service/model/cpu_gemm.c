@@ -19,7 +19,10 @@
  * leave a core idle); within a block, 8-row tiles. While a block's tiles run
  * over panel p, each tile prefetches its share of panel p + 1, so the next
  * panel's weights arrive from memory spread over the whole panel's compute
- * instead of in one burst when its first tile starts.
+ * instead of in one burst when its first tile starts (a lone tile, one to
+ * eight rows, prefetches nothing: it streams, and the hardware prefetcher
+ * keeps up). K longer than KMAX runs in chunks, each resuming the sums the
+ * last one stored, so a tile's rows of x stay in L1.
  *
  * Each output is one sum over k in order, in float32 with FMA: the results
  * differ from torch's matmul only in rounding (~1e-6 relative).
