@@ -11,6 +11,7 @@ from model_service.attention.base import AttentionBackend
 from model_service.attention.cpu_backend import CpuAttentionBackend
 from model_service.attention.flash_attn_backend import FlashAttnBackend, load_flash_api
 from model_service.attention.torch_backend import TorchAttentionBackend
+from model_service.model import cpu_gemm
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "flash_attn")
 log = logging.getLogger(__name__)
@@ -63,4 +64,8 @@ def _cpu_backend(device: torch.device, page_size: int | None, dtype: torch.dtype
         kernel = cpu_decode_kernel.load()
     except cpu_decode_kernel.KernelUnavailable as exc:
         raise RuntimeError(f"the cpu attention backend's kernel is unavailable: {exc}") from exc
-    return CpuAttentionBackend(kernel)
+    try:
+        gemm = cpu_gemm.load()
+    except cpu_gemm.KernelUnavailable:   # no AVX-512, say: chunk products stay on oneDNN
+        gemm = None
+    return CpuAttentionBackend(kernel, gemm)

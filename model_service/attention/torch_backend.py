@@ -222,10 +222,11 @@ class TorchAttentionBackend:
                                              scale=scale)                   # (n, Hk, G, D)
         return out.reshape(n, h, d)
 
-    def chunk_softmax(self, chunk: PrefillChunk, length: int,
-                      scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The softmax of a cached-prefix chunk's matmul path (masked_chunk_matmul)."""
-        return functools.partial(scaled_masked_softmax, bias=chunk.bias, scale=scale)
+    def masked_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        """A cached-prefix chunk's matmul path: q (Hk, G, L, D), keys / values (Hk, S, D)."""
+        return masked_chunk_matmul(q, keys, values,
+                                   functools.partial(scaled_masked_softmax, bias=chunk.bias, scale=scale))
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  chunk: PrefillChunk, scale: float) -> torch.Tensor:
@@ -241,7 +242,7 @@ class TorchAttentionBackend:
         keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
         values = self.gather(1, v_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
         if chunk.bias is not None and q.dtype == torch.float32:
-            out = masked_chunk_matmul(grouped, keys[:, 0], values[:, 0], self.chunk_softmax(chunk, length, scale))
+            out = self.masked_chunk(grouped, keys[:, 0], values[:, 0], chunk, scale)
         elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
             out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
         else:

@@ -27,20 +27,30 @@ class CpuGemm:
         self.path = path
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = library.kvserve_gemm_pack_f32
-        self._pack.argtypes = [ptr, i64, i64, ptr]
+        self._pack.argtypes = [ptr, i64, i64, i64, ptr]
         self._pack.restype = None
+        self._pack_t = library.kvserve_gemm_pack_transposed_f32
+        self._pack_t.argtypes = [ptr, i64, i64, i64, ptr]
+        self._pack_t.restype = None
         self._gemm = library.kvserve_gemm_f32
         self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
         self._gemm.restype = None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """W (N, K) float32 -> panels (ceil(N / 32), K, 32), the last zero-padded."""
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError("cpu gemm: the weight must be a 2-D float32 CPU tensor")
-        weight = weight.detach().contiguous()
+        """W (N, K) float32 (rows any distance apart) -> panels (ceil(N / 32), K, 32), the last
+        zero-padded."""
+        weight = _rows(weight, "the weight")
         n, k = weight.shape
         panels = torch.empty(-(-n // PANEL), k, PANEL)
-        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
+        self._pack(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
+        return panels
+
+    def pack_transposed(self, v: torch.Tensor) -> torch.Tensor:
+        """The panels of W = Vᵀ, from V (K, N) float32 (rows any distance apart)."""
+        v = _rows(v, "V")
+        k, n = v.shape
+        panels = torch.empty(-(-n // PANEL), k, PANEL)
+        self._pack_t(v.data_ptr(), k, n, v.stride(0), panels.data_ptr())
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
@@ -68,6 +78,14 @@ class CpuGemm:
                        None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
                        torch.get_num_threads())
         return y
+
+
+def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t as a 2-D float32 CPU matrix whose rows are contiguous (a copy only if they are not)."""
+    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"cpu gemm: {what} must be a 2-D float32 CPU tensor")
+    t = t.detach()
+    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
 
 
 def _build_and_load() -> CpuGemm:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_service.attention import cpu_decode_kernel
-from model_service.attention.cpu_backend import CpuAttentionBackend
+from model_service.attention.base import AttentionBackend
+from model_service.attention.select import select_backend
 from model_service.attention.torch_backend import TorchAttentionBackend
 from model_service.model.config import ModelConfig
 from model_service.model.llama import CausalLM
@@ -50,15 +50,15 @@ def loaded(request: pytest.FixtureRequest, load_pair: Callable[[str], Loaded]) -
 
 
 @pytest.fixture(params=["torch", "cpu"])
-def backend(request: pytest.FixtureRequest) -> TorchAttentionBackend:
-    """Both CPU backends: torch, the reference, and cpu, its decode through the native kernel
-    (skipped where the kernel does not build)."""
+def backend(request: pytest.FixtureRequest) -> AttentionBackend:
+    """Both CPU backends: torch, the reference, and cpu as `auto` picks it (its decode through
+    the native kernel; skipped where the kernel does not build)."""
     if request.param == "torch":
         return TorchAttentionBackend()
     try:
-        return CpuAttentionBackend(cpu_decode_kernel.load())
-    except cpu_decode_kernel.KernelUnavailable as exc:
-        pytest.skip(f"the cpu backend's kernel does not build here: {exc}")
+        return select_backend("cpu", "cpu", dtype=torch.float32)
+    except RuntimeError as exc:
+        pytest.skip(f"the cpu backend does not run here: {exc}")
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model_service.attention import cpu_decode_kernel, flash_attn_backend
+from model_service.model import cpu_gemm
 from model_service.attention.cpu_backend import CpuAttentionBackend
 from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
 from model_service.attention.select import select_backend
@@ -92,11 +93,24 @@ def kernel_or_skip() -> cpu_decode_kernel.PagedDecodeKernel:
         pytest.skip(f"the cpu backend's kernel does not build here: {exc}")
 
 
+def gemm_or_skip() -> cpu_gemm.CpuGemm:
+    try:
+        return cpu_gemm.load()
+    except cpu_gemm.KernelUnavailable as exc:
+        pytest.skip(f"the native GEMM does not build here: {exc}")
+
+
 def make_backend(name: str) -> TorchAttentionBackend:
-    return CpuAttentionBackend(kernel_or_skip()) if name == "cpu" else TorchAttentionBackend()
+    """torch; cpu (its cached-prefix chunks' products on oneDNN); cpu+gemm (on the native GEMM,
+    as select_backend builds it where that runs)."""
+    if name == "cpu":
+        return CpuAttentionBackend(kernel_or_skip())
+    if name == "cpu+gemm":
+        return CpuAttentionBackend(kernel_or_skip(), gemm_or_skip())
+    return TorchAttentionBackend()
 
 
-@pytest.mark.parametrize("name", ["torch", "cpu"])
+@pytest.mark.parametrize("name", ["torch", "cpu", "cpu+gemm"])
 @pytest.mark.parametrize("case", CASES)
 def test_cpu_backends_match_reference(case: str, name: str) -> None:
     query_lens, seq_lens, num_decodes = CASES[case]
