@@ -69,6 +69,19 @@ def test_long_k_is_summed_in_chunks_with_one_epilogue(gemm, k: int, op: str, row
     assert_matches(gemm(x, gemm.pack(weight), 70, b, op, other), reference(x, weight, b, op, other), k)
 
 
+@pytest.mark.parametrize("n, k", [(640, 64), (70, 33), (5, 3)])
+def test_packs_from_strided_rows_and_from_the_transpose(gemm, n: int, k: int) -> None:
+    """Attention's products: keys packed straight from a view whose rows are further apart
+    than K (heads interleaved), and Vᵀ packed from V's rows."""
+    g = torch.Generator().manual_seed(n)
+    interleaved = torch.randn(n, 2, k, generator=g)            # (S, heads, D), as gathered pages
+    keys, x = interleaved[:, 1], torch.randn(9, k, generator=g)
+    assert keys.stride(0) == 2 * k
+    assert_matches(gemm(x, gemm.pack(keys), n), reference(x, keys, None, "none", None), k)
+    values, probs = interleaved[:, 0], torch.randn(9, n, generator=g)   # P (rows, S) V (S, D)
+    assert_matches(gemm(probs, gemm.pack_transposed(values), k), probs.double() @ values.double(), n)
+
+
 def test_leading_dims_and_no_rows(gemm) -> None:
     weight, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     panels = gemm.pack(weight)
@@ -99,6 +112,7 @@ def test_inconsistent_calls_are_refused(gemm) -> None:
         lambda: gemm(x, panels, 40, other=torch.randn(3, 40)),              # other without an op for it
         lambda: gemm.pack(torch.randn(4, 4, 4)),
         lambda: gemm.pack(torch.randn(4, 4).bfloat16()),
+        lambda: gemm.pack_transposed(torch.randn(4)),
     ]
     for call in bad:
         with pytest.raises(ValueError):
