@@ -214,7 +214,7 @@ def packed_gemms() -> list[str]:
     return out
 
 
-def bench_gemms(model, config, repeat: int) -> None:
+def bench_gemms(config, repeat: int) -> None:
     """Each of the model's matmul shapes, F.linear (MKL on x86) against each packed GEMM, weights
     hot; then a decode step's matmuls one after the other, weights cold as in the model (162 MB
     on the bench model: they do not stay in a 32 MiB L3 from one step to the next)."""
@@ -267,7 +267,7 @@ def main() -> None:
     model, config = load_model(path, torch.float32, "cpu", args.cpu_gemm)
     print(f"model {path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"GEMM {model.lm_head.gemm}")
-    bench_gemms(model, config, args.repeat)
+    bench_gemms(config, args.repeat)
     for backend_name in ("torch", "cpu"):
         bench_decode(model, config, args.repeat, backend_name)
     bench_prefill(model, config, path, max(3, args.repeat // 3))

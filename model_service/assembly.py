@@ -84,7 +84,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
         host_memory.keep_freed_memory()   # before the first big allocation
     model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm)
     backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
-                             mcfg.num_heads * mcfg.head_dim)
+                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm)
     multiple = backend.page_size_multiple()
     page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
     if page_size % multiple:

@@ -3,8 +3,10 @@
 Decode attention is most of what grows with context on CPU: the torch backend
 gathers every decode page into a buffer and runs SDPA over it, so each key and
 value is read twice and written once. paged_decode.c reads each page once, from
-the cache, in torch's OpenMP pool. Prefill chunks, the cache write and every
-other shape stay exactly the torch backend's. float32 only (the kernel's type);
+the cache, in torch's OpenMP pool. A chunk behind a cached prefix (a chat turn)
+takes the torch backend's matmul path with a native softmax and, where it runs,
+the native GEMM; fresh prompts, the cache write and every other shape stay
+exactly the torch backend's. float32 only (the kernel's type);
 `auto` picks this backend on CPU when the kernel builds, and `torch` stays the
 reference (docs/benchmarks.md has the measurements).
 """
@@ -17,9 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from model_service.attention.cpu_decode_kernel import PagedDecodeKernel
-from model_service.attention.torch_backend import PrefillChunk, TorchAttentionBackend, masked_chunk_matmul
+from model_service.attention.torch_backend import (
+    MATMUL_MAX_SCORES, MATMUL_MIN_QUERIES, PrefillChunk, TorchAttentionBackend, masked_chunk_matmul, onednn_mix,
+    onednn_scores)
 from model_service.batch import ForwardBatch
 from model_service.model.cpu_gemm import CpuGemm
+from model_service.model.linear import onednn_available
 
 
 @dataclass(slots=True)
@@ -47,24 +52,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                 batch.seq_lens[:nd].contiguous(), max(batch.seq_lens_cpu[:nd], default=0),
                                 prefills)
 
+    def matmul_path(self, device: torch.device, queries: int, keys: int) -> bool:
+        """The torch backend's window, on the native GEMM where oneDNN is missing."""
+        return (device.type == "cpu" and MATMUL_MIN_QUERIES <= queries and queries * keys <= MATMUL_MAX_SCORES
+                and (self.gemm is not None or onednn_available(torch.float32)))
+
+    def chunk_bias(self, mask: torch.Tensor) -> None:
+        return None   # the native softmax masks by position
+
     def masked_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      chunk: PrefillChunk, scale: float) -> torch.Tensor:
         """A cached-prefix chunk (a chat turn) as the torch backend's matmul path, natively:
         scale, causal mask and softmax in one pass (torch takes three: 64 -> ~20 us a KV head and
         layer for 80 queries behind 560 cached keys), and the two products on the native GEMM
-        where it runs (keys and values packed as they come, no copy first: 491 -> 417 us a
-        layer)."""
-        hk, g, length, d = q.shape
-        cached = chunk.seq_len - length
-        softmax = functools.partial(self.kernel.chunk_softmax, chunk=length, cached=cached, scale=scale)
+        where it runs, keys and values packed as they come, with no copy first (491 -> 417 us a
+        layer); else on oneDNN."""
+        length = q.shape[2]
+        softmax = functools.partial(self.kernel.chunk_softmax, chunk=length,
+                                    cached=chunk.seq_len - length, scale=scale)
         if self.gemm is None:
-            return masked_chunk_matmul(q, keys, values, softmax)
-        out = torch.empty_like(q)
-        for h in range(hk):
-            scores = self.gemm(q[h].reshape(g * length, d), self.gemm.pack(keys[h]), chunk.seq_len)  # (G*L, S)
-            probs = softmax(scores)
-            out[h] = self.gemm(probs, self.gemm.pack_transposed(values[h]), d).view(g, length, d)
-        return out
+            return masked_chunk_matmul(q, keys, values, onednn_scores, onednn_mix, softmax)
+        gemm = self.gemm
+        return masked_chunk_matmul(
+            q, keys, values, lambda rows, k: gemm(rows, gemm.pack(k), k.shape[0]),
+            lambda probs, v: gemm(probs, gemm.pack_transposed(v), v.shape[1]), softmax)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: CpuAttentionMeta, scale: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 /* Paged decode attention on CPU, float32: one query token per sequence.
  *
- * Built on the serving machine by cpu_decode_kernel.py (cc -O3 -march=native
+ * Built on the serving machine by native_build.py (cc -O3 -march=native
  * -fopenmp, linked against torch's own OpenMP runtime, so both share one thread
  * pool). The torch backend gathers a decode group's pages into a buffer and runs
  * SDPA over it, reading every key and value twice and writing them once; here
@@ -148,7 +148,7 @@ void kvserve_paged_decode_f32(const float *q, const float *k_cache, const float 
 }
 
 /* The softmax of a chunk of queries behind a cached prefix, for the cpu backend's
- * matmul path (scores = Q Kᵀ by oneDNN, then this, then P V by oneDNN), in place:
+ * matmul path (scores = Q Kᵀ by the native GEMM or oneDNN, then this, then P V), in place:
  *   scores   (rows, cols), rows = the query heads of one KV head x `chunk` queries
  *            (row r is query r % chunk), cols = cached + chunk keys
  * Row r becomes softmax(scale * scores) over its first cached + r % chunk + 1 keys

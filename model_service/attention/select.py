@@ -18,10 +18,13 @@ log = logging.getLogger(__name__)
 
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_size: int | None = None,
-                   dtype: torch.dtype | None = None, head_floats: int | None = None) -> AttentionBackend:
+                   dtype: torch.dtype | None = None, head_floats: int | None = None,
+                   gemm: str = "native") -> AttentionBackend:
     """auto: flash_attn on CUDA when flash-attn imports (and, if page_size is given,
     accepts it); cpu on CPU in float32 when its kernel builds; else torch. An explicit
-    name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known."""
+    name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known.
+    gemm: the model's GEMM (linear.choose_gemm); the cpu backend's chunk products use the
+    native one only when the model does, where it builds."""
     device = torch.device(device)
     if name == "torch":
         return TorchAttentionBackend()
@@ -30,7 +33,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
             raise RuntimeError(f"the flash_attn backend runs on CUDA only, not on {device}")
         return FlashAttnBackend()
     if name == "cpu":
-        return _cpu_backend(device, page_size, dtype, head_floats)
+        return _cpu_backend(device, page_size, dtype, head_floats, gemm)
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
     if device.type == "cuda" and load_flash_api() is not None:
@@ -41,7 +44,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
                  backend.page_size_multiple(), page_size)
     if device.type == "cpu":   # _cpu_backend says why not (bfloat16, no compiler, ...)
         try:
-            return _cpu_backend(device, page_size, dtype, head_floats)
+            return _cpu_backend(device, page_size, dtype, head_floats, gemm)
         except RuntimeError as exc:   # a kernel that should build and does not is worth a warning
             unbuilt = isinstance(exc.__cause__, cpu_decode_kernel.KernelUnavailable)
             log.log(logging.WARNING if unbuilt else logging.INFO, "attention: %s; using torch", exc)
@@ -49,7 +52,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
 
 
 def _cpu_backend(device: torch.device, page_size: int | None, dtype: torch.dtype | None,
-                 head_floats: int | None) -> CpuAttentionBackend:
+                 head_floats: int | None, gemm: str) -> CpuAttentionBackend:
     if device.type != "cpu":
         raise RuntimeError(f"the cpu attention backend runs on CPU only, not on {device}")
     if dtype not in (None, torch.float32):
@@ -64,8 +67,10 @@ def _cpu_backend(device: torch.device, page_size: int | None, dtype: torch.dtype
         kernel = cpu_decode_kernel.load()
     except cpu_decode_kernel.KernelUnavailable as exc:
         raise RuntimeError(f"the cpu attention backend's kernel is unavailable: {exc}") from exc
-    try:
-        gemm = cpu_gemm.load()
-    except cpu_gemm.KernelUnavailable:   # no AVX-512, say: chunk products stay on oneDNN
-        gemm = None
-    return CpuAttentionBackend(kernel, gemm)
+    native = None
+    if gemm == "native":
+        try:
+            native = cpu_gemm.load()
+        except cpu_gemm.KernelUnavailable:   # no AVX-512, say: chunk products stay on oneDNN
+            pass
+    return CpuAttentionBackend(kernel, native)

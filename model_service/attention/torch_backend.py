@@ -51,7 +51,8 @@ class PrefillChunk:
     seq_len: int               # keys to attend: cached + this chunk
     pages: torch.Tensor        # (ceil(seq_len / page_size) or more,) int64 page ids
     mask: torch.Tensor | None  # (L, seq_len) bool, True = attend; None = plain causal (nothing cached)
-    bias: torch.Tensor | None = None  # (L, seq_len) float32, 0 / -inf: the mask for the oneDNN path
+    matmul: bool = False       # attention as two matmuls and a softmax (masked_chunk), not SDPA
+    bias: torch.Tensor | None = None  # (L, seq_len) float32, 0 / -inf: the mask for torch's softmax there
 
 
 @dataclass(slots=True)
@@ -164,18 +165,24 @@ class TorchAttentionBackend:
             seq_len, q_len = batch.seq_lens_cpu[i], batch.query_lens_cpu[i]
             cached = seq_len - q_len
             mask = bias = None
+            matmul = False
             if cached:
                 q_pos = torch.arange(cached, seq_len, device=device)           # (L,)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # (L, S)
-                if self._matmul_path(device, q_len, seq_len):
-                    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, bias))
+                matmul = self.matmul_path(device, q_len, seq_len)
+                if matmul:
+                    bias = self.chunk_bias(mask)
+            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, matmul, bias))
         return prefills
 
-    @staticmethod
-    def _matmul_path(device: torch.device, queries: int, keys: int) -> bool:
+    def matmul_path(self, device: torch.device, queries: int, keys: int) -> bool:
+        """Whether a cached-prefix chunk runs as masked_chunk (CPU, in a measured window)."""
         return (device.type == "cpu" and MATMUL_MIN_QUERIES <= queries
                 and queries * keys <= MATMUL_MAX_SCORES and onednn_available(torch.float32))
+
+    def chunk_bias(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """What masked_chunk's softmax needs of the mask: here an additive 0 / -inf bias."""
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,7 +232,7 @@ class TorchAttentionBackend:
     def masked_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      chunk: PrefillChunk, scale: float) -> torch.Tensor:
         """A cached-prefix chunk's matmul path: q (Hk, G, L, D), keys / values (Hk, S, D)."""
-        return masked_chunk_matmul(q, keys, values,
+        return masked_chunk_matmul(q, keys, values, onednn_scores, onednn_mix,
                                    functools.partial(scaled_masked_softmax, bias=chunk.bias, scale=scale))
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -241,7 +248,7 @@ class TorchAttentionBackend:
         shape = (hk, g, chunk.seq_len, d)
         keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
         values = self.gather(1, v_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
-        if chunk.bias is not None and q.dtype == torch.float32:
+        if chunk.matmul and q.dtype == torch.float32:
             out = self.masked_chunk(grouped, keys[:, 0], values[:, 0], chunk, scale)
         elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
             out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
@@ -251,19 +258,30 @@ class TorchAttentionBackend:
         return out.permute(2, 0, 1, 3).reshape(length, h, d)
 
 
-def masked_chunk_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Attention of one chunk as oneDNN matmuls: q (Hk, G, L, D), keys / values (Hk, S, D) ->
-    (Hk, G, L, D). Per KV head, its G query heads' rows form one (G*L, D) matrix, so each K/V is
-    read once by one larger GEMM. softmax: raw scores (G*L, S) -> probabilities, scaled and
-    masked (it may work in place)."""
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def masked_chunk_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores_of: Product,
+                        mix: Product, softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Attention of one chunk as two matmuls and a softmax per KV head: q (Hk, G, L, D), keys /
+    values (Hk, S, D) -> (Hk, G, L, D). A KV head's G query heads' rows form one (G*L, D) matrix,
+    so each K/V is read once by one larger GEMM. scores_of(rows (G*L, D), keys (S, D)) -> (G*L, S);
+    softmax: raw scores -> probabilities, scaled and masked (it may work in place);
+    mix(probs (G*L, S), values (S, D)) -> (G*L, D)."""
     hk, g, length, d = q.shape
     out = torch.empty_like(q)
     for h in range(hk):
-        scores = matmul_nt(q[h].reshape(g * length, d), keys[h].contiguous())   # (G*L, S)
-        probs = softmax(scores)
-        out[h] = matmul_nt(probs, values[h].t().contiguous()).view(g, length, d)   # (G*L, D)
+        probs = softmax(scores_of(q[h].reshape(g * length, d), keys[h]))
+        out[h] = mix(probs, values[h]).view(g, length, d)
     return out
+
+
+def onednn_scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return matmul_nt(rows, keys.contiguous())
+
+
+def onednn_mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return matmul_nt(probs, values.t().contiguous())
 
 
 def scaled_masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:

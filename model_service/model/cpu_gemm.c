@@ -5,7 +5,7 @@
  * from memory once. oneDNN's kernels (and ours without the prefetch below)
  * then stall on the first pass over each block of weights; measured on the
  * bench model's 41 matmuls at 32 rows, weights cold: oneDNN 8.8 ms, this file
- * 6.0-6.8 ms; at 2048 rows the two are on a par (docs/benchmarks.md).
+ * 6.8 ms; at 2048 rows the two are on a par (docs/benchmarks.md).
  *
  * Layout: W (N, K) becomes panels of NR = 32 output columns, panel p holding
  * W[p*32 .. p*32+31][k] for k = 0..K-1 as K rows of 32 floats (the last
@@ -21,8 +21,8 @@
  * panel's weights arrive from memory spread over the whole panel's compute
  * instead of in one burst when its first tile starts (a lone tile, one to
  * eight rows, prefetches nothing: it streams, and the hardware prefetcher
- * keeps up). K longer than KMAX runs in chunks, each resuming the sums the
- * last one stored, so a tile's rows of x stay in L1.
+ * keeps up). With more than one tile, K longer than KMAX runs in chunks, each
+ * resuming the sums the last one stored, so a tile's rows of x stay in L1.
  *
  * Each output is one sum over k in order, in float32 with FMA: the results
  * differ from torch's matmul only in rounding (~1e-6 relative).
@@ -40,9 +40,9 @@
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
 /* W (n, k; rows ldw apart) into panels. */
-void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *panels) {
+void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *panels, int threads) {
     int64_t np = (n + NR - 1) / NR;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < np; ++p)
         for (int64_t kk = 0; kk < k; ++kk)
             for (int64_t j = 0; j < NR; ++j) {
@@ -53,8 +53,10 @@ void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t ldw, fl
 
 /* W = Vᵀ into panels, from V (k, n; rows ldv apart): a panel's row kk is 32 consecutive
    floats of V's row kk, so this is a copy (attention's P V, V changing every call). */
-void kvserve_gemm_pack_transposed_f32(const float *v, int64_t k, int64_t n, int64_t ldv, float *panels) {
+void kvserve_gemm_pack_transposed_f32(const float *v, int64_t k, int64_t n, int64_t ldv, float *panels,
+                                      int threads) {
     int64_t np = (n + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < np; ++p)
         for (int64_t kk = 0; kk < k; ++kk)
             for (int64_t j = 0; j < NR; ++j) {
@@ -68,8 +70,8 @@ void kvserve_gemm_pack_transposed_f32(const float *v, int64_t k, int64_t n, int6
 static __attribute__((noinline)) void finish_row(float *y, int ncols, const float *bias, int op, const float *other) {
     for (int j = 0; j < ncols; ++j) {
         float v = y[j] + (bias ? bias[j] : 0.0f);
-        if (op == OP_SILU)   /* the clamp keeps expf finite: -ffast-math assumes no infinities */
-            v = v / (1.0f + expf(-fmaxf(v, -88.0f)));
+        if (op == OP_SILU)   /* below -88 expf(-v) overflows (-ffast-math assumes it cannot); silu is ~0 there */
+            v = v > -88.0f ? v / (1.0f + expf(-v)) : 0.0f;
         else if (op == OP_MUL)
             v *= other[j];
         else if (op == OP_ADD)
@@ -128,7 +130,7 @@ void kvserve_gemm_f32(const float *x, int64_t ldx, const float *panels, const fl
                       float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                       int op, const float *other, int64_t ldo, int threads) {
     const int64_t np = (n + NR - 1) / NR, nblocks = (m + MC - 1) / MC;
-    /* blocks of equal size, a whole number of tiles each: 80 rows are 40 + 40, not 64 + 16 */
+    /* blocks of equal size, a whole number of tiles each: 200 rows are 104 + 96, not 128 + 72 */
     const int64_t block = ((m + nblocks - 1) / nblocks + MR - 1) / MR * MR;
     /* K in equal chunks of at most KC once it is longer than KMAX, so that a tile's 8 rows of x
        stay in L1 and a block's in L2 (a 7B model's 11008-long down projection); a single tile's
@@ -140,17 +142,20 @@ void kvserve_gemm_f32(const float *x, int64_t ldx, const float *panels, const fl
             const int64_t rows = m - row0 < block ? m - row0 : block, tiles = (rows + MR - 1) / MR;
             const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
             /* tile t prefetches the t-th of `tiles` equal parts of the next panel's chunk
-               (64-byte lines); a lone tile streams, the hardware prefetcher does better */
-            const int64_t lines = (kc * NR / 16 + tiles - 1) / tiles;
+               (64-byte lines; the last part is shorter); a lone tile streams, the hardware
+               prefetcher does better */
+            const int64_t all_lines = kc * NR / 16, lines = (all_lines + tiles - 1) / tiles;
             #pragma omp for schedule(static)   /* every block's panels split evenly between the threads */
             for (int64_t p = 0; p < np; ++p) {
                 const float *panel = panels + (p * k + k0) * NR;
-                const int64_t prefetch = p + 1 < np && tiles > 1 ? lines : 0;   /* the last panel has no next */
+                const int prefetch = p + 1 < np && tiles > 1;   /* the last panel has no next */
                 const int ncols = (int)(n - p * NR < NR ? n - p * NR : NR);
                 for (int64_t t = 0; t < tiles; ++t) {
-                    const int64_t r = row0 + t * MR;
+                    const int64_t r = row0 + t * MR, first = t * lines;
+                    const int64_t count = !prefetch || first >= all_lines ? 0
+                                          : all_lines - first < lines ? all_lines - first : lines;
                     tile_of((int)(rows - t * MR < MR ? rows - t * MR : MR), x + r * ldx + k0, ldx, panel, kc,
-                            panel + k * NR + t * lines * 16, prefetch, y + r * ldy + p * NR, ldy, ncols,
+                            count ? panel + k * NR + first * 16 : 0, count, y + r * ldy + p * NR, ldy, ncols,
                             k0 > 0, k0 + kc == k, bias ? bias + p * NR : 0, op,
                             other ? other + r * ldo + p * NR : 0, ldo);
                 }

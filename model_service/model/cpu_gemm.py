@@ -1,7 +1,7 @@
 """The native float32 GEMM (cpu_gemm.c): weights packed once into panels, called through ctypes.
 
 Built on first use like every native kernel (model_service/native_build.py). It needs
-AVX-512; elsewhere load() says why and linears stay on oneDNN.
+AVX-512; elsewhere load() says why and linears run on oneDNN or F.linear (linear.choose_gemm).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ class CpuGemm:
         self.path = path
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = library.kvserve_gemm_pack_f32
-        self._pack.argtypes = [ptr, i64, i64, i64, ptr]
+        self._pack.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._pack.restype = None
         self._pack_t = library.kvserve_gemm_pack_transposed_f32
-        self._pack_t.argtypes = [ptr, i64, i64, i64, ptr]
+        self._pack_t.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._pack_t.restype = None
         self._gemm = library.kvserve_gemm_f32
         self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
@@ -41,51 +41,53 @@ class CpuGemm:
         zero-padded."""
         weight = _rows(weight, "the weight")
         n, k = weight.shape
-        panels = torch.empty(-(-n // PANEL), k, PANEL)
-        self._pack(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
+        panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32, device="cpu")
+        self._pack(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), torch.get_num_threads())
         return panels
 
     def pack_transposed(self, v: torch.Tensor) -> torch.Tensor:
         """The panels of W = Vᵀ, from V (K, N) float32 (rows any distance apart)."""
         v = _rows(v, "V")
         k, n = v.shape
-        panels = torch.empty(-(-n // PANEL), k, PANEL)
-        self._pack_t(v.data_ptr(), k, n, v.stride(0), panels.data_ptr())
+        panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32, device="cpu")
+        self._pack_t(v.data_ptr(), k, n, v.stride(0), panels.data_ptr(), torch.get_num_threads())
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                  op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """op(x Wᵀ + bias) for x (..., K): silu, or `other` (..., N) multiplied or added."""
-        k = panels.shape[1]
-        if not (x.shape[-1] == k and x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
-                and panels.is_contiguous() and panels.shape[0] * PANEL >= n > panels.shape[0] * PANEL - PANEL
-                and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous()))
+        # The C side trusts every pointer and size: check what it cannot.
+        if not (_on_cpu_f32(panels) and panels.dim() == 3 and panels.shape[2] == PANEL and panels.is_contiguous()
+                and panels.shape[0] * PANEL >= n > panels.shape[0] * PANEL - PANEL
+                and _on_cpu_f32(x) and x.dim() >= 1 and x.shape[-1] == panels.shape[1] and op in OPS
+                and (bias is None or (_on_cpu_f32(bias) and bias.shape == (n,) and bias.is_contiguous()))
                 and (other is not None) == (op in ("mul", "add"))
-                and (other is None or (other.shape == (*x.shape[:-1], n) and other.dtype == torch.float32))):
-            raise ValueError("cpu gemm: inconsistent shapes, dtypes or op")
-        rows = x.reshape(-1, k)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        m = rows.shape[0]
-        y = torch.empty(*x.shape[:-1], n)
+                and (other is None or (_on_cpu_f32(other) and other.shape == (*x.shape[:-1], n)))):
+            raise ValueError("cpu gemm: inconsistent shapes, dtypes, devices or op")
+        k = panels.shape[1]
+        rows = _rows(x.reshape(-1, k), "x")
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device="cpu")
         if other is not None:
-            other = other.reshape(-1, n)
-            if other.stride(1) != 1:
-                other = other.contiguous()
-        if m:
+            other = _rows(other.reshape(-1, n), "other")
+        if rows.shape[0]:
             self._gemm(rows.data_ptr(), rows.stride(0), panels.data_ptr(),
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, OPS[op],
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows.shape[0], n, k, OPS[op],
                        None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
                        torch.get_num_threads())
         return y
 
 
+def _on_cpu_f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
 def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
-    """t as a 2-D float32 CPU matrix whose rows are contiguous (a copy only if they are not)."""
-    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+    """t as a 2-D float32 CPU matrix whose rows are contiguous (a copy only if they are not);
+    the rows themselves may be any distance apart: the C side only reads them."""
+    if t.dim() != 2 or not _on_cpu_f32(t):
         raise ValueError(f"cpu gemm: {what} must be a 2-D float32 CPU tensor")
     t = t.detach()
-    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
 def _build_and_load() -> CpuGemm:

@@ -10,7 +10,7 @@ epilogue, so the output is written once and never read back for the op:
 - "native" (float32, AVX-512): model/cpu_gemm.c, weights in 32-column panels.
   Decode steps multiply few rows by weights far larger than the caches; it
   prefetches the next panel while it computes this one. Bench model, its 41
-  matmuls, weights cold: 32 rows 6.6 ms against oneDNN's 8.8; 2048 rows on a
+  matmuls, weights cold: 32 rows 6.8 ms against oneDNN's 8.8; 2048 rows on a
   par (docs/benchmarks.md).
 - "onednn" (float32, bfloat16): torch.ops.mkldnn._linear_pointwise, the op
   torch's own compiler (inductor) emits for packed linears. It is private, so

@@ -87,7 +87,7 @@ def test_prefix_hits(tiny_dirs, hf_refs, arch):
     hf, _ = hf_refs(arch)
     system = [_rng.randrange(3, 1024) for _ in range(37)]
     first, second = system + [5, 6, 7], system + [8, 9, 10, 11]
-    # A long turn after the cached prefix: 71 queries behind it (CPU: the oneDNN matmul path).
+    # A long turn after the cached prefix: 71 queries behind it (CPU: the matmul path).
     third = system + [(7 * i) % 1000 + 3 for i in range(70)]
     h = EngineHarness(tiny_dirs[arch], page_size=4)
     try:

@@ -93,11 +93,32 @@ def kernel_or_skip() -> cpu_decode_kernel.PagedDecodeKernel:
         pytest.skip(f"the cpu backend's kernel does not build here: {exc}")
 
 
-def gemm_or_skip() -> cpu_gemm.CpuGemm:
+def native_gemm() -> cpu_gemm.CpuGemm | None:
     try:
         return cpu_gemm.load()
-    except cpu_gemm.KernelUnavailable as exc:
-        pytest.skip(f"the native GEMM does not build here: {exc}")
+    except cpu_gemm.KernelUnavailable:
+        return None
+
+
+def gemm_or_skip() -> cpu_gemm.CpuGemm:
+    gemm = native_gemm()
+    if gemm is None:
+        pytest.skip("the native GEMM does not build here")
+    return gemm
+
+
+class CountingGemm:
+    """A native GEMM that counts its products: the test sees that the path it means ran."""
+
+    def __init__(self, gemm: cpu_gemm.CpuGemm) -> None:
+        self.gemm, self.calls = gemm, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.gemm(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.gemm, name)
 
 
 def make_backend(name: str) -> TorchAttentionBackend:
@@ -106,7 +127,7 @@ def make_backend(name: str) -> TorchAttentionBackend:
     if name == "cpu":
         return CpuAttentionBackend(kernel_or_skip())
     if name == "cpu+gemm":
-        return CpuAttentionBackend(kernel_or_skip(), gemm_or_skip())
+        return CpuAttentionBackend(kernel_or_skip(), CountingGemm(gemm_or_skip()))
     return TorchAttentionBackend()
 
 
@@ -117,7 +138,12 @@ def test_cpu_backends_match_reference(case: str, name: str) -> None:
     batch = make_batch(query_lens, seq_lens, num_decodes)
     q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
     backend = make_backend(name)
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    meta = backend.prepare(batch)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=0.3)
+    if name == "cpu+gemm":   # 2 products per KV head for each chunk on the matmul path
+        matmul_chunks = sum(chunk.matmul for chunk in meta.prefills)
+        assert backend.gemm.calls == 2 * HK * matmul_chunks
+        assert matmul_chunks == (case == "a decode, and a long chunk behind a cached prefix")
     # The step's K/V landed at their slots.
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v)
@@ -234,6 +260,10 @@ def test_select_cpu_backend_where_its_kernel_runs() -> None:
         select_backend("cpu", "cpu", head_floats=64 * 512)
     with pytest.raises(RuntimeError, match="CPU only"):
         select_backend("cpu", "cuda")
+    # A chat turn's chunk products run on the native GEMM only when the model's matmuls do.
+    assert select_backend("cpu", "cpu", gemm="onednn").gemm is None
+    assert select_backend("cpu", "cpu", gemm="torch").gemm is None
+    assert (select_backend("cpu", "cpu", gemm="native").gemm is None) == (native_gemm() is None)
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:

@@ -38,8 +38,9 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
        op=st.sampled_from(["none", "silu", "mul", "add"]), bias=st.booleans(),
        pad=st.integers(0, 5), threads=st.integers(1, 2), seed=st.integers(0, 2**16))
 def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, seed) -> None:
-    """Rows beyond one 64-row block and one 8-row tile, columns beyond one 32-column panel,
-    ragged everywhere; x's rows may be further apart than K (a view of a wider tensor)."""
+    """Rows beyond one 8-row tile (and, when drawn above 128, one block), columns beyond one
+    32-column panel, ragged everywhere; x's rows may be further apart than K (a view of a wider
+    tensor)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -58,10 +59,11 @@ def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, s
 
 @pytest.mark.parametrize("k", [2049, 3001])
 @pytest.mark.parametrize("op", ["none", "silu", "add"])
-@pytest.mark.parametrize("rows", [5, 13])
+@pytest.mark.parametrize("rows", [5, 13, 140])
 def test_long_k_is_summed_in_chunks_with_one_epilogue(gemm, k: int, op: str, rows: int) -> None:
-    """K beyond 2048 runs in chunks (more than one 8-row tile), each resuming the sums the last
-    one stored; the bias and the op come once, after the last."""
+    """K beyond 2048 runs in chunks once there is more than one 8-row tile (13, 140 rows: one
+    and two blocks), each resuming the sums the last one stored; the bias and the op come once,
+    after the last. A lone tile (5 rows) takes the whole K at once."""
     g = torch.Generator().manual_seed(k)
     weight, b = torch.randn(70, k, generator=g), torch.randn(70, generator=g)
     x, other = torch.randn(rows, k, generator=g), torch.randn(rows, 70, generator=g)
@@ -82,6 +84,14 @@ def test_packs_from_strided_rows_and_from_the_transpose(gemm, n: int, k: int) ->
     assert_matches(gemm(probs, gemm.pack_transposed(values), k), probs.double() @ values.double(), n)
 
 
+@pytest.mark.parametrize("rows", [129, 200, 300])
+def test_rows_in_several_blocks(gemm, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight, b, x = torch.randn(72, 48, generator=g), torch.randn(72, generator=g), torch.randn(rows, 48, generator=g)
+    other = torch.randn(rows, 72, generator=g)
+    assert_matches(gemm(x, gemm.pack(weight), 72, b, "mul", other), reference(x, weight, b, "mul", other), 48)
+
+
 def test_leading_dims_and_no_rows(gemm) -> None:
     weight, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     panels = gemm.pack(weight)
@@ -90,10 +100,11 @@ def test_leading_dims_and_no_rows(gemm) -> None:
 
 
 def test_silu_of_large_negative_values_is_finite(gemm) -> None:
-    """-ffast-math assumes no infinities: expf(200) must not become inf and then NaN."""
-    weight = torch.full((3, 1), 1.0)
-    x = torch.tensor([[-300.0], [-50.0], [30.0]])
-    got = gemm(x, gemm.pack(weight), 3, op="silu")
+    """-ffast-math assumes no infinities: expf(300) must not become inf and then NaN. 40 columns:
+    the epilogue's vector loop, not only its scalar tail."""
+    weight = torch.full((40, 1), 1.0)
+    x = torch.tensor([[-1e30], [-300.0], [-88.5], [-50.0], [30.0]])
+    got = gemm(x, gemm.pack(weight), 40, op="silu")
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, F.silu(x @ weight.T), rtol=1e-6, atol=1e-30)
 
@@ -113,6 +124,12 @@ def test_inconsistent_calls_are_refused(gemm) -> None:
         lambda: gemm.pack(torch.randn(4, 4, 4)),
         lambda: gemm.pack(torch.randn(4, 4).bfloat16()),
         lambda: gemm.pack_transposed(torch.randn(4)),
+        lambda: gemm(x, panels, 40, op="gelu"),                           # no such op
+        lambda: gemm(x, panels[0], 40),                                     # panels without their 3 dims
+        lambda: gemm(x, torch.randn(2, 24, 16), 40),                        # panels 16 wide
+        lambda: gemm(x, panels, 40, torch.randn(40, device="meta")),        # bias off the CPU
+        lambda: gemm(x, panels, 40, op="add", other=torch.randn(3, 40, device="meta")),
+        lambda: gemm(x.to("meta"), panels, 40),
     ]
     for call in bad:
         with pytest.raises(ValueError):
