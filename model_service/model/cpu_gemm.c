@@ -39,29 +39,17 @@
 
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
-/* W (n, k; rows ldw apart) into panels. */
-void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *panels, int threads) {
+/* W (n, k) into panels, W[col][kk] at w[col * col_stride + kk * k_stride]: a weight's rows
+   (k_stride 1), or Vᵀ from V's rows (col_stride 1: attention's P V, V changing every call). */
+void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t col_stride, int64_t k_stride,
+                           float *panels, int threads) {
     int64_t np = (n + NR - 1) / NR;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < np; ++p)
         for (int64_t kk = 0; kk < k; ++kk)
             for (int64_t j = 0; j < NR; ++j) {
                 int64_t col = p * NR + j;
-                panels[(p * k + kk) * NR + j] = col < n ? w[col * ldw + kk] : 0.0f;
-            }
-}
-
-/* W = Vᵀ into panels, from V (k, n; rows ldv apart): a panel's row kk is 32 consecutive
-   floats of V's row kk, so this is a copy (attention's P V, V changing every call). */
-void kvserve_gemm_pack_transposed_f32(const float *v, int64_t k, int64_t n, int64_t ldv, float *panels,
-                                      int threads) {
-    int64_t np = (n + NR - 1) / NR;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < np; ++p)
-        for (int64_t kk = 0; kk < k; ++kk)
-            for (int64_t j = 0; j < NR; ++j) {
-                int64_t col = p * NR + j;
-                panels[(p * k + kk) * NR + j] = col < n ? v[kk * ldv + col] : 0.0f;
+                panels[(p * k + kk) * NR + j] = col < n ? w[col * col_stride + kk * k_stride] : 0.0f;
             }
 }
 

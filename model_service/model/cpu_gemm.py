@@ -27,11 +27,8 @@ class CpuGemm:
         self.path = path
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = library.kvserve_gemm_pack_f32
-        self._pack.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+        self._pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
         self._pack.restype = None
-        self._pack_t = library.kvserve_gemm_pack_transposed_f32
-        self._pack_t.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
-        self._pack_t.restype = None
         self._gemm = library.kvserve_gemm_f32
         self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
         self._gemm.restype = None
@@ -42,7 +39,7 @@ class CpuGemm:
         weight = _rows(weight, "the weight")
         n, k = weight.shape
         panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32, device="cpu")
-        self._pack(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), torch.get_num_threads())
+        self._pack(weight.data_ptr(), n, k, weight.stride(0), 1, panels.data_ptr(), torch.get_num_threads())
         return panels
 
     def pack_transposed(self, v: torch.Tensor) -> torch.Tensor:
@@ -50,7 +47,7 @@ class CpuGemm:
         v = _rows(v, "V")
         k, n = v.shape
         panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32, device="cpu")
-        self._pack_t(v.data_ptr(), k, n, v.stride(0), panels.data_ptr(), torch.get_num_threads())
+        self._pack(v.data_ptr(), n, k, 1, v.stride(0), panels.data_ptr(), torch.get_num_threads())
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
