@@ -98,7 +98,11 @@ def test_sigterm_with_an_open_event_stream_still_exits_zero(socket_dir: Path) ->
             with pytest.raises(grpc.RpcError) as ended:
                 next(stream)
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "shutting down" in ended.value.details()
+            # The manager's own message, unless its process is gone before the client reads the
+            # trailers (once in CI: "Stream removed (sendmsg: Broken pipe (32))"); UNAVAILABLE and
+            # at once either way, which is what a watcher acts on.
+            details = ended.value.details()
+            assert "shutting down" in details or "Stream removed" in details, details
             assert proc.wait(timeout=10) == 0
             assert time.monotonic() - started < 5  # the 30 s grace period was not waited out
     finally:
