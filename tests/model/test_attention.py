@@ -13,6 +13,7 @@ import torch
 
 from model_service.attention import cpu_decode_kernel, flash_attn_backend
 from model_service.model import cpu_gemm
+from tests.model.native_kernels import load_or_skip, why_not
 from model_service.attention.cpu_backend import CpuAttentionBackend
 from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
 from model_service.attention.select import select_backend
@@ -87,24 +88,11 @@ CASES = {
 
 
 def kernel_or_skip() -> cpu_decode_kernel.PagedDecodeKernel:
-    try:
-        return cpu_decode_kernel.load()
-    except cpu_decode_kernel.KernelUnavailable as exc:
-        pytest.skip(f"the cpu backend's kernel does not build here: {exc}")
-
-
-def native_gemm() -> cpu_gemm.CpuGemm | None:
-    try:
-        return cpu_gemm.load()
-    except cpu_gemm.KernelUnavailable:
-        return None
+    return load_or_skip(cpu_decode_kernel.load, "the cpu backend's kernel")
 
 
 def gemm_or_skip() -> cpu_gemm.CpuGemm:
-    gemm = native_gemm()
-    if gemm is None:
-        pytest.skip("the native GEMM does not build here")
-    return gemm
+    return load_or_skip(cpu_gemm.load, "the native GEMM")
 
 
 class CountingGemm:
@@ -263,7 +251,7 @@ def test_select_cpu_backend_where_its_kernel_runs() -> None:
     # A chat turn's chunk products run on the native GEMM only when the model's matmuls do.
     assert select_backend("cpu", "cpu", gemm="onednn").gemm is None
     assert select_backend("cpu", "cpu", gemm="torch").gemm is None
-    assert (select_backend("cpu", "cpu", gemm="native").gemm is None) == (native_gemm() is None)
+    assert (select_backend("cpu", "cpu", gemm="native").gemm is None) == (why_not(cpu_gemm.load) is not None)
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:

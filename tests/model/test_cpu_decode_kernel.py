@@ -12,14 +12,12 @@ from hypothesis import strategies as st
 
 from model_service.attention import cpu_decode_kernel
 from model_service.attention.cpu_decode_kernel import KernelUnavailable
+from tests.model.native_kernels import load_or_skip
 
 
 @pytest.fixture(scope="module")
 def kernel() -> cpu_decode_kernel.PagedDecodeKernel:
-    try:
-        return cpu_decode_kernel.load()
-    except KernelUnavailable as exc:
-        pytest.skip(f"the kernel does not build here: {exc}")
+    return load_or_skip(cpu_decode_kernel.load, "the paged decode kernel")
 
 
 def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:

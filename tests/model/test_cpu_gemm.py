@@ -10,14 +10,12 @@ from hypothesis import strategies as st
 
 from model_service.model import cpu_gemm
 from model_service.model.cpu_gemm import KernelUnavailable
+from tests.model.native_kernels import load_or_skip
 
 
 @pytest.fixture(scope="module")
 def gemm() -> cpu_gemm.CpuGemm:
-    try:
-        return cpu_gemm.load()
-    except KernelUnavailable as exc:
-        pytest.skip(f"the native GEMM does not build here: {exc}")
+    return load_or_skip(cpu_gemm.load, "the native GEMM")
 
 
 def reference(x, weight, bias, op, other) -> torch.Tensor:

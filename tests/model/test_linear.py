@@ -10,22 +10,15 @@ from model_service.model import cpu_gemm
 from model_service.model.layers import GatedMLP
 from model_service.model.linear import Linear, choose_gemm, matmul_nt, onednn_available
 from model_service.model.loader import load_model
+from tests.model.native_kernels import why_not
 from tests.model.test_loader import prompt_logits
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN linears do not run here")
 
 
-def native_reason() -> str | None:
-    try:
-        cpu_gemm.load()
-        return None
-    except cpu_gemm.KernelUnavailable as exc:
-        return str(exc)
-
-
 # Each packed GEMM, skipped where it cannot run.
-GEMMS = [pytest.param("native", marks=pytest.mark.skipif(native_reason() is not None,
-                                                          reason=f"no native GEMM here: {native_reason()}")),
+GEMMS = [pytest.param("native", marks=pytest.mark.skipif(why_not(cpu_gemm.load) is not None,
+                                                          reason=f"no native GEMM here: {why_not(cpu_gemm.load)}")),
          pytest.param("onednn", marks=needs_onednn)]
 
 
@@ -136,7 +129,7 @@ def test_a_gemm_that_cannot_run_is_refused_before_loading(tiny_dirs) -> None:
 
 def test_auto_takes_native_then_onednn_then_torch(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    expected = "native" if native_reason() is None else "onednn" if onednn_available(torch.float32) else "torch"
+    expected = "native" if why_not(cpu_gemm.load) is None else "onednn" if onednn_available(torch.float32) else "torch"
     assert choose_gemm("auto", torch.float32, cpu) == expected
     assert choose_gemm("auto", torch.float16, cpu) == "torch"          # neither packs float16
     assert choose_gemm("auto", torch.float32, torch.device("meta")) == "torch"

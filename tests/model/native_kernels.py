@@ -1,0 +1,28 @@
+"""The native CPU kernels for tests: loaded, or skipped with the reason they do not build here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+from model_service.native_build import KernelUnavailable
+
+K = TypeVar("K")
+
+
+def why_not(load: Callable[[], object]) -> str | None:
+    """None where load() gives its kernel, else why it cannot."""
+    try:
+        load()
+        return None
+    except KernelUnavailable as exc:
+        return str(exc)
+
+
+def load_or_skip(load: Callable[[], K], what: str) -> K:
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        pytest.skip(f"{what} does not build here: {exc}")
