@@ -74,8 +74,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return masked_chunk_matmul(q, keys, values, onednn_scores, onednn_mix, softmax)
         gemm = self.gemm
         return masked_chunk_matmul(
-            q, keys, values, lambda rows, k: gemm(rows, gemm.pack(k), k.shape[0]),
-            lambda probs, v: gemm(probs, gemm.pack_transposed(v), v.shape[1]), softmax)
+            q, keys, values, lambda rows, k: gemm(rows, gemm.pack(k)),
+            lambda probs, v: gemm(probs, gemm.pack_transposed(v)), softmax)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: CpuAttentionMeta, scale: float) -> torch.Tensor:

@@ -41,7 +41,7 @@ GEMMS = ("auto", "native", "onednn", "torch")
 class Linear(nn.Linear):
     """y = x Wᵀ + b; after pack() through a CPU GEMM with W held packed instead of `weight`."""
 
-    packed: torch.Tensor | None = None   # the weight in the GEMM's layout, once packed
+    packed: torch.Tensor | cpu_gemm.PackedWeight | None = None   # the weight in the GEMM's layout, once packed
     gemm = "torch"                       # which GEMM runs it: torch (F.linear), native or onednn
     fused = False                        # ops in the GEMM epilogue (float32 only, see pack)
 
@@ -57,7 +57,7 @@ class Linear(nn.Linear):
             if weight.dtype != torch.float32:
                 raise ValueError(f"the native CPU GEMM runs float32, not {weight.dtype}")
             self._native = cpu_gemm.load()
-            packed = self._native.pack(weight)
+            packed = self._native.pack(weight, self.bias)   # checked once here, not per call
         elif gemm == "onednn":
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         else:
@@ -68,7 +68,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (..., in) -> (..., out)
         if self.gemm == "native":
-            return self._native(x, self.packed, self.out_features, self.bias)
+            return self._native(x, self.packed)
         if self.gemm == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -76,7 +76,7 @@ class Linear(nn.Linear):
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
         if self.gemm == "native":
-            return self._native(x, self.packed, self.out_features, self.bias, "silu")
+            return self._native(x, self.packed, "silu")
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
         return F.silu(self(x))
@@ -84,7 +84,7 @@ class Linear(nn.Linear):
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) * other; other has the output's shape."""
         if self.gemm == "native":
-            return self._native(x, self.packed, self.out_features, self.bias, "mul", other)
+            return self._native(x, self.packed, "mul", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
         return self(x) * other
@@ -92,7 +92,7 @@ class Linear(nn.Linear):
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) + other (a residual); other has the output's shape."""
         if self.gemm == "native":
-            return self._native(x, self.packed, self.out_features, self.bias, "add", other)
+            return self._native(x, self.packed, "add", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return self(x) + other

@@ -44,12 +44,12 @@ def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, s
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(rows, k + pad, generator=g)[:, :k]
     other = torch.randn(rows, n, generator=g) if op in ("mul", "add") else None
-    panels = gemm.pack(weight)
-    assert panels.shape == (-(-n // 32), k, 32)
+    packed = gemm.pack(weight, b)
+    assert packed.panels.shape == (-(-n // 32), k, 32) and (packed.n, packed.k) == (n, k)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = gemm(x, panels, n, b, op, other)
+        got = gemm(x, packed, op, other)
     finally:
         torch.set_num_threads(previous)
     assert_matches(got, reference(x, weight, b, op, other), k)
@@ -66,7 +66,7 @@ def test_long_k_is_summed_in_chunks_with_one_epilogue(gemm, k: int, op: str, row
     weight, b = torch.randn(70, k, generator=g), torch.randn(70, generator=g)
     x, other = torch.randn(rows, k, generator=g), torch.randn(rows, 70, generator=g)
     other = other if op == "add" else None
-    assert_matches(gemm(x, gemm.pack(weight), 70, b, op, other), reference(x, weight, b, op, other), k)
+    assert_matches(gemm(x, gemm.pack(weight, b), op, other), reference(x, weight, b, op, other), k)
 
 
 @pytest.mark.parametrize("n, k", [(640, 64), (70, 33), (5, 3)])
@@ -77,9 +77,9 @@ def test_packs_from_strided_rows_and_from_the_transpose(gemm, n: int, k: int) ->
     interleaved = torch.randn(n, 2, k, generator=g)            # (S, heads, D), as gathered pages
     keys, x = interleaved[:, 1], torch.randn(9, k, generator=g)
     assert keys.stride(0) == 2 * k
-    assert_matches(gemm(x, gemm.pack(keys), n), reference(x, keys, None, "none", None), k)
+    assert_matches(gemm(x, gemm.pack(keys)), reference(x, keys, None, "none", None), k)
     values, probs = interleaved[:, 0], torch.randn(9, n, generator=g)   # P (rows, S) V (S, D)
-    assert_matches(gemm(probs, gemm.pack_transposed(values), k), probs.double() @ values.double(), n)
+    assert_matches(gemm(probs, gemm.pack_transposed(values)), probs.double() @ values.double(), n)
 
 
 @pytest.mark.parametrize("rows", [129, 200, 300])
@@ -87,14 +87,14 @@ def test_rows_in_several_blocks(gemm, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     weight, b, x = torch.randn(72, 48, generator=g), torch.randn(72, generator=g), torch.randn(rows, 48, generator=g)
     other = torch.randn(rows, 72, generator=g)
-    assert_matches(gemm(x, gemm.pack(weight), 72, b, "mul", other), reference(x, weight, b, "mul", other), 48)
+    assert_matches(gemm(x, gemm.pack(weight, b), "mul", other), reference(x, weight, b, "mul", other), 48)
 
 
 def test_leading_dims_and_no_rows(gemm) -> None:
     weight, x = torch.randn(40, 24), torch.randn(2, 3, 24)
-    panels = gemm.pack(weight)
-    assert_matches(gemm(x, panels, 40), reference(x, weight, None, "none", None), 24)
-    assert gemm(torch.empty(0, 24), panels, 40).shape == (0, 40)
+    packed = gemm.pack(weight)
+    assert_matches(gemm(x, packed), reference(x, weight, None, "none", None), 24)
+    assert gemm(torch.empty(0, 24), packed).shape == (0, 40)
 
 
 def test_silu_of_large_negative_values_is_finite(gemm) -> None:
@@ -102,32 +102,29 @@ def test_silu_of_large_negative_values_is_finite(gemm) -> None:
     the epilogue's vector loop, not only its scalar tail."""
     weight = torch.full((40, 1), 1.0)
     x = torch.tensor([[-1e30], [-300.0], [-88.5], [-50.0], [30.0]])
-    got = gemm(x, gemm.pack(weight), 40, op="silu")
+    got = gemm(x, gemm.pack(weight), op="silu")
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, F.silu(x @ weight.T), rtol=1e-6, atol=1e-30)
 
 
 def test_inconsistent_calls_are_refused(gemm) -> None:
-    panels = gemm.pack(torch.randn(40, 24))
+    packed = gemm.pack(torch.randn(40, 24))
     x = torch.randn(3, 24)
     bad = [
-        lambda: gemm(torch.randn(3, 23), panels, 40),                       # K differs
-        lambda: gemm(x, panels, 70),                                        # more columns than panels
-        lambda: gemm(x, panels, 8),                                         # a whole panel too few
-        lambda: gemm(x.double(), panels, 40),
-        lambda: gemm(x, panels, 40, torch.randn(39)),                       # bias length
-        lambda: gemm(x, panels, 40, op="mul"),                              # mul without other
-        lambda: gemm(x, panels, 40, op="add", other=torch.randn(3, 39)),
-        lambda: gemm(x, panels, 40, other=torch.randn(3, 40)),              # other without an op for it
+        lambda: gemm(torch.randn(3, 23), packed),                           # K differs
+        lambda: gemm(x.double(), packed),
+        lambda: gemm(x.to("meta"), packed),
+        lambda: gemm(x, packed, op="gelu"),                                 # no such op
+        lambda: gemm(x, packed, op="mul"),                                  # mul without other
+        lambda: gemm(x, packed, op="add", other=torch.randn(3, 39)),
+        lambda: gemm(x, packed, op="add", other=torch.randn(3, 40, device="meta")),
+        lambda: gemm(x, packed, other=torch.randn(3, 40)),                  # other without an op for it
+        lambda: gemm.pack(torch.randn(40, 24), torch.randn(39)),            # bias length
+        lambda: gemm.pack(torch.randn(40, 24), torch.randn(40, device="meta")),   # bias off the CPU
+        lambda: gemm.pack(torch.randn(40, 24), torch.randn(40).double()),
         lambda: gemm.pack(torch.randn(4, 4, 4)),
         lambda: gemm.pack(torch.randn(4, 4).bfloat16()),
         lambda: gemm.pack_transposed(torch.randn(4)),
-        lambda: gemm(x, panels, 40, op="gelu"),                           # no such op
-        lambda: gemm(x, panels[0], 40),                                     # panels without their 3 dims
-        lambda: gemm(x, torch.randn(2, 24, 16), 40),                        # panels 16 wide
-        lambda: gemm(x, panels, 40, torch.randn(40, device="meta")),        # bias off the CPU
-        lambda: gemm(x, panels, 40, op="add", other=torch.randn(3, 40, device="meta")),
-        lambda: gemm(x.to("meta"), panels, 40),
     ]
     for call in bad:
         with pytest.raises(ValueError):
