@@ -41,7 +41,7 @@ $(BIN)/python:
 
 # Top-level package __init__.py files count too: an editable install maps the
 # top-level packages that exist when it runs.
-$(STAMP): pyproject.toml $(wildcard */__init__.py) | $(BIN)/python
+$(STAMP): pyproject.toml setup.py $(wildcard */__init__.py) | $(BIN)/python
 	$(PIP_INSTALL) --upgrade pip
 	$(PIP_INSTALL) $(TORCH_SPEC)
 	$(PIP_INSTALL) -e '.[dev]'

@@ -39,12 +39,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import make_prompts  # noqa: E402
-from model_service.assembly import build_on_a_thread_that_ends  # noqa: E402
-from model_service.config import ModelServiceConfig  # noqa: E402
-from model_service.engine.events import Failed, Finished  # noqa: E402
-from model_service.engine.request import Request  # noqa: E402
-from model_service.sampling.params import SamplingParams  # noqa: E402
-from model_service.tiny_model import default_tiny_path  # noqa: E402
+from kvserve.model_service.assembly import build_on_a_thread_that_ends  # noqa: E402
+from kvserve.model_service.config import ModelServiceConfig  # noqa: E402
+from kvserve.model_service.engine.events import Failed, Finished  # noqa: E402
+from kvserve.model_service.engine.request import Request  # noqa: E402
+from kvserve.model_service.sampling.params import SamplingParams  # noqa: E402
+from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 
 def run(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> list[Finished]:

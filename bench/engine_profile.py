@@ -91,8 +91,8 @@ def main() -> None:
     if spy is None:
         sys.exit("py-spy is not installed: .venv/bin/pip install py-spy")
 
-    from model_service.model.config import ModelConfig
-    from model_service.tiny_model import default_tiny_path
+    from kvserve.model_service.model.config import ModelConfig
+    from kvserve.model_service.tiny_model import default_tiny_path
 
     path = default_tiny_path("bench")
     prompts = make_prompts(args.requests, 32, 512, ModelConfig.from_pretrained(path).vocab_size)

@@ -236,8 +236,8 @@ class CoreBackend:
     name = "in-process core"
 
     def __init__(self, num_pages: int, max_seqs: int) -> None:
-        from kvcache_service.core import KVCacheManager, ManagerConfig
-        from kvcache_service.core import types as t
+        from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig
+        from kvserve.kvcache_service.core import types as t
         self.t = t
         self.m = KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=PS, max_seqs=max_seqs))
         self.m.register(EPOCH, PS, num_pages)
@@ -321,7 +321,7 @@ class PbInProcBackend(CoreBackend):
 
     def __init__(self, num_pages: int, max_seqs: int) -> None:
         super().__init__(num_pages, max_seqs)
-        from kvcache_service import convert
+        from kvserve.kvcache_service import convert
         from kvserve.kvcache.v1 import kvcache_pb2 as pb
         self.pb, self.convert = pb, convert
         self.profilers: dict[str, cProfile.Profile] | None = None
@@ -393,7 +393,7 @@ class GrpcBackend:
         cmd = [sys.executable]
         if server_profile:  # cProfile writes the stats when the server exits (SIGTERM: a graceful stop)
             cmd += ["-m", "cProfile", "-o", server_profile]
-        cmd += ["-m", "services.cli", "--log-level", "warning", "kvcache", "--listen", listen,
+        cmd += ["-m", "kvserve.services.cli", "--log-level", "warning", "kvcache", "--listen", listen,
                 "--num-pages", str(num_pages), "--max-seqs", str(max_seqs), "--page-size", str(PS)]
         self.proc = subprocess.Popen(cmd)
         opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -406,7 +406,7 @@ class GrpcBackend:
         self.stub = pb_grpc.KVCacheManagerStub(self.channel)
         self.stub.Register(pb.RegisterRequest(epoch=EPOCH, page_size=PS, num_pages=num_pages, instance="bench"))
         if stream:  # what the engine uses: one long-lived StepStream
-            from model_service.engine.kv_client import _StepStream
+            from kvserve.model_service.engine.kv_client import _StepStream
             self._stream = _StepStream(self.stub)
             self._step = self._stream.call
         else:
@@ -495,7 +495,7 @@ def admission_bench(m, n_per_bin: int, seed: int) -> list[dict]:
     cached), committed as fully computed and released, so its pages stay in the tree; then
     the same prompt is admitted again under a new request id (the hit case: every page but
     the one holding the last token is cached) and released. Releases are not timed."""
-    from kvcache_service.core import Admit, Commit, StepRequest
+    from kvserve.kvcache_service.core import Admit, Commit, StepRequest
     rng = random.Random(seed + 2)
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     rows = []
@@ -532,7 +532,7 @@ def admission_bench(m, n_per_bin: int, seed: int) -> list[dict]:
 def trace_admissions(m, prefixes: list[list[int]], n: int, seed: int) -> list[int]:
     """Admission times for new prompts drawn like the trace's: one of the shared
     prefixes (cached) + a fresh suffix of 16-512 tokens (a miss)."""
-    from kvcache_service.core import Admit, StepRequest
+    from kvserve.kvcache_service.core import Admit, StepRequest
     rng = random.Random(seed + 3)
     prompts = [rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(16, 512))]
                for _ in range(n)]
@@ -799,7 +799,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    import kvcache_service
+    import kvserve.kvcache_service
     facts = machine_facts()
     print(f"machine: {facts['nproc']} cpus, {facts['cpu']}, Python {facts['python']}, grpcio {facts['grpcio']}, "
           f"protobuf {facts['protobuf']}")

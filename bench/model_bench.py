@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model_service.attention.select import select_backend  # noqa: E402
-from model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from model_service.kv_cache import KVCache  # noqa: E402
-from model_service.model.linear import Linear  # noqa: E402
-from model_service.model.loader import load_model  # noqa: E402
-from model_service.tiny_model import default_tiny_path  # noqa: E402
+from kvserve.model_service.attention.select import select_backend  # noqa: E402
+from kvserve.model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.model_service.kv_cache import KVCache  # noqa: E402
+from kvserve.model_service.model.linear import Linear  # noqa: E402
+from kvserve.model_service.model.loader import load_model  # noqa: E402
+from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 from tests.model.paged import Chunk, PagePool, Sequence, build_batch  # noqa: E402
 
 PAGE = 16
@@ -203,7 +203,7 @@ def gemm_seconds(k: int, n: int, rows: int, gemm: str, repeat: int) -> float:
 
 def packed_gemms() -> list[str]:
     """The packed CPU GEMMs that run here (model/linear.py)."""
-    from model_service.model.linear import choose_gemm
+    from kvserve.model_service.model.linear import choose_gemm
 
     out = []
     for name in ("onednn", "native"):

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
-from model_service.tiny_model import default_tiny_path  # noqa: E402
+from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- workload
@@ -120,7 +120,7 @@ class Stack:
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-")
         self.address = f"127.0.0.1:{free_port()}"
         self.kv_address = f"unix://{self.tmp.name}/kv.sock"
-        cmd = [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--model", str(model),
+        cmd = [sys.executable, "-m", "kvserve.services.cli", "--log-level", "warning", "up", "--model", str(model),
                "--listen", self.address, "--kvcache-listen", self.kv_address, *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT)
         self.channel = grpc.insecure_channel(self.address)
@@ -351,7 +351,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from model_service.model.config import ModelConfig
+    from kvserve.model_service.model.config import ModelConfig
 
     path = Path(args.model) if args.model else default_tiny_path("bench")
     cfg = ModelConfig.from_pretrained(path)

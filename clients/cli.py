@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from clients.inference_client import Finished, GenerateStream, PrefillDone
+    from kvserve.clients.inference_client import Finished, GenerateStream, PrefillDone
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -70,7 +70,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- generate
 
 def run_generate(args: argparse.Namespace) -> int:
-    from clients.inference_client import InferenceClient, KVServeError
+    from kvserve.clients.inference_client import InferenceClient, KVServeError
 
     _tolerant_stdout()
     text = sys.stdin.read() if args.text == "-" else args.text
@@ -120,7 +120,7 @@ def _generate_summary(f: Finished) -> str:
 # --------------------------------------------------------------------------- chat
 
 def run_chat(args: argparse.Namespace) -> int:
-    from clients.inference_client import InferenceClient, KVServeError
+    from kvserve.clients.inference_client import InferenceClient, KVServeError
 
     _tolerant_stdout()
     interactive = sys.stdin.isatty()
@@ -225,7 +225,7 @@ class _Output:
 def _stream_text(stream: GenerateStream, out: _Output, collect: list[str] | None = None
                  ) -> tuple[PrefillDone | None, Finished]:
     """Write each chunk's text to `out` as it arrives; -> (prefill_done, finished)."""
-    from clients.inference_client import Chunk, Finished, KVServeError, PrefillDone
+    from kvserve.clients.inference_client import Chunk, Finished, KVServeError, PrefillDone
 
     prefill = finished = None
     for event in stream:

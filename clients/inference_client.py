@@ -1,6 +1,6 @@
 """A small, typed Python client for kvserve's Inference service.
 
-    from clients.inference_client import InferenceClient, Chunk
+    from kvserve.clients.inference_client import InferenceClient, Chunk
 
     with InferenceClient("127.0.0.1:50051") as client:
         for event in client.generate("Once upon a time", max_tokens=32, temperature=0):

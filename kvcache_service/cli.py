@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from kvcache_service.core.manager import ManagerConfig
+from kvserve.kvcache_service.core.manager import ManagerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 
@@ -43,6 +43,6 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcache_service.server import serve
+    from kvserve.kvcache_service.server import serve
     asyncio.run(serve(args.listen or [DEFAULT_LISTEN], manager_config(args), grace_s=args.grace_period))
     return 0

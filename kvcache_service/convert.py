@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvcache_service.core import InvalidArgument
-from kvcache_service.core.events import CacheReset, PagesEvicted, PagesStored
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core import InvalidArgument
+from kvserve.kvcache_service.core.events import CacheReset, PagesEvicted, PagesStored
+from kvserve.kvcache_service.core.types import (
     Admit,
     Commit,
     Fork,

@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import grpc
 
-from kvcache_service import convert
-from kvcache_service.core import (
+from kvserve.kvcache_service import convert
+from kvserve.kvcache_service.core import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -23,7 +23,7 @@ from kvcache_service.core import (
     NotFound,
     ResourceExhausted,
 )
-from kvcache_service.core.sequence import Sequence
+from kvserve.kvcache_service.core.sequence import Sequence
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 

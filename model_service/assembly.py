@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
-from model_service.attention.select import select_backend
-from model_service.config import ModelServiceConfig
-from model_service.engine.engine import Engine
-from model_service.engine.kv_client import InProcessKVClient, KVClient, RemoteKVClient
-from model_service.engine.output import OutputProcessor
-from model_service.engine.runner import ModelRunner
-from model_service.engine.scheduler import SchedulerConfig
-from model_service.kv_cache import KVCache
-from model_service.model.loader import load_model
-from model_service.sampling.sampler import Sampler
-from model_service import dummy_step, host_memory, sizing, tiny_model
+from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
+from kvserve.model_service.attention.select import select_backend
+from kvserve.model_service.config import ModelServiceConfig
+from kvserve.model_service.engine.engine import Engine
+from kvserve.model_service.engine.kv_client import InProcessKVClient, KVClient, RemoteKVClient
+from kvserve.model_service.engine.output import OutputProcessor
+from kvserve.model_service.engine.runner import ModelRunner
+from kvserve.model_service.engine.scheduler import SchedulerConfig
+from kvserve.model_service.kv_cache import KVCache
+from kvserve.model_service.model.loader import load_model
+from kvserve.model_service.sampling.sampler import Sampler
+from kvserve.model_service import dummy_step, host_memory, sizing, tiny_model
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from model_service.config import DEFAULT_KVCACHE, DEFAULT_LISTEN, ModelServiceConfig
+from kvserve.model_service.config import DEFAULT_KVCACHE, DEFAULT_LISTEN, ModelServiceConfig
 
 _D = ModelServiceConfig()
 
@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_model(args: argparse.Namespace) -> int:
     import asyncio
 
-    from model_service.server import serve
+    from kvserve.model_service.server import serve
 
     try:
         asyncio.run(serve(model_config(args, sizing_file=args.sizing_file)))

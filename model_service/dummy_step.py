@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from model_service.batch import ForwardBatch
-from model_service.kv_cache import KVCache
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from model_service.model.config import ModelConfig
+from kvserve.model_service.model.config import ModelConfig
 
 PagePairs = Sequence[tuple[int, int]]   # (src page id, dst page id)
 _PAGE_DIM = 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from model_service.tiny_model import PRESETS
+from kvserve.model_service.tiny_model import PRESETS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from model_service.tiny_model import make_preset
+    from kvserve.model_service.tiny_model import make_preset
 
     path = make_preset(args.dir, args.preset, args.seed)
     print(path)

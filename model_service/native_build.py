@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from model_service.user_cache import user_cache_dir
+from kvserve.model_service.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 

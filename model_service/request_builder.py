@@ -7,9 +7,9 @@ never fit (prompt + max_tokens over the model length, which the page pool caps).
 
 from __future__ import annotations
 
-from model_service.engine.request import Request
-from model_service.sampling.params import SamplingParams
-from model_service.sampling.sampler import make_generator
+from kvserve.model_service.engine.request import Request
+from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.sampler import make_generator
 
 
 class RequestError(ValueError):

@@ -13,11 +13,11 @@ import uuid
 
 import grpc
 
-from model_service.engine.engine import DuplicateRequest, QueueFull
-from model_service.engine.events import Failed, Finished, PrefillDone, Tokens
-from model_service.event_relay import EventRelay
-from model_service.request_builder import RequestBuilder, RequestError
-from model_service.tiny_model import PRESETS
+from kvserve.model_service.engine.engine import DuplicateRequest, QueueFull
+from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.event_relay import EventRelay
+from kvserve.model_service.request_builder import RequestBuilder, RequestError
+from kvserve.model_service.tiny_model import PRESETS
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb

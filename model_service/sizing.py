@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from model_service.dummy_step import dummy_step
-from model_service.kv_cache import bytes_per_page, pages_for_memory
+from kvserve.model_service.dummy_step import dummy_step
+from kvserve.model_service.kv_cache import bytes_per_page, pages_for_memory
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from model_service.user_cache import user_cache_dir
+from kvserve.model_service.user_cache import user_cache_dir
 
 # Bump whenever the files a preset produces change, so that cached copies are rebuilt.
 GENERATOR_VERSION = 1
@@ -70,7 +70,7 @@ def make_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, **o
     import torch
     from safetensors.torch import save_file
 
-    from model_service.tiny_tokenizer import END_OF_TURN, write_tokenizer
+    from kvserve.model_service.tiny_tokenizer import END_OF_TURN, write_tokenizer
 
     if arch not in _ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(_ARCHS)}")

@@ -15,16 +15,16 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from services.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+from kvserve.services.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
 
 # Subcommand name -> "module:function" of its register function, in --help order.
 COMMANDS: dict[str, str] = {
-    "up": "services.up:register",
-    "kvcache": "kvcache_service.cli:register",
-    "model": "model_service.cli:register",
-    "make-tiny-model": "model_service.model_cli:register",
-    "generate": "clients.cli:register_generate",
-    "chat": "clients.cli:register_chat",
+    "up": "kvserve.services.up:register",
+    "kvcache": "kvserve.kvcache_service.cli:register",
+    "model": "kvserve.model_service.cli:register",
+    "make-tiny-model": "kvserve.model_service.model_cli:register",
+    "generate": "kvserve.clients.cli:register_generate",
+    "chat": "kvserve.clients.cli:register_chat",
 }
 
 

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvcache_service.cli import DEFAULT_LISTEN as KV_LISTEN
-from model_service.cli import add_model_arguments
-from model_service.config import DEFAULT_LISTEN
+from kvserve.kvcache_service.cli import DEFAULT_LISTEN as KV_LISTEN
+from kvserve.model_service.cli import add_model_arguments
+from kvserve.model_service.config import DEFAULT_LISTEN
 
 _MODEL_FLAGS = ("model", "dtype", "device", "attention_backend", "cpu_gemm", "page_size", "num_pages", "kv_cache_memory",
                 "gpu_memory_utilization", "swap_pages", "preemption_mode", "max_num_seqs",
@@ -51,7 +51,7 @@ def _flag_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    cli = [sys.executable, "-m", "services.cli", "--log-level", args.log_level]
+    cli = [sys.executable, "-m", "kvserve.services.cli", "--log-level", args.log_level]
     stop = {"signal": None}
 
     def on_signal(signum, _frame):

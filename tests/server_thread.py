@@ -31,8 +31,8 @@ class ModelServerThread(LoopThread):
     """create_server(ModelServiceConfig(model=..., **config)): the model service and its engine."""
 
     def __init__(self, model: Path, **config) -> None:
-        from model_service.config import ModelServiceConfig
-        from model_service.server import create_server
+        from kvserve.model_service.config import ModelServiceConfig
+        from kvserve.model_service.server import create_server
 
         super().__init__("model-grpc-server")
         self.config = ModelServiceConfig(model=str(model), **config)

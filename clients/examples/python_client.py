@@ -1,5 +1,5 @@
 """Stream a reply, then show what the prefix cache saved. Start a server first: `kvserve up --model tiny`."""
-from clients.inference_client import Chunk, Finished, InferenceClient, KVServeError
+from kvserve.clients.inference_client import Chunk, Finished, InferenceClient, KVServeError
 
 with InferenceClient("127.0.0.1:50051", timeout=60) as client:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]

@@ -1,6 +1,6 @@
 """The manager's core: plain Python, no torch, grpc or protobuf imports."""
 
-from kvcache_service.core.errors import (
+from kvserve.kvcache_service.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -8,9 +8,9 @@ from kvcache_service.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvcache_service.core.hashing import ROOT_HASH, page_hashes
-from kvcache_service.core.manager import KVCacheManager, ManagerConfig
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core.hashing import ROOT_HASH, page_hashes
+from kvserve.kvcache_service.core.manager import KVCacheManager, ManagerConfig
+from kvserve.kvcache_service.core.types import (
     Admit,
     Commit,
     Fork,

@@ -16,20 +16,20 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from kvcache_service.core.errors import (
+from kvserve.kvcache_service.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from kvcache_service.core.events import EventLog
-from kvcache_service.core.hashing import ROOT_HASH, hash_pages, token_bytes, checked_token_bytes, iter_page_hashes
-from kvcache_service.core.page_pool import CpuPool, PagePool
-from kvcache_service.core.prefix_tree import PrefixTree
-from kvcache_service.core.seq_ids import SeqIdPool
-from kvcache_service.core.sequence import SWAPPED_OUT, Sequence
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core.events import EventLog
+from kvserve.kvcache_service.core.hashing import ROOT_HASH, hash_pages, token_bytes, checked_token_bytes, iter_page_hashes
+from kvserve.kvcache_service.core.page_pool import CpuPool, PagePool
+from kvserve.kvcache_service.core.prefix_tree import PrefixTree
+from kvserve.kvcache_service.core.seq_ids import SeqIdPool
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence
+from kvserve.kvcache_service.core.types import (
     Admit,
     Check,
     Commit,
@@ -650,7 +650,7 @@ class KVCacheManager:
         return result, swap_in
 
     def step(self, request: StepRequest) -> StepPlan:
-        from kvcache_service.core.step import run_step  # policy lives apart from mechanism
+        from kvserve.kvcache_service.core.step import run_step  # policy lives apart from mechanism
         return run_step(self, request)
 
     # ------------------------------------------------------------ admin/info

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcache_service.core.errors import InvalidArgument, ResourceExhausted
-from kvcache_service.core.sequence import SWAPPED_OUT
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core.errors import InvalidArgument, ResourceExhausted
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.types import (
     Admit,
     Fork,
     Grow,
@@ -36,7 +36,7 @@ from kvcache_service.core.types import (
 )
 
 if TYPE_CHECKING:
-    from kvcache_service.core.manager import KVCacheManager
+    from kvserve.kvcache_service.core.manager import KVCacheManager
 
 
 def run_step(m: KVCacheManager, req: StepRequest) -> StepPlan:

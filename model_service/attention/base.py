@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from model_service.batch import ForwardBatch
+from kvserve.model_service.batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):

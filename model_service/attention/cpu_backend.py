@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from model_service.attention.cpu_decode_kernel import PagedDecodeKernel
-from model_service.attention.torch_backend import (
+from kvserve.model_service.attention.cpu_decode_kernel import PagedDecodeKernel
+from kvserve.model_service.attention.torch_backend import (
     MATMUL_MAX_SCORES, MATMUL_MIN_QUERIES, PrefillChunk, TorchAttentionBackend, masked_chunk_matmul, onednn_mix,
     onednn_scores)
-from model_service.batch import ForwardBatch
-from model_service.model.cpu_gemm import CpuGemm
-from model_service.model.linear import onednn_available
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.model.cpu_gemm import CpuGemm
+from kvserve.model_service.model.linear import onednn_available
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model_service.native_build import KernelUnavailable, build_and_load, once_per_process
+from kvserve.model_service.native_build import KernelUnavailable, build_and_load, once_per_process
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a thread's stack

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from model_service.batch import ForwardBatch
+from kvserve.model_service.batch import ForwardBatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,12 +6,12 @@ import logging
 
 import torch
 
-from model_service.attention import cpu_decode_kernel
-from model_service.attention.base import AttentionBackend
-from model_service.attention.cpu_backend import CpuAttentionBackend
-from model_service.attention.flash_attn_backend import FlashAttnBackend, load_flash_api
-from model_service.attention.torch_backend import TorchAttentionBackend
-from model_service.model import cpu_gemm
+from kvserve.model_service.attention import cpu_decode_kernel
+from kvserve.model_service.attention.base import AttentionBackend
+from kvserve.model_service.attention.cpu_backend import CpuAttentionBackend
+from kvserve.model_service.attention.flash_attn_backend import FlashAttnBackend, load_flash_api
+from kvserve.model_service.attention.torch_backend import TorchAttentionBackend
+from kvserve.model_service.model import cpu_gemm
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "flash_attn")
 log = logging.getLogger(__name__)

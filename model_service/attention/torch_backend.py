@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_service.batch import ForwardBatch
-from model_service.model.linear import matmul_nt, onednn_available
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.model.linear import matmul_nt, onednn_available
 
 
 @dataclass(slots=True)

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
-from model_service.engine.kv_client import KVClient
-from model_service.engine.request import Request, Status
-from model_service.engine.runner import ModelRunner
-from model_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.kv_client import KVClient
+from kvserve.model_service.engine.request import Request, Status
+from kvserve.model_service.engine.runner import ModelRunner
+from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 

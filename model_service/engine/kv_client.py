@@ -10,8 +10,8 @@ import queue
 from collections.abc import Callable
 from typing import Protocol
 
-from kvcache_service.core import KVCacheManager
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core import KVCacheManager
+from kvserve.kvcache_service.core.types import (
     Admit,
     Fork,
     Grow,

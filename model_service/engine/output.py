@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from model_service.engine.request import Request
-from model_service.sampling.detokenizer import IncrementalDetokenizer
-from model_service.sampling.stop import StopChecker
+from kvserve.model_service.engine.request import Request
+from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.model_service.sampling.stop import StopChecker
 
 
 class OutputProcessor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from model_service.batch import ForwardBatch
-from model_service.engine.scheduler import Work
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.engine.scheduler import Work
 
 
 class ModelRunner:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvcache_service.core.types import (
+from kvserve.kvcache_service.core.types import (
     Admit,
     Commit,
     Grow,
@@ -31,7 +31,7 @@ from kvcache_service.core.types import (
     StepPlan,
     StepRequest,
 )
-from model_service.engine.request import Request, Status
+from kvserve.model_service.engine.request import Request, Status
 
 
 @dataclass(frozen=True)

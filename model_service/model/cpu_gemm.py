@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from model_service.native_build import KernelUnavailable, build_and_load, cpu_flags, once_per_process
+from kvserve.model_service.native_build import KernelUnavailable, build_and_load, cpu_flags, once_per_process
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 PANEL = 32   # output columns per panel (NR in the C file)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.model.linear import Linear
+from kvserve.model_service.model.linear import Linear
 
 
 class RMSNorm(nn.Module):

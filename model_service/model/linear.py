@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.model import cpu_gemm
+from kvserve.model_service.model import cpu_gemm
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_service.attention.base import AttentionBackend
-from model_service.batch import ForwardBatch
-from model_service.model.config import ModelConfig
-from model_service.model.layers import GatedMLP, RMSNorm
-from model_service.model.linear import Linear
-from model_service.model.rope import RotaryEmbedding, apply_rope
+from kvserve.model_service.attention.base import AttentionBackend
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.model.config import ModelConfig
+from kvserve.model_service.model.layers import GatedMLP, RMSNorm
+from kvserve.model_service.model.linear import Linear
+from kvserve.model_service.model.rope import RotaryEmbedding, apply_rope
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model_service.model.config import ModelConfig
-from model_service.model.linear import choose_gemm
-from model_service.model.llama import CausalLM
+from kvserve.model_service.model.config import ModelConfig
+from kvserve.model_service.model.linear import choose_gemm
+from kvserve.model_service.model.llama import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved

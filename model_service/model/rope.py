@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from model_service.model.config import Llama3RopeScaling, ModelConfig
+from kvserve.model_service.model.config import Llama3RopeScaling, ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # (D/2,) float32, on CPU

@@ -6,10 +6,10 @@ Per engine step, for each running request (see README.md):
     StopResult    = StopChecker.step(token_id, text)   → stream StopResult.text; finish if told
 """
 
-from model_service.sampling.detokenizer import IncrementalDetokenizer
-from model_service.sampling.params import SamplingParams
-from model_service.sampling.sampler import Sampler, SamplerOutput, TokenLogprobs, make_generator
-from model_service.sampling.stop import StopChecker, StopResult
+from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.sampler import Sampler, SamplerOutput, TokenLogprobs, make_generator
+from kvserve.model_service.sampling.stop import StopChecker, StopResult
 
 __all__ = [
     "IncrementalDetokenizer",

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model_service.sampling.params import SamplingParams
-from model_service.sampling.penalties import TokenIds, apply_penalties
+from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.penalties import TokenIds, apply_penalties
 
 
 @dataclass(frozen=True, slots=True)

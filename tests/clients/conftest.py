@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.inference_client import InferenceClient
+from kvserve.clients.inference_client import InferenceClient
 from tests.server_thread import ModelServerThread
 
 RPC_TIMEOUT_S = 60.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.inference_client import InferenceClient
+from kvserve.clients.inference_client import InferenceClient
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60
@@ -23,7 +23,7 @@ TURN_SUMMARY = re.compile(r"\[turn (\d+): (\d+) prompt tokens, (\d+) from cache,
 
 
 def kvserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvserve.services.cli", *args], input=stdin, capture_output=True,
                           text=True, encoding="utf-8", errors="replace", cwd=REPO, timeout=TIMEOUT_S)
 
 
@@ -66,7 +66,7 @@ def test_generate_with_no_server_is_unavailable() -> None:
 def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
     before = client.server_stats()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "generate", "The cache page", "--address", model_server.address,
+        [sys.executable, "-m", "kvserve.services.cli", "generate", "The cache page", "--address", model_server.address,
          "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
         cwd=REPO)

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from clients.inference_client import (
+from kvserve.clients.inference_client import (
     Chunk, Completion, Finished, InferenceClient, KVCacheStats, KVServeError, ModelInfo, PrefillDone,
     ServerStats, Tokenized,
 )

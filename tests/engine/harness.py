@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from model_service.assembly import ModelStack, build
-from model_service.config import ModelServiceConfig
-from model_service.engine.events import Failed, Finished, PrefillDone, Tokens
-from model_service.engine.request import Request
-from model_service.sampling.params import SamplingParams
-from model_service.sampling.sampler import make_generator
+from kvserve.model_service.assembly import ModelStack, build
+from kvserve.model_service.config import ModelServiceConfig
+from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.request import Request
+from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.sampler import make_generator
 
 
 @dataclass

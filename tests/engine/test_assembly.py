@@ -22,7 +22,7 @@ def test_a_sliding_window_model_serves_no_more_than_its_window(tiny_dirs) -> Non
 
 @pytest.mark.parametrize("num_pages", [None, 64])   # sized from memory, or given
 def test_cpu_start_runs_one_warm_up_step(tiny_dirs, caplog, num_pages) -> None:
-    with caplog.at_level(logging.INFO, logger="model_service.dummy_step"):
+    with caplog.at_level(logging.INFO, logger="kvserve.model_service.dummy_step"):
         h = EngineHarness(tiny_dirs["tiny"], page_size=4, max_num_batched_tokens=96, num_pages=num_pages)
     try:
         assert any("warm-up step of 96 tokens" in r.getMessage() for r in caplog.records)

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
-from model_service.engine.kv_client import InProcessKVClient
-from model_service.engine.request import Request, Status
-from model_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
+from kvserve.model_service.engine.kv_client import InProcessKVClient
+from kvserve.model_service.engine.request import Request, Status
+from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
 
 
 class FakeCache:

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from model_service.engine.events import Finished, Tokens
-from model_service.engine.request import Request
-from model_service.sampling.params import SamplingParams
+from kvserve.model_service.engine.events import Finished, Tokens
+from kvserve.model_service.engine.request import Request
+from kvserve.model_service.sampling.params import SamplingParams
 from tests.engine.harness import EngineHarness
 
 INTERVAL = 4

@@ -11,11 +11,11 @@ from __future__ import annotations
 import struct
 from collections import Counter
 
-from kvcache_service.core.hashing import ROOT_HASH, page_hashes
-from kvcache_service.core.manager import KVCacheManager
-from kvcache_service.core.prefix_tree import NO_PARENT
-from kvcache_service.core.sequence import SWAPPED_OUT
-from kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.core.hashing import ROOT_HASH, page_hashes
+from kvserve.kvcache_service.core.manager import KVCacheManager
+from kvserve.kvcache_service.core.prefix_tree import NO_PARENT
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.types import SeqState
 
 
 def _fail(msg: str) -> None:
@@ -340,7 +340,7 @@ class EventMirror:
         self.evicted = 0
 
     def sync(self, m: KVCacheManager) -> list[int]:
-        from kvcache_service.core.events import CacheReset, PagesEvicted, PagesStored
+        from kvserve.kvcache_service.core.events import CacheReset, PagesEvicted, PagesStored
 
         evicted: list[int] = []
         for ev in m.events.since(self.last + 1):

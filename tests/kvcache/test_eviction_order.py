@@ -15,7 +15,7 @@ from collections import Counter
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvcache_service.core import (
+from kvserve.kvcache_service.core import (
     Admit,
     Commit,
     Fork,
@@ -26,8 +26,8 @@ from kvcache_service.core import (
     Resume,
     StepRequest,
 )
-from kvcache_service.core.sequence import SWAPPED_OUT
-from kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.types import SeqState
 from tests.kvcache.invariants import EventMirror, check_invariants
 
 TOKEN = st.integers(0, 3)

@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from kvcache_service.core import ManagerConfig
+from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.kvcache.conftest import admit, commit, grow

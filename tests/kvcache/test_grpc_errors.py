@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from kvcache_service.core import ManagerConfig
+from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.conftest import T10, KV, admit, commit, fork, grow, resume, rpc_error
 

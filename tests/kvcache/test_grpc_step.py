@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvcache_service.core import ManagerConfig
+from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.conftest import (
     KV,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_service.core import (
+from kvserve.kvcache_service.core import (
     Admit,
     AlreadyExists,
     Commit,
@@ -24,7 +24,7 @@ from kvcache_service.core import (
     Truncation,
     page_hashes,
 )
-from kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
 
 PS = 4
 

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvcache_service.core import (
+from kvserve.kvcache_service.core import (
     Admit,
     AlreadyExists,
     Commit,
@@ -53,8 +53,8 @@ from kvcache_service.core import (
     Truncation,
     page_hashes,
 )
-from kvcache_service.core.sequence import SWAPPED_OUT
-from kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.types import SeqState
 from tests.kvcache.invariants import EventMirror, check_invariants, snapshot
 
 TOKEN = st.integers(0, 2)  # a tiny alphabet: identical pages and prefix hits are common
@@ -838,7 +838,7 @@ def expect_refusal(m: KVCacheManager, kind: str, call, exc) -> None:
 def _watch_mid_step(monkeypatch) -> None:
     """Check the invariants after each need a Step serves (seq ids and CPU pages
     may be pending inside a Step), where the internals still look like this."""
-    from kvcache_service.core import step as step_mod
+    from kvserve.kvcache_service.core import step as step_mod
 
     cls = getattr(step_mod, "_Step", None)
     names = [n for n in ("_grow", "_admit", "_resume", "_fork") if hasattr(cls, n)] or ["_serve"]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_service.attention.base import AttentionBackend
-from model_service.attention.select import select_backend
-from model_service.attention.torch_backend import TorchAttentionBackend
-from model_service.model.config import ModelConfig
-from model_service.model.llama import CausalLM
-from model_service.model.loader import load_model
+from kvserve.model_service.attention.base import AttentionBackend
+from kvserve.model_service.attention.select import select_backend
+from kvserve.model_service.attention.torch_backend import TorchAttentionBackend
+from kvserve.model_service.model.config import ModelConfig
+from kvserve.model_service.model.llama import CausalLM
+from kvserve.model_service.model.loader import load_model
 
 from tests.conftest import ARCH_PRESETS  # tiny_dirs, the session's checkpoints, comes from there too
 

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import pytest
 
-from model_service.native_build import KernelUnavailable
+from kvserve.model_service.native_build import KernelUnavailable
 
 K = TypeVar("K")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_service.batch import ForwardBatch
+from kvserve.model_service.batch import ForwardBatch
 
 
 class PagePool:

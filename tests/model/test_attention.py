@@ -11,15 +11,15 @@ import sys
 import pytest
 import torch
 
-from model_service.attention import cpu_decode_kernel, flash_attn_backend
-from model_service.model import cpu_gemm
+from kvserve.model_service.attention import cpu_decode_kernel, flash_attn_backend
+from kvserve.model_service.model import cpu_gemm
 from tests.model.native_kernels import load_or_skip, why_not
-from model_service.attention.cpu_backend import CpuAttentionBackend
-from model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
-from model_service.attention.select import select_backend
-from model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
-from model_service.batch import ForwardBatch
-from model_service.model.linear import onednn_available
+from kvserve.model_service.attention.cpu_backend import CpuAttentionBackend
+from kvserve.model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
+from kvserve.model_service.attention.select import select_backend
+from kvserve.model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.model.linear import onednn_available
 
 H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
 
@@ -255,7 +255,7 @@ def test_select_cpu_backend_where_its_kernel_runs() -> None:
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:
-    from model_service.attention import select
+    from kvserve.model_service.attention import select
 
     def unavailable():
         raise cpu_decode_kernel.KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
@@ -267,7 +267,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> N
 
 
 def test_auto_picks_flash_on_cuda_when_it_imports_and_fits_the_page_size(monkeypatch) -> None:
-    from model_service.attention import select
+    from kvserve.model_service.attention import select
 
     monkeypatch.setattr(select, "load_flash_api", lambda: fake_flash_api(2, []))
     monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(2, []))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from model_service.model.config import Llama3RopeScaling, ModelConfig
+from kvserve.model_service.model.config import Llama3RopeScaling, ModelConfig
 
 
 def test_fields_of_each_tiny_architecture(tiny_dirs: dict[str, Path]) -> None:

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service.attention import cpu_decode_kernel
-from model_service.attention.cpu_decode_kernel import KernelUnavailable
+from kvserve.model_service.attention import cpu_decode_kernel
+from kvserve.model_service.attention.cpu_decode_kernel import KernelUnavailable
 from tests.model.native_kernels import load_or_skip
 
 

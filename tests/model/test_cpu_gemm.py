@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service.model import cpu_gemm
-from model_service.model.cpu_gemm import KernelUnavailable
+from kvserve.model_service.model import cpu_gemm
+from kvserve.model_service.model.cpu_gemm import KernelUnavailable
 from tests.model.native_kernels import load_or_skip
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_service.kv_cache import KVCache
+from kvserve.model_service.kv_cache import KVCache
 from tests.model.conftest import ARCH_PRESETS, Loaded
 from tests.model.paged import Chunk, PagePool, Sequence, advance, build_batch
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_service.kv_cache import KVCache, bytes_per_page, bytes_per_token, pages_for_memory
-from model_service.model.config import ModelConfig
+from kvserve.model_service.kv_cache import KVCache, bytes_per_page, bytes_per_token, pages_for_memory
+from kvserve.model_service.model.config import ModelConfig
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_service.model import cpu_gemm
-from model_service.model.layers import GatedMLP
-from model_service.model.linear import Linear, choose_gemm, matmul_nt, onednn_available
-from model_service.model.loader import load_model
+from kvserve.model_service.model import cpu_gemm
+from kvserve.model_service.model.layers import GatedMLP
+from kvserve.model_service.model.linear import Linear, choose_gemm, matmul_nt, onednn_available
+from kvserve.model_service.model.loader import load_model
 from tests.model.native_kernels import why_not
 from tests.model.test_loader import prompt_logits
 

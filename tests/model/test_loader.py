@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_service.kv_cache import KVCache
-from model_service.model.loader import load_model, parse_dtype
-from model_service.model.rope import RotaryEmbedding, inverse_frequencies
+from kvserve.model_service.kv_cache import KVCache
+from kvserve.model_service.model.loader import load_model, parse_dtype
+from kvserve.model_service.model.rope import RotaryEmbedding, inverse_frequencies
 from tests.model.paged import Chunk, PagePool, Sequence, build_batch
 
 

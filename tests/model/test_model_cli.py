@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from model_service import model_cli
+from kvserve.model_service import model_cli
 
 
 def parser() -> argparse.ArgumentParser:

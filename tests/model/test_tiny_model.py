@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from model_service import tiny_model
-from model_service.tiny_model import default_tiny_path, make_preset, make_tiny_model
-from model_service.tiny_tokenizer import SplitMix64, corpus
+from kvserve.model_service import tiny_model
+from kvserve.model_service.tiny_model import default_tiny_path, make_preset, make_tiny_model
+from kvserve.model_service.tiny_tokenizer import SplitMix64, corpus
 from tests.model.conftest import ARCH_PRESETS
 
 TEXT = "Héllo wörld, naïve café! 日本語のテキスト 🚀👍🏽 ❤️ 12345\n\ttabs  and   spaces's end"

@@ -1,7 +1,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model_service.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer
 from tests.sampling.conftest import CORPUS
 
 FFFD = "\ufffd"

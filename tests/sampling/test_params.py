@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.params import SamplingParams
 
 VOCAB = 100
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service.sampling.penalties import apply_penalties
+from kvserve.model_service.sampling.penalties import apply_penalties
 
 V = 12
 

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from model_service.sampling import sampler as sampler_module
-from model_service.sampling.params import SamplingParams
-from model_service.sampling.sampler import (
+from kvserve.model_service.sampling import sampler as sampler_module
+from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.sampler import (
     Sampler,
     exponential_noise,
     make_generator,

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service.sampling.detokenizer import IncrementalDetokenizer
-from model_service.sampling.stop import StopChecker, StopResult
+from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.model_service.sampling.stop import StopChecker, StopResult
 
 EOS = 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from model_service.event_relay import EventRelay
+from kvserve.model_service.event_relay import EventRelay
 
 
 class RecordingLoop:

@@ -29,7 +29,7 @@ import torch
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from model_service.attention.flash_attn_backend import load_flash_api
+from kvserve.model_service.attention.flash_attn_backend import load_flash_api
 from tests.service.conftest import ModelServerThread
 from tests.service.util import assert_pages_free, generate, greedy, request
 

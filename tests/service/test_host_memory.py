@@ -14,7 +14,7 @@ import pytest
 # counts mmap-ed blocks in hblkhd) and the minor faults of warm rounds.
 SCRIPT = """
 import ctypes, json, resource, sys, torch
-from model_service.host_memory import keep_freed_memory
+from kvserve.model_service.host_memory import keep_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]

@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from services.grpc_server import stop_gracefully
+from kvserve.services.grpc_server import stop_gracefully
 from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error, wait_until
 
 PROMPT = [17, 4, 250, 999, 31, 8, 77]
@@ -123,7 +123,7 @@ def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
     # spinning between the engine's parallel regions (assembly.build_on_a_thread_that_ends).
     import threading
 
-    from model_service import assembly
+    from kvserve.model_service import assembly
     from tests.service.conftest import ModelServerThread
 
     built_on = []
@@ -139,16 +139,16 @@ def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
 
 
 def test_a_build_error_reaches_the_caller(tmp_path):
-    from model_service.assembly import build_on_a_thread_that_ends
-    from model_service.config import ModelServiceConfig
+    from kvserve.model_service.assembly import build_on_a_thread_that_ends
+    from kvserve.model_service.config import ModelServiceConfig
 
     with pytest.raises(ValueError, match="neither a built-in model"):
         build_on_a_thread_that_ends(ModelServiceConfig(model=str(tmp_path / "missing")))
 
 
 def test_a_cpu_gemm_that_cannot_run_is_refused_at_build(tiny_dirs):
-    from model_service.assembly import build_on_a_thread_that_ends
-    from model_service.config import ModelServiceConfig
+    from kvserve.model_service.assembly import build_on_a_thread_that_ends
+    from kvserve.model_service.config import ModelServiceConfig
 
     with pytest.raises(ValueError, match="--cpu-gemm must be auto, native, onednn or torch, got 'mkl'"):
         ModelServiceConfig(cpu_gemm="mkl")

@@ -100,7 +100,7 @@ def test_cancel_sends_what_was_sampled_then_abort(chunked, chunked_server):
 
 
 def test_interval_must_be_positive():
-    from model_service.config import ModelServiceConfig
+    from kvserve.model_service.config import ModelServiceConfig
 
     with pytest.raises(ValueError, match="--stream-interval must be a positive integer"):
         ModelServiceConfig(stream_interval=0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.logging_setup import configure_logging
+from kvserve.services import cli
+from kvserve.services.logging_setup import configure_logging
 
 DEMO_COMMAND = '''
 import argparse

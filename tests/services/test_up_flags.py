@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from model_service import cli as model_cli
-from services import up
+from kvserve.model_service import cli as model_cli
+from kvserve.services import up
 
 
 def _parser() -> argparse.ArgumentParser:
