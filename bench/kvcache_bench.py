@@ -381,7 +381,7 @@ def free_tcp_port() -> int:
 
 
 class GrpcBackend:
-    """`kvserve kvcache` in its own process (python -m services.cli kvcache ...), a sync grpc
+    """`kvserve kvcache` in its own process (python -m kvserve.services.cli.main kvcache ...), a sync grpc
     channel in this one: client and server do not share a GIL."""
 
     def __init__(self, name: str, listen: str, num_pages: int, max_seqs: int, server_profile: str | None,
@@ -393,7 +393,7 @@ class GrpcBackend:
         cmd = [sys.executable]
         if server_profile:  # cProfile writes the stats when the server exits (SIGTERM: a graceful stop)
             cmd += ["-m", "cProfile", "-o", server_profile]
-        cmd += ["-m", "kvserve.services.cli", "--log-level", "warning", "kvcache", "--listen", listen,
+        cmd += ["-m", "kvserve.services.cli.main", "--log-level", "warning", "kvcache", "--listen", listen,
                 "--num-pages", str(num_pages), "--max-seqs", str(max_seqs), "--page-size", str(PS)]
         self.proc = subprocess.Popen(cmd)
         opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -799,7 +799,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    import kvserve.kvcache_service
+    import kvserve.kvcache_service as kvcache_service
     facts = machine_facts()
     print(f"machine: {facts['nproc']} cpus, {facts['cpu']}, Python {facts['python']}, grpcio {facts['grpcio']}, "
           f"protobuf {facts['protobuf']}")

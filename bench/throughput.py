@@ -120,7 +120,7 @@ class Stack:
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-")
         self.address = f"127.0.0.1:{free_port()}"
         self.kv_address = f"unix://{self.tmp.name}/kv.sock"
-        cmd = [sys.executable, "-m", "kvserve.services.cli", "--log-level", "warning", "up", "--model", str(model),
+        cmd = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", "warning", "up", "--model", str(model),
                "--listen", self.address, "--kvcache-listen", self.kv_address, *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT)
         self.channel = grpc.insecure_channel(self.address)

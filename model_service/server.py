@@ -9,7 +9,7 @@ from kvserve.model_service.assembly import ModelStack, build_on_a_thread_that_en
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal
+from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal
 
 log = logging.getLogger(__name__)
 

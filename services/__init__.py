@@ -1,1 +1,2 @@
-"""Shared gRPC server plumbing (addresses, server start-up, health, reflection) and the kvserve CLI."""
+"""kvserve.services: the server plumbing every service uses (plumbing/, the bottom layer) and the
+`kvserve` command (cli/, the top layer); the gateway will sit between them."""

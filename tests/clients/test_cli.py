@@ -23,7 +23,7 @@ TURN_SUMMARY = re.compile(r"\[turn (\d+): (\d+) prompt tokens, (\d+) from cache,
 
 
 def kvserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvserve.services.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvserve.services.cli.main", *args], input=stdin, capture_output=True,
                           text=True, encoding="utf-8", errors="replace", cwd=REPO, timeout=TIMEOUT_S)
 
 
@@ -66,7 +66,7 @@ def test_generate_with_no_server_is_unavailable() -> None:
 def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
     before = client.server_stats()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.services.cli", "generate", "The cache page", "--address", model_server.address,
+        [sys.executable, "-m", "kvserve.services.cli.main", "generate", "The cache page", "--address", model_server.address,
          "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
         cwd=REPO)
@@ -120,7 +120,7 @@ def test_chat_error_keeps_going_and_exits_1(model_server) -> None:
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_help_does_not_import_torch_or_grpc(command: str) -> None:
-    code = ("import sys; from services import cli\n"
+    code = ("import sys; from kvserve.services.cli import main as cli\n"
             f"try: cli.main(['{command}', '--help'])\nexcept SystemExit: pass\n"
             "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

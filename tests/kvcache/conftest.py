@@ -20,7 +20,7 @@ from kvserve.kvcache_service.server import create_server
 from tests.server_thread import LoopThread
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from kvserve.services.grpc_server import RunningServer
+from kvserve.services.plumbing.grpc_server import RunningServer
 
 # Small pools so that running out of pages takes a handful of calls.
 GRPC_CONFIG = ManagerConfig(num_pages=16, page_size=4, max_seqs=8, cpu_pages=8)

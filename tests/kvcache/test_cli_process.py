@@ -26,7 +26,7 @@ def kvserve(*args: str) -> list[str]:
     """The installed console script when it sits beside this Python, else the module."""
     if CONSOLE_SCRIPT.exists():
         return [str(CONSOLE_SCRIPT), *args]
-    return [sys.executable, "-m", "kvserve.services.cli", *args]
+    return [sys.executable, "-m", "kvserve.services.cli.main", *args]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, limit_s: float = 15.0) -> None:

@@ -6,7 +6,7 @@ import sys
 
 def test_core_imports_no_torch_grpc_or_protobuf():
     code = (
-        "import sys, kvcache_service.core, kvcache_service.core.step;"
+        "import sys, kvserve.kvcache_service.core, kvserve.kvcache_service.core.step;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'grpc', 'google')];"
         "print(','.join(bad))"
     )

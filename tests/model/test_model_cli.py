@@ -38,7 +38,7 @@ def test_presets_are_the_choices(capsys) -> None:
 
 
 def test_registering_does_not_import_torch() -> None:
-    code = ("import sys, argparse; from model_service import model_cli; "
+    code = ("import sys, argparse; from kvserve.model_service import model_cli; "
             "model_cli.register(argparse.ArgumentParser().add_subparsers()); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.grpc_server import stop_gracefully
+from kvserve.services.plumbing.grpc_server import stop_gracefully
 from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error, wait_until
 
 PROMPT = [17, 4, 250, 999, 31, 8, 77]

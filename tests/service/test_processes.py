@@ -54,7 +54,7 @@ def unix_address(tmp_path: Path) -> str:
 
 
 def kvserve(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *args], cwd=REPO, **popen)
+    return subprocess.Popen([sys.executable, "-m", "kvserve.services.cli.main", *args], cwd=REPO, **popen)
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float = HEALTH_TIMEOUT_S) -> None:

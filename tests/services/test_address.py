@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.services.address import ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.address import ListenAddress, parse_address, remove_stale_socket
 
 
 @pytest.mark.parametrize(

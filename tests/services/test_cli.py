@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.services import cli
-from kvserve.services.logging_setup import configure_logging
+from kvserve.services.cli import main as cli
+from kvserve.services.plumbing.logging_setup import configure_logging
 
 DEMO_COMMAND = '''
 import argparse

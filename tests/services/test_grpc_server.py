@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc
-from kvserve.services.grpc_server import (
+from kvserve.services.plumbing.grpc_server import (
     BindError,
     RunningServer,
     ServiceSpec,

@@ -16,8 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SERVER_SCRIPT = """
 import asyncio
-from kvserve.services.grpc_server import create_server, serve_until_signal
-from kvserve.services.logging_setup import configure_logging
+from kvserve.services.plumbing.grpc_server import create_server, serve_until_signal
+from kvserve.services.plumbing.logging_setup import configure_logging
 
 async def main() -> None:
     running = await create_server("127.0.0.1:0", [])

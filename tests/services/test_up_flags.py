@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.model_service import cli as model_cli
-from kvserve.services import up
+from kvserve.services.cli import up
 
 
 def _parser() -> argparse.ArgumentParser:

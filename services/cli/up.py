@@ -51,7 +51,7 @@ def _flag_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    cli = [sys.executable, "-m", "kvserve.services.cli", "--log-level", args.log_level]
+    cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
     stop = {"signal": None}
 
     def on_signal(signum, _frame):

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.services.address import ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.address import ListenAddress, parse_address, remove_stale_socket
 
 log = logging.getLogger(__name__)
 

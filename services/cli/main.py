@@ -15,11 +15,11 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from kvserve.services.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
 
 # Subcommand name -> "module:function" of its register function, in --help order.
 COMMANDS: dict[str, str] = {
-    "up": "kvserve.services.up:register",
+    "up": "kvserve.services.cli.up:register",
     "kvcache": "kvserve.kvcache_service.cli:register",
     "model": "kvserve.model_service.cli:register",
     "make-tiny-model": "kvserve.model_service.model_cli:register",

@@ -1,0 +1,1 @@
+"""The `kvserve` command: the top layer, above every service it starts."""
