@@ -35,7 +35,7 @@ PHASES = [
     ("forward: batch build (runner.build)", "ModelRunner.build"),
     ("forward: the rest (norms, rope, embedding)", "ModelRunner.execute"),
     ("sampling", "model_service/sampling/"),
-    ("manager round trip", "engine/kv_client.py"),
+    ("manager round trip", "contract/client.py"),
     ("scheduling", "engine/scheduler.py"),
     ("streaming out (events to the asyncio loop)", "Engine._emit"),
     ("streaming out (events to the asyncio loop)", "event_relay.py"),

@@ -237,7 +237,7 @@ class CoreBackend:
 
     def __init__(self, num_pages: int, max_seqs: int) -> None:
         from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig
-        from kvserve.kvcache_service.core import types as t
+        from kvserve.kvcache_service.contract import types as t
         self.t = t
         self.m = KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=PS, max_seqs=max_seqs))
         self.m.register(EPOCH, PS, num_pages)
@@ -315,13 +315,13 @@ def build_pb_simple(pb, d: StepDesc):
 
 class PbInProcBackend(CoreBackend):
     """What the server does per Step, minus gRPC and the transport: the client builds
-    a pb.StepRequest, it is serialized and parsed, convert.step_from_pb, the core
-    step, convert.plan_to_pb, the response serialized and parsed."""
+    a pb.StepRequest, it is serialized and parsed, convert.step_request_from_pb, the core
+    step, convert.step_plan_to_pb, the response serialized and parsed."""
     name = "in-process via protobuf"
 
     def __init__(self, num_pages: int, max_seqs: int) -> None:
         super().__init__(num_pages, max_seqs)
-        from kvserve.kvcache_service import convert
+        from kvserve.kvcache_service.contract import convert
         from kvserve.kvcache.v1 import kvcache_pb2 as pb
         self.pb, self.convert = pb, convert
         self.profilers: dict[str, cProfile.Profile] | None = None
@@ -349,7 +349,7 @@ class PbInProcBackend(CoreBackend):
         t1 = clock()
         if prof:
             prof["server convert"].enable()
-        req = convert.step_from_pb(req_pb)
+        req = convert.step_request_from_pb(req_pb)
         if prof:
             prof["server convert"].disable()
         t2 = clock()
@@ -361,7 +361,7 @@ class PbInProcBackend(CoreBackend):
         t3 = clock()
         if prof:
             prof["server convert"].enable()
-        resp = convert.plan_to_pb(plan)
+        resp = convert.step_plan_to_pb(plan)
         if prof:
             prof["server convert"].disable()
         t4 = clock()
@@ -406,7 +406,7 @@ class GrpcBackend:
         self.stub = pb_grpc.KVCacheManagerStub(self.channel)
         self.stub.Register(pb.RegisterRequest(epoch=EPOCH, page_size=PS, num_pages=num_pages, instance="bench"))
         if stream:  # what the engine uses: one long-lived StepStream
-            from kvserve.model_service.engine.kv_client import _StepStream
+            from kvserve.kvcache_service.contract.client import _StepStream
             self._stream = _StepStream(self.stub)
             self._step = self._stream.call
         else:
@@ -661,8 +661,8 @@ def report(args, runs: list[RunResult], adm_rows, trace_adm, elapsed: float) -> 
             build = statistics.fmean(us(r.build_ns for r in s))
             p(f"  what a remote Step does besides the transport (means, emulated in-process): client builds the "
               f"pb.StepRequest {build:.0f} us,")
-            p(f"    serialize+parse request {m[0]:.0f}, convert.step_from_pb {m[1]:.0f}, core step {m[2]:.0f}, "
-              f"convert.plan_to_pb {m[3]:.0f}, serialize+parse response {m[4]:.0f}; "
+            p(f"    serialize+parse request {m[0]:.0f}, convert.step_request_from_pb {m[1]:.0f}, core step {m[2]:.0f}, "
+              f"convert.step_plan_to_pb {m[3]:.0f}, serialize+parse response {m[4]:.0f}; "
               f"request {statistics.fmean(cols[5]) / 1024:.1f} KiB, response {statistics.fmean(cols[6]) / 1024:.2f} KiB")
     for run in runs:
         if run.server_cpu_us:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from kvserve.kvcache_service.core.manager import ManagerConfig
+from kvserve.kvcache_service.core.config import ManagerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 

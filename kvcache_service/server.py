@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 
-from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig
+from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.kvcache_service.core.manager import KVCacheManager
 from kvserve.kvcache_service.servicer import SERVICE_NAME, KVCacheServicer
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal

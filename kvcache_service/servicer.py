@@ -13,19 +13,19 @@ from typing import TypeVar
 
 import grpc
 
-from kvserve.kvcache_service import convert
-from kvserve.kvcache_service.core import (
+from kvserve.kvcache.v1 import kvcache_pb2 as pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from kvserve.kvcache_service.contract import convert
+from kvserve.kvcache_service.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     KVCacheError,
-    KVCacheManager,
     NotFound,
     ResourceExhausted,
 )
-from kvserve.kvcache_service.core.sequence import Sequence
-from kvserve.kvcache.v1 import kvcache_pb2 as pb
-from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from kvserve.kvcache_service.contract.types import Fork, Resume
+from kvserve.kvcache_service.core.manager import KVCacheManager
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheManager"].full_name
 
@@ -64,12 +64,12 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
             self._wake = asyncio.Event()
         return out
 
-    def _seq(self, ref: pb.SequenceRef, what: str = "seq") -> Sequence:
+    def _seq_id(self, ref: pb.SequenceRef, what: str = "seq") -> int:
         kind = ref.WhichOneof("id")
         if kind == "seq_id":
-            return self.m.resolve(ref.seq_id)
+            return ref.seq_id
         if kind == "request_id":
-            return self.m.resolve(request_id=ref.request_id)
+            return self.m.seq_id_of(ref.request_id)
         raise InvalidArgument(f"{what}: set seq_id or request_id")
 
     # --------------------------------------------------------------- RPCs
@@ -82,61 +82,56 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
                                    cpu_pages=c.cpu_pages, max_seqs=c.max_seqs)
 
     async def Step(self, request, context):
-        plan = await self._run(context, lambda: self.m.step(convert.step_from_pb(request)))
-        return convert.plan_to_pb(plan)
+        plan = await self._run(context, lambda: self.m.step(convert.step_request_from_pb(request)))
+        return convert.step_plan_to_pb(plan)
 
     async def StepStream(self, request_iterator, context):
         async for request in request_iterator:
-            plan = await self._run(context, lambda: self.m.step(convert.step_from_pb(request)))
-            yield convert.plan_to_pb(plan)
+            plan = await self._run(context, lambda: self.m.step(convert.step_request_from_pb(request)))
+            yield convert.step_plan_to_pb(plan)
 
     async def CanAllocate(self, request, context):
         check = await self._run(context, lambda: self.m.can_allocate(convert.need_from_pb(request.need)))
-        return pb.CanAllocateResponse(ok=check.ok, pages_needed=check.pages_needed,
-                                      pages_available=check.pages_available, reason=check.reason)
+        return convert.check_to_pb(check)
 
     async def Allocate(self, request, context):
-        result, swap_in, copies = await self._run(
-            context, lambda: self.m.allocate(convert.need_from_pb(request.need)))
-        return pb.AllocateResponse(result=convert.result_to_pb(result), swap_in=convert.copies_to_pb(swap_in),
-                                   copies=convert.copies_to_pb(copies))
+        out = await self._run(context, lambda: self.m.try_allocate(convert.need_from_pb(request.need)))
+        return convert.allocation_to_pb(out)
 
     async def Commit(self, request, context):
-        stored = await self._run(context, lambda: self.m.commit_one(convert.commit_from_pb(request.commit)))
+        stored = await self._run(context, lambda: self.m.commit(convert.commit_from_pb(request.commit)))
         return pb.CommitResponse(pages_stored=stored)
 
     async def Release(self, request, context):
-        freed, cached = await self._run(context, lambda: self.m.release_one(self._seq(request.seq)))
+        freed, cached = await self._run(context, lambda: self.m.release(self._seq_id(request.seq)))
         return pb.ReleaseResponse(pages_freed=freed, pages_cached=cached)
 
     async def MatchPrefix(self, request, context):
         cached, hashes = await self._run(
-            context, lambda: self.m.match_prefix(list(request.token_ids), request.extra_key))
+            context, lambda: self.m.match_prefix(request.token_ids[:], request.extra_key))
         return pb.MatchPrefixResponse(cached_tokens=cached, page_hashes=hashes)
 
     async def Fork(self, request, context):
-        result, copies = await self._run(
-            context, lambda: self.m.fork_one(self._seq(request.parent, "parent"), request.request_id))
-        return pb.ForkResponse(seq_id=result.seq_id, page_ids=result.page_ids, copies=convert.copies_to_pb(copies))
+        out = await self._run(
+            context, lambda: self.m.try_allocate(Fork(self._seq_id(request.parent, "parent"), request.request_id)))
+        return pb.ForkResponse(seq_id=out.result.seq_id, page_ids=out.result.page_ids,
+                               copies=convert.copies_to_pb(out.copies))
 
     async def Truncate(self, request, context):
-        def call():
-            seq = self._seq(request.seq)
-            freed, copies = self.m.truncate_one(seq, request.num_tokens)
-            return seq.pages, freed, copies
-        pages, freed, copies = await self._run(context, call)
+        pages, freed, copies = await self._run(
+            context, lambda: self.m.truncate(self._seq_id(request.seq), request.num_tokens))
         return pb.TruncateResponse(page_ids=pages, pages_freed=freed, copies=convert.copies_to_pb(copies))
 
     async def SwapOut(self, request, context):
-        copies = await self._run(context, lambda: self.m.swap_out_one(self._seq(request.seq)))
+        copies = await self._run(context, lambda: self.m.swap_out(self._seq_id(request.seq)))
         return pb.SwapOutResponse(swap_out=convert.copies_to_pb(copies))
 
     async def SwapIn(self, request, context):
-        result, copies = await self._run(context, lambda: self.m.swap_in_one(self._seq(request.seq)))
-        return pb.SwapInResponse(page_ids=result.page_ids, swap_in=convert.copies_to_pb(copies))
+        out = await self._run(context, lambda: self.m.try_allocate(Resume(self._seq_id(request.seq))))
+        return pb.SwapInResponse(page_ids=out.result.page_ids, swap_in=convert.copies_to_pb(out.swap_in))
 
     async def GetSequence(self, request, context):
-        info = await self._run(context, lambda: self.m.sequence_info(self._seq(request.seq)))
+        info = await self._run(context, lambda: self.m.sequence_info(self._seq_id(request.seq)))
         return convert.sequence_to_pb(info)
 
     async def GetStats(self, request, context):
@@ -150,7 +145,7 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         events = self.m.events
         next_number = events.last + 1
         if request.snapshot:
-            yield convert.snapshot_to_pb(events.last, self.m.tree.nodes_parent_first())
+            yield convert.event_to_pb(self.m.snapshot())
         while not self._closing:
             for event in events.since(next_number):
                 yield convert.event_to_pb(event)

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
+from kvserve.kvcache_service.contract.types import PreemptionMode
+from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.kvcache_service.core.manager import KVCacheManager
 from kvserve.model_service.attention.select import select_backend
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.engine.engine import Engine
-from kvserve.model_service.engine.kv_client import InProcessKVClient, KVClient, RemoteKVClient
+from kvserve.kvcache_service.contract.client import InProcessKVClient, KVClient, RemoteKVClient
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import SchedulerConfig

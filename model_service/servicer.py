@@ -13,6 +13,7 @@ import uuid
 
 import grpc
 
+from kvserve.kvcache_service.contract import convert
 from kvserve.model_service.engine.engine import DuplicateRequest, QueueFull
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
@@ -20,7 +21,6 @@ from kvserve.model_service.request_builder import RequestBuilder, RequestError
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
@@ -99,7 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             running=e.num_running, waiting=e.num_waiting, swapped=e.num_swapped,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, cached_tokens=c.cached_tokens,
             requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
-            kvcache=kv_pb.Stats(**{f: getattr(kv, f) for f in type(kv).__slots__}),
+            kvcache=convert.stats_to_pb(kv),
             schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,
             forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s)
 

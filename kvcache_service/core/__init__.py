@@ -1,6 +1,10 @@
-"""The manager's core: plain Python, no torch, grpc or protobuf imports."""
+"""The manager's core: plain Python, no torch, grpc or protobuf imports.
 
-from kvserve.kvcache_service.core.errors import (
+KVCacheManager (manager.py) is its API; the types it takes and returns are the manager's
+contract (kvserve.kvcache_service.contract.types), re-exported here for convenience.
+"""
+
+from kvserve.kvcache_service.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -8,9 +12,8 @@ from kvserve.kvcache_service.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvserve.kvcache_service.core.hashing import ROOT_HASH, page_hashes
-from kvserve.kvcache_service.core.manager import KVCacheManager, ManagerConfig
-from kvserve.kvcache_service.core.types import (
+from kvserve.kvcache_service.contract.hashing import ROOT_HASH, page_hashes
+from kvserve.kvcache_service.contract.types import (
     Admit,
     Commit,
     Fork,
@@ -22,6 +25,8 @@ from kvserve.kvcache_service.core.types import (
     StepRequest,
     Truncation,
 )
+from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.kvcache_service.core.manager import KVCacheManager
 
 __all__ = [
     "ROOT_HASH", "Admit", "AlreadyExists", "Commit", "FailedPrecondition", "Fork", "Grow",

@@ -8,28 +8,8 @@ numbers and knows it missed events.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-
-@dataclass(slots=True)
-class PagesStored:
-    number: int
-    parent_hash: int
-    hashes: tuple[int, ...]  # a chain: each the parent of the next
-
-
-@dataclass(slots=True)
-class PagesEvicted:
-    number: int
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheReset:
-    number: int
-
-
-Event = PagesStored | PagesEvicted | CacheReset
+from kvserve.kvcache_service.contract.types import CacheReset, Event, PagesEvicted, PagesStored
 
 
 class EventLog:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvserve.kvcache_service.core.hashing import ROOT_HASH
+from kvserve.kvcache_service.contract.hashing import ROOT_HASH
 
 NO_PARENT = -1
 

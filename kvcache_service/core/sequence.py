@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.contract.types import SeqState
 
 SWAPPED_OUT = -1  # a page-table entry whose page sits in the CPU pool
 

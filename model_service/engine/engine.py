@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
-from kvserve.model_service.engine.kv_client import KVClient
+from kvserve.kvcache_service.contract.client import KVClient
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig

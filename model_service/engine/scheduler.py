@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvserve.kvcache_service.core.types import (
+from kvserve.kvcache_service.contract.types import (
     Admit,
     Commit,
     Grow,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
-from kvserve.model_service.engine.kv_client import InProcessKVClient
+from kvserve.kvcache_service.contract.client import InProcessKVClient
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
 

@@ -1,4 +1,4 @@
-"""check_invariants(m): the manager's whole state is consistent.
+"""check_invariants(state): the manager's whole state (KVCacheManager.state) is consistent.
 
 Called after every public call (and, with mid_step=True, from inside a Step).
 It reads the core's internals on purpose: the point is to catch a corrupted
@@ -11,34 +11,34 @@ from __future__ import annotations
 import struct
 from collections import Counter
 
-from kvserve.kvcache_service.core.hashing import ROOT_HASH, page_hashes
-from kvserve.kvcache_service.core.manager import KVCacheManager
+from kvserve.kvcache_service.contract.hashing import ROOT_HASH, page_hashes
+from kvserve.kvcache_service.core.state import ManagerState
 from kvserve.kvcache_service.core.prefix_tree import NO_PARENT
 from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
-from kvserve.kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.contract.types import SeqState
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(msg)
 
 
-def check_invariants(m: KVCacheManager, *, mid_step: bool = False) -> None:
-    _check_pages(m)
-    _check_seq_ids(m, mid_step)
-    _check_sequences(m)
-    _check_cpu(m, mid_step)
-    _check_tree(m)
-    _check_sequence_tree_links(m)
-    _check_stats(m)
+def check_invariants(state: ManagerState, *, mid_step: bool = False) -> None:
+    _check_pages(state)
+    _check_seq_ids(state, mid_step)
+    _check_sequences(state)
+    _check_cpu(state, mid_step)
+    _check_tree(state)
+    _check_sequence_tree_links(state)
+    _check_stats(state)
 
 
 # --------------------------------------------------------------------- pages
 
-def _check_pages(m: KVCacheManager) -> None:
-    n = m.pool.num_pages
-    ref = m.pool.ref
-    free = list(m.pool.free)
-    parked = m.tree.parked()
+def _check_pages(state: ManagerState) -> None:
+    n = state.pool.num_pages
+    ref = state.pool.ref
+    free = list(state.pool.free)
+    parked = state.tree.parked()
     if len(ref) != n:
         _fail(f"refcount array has {len(ref)} entries for {n} pages")
     dup = [p for p, c in Counter(free).items() if c > 1]
@@ -53,12 +53,12 @@ def _check_pages(m: KVCacheManager) -> None:
             _fail(f"free list holds page id {p} outside 0..{n - 1}")
         if ref[p] != 0:
             _fail(f"free page {p} has refcount {ref[p]}")
-        if m.tree.is_node(p):
+        if state.tree.is_node(p):
             _fail(f"free page {p} is a prefix-tree node")
     for p in parked:
         if not 0 <= p < n:
             _fail(f"LRU holds page id {p} outside 0..{n - 1}")
-        if not m.tree.is_node(p):
+        if not state.tree.is_node(p):
             _fail(f"parked page {p} is not a prefix-tree node")
         if ref[p] != 0:
             _fail(f"parked page {p} has refcount {ref[p]}")
@@ -69,11 +69,11 @@ def _check_pages(m: KVCacheManager) -> None:
                                         ("parked", p in parked_set)) if yes]
         if len(where) != 1:
             _fail(f"page {p} must be exactly one of free/referenced/parked, is {where or 'none'} "
-                  f"(ref={ref[p]}, node={m.tree.is_node(p)})")
+                  f"(ref={ref[p]}, node={state.tree.is_node(p)})")
     # Refcounts are exactly the page-table entries of live sequences (a stronger
     # form of "the sum of refcounts equals the number of entries").
     entries: Counter[int] = Counter()
-    for seq in m.seqs.values():
+    for seq in state.seqs.values():
         for p in seq.pages:
             if p == SWAPPED_OUT:
                 continue
@@ -87,19 +87,19 @@ def _check_pages(m: KVCacheManager) -> None:
             _fail(f"page {p} has refcount {ref[p]} but appears in {entries[p]} page-table entries")
         if entries[p] and p in free_set:
             _fail(f"page {p} is in a live page table and in the free list")
-    if not m.seqs and any(ref):
+    if not state.seqs and any(ref):
         _fail(f"no sequence is live but pages {[p for p in range(n) if ref[p]]} are referenced")
-    if m.available() != len(free) + len(parked):
-        _fail(f"available() {m.available()} != free {len(free)} + parked {len(parked)}")
+    if state.available() != len(free) + len(parked):
+        _fail(f"available() {state.available()} != free {len(free)} + parked {len(parked)}")
 
 
 # ------------------------------------------------------------------- seq ids
 
-def _check_seq_ids(m: KVCacheManager, mid_step: bool) -> None:
-    pool = m.seq_ids
+def _check_seq_ids(state: ManagerState, mid_step: bool) -> None:
+    pool = state.seq_ids
     free_ids = pool.free_ids()
     in_use = pool.in_use()
-    pending = list(m._pending_seq_ids)
+    pending = list(state.pending_seq_ids)
     if pending and not mid_step:
         _fail(f"seq ids {pending} are still pending after a public call")
     if len(free_ids) != len(set(free_ids)):
@@ -109,27 +109,27 @@ def _check_seq_ids(m: KVCacheManager, mid_step: bool) -> None:
     if set(free_ids) | in_use != set(range(pool.max_seqs)):
         _fail(f"free {sorted(free_ids)} and in-use {sorted(in_use)} seq ids do not cover "
               f"range({pool.max_seqs})")
-    if len(pending) != len(set(pending)) or set(pending) & set(m.seqs):
-        _fail(f"pending seq ids {pending} overlap live ones {sorted(m.seqs)} or repeat")
-    if in_use != set(m.seqs) | set(pending):
-        _fail(f"seq ids in use {sorted(in_use)} != live {sorted(m.seqs)} + pending {pending}")
+    if len(pending) != len(set(pending)) or set(pending) & set(state.seqs):
+        _fail(f"pending seq ids {pending} overlap live ones {sorted(state.seqs)} or repeat")
+    if in_use != set(state.seqs) | set(pending):
+        _fail(f"seq ids in use {sorted(in_use)} != live {sorted(state.seqs)} + pending {pending}")
 
 
 # ----------------------------------------------------------------- sequences
 
-def _check_sequences(m: KVCacheManager) -> None:
-    ps = m.page_size
-    if len(m.by_request) != len(m.seqs):
-        _fail(f"{len(m.by_request)} request ids for {len(m.seqs)} sequences")
-    for rid, sid in m.by_request.items():
-        seq = m.seqs.get(sid)
+def _check_sequences(state: ManagerState) -> None:
+    ps = state.page_size
+    if len(state.by_request) != len(state.seqs):
+        _fail(f"{len(state.by_request)} request ids for {len(state.seqs)} sequences")
+    for rid, sid in state.by_request.items():
+        seq = state.seqs.get(sid)
         if seq is None or seq.request_id != rid:
             _fail(f"request id {rid!r} maps to seq id {sid}, which is "
                   f"{'unknown' if seq is None else repr(seq.request_id)}")
-    running = {sid for sid, s in m.seqs.items() if s.state is SeqState.RUNNING}
-    if set(m.running) != running:
-        _fail(f"running order {list(m.running)} != running sequences {sorted(running)}")
-    for sid, seq in m.seqs.items():
+    running = {sid for sid, s in state.seqs.items() if s.state is SeqState.RUNNING}
+    if set(state.running) != running:
+        _fail(f"running order {list(state.running)} != running sequences {sorted(running)}")
+    for sid, seq in state.seqs.items():
         if seq.seq_id != sid:
             _fail(f"seqs[{sid}] has seq_id {seq.seq_id}")
         if not seq.tokens:
@@ -158,10 +158,10 @@ def _check_sequences(m: KVCacheManager) -> None:
             # The engine writes positions >= num_computed: those pages must be its own.
             for i in range(seq.num_computed // ps, len(seq.pages)):
                 p = seq.pages[i]
-                if m.pool.ref[p] != 1 or m.tree.is_node(p):
+                if state.pool.ref[p] != 1 or state.tree.is_node(p):
                     _fail(f"running seq {sid}: page {p} at index {i} holds writable slots "
-                          f"(num_computed={seq.num_computed}) but is shared (ref={m.pool.ref[p]}) "
-                          f"or a tree node ({m.tree.is_node(p)})")
+                          f"(num_computed={seq.num_computed}) but is shared (ref={state.pool.ref[p]}) "
+                          f"or a tree node ({state.tree.is_node(p)})")
         else:
             slots = sorted(i for i, p in enumerate(seq.pages) if p == SWAPPED_OUT)
             if sorted(i for i, _, _ in seq.swapped) != slots:
@@ -169,9 +169,9 @@ def _check_sequences(m: KVCacheManager) -> None:
                       f"SWAPPED_OUT slots {slots} of {seq.pages}")
 
 
-def _check_cpu(m: KVCacheManager, mid_step: bool) -> None:
-    cpu = m.cpu
-    held = [c for s in m.seqs.values() for _, c, _ in s.swapped]
+def _check_cpu(state: ManagerState, mid_step: bool) -> None:
+    cpu = state.cpu
+    held = [c for s in state.seqs.values() for _, c, _ in s.swapped]
     parts = list(cpu.free) + list(cpu.pending) + held
     if cpu.pending and not mid_step:
         _fail(f"CPU pages {cpu.pending} are still pending after a public call")
@@ -183,9 +183,9 @@ def _check_cpu(m: KVCacheManager, mid_step: bool) -> None:
 
 # ---------------------------------------------------------------------- tree
 
-def _check_tree(m: KVCacheManager) -> None:
-    tree, ref = m.tree, m.pool.ref
-    n = m.pool.num_pages
+def _check_tree(state: ManagerState) -> None:
+    tree, ref = state.tree, state.pool.ref
+    n = state.pool.num_pages
     for h, p in tree.page_of.items():
         if not 0 <= p < n or tree.hash_of[p] != h:
             _fail(f"tree: page_of[{h:#x}] = {p} but hash_of[{p}] = {tree.hash_of[p] if 0 <= p < n else '?'}")
@@ -219,19 +219,19 @@ def _check_tree(m: KVCacheManager) -> None:
                       "(it could be evicted before its child)")
     if tree.num_evictable != len(parked):
         _fail(f"tree: num_evictable {tree.num_evictable} != {len(parked)} parked")
-    _check_byte_index(m, nodes)
+    _check_byte_index(state, nodes)
 
 
-def _check_byte_index(m: KVCacheManager, nodes: list[int]) -> None:
+def _check_byte_index(state: ManagerState, nodes: list[int]) -> None:
     """The tree's second index, (parent page, or extra_key for a first page; the
     page's token bytes) -> page, where the tree has one: it names exactly the nodes."""
-    tree = m.tree
+    tree = state.tree
     child, key_of = getattr(tree, "child", None), getattr(tree, "key_of", None)
     if child is None or key_of is None:
         return
     if len(child) != len(nodes):
         _fail(f"tree: byte index holds {len(child)} keys for {len(nodes)} nodes")
-    for p in range(m.pool.num_pages):
+    for p in range(state.pool.num_pages):
         key = key_of[p]
         if tree.hash_of[p] is None:
             if key is not None:
@@ -242,16 +242,16 @@ def _check_byte_index(m: KVCacheManager, nodes: list[int]) -> None:
         parent = tree.parent_of[p]
         if (parent == NO_PARENT) != isinstance(key[0], str) or (parent != NO_PARENT and key[0] != parent):
             _fail(f"tree: node {p} has parent {parent} but byte key {key[0]!r}")
-        if len(key[1]) != 4 * m.page_size:
-            _fail(f"tree: node {p}'s byte key holds {len(key[1])} bytes, a page is {4 * m.page_size}")
+        if len(key[1]) != 4 * state.page_size:
+            _fail(f"tree: node {p}'s byte key holds {len(key[1])} bytes, a page is {4 * state.page_size}")
 
 
-def _check_sequence_tree_links(m: KVCacheManager) -> None:
+def _check_sequence_tree_links(state: ManagerState) -> None:
     """A sequence's tree pages are a prefix of its table, each the child of the
     previous one, holding exactly the sequence's own page hash."""
-    tree = m.tree
-    ps = m.page_size
-    for sid, seq in m.seqs.items():
+    tree = state.tree
+    ps = state.page_size
+    for sid, seq in state.seqs.items():
         is_node = [p != SWAPPED_OUT and tree.is_node(p) for p in seq.pages]
         k = is_node.index(False) if False in is_node else len(is_node)
         if any(is_node[k:]):
@@ -284,24 +284,24 @@ def _check_sequence_tree_links(m: KVCacheManager) -> None:
 
 # --------------------------------------------------------------------- stats
 
-def _check_stats(m: KVCacheManager) -> None:
-    s = m.stats()
-    n = m.pool.num_pages
+def _check_stats(state: ManagerState) -> None:
+    s = state.stats()
+    n = state.pool.num_pages
     want = dict(
         total_pages=n,
-        free_pages=len(m.pool.free),
-        cached_pages=len(m.tree.parked()),
-        used_pages=sum(1 for r in m.pool.ref if r > 0),
-        num_sequences=len(m.seqs),
-        free_seq_ids=len(m.seq_ids.free_ids()),
-        cpu_total_pages=m.cpu.num_pages,
-        cpu_free_pages=len(m.cpu.free) + len(m.cpu.pending),
-        page_size=m.page_size,
-        max_seqs=m.seq_ids.max_seqs,
-        num_swapped=sum(1 for q in m.seqs.values() if q.state is SeqState.SWAPPED),
-        epoch=m.epoch,
-        tree_pages=len(m.tree.page_of),
-        last_event=m.events.last,
+        free_pages=len(state.pool.free),
+        cached_pages=len(state.tree.parked()),
+        used_pages=sum(1 for r in state.pool.ref if r > 0),
+        num_sequences=len(state.seqs),
+        free_seq_ids=len(state.seq_ids.free_ids()),
+        cpu_total_pages=state.cpu.num_pages,
+        cpu_free_pages=len(state.cpu.free) + len(state.cpu.pending),
+        page_size=state.page_size,
+        max_seqs=state.seq_ids.max_seqs,
+        num_swapped=sum(1 for q in state.seqs.values() if q.state is SeqState.SWAPPED),
+        epoch=state.epoch,
+        tree_pages=len(state.tree.page_of),
+        last_event=state.events.last,
     )
     for name, value in want.items():
         if getattr(s, name) != value:
@@ -315,17 +315,17 @@ def _check_stats(m: KVCacheManager) -> None:
         _fail(f"stats: free counts exceed totals: {s}")
 
 
-def snapshot(m: KVCacheManager) -> tuple:
+def snapshot(state: ManagerState) -> tuple:
     """Everything a failed call must leave untouched."""
     seqs = {
         sid: (s.request_id, list(s.pages), list(s.tokens), s.num_computed, s.state, list(s.swapped),
               s.num_published, s.diverged_at, list(s.hashes), s.cached_tokens)
-        for sid, s in m.seqs.items()
+        for sid, s in state.seqs.items()
     }
-    return (m.stats(), seqs, dict(m.by_request), list(m.running), dict(m.tree.page_of),
-            list(m.tree.parent_of), list(m.tree.children), list(m.pool.free), m.tree.parked(),
-            list(m.pool.ref), m.seq_ids.free_ids(), list(m.cpu.free), list(m.cpu.pending),
-            list(m._pending_seq_ids), m.epoch, m.events.last)
+    return (state.stats(), seqs, dict(state.by_request), list(state.running), dict(state.tree.page_of),
+            list(state.tree.parent_of), list(state.tree.children), list(state.pool.free), state.tree.parked(),
+            list(state.pool.ref), state.seq_ids.free_ids(), list(state.cpu.free), list(state.cpu.pending),
+            list(state.pending_seq_ids), state.epoch, state.events.last)
 
 
 class EventMirror:
@@ -339,11 +339,11 @@ class EventMirror:
         self.last = 0
         self.evicted = 0
 
-    def sync(self, m: KVCacheManager) -> list[int]:
-        from kvserve.kvcache_service.core.events import CacheReset, PagesEvicted, PagesStored
+    def sync(self, state: ManagerState) -> list[int]:
+        from kvserve.kvcache_service.contract.types import CacheReset, PagesEvicted, PagesStored
 
         evicted: list[int] = []
-        for ev in m.events.since(self.last + 1):
+        for ev in state.events.since(self.last + 1):
             if ev.number != self.last + 1:
                 _fail(f"events: expected number {self.last + 1}, got {ev.number}")
             self.last = ev.number
@@ -368,9 +368,9 @@ class EventMirror:
                 self.nodes.clear()
             else:
                 _fail(f"events: unknown event {ev!r}")
-        if self.last != m.events.last:
-            _fail(f"events: replayed up to {self.last}, log is at {m.events.last}")
-        tree = m.tree
+        if self.last != state.events.last:
+            _fail(f"events: replayed up to {self.last}, log is at {state.events.last}")
+        tree = state.tree
         actual = {}
         for h, p in tree.page_of.items():
             parent = tree.parent_of[p]

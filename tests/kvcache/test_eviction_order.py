@@ -27,7 +27,7 @@ from kvserve.kvcache_service.core import (
     StepRequest,
 )
 from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
-from kvserve.kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.contract.types import SeqState
 from tests.kvcache.invariants import EventMirror, check_invariants
 
 TOKEN = st.integers(0, 3)
@@ -46,12 +46,12 @@ class Driver:
     # -------------------------------------------------------------- model
 
     def _referenced_hashes(self) -> set[int]:
-        tree = self.m.tree
-        return {tree.hash_of[p] for s in self.m.seqs.values() for p in s.pages
+        tree = self.m.state.tree
+        return {tree.hash_of[p] for s in self.m.state.seqs.values() for p in s.pages
                 if p != SWAPPED_OUT and tree.is_node(p)}
 
     def _parked_hashes(self) -> set[int]:
-        return set(self.m.tree.page_of) - self._referenced_hashes()
+        return set(self.m.state.tree.page_of) - self._referenced_hashes()
 
     def _observe(self) -> None:
         for h in self._referenced_hashes():
@@ -64,8 +64,8 @@ class Driver:
         try:
             return fn(*args)
         finally:
-            check_invariants(self.m)
-            evicted = self.mirror.sync(self.m)
+            check_invariants(self.m.state)
+            evicted = self.mirror.sync(self.m.state)
             after_parked = self._parked_hashes()
             remaining = parked_before & after_parked
             uses = []
@@ -96,13 +96,13 @@ class Driver:
         return f"r{self.rid}"
 
     def _running(self):
-        return [s for s in self.m.seqs.values() if s.state is SeqState.RUNNING]
+        return [s for s in self.m.state.seqs.values() if s.state is SeqState.RUNNING]
 
     def _compute_all(self, seq) -> None:
         """The model computes every token it has slots for, samples one more."""
         n = min(len(seq.tokens), len(seq.pages) * self.m.page_size)
         tail = [self.data.draw(TOKEN, label="sampled")] if n == len(seq.tokens) else []
-        self.call(self.m.commit_one, Commit(seq.seq_id, n, tail))
+        self.call(self.m.commit, Commit(seq.seq_id, n, tail))
 
     def admit(self) -> None:
         need = Admit(self._new_rid(), self._prompt())
@@ -110,18 +110,18 @@ class Driver:
             self.release()
             return
         res, _, _ = self.call(self.m.allocate, need)
-        self._compute_all(self.m.seqs[res.seq_id])
+        self._compute_all(self.m.state.seqs[res.seq_id])
 
     def admit_in_step(self) -> None:
         """A Step that releases some and admits some (no Grow, so no preemption)."""
         d, m = self.data, self.m
-        ids = sorted(m.seqs)
+        ids = sorted(m.state.seqs)
         releases = d.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2)) if ids else []
         needs = [Admit(self._new_rid(), self._prompt()) for _ in range(d.draw(st.integers(1, 2)))]
         plan = self.call(m.step, StepRequest(m.epoch, releases=releases, needs=needs))
         for res in plan.results:
             if res.granted:
-                self._compute_all(m.seqs[res.seq_id])
+                self._compute_all(m.state.seqs[res.seq_id])
 
     def grow(self) -> None:
         running = self._running()
@@ -134,9 +134,9 @@ class Driver:
             self._compute_all(seq)
 
     def release(self) -> None:
-        if self.m.seqs:
-            seq = self.data.draw(st.sampled_from(sorted(self.m.seqs)), label="release")
-            self.call(self.m.release_one, self.m.seqs[seq])
+        if self.m.state.seqs:
+            seq = self.data.draw(st.sampled_from(sorted(self.m.state.seqs)), label="release")
+            self.call(self.m.release, seq)
 
     def truncate(self) -> None:
         running = [s for s in self._running() if len(s.tokens) >= 2]
@@ -144,7 +144,7 @@ class Driver:
             return
         seq = self.data.draw(st.sampled_from(running), label="truncate")
         try:
-            self.call(self.m.truncate_one, seq, self.data.draw(st.integers(1, len(seq.tokens) - 1)))
+            self.call(self.m.truncate, seq.seq_id, self.data.draw(st.integers(1, len(seq.tokens) - 1)))
         except ResourceExhausted:
             pass
 
@@ -157,17 +157,17 @@ class Driver:
 
     def swap(self) -> None:
         m = self.m
-        swapped = [s for s in m.seqs.values() if s.state is SeqState.SWAPPED]
+        swapped = [s for s in m.state.seqs.values() if s.state is SeqState.SWAPPED]
         if swapped and self.data.draw(st.booleans()):
             seq = self.data.draw(st.sampled_from(swapped), label="swap in")
             if m.can_allocate(Resume(seq.seq_id)).ok:
-                self.call(m.swap_in_one, seq)
+                self.call(m.allocate, Resume(seq.seq_id))
             return
         running = self._running()
         if running:
             seq = self.data.draw(st.sampled_from(running), label="swap out")
             try:
-                self.call(m.swap_out_one, seq)
+                self.call(m.swap_out, seq.seq_id)
             except ResourceExhausted:
                 pass
 
@@ -190,8 +190,8 @@ def test_evictions_take_lru_leaves():
         drv = Driver(m, data)
         for _ in range(data.draw(st.integers(10, 60), label="ops")):
             getattr(drv, data.draw(st.sampled_from(OPS), label="op"))()
-        for sid in sorted(m.seqs):  # all released: nothing referenced, everything cached is evictable
-            drv.call(m.release_one, m.seqs[sid])
+        for sid in sorted(m.state.seqs):  # all released: nothing referenced, everything cached is evictable
+            drv.call(m.release, sid)
         assert m.stats().used_pages == 0
         assert m.stats().cached_pages == m.stats().tree_pages
         totals.update(drv.stats)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvserve.kvcache_service.core.hashing import page_hashes
+from kvserve.kvcache_service.contract.hashing import page_hashes
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.conftest import (
     KV,

@@ -137,7 +137,7 @@ def test_sixteen_clients_leave_nothing_behind(kv_factory) -> None:
     assert fresh.number == s.last_event and len(fresh.snapshot.pages) == s.tree_pages
     assert replay(events) == {p.hash: p.parent_hash for p in fresh.snapshot.pages}
 
-    check_invariants(kv.manager)  # every call has returned: the manager is idle
+    check_invariants(kv.manager.state)  # every call has returned: the manager is idle
 
 
 def run_clients(address: str) -> None:

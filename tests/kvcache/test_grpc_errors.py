@@ -160,7 +160,7 @@ def seeded(kv: KV) -> KV:
 def snapshot(kv: KV) -> tuple:
     """What clients can see, plus (between calls, when the server is idle) the core's whole state."""
     seen = (kv.stats(), kv.seq(seq_id=0), kv.seq(seq_id=1))
-    return (*seen, core_state(kv.manager))
+    return (*seen, core_state(kv.manager.state))
 
 
 @pytest.mark.parametrize("fails, code, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -174,7 +174,7 @@ def test_error_changes_nothing_and_the_server_keeps_serving(
     for word in words:
         assert word in err.details()
     assert snapshot(kv) == before
-    check_invariants(kv.manager)
+    check_invariants(kv.manager.state)
     # Still serving, and no id leaked: the next admission gets the next seq id and page.
     r = kv.step(epoch=EPOCH, needs=[admit("after", [9, 9])]).results[0]
     assert (r.granted, r.seq_id, list(r.page_ids)) == (True, 2, [5])

@@ -3,7 +3,7 @@
 import hashlib
 import struct
 
-from kvserve.kvcache_service.core.hashing import ROOT_HASH, iter_page_hashes, page_hashes
+from kvserve.kvcache_service.contract.hashing import ROOT_HASH, iter_page_hashes, page_hashes
 
 
 def reference(tokens, page_size, extra_key=""):

@@ -1,4 +1,4 @@
-"""One test per rule of the manager (ARCHITECTURE.md), each with a case that fails
+"""One test per rule of the manager (docs/architecture.md), each with a case that fails
 if the rule is broken. Page and seq ids are exact: a fresh manager hands both
 out FIFO from 0."""
 
@@ -56,9 +56,9 @@ def test_identical_prompts_in_one_step_share_no_uncomputed_page():
     assert a.cached_tokens == b.cached_tokens == 0
     # Both commit; the second finds the first's pages in the tree and keeps its own private.
     m.step(StepRequest(commits=[Commit(a.seq_id, 10), Commit(b.seq_id, 10)]))
-    assert m.tree.page_of == {h: p for h, p in zip(page_hashes(prompt, PS), [0, 1])}
+    assert m.state.tree.page_of == {h: p for h, p in zip(page_hashes(prompt, PS), [0, 1])}
     m.step(StepRequest(releases=[b.seq_id]))
-    assert list(m.pool.free)[-3:] == [5, 4, 3]  # b's pages were all private: freed, tail first
+    assert list(m.state.pool.free)[-3:] == [5, 4, 3]  # b's pages were all private: freed, tail first
 
 
 def test_uncomputed_page_is_never_a_hit():
@@ -87,11 +87,11 @@ def test_the_last_prompt_token_is_never_a_hit():
 def test_release_keeps_full_computed_pages_cached_and_frees_partial():
     m = make()
     a = admit_computed(m, "a", list(range(10)))  # pages 0, 1 full; 2 partial
-    freed, cached = m.release_one(m.seqs[a.seq_id])
+    freed, cached = m.release(a.seq_id)
     assert (freed, cached) == (1, 2)
     s = m.stats()
     assert (s.free_pages, s.cached_pages, s.used_pages) == (14, 2, 0)
-    assert m.tree.parked() == [1, 0]  # parked tail first: the leaf is the oldest
+    assert m.state.tree.parked() == [1, 0]  # parked tail first: the leaf is the oldest
 
 
 def test_eviction_takes_lru_leaves_first():
@@ -100,12 +100,12 @@ def test_eviction_takes_lru_leaves_first():
     b = admit_computed(m, "b", [50 + t for t in range(5)])  # page 3 full, 4 partial
     m.step(StepRequest(releases=[a.seq_id]))        # parks 1 then 0
     m.step(StepRequest(releases=[b.seq_id]))        # parks 3
-    assert m.tree.parked() == [1, 0, 3]
-    assert list(m.pool.free) == [5, 2, 4]
+    assert m.state.tree.parked() == [1, 0, 3]
+    assert list(m.state.pool.free) == [5, 2, 4]
     # Six pages wanted: the three free ones, then leaf 1, its parent 0, then 3.
     r = admit(m, "c", [90 + t for t in range(24)], max_tokens=20)
     assert r.page_ids == [5, 2, 4, 1, 0]
-    assert m.tree.parked() == [3]
+    assert m.state.tree.parked() == [3]
     assert m.stats().evictions == 2
 
 
@@ -116,7 +116,7 @@ def test_a_hit_refreshes_recency():
     m.step(StepRequest(releases=[a.seq_id, b.seq_id]))     # parked: 0 then 2
     c = admit(m, "c", list(range(5)))                       # hits 0: referenced again
     m.step(StepRequest(releases=[c.seq_id]))               # 0 parks again, now newest
-    assert m.tree.parked() == [2, 0]
+    assert m.state.tree.parked() == [2, 0]
 
 
 def test_can_allocate_counts_parked_hits_as_unavailable():
@@ -133,7 +133,7 @@ def test_can_allocate_counts_parked_hits_as_unavailable():
     assert not check.ok and check.pages_needed == 3 and check.pages_available == 2
     before = m.stats()
     with pytest.raises(ResourceExhausted):
-        m.allocate(Admit("d", list(range(8)) + [80 + t for t in range(12)]))
+        m.try_allocate(Admit("d", list(range(8)) + [80 + t for t in range(12)]))
     assert m.stats() == before
 
 
@@ -143,7 +143,7 @@ def test_can_allocate_true_means_allocate_succeeds():
     assert m.can_allocate(need).ok
     before = m.stats()
     assert m.stats() == before  # the check changed nothing
-    result, _, _ = m.allocate(need)
+    result, _, _ = m.try_allocate(need)
     assert result.page_ids == [0, 1, 2, 3]
 
 
@@ -155,7 +155,7 @@ def test_fork_shares_full_pages_and_copies_only_the_partial_one():
     (child,) = plan.results
     assert child.page_ids == [0, 1, 3]
     assert plan.copies == [(2, 3)]
-    assert m.pool.ref[0] == m.pool.ref[1] == 2 and m.pool.ref[2] == m.pool.ref[3] == 1
+    assert m.state.pool.ref[0] == m.state.pool.ref[1] == 2 and m.state.pool.ref[2] == m.state.pool.ref[3] == 1
     # Forking at a page boundary copies nothing.
     b = admit(m, "b", [40 + t for t in range(8)])
     m.step(StepRequest(commits=[Commit(b.seq_id, 8)]))
@@ -167,16 +167,16 @@ def test_truncate_frees_exactly_the_pages_past_the_new_end():
     m = make()
     a = admit(m, "a", list(range(13)))  # pages 0..3
     m.step(StepRequest(commits=[Commit(a.seq_id, 13, [99])]))  # 14 tokens known
-    seq = m.seqs[a.seq_id]
-    freed, copies = m.truncate_one(seq, 6)  # 8 tokens stay: pages 0, 1
+    seq = m.state.seqs[a.seq_id]
+    _, freed, copies = m.truncate(a.seq_id, 6)  # 8 tokens stay: pages 0, 1
     # Page 3 (private, partial) is freed; page 2 is full and computed: it stays cached.
     assert (freed, copies) == (1, [])
     assert seq.pages == [0, 1] and seq.tokens == list(range(8)) and seq.num_computed == 8
-    assert list(m.pool.free)[-1] == 3 and m.tree.parked() == [2]
+    assert list(m.state.pool.free)[-1] == 3 and m.state.tree.parked() == [2]
     # Truncating into a cached page copies it: the cached one is never overwritten.
-    freed, copies = m.truncate_one(seq, 2)  # 6 tokens: page 1 (a tree node) becomes partial
+    _, freed, copies = m.truncate(a.seq_id, 2)  # 6 tokens: page 1 (a tree node) becomes partial
     assert copies == [(1, 4)] and seq.pages == [0, 4]
-    assert m.tree.is_node(1) and m.pool.ref[1] == 0
+    assert m.state.tree.is_node(1) and m.state.pool.ref[1] == 0
 
 
 def test_swap_out_leaves_shared_pages_in_place_and_swap_in_dedups():
@@ -185,10 +185,10 @@ def test_swap_out_leaves_shared_pages_in_place_and_swap_in_dedups():
     m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
     b = admit(m, "b", list(range(9)))  # shares page 0 and 1 (cached)... the last token is on page 2
     assert b.cached_tokens == 8 and b.page_ids == [0, 1, 3]
-    copies = m.swap_out_one(m.seqs[a.seq_id])
+    copies = m.swap_out(a.seq_id)
     assert copies == [(2, 0)]  # only the private partial page; 0 and 1 are shared with b
-    assert m.seqs[a.seq_id].pages == [0, 1, SWAPPED_OUT]
-    result, copies = m.swap_in_one(m.seqs[a.seq_id])
+    assert m.state.seqs[a.seq_id].pages == [0, 1, SWAPPED_OUT]
+    result, copies, _ = m.try_allocate(Resume(a.seq_id))
     assert copies == [(0, 4)] and result.page_ids == [0, 1, 4]  # 4: the free list's head
 
 
@@ -196,9 +196,9 @@ def test_swap_in_shares_pages_that_stayed_cached():
     m = make()
     a = admit(m, "a", list(range(10)))
     m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
-    assert m.swap_out_one(m.seqs[a.seq_id]) == [(2, 0), (1, 1), (0, 2)]  # tail first
-    assert m.tree.parked() == [1, 0]  # tree pages stay cached on the device while swapped
-    result, copies = m.swap_in_one(m.seqs[a.seq_id])
+    assert m.swap_out(a.seq_id) == [(2, 0), (1, 1), (0, 2)]  # tail first
+    assert m.state.tree.parked() == [1, 0]  # tree pages stay cached on the device while swapped
+    result, copies, _ = m.try_allocate(Resume(a.seq_id))
     assert copies == [(0, 3)]  # only the private page comes back by copy
     assert result.page_ids == [0, 1, 3]
 
@@ -207,15 +207,15 @@ def test_swap_in_reinserts_evicted_pages_in_the_tree():
     m = make(num_pages=4)
     a = admit(m, "a", list(range(10)))
     m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
-    m.swap_out_one(m.seqs[a.seq_id])
+    m.swap_out(a.seq_id)
     admit(m, "x", [70 + t for t in range(16)])  # takes free page 3 and evicts 1, 0, 2
-    assert len(m.tree) == 0
+    assert len(m.state.tree) == 0
     m.step(StepRequest(releases=[1]))
     plan = m.step(StepRequest(needs=[Resume(a.seq_id)]))
     assert plan.results[0].granted
     assert sorted(plan.swap_in) == [(0, 1), (1, 0), (2, 2)] or len(plan.swap_in) == 3
-    seq = m.seqs[a.seq_id]
-    assert [m.tree.hash_of[p] for p in seq.pages[:2]] == page_hashes(list(range(10)), PS)
+    seq = m.state.seqs[a.seq_id]
+    assert [m.state.tree.hash_of[p] for p in seq.pages[:2]] == page_hashes(list(range(10)), PS)
 
 
 def test_preemption_takes_the_tail_of_the_running_order():
@@ -228,7 +228,7 @@ def test_preemption_takes_the_tail_of_the_running_order():
     assert plan.results[0].granted and plan.results[0].page_ids == [5]
     assert m.stats().preemptions_recompute == 1
     # c's pages were parked tail first, so a's growth evicted page 5; page 4 stays cached.
-    assert m.tree.parked() == [4]
+    assert m.state.tree.parked() == [4]
     assert m.match_prefix([20 + t for t in range(8)])[0] == 4
 
 
@@ -276,13 +276,13 @@ def test_seq_ids_are_reused_fifo_and_released_once():
     m = make(max_seqs=3)
     ids = [admit(m, r, [1, 2, 3]).seq_id for r in "abc"]
     assert ids == [0, 1, 2]
-    m.release_one(m.seqs[1])
+    m.release(1)
     with pytest.raises(NotFound):
-        m.resolve(1)
+        m.sequence_info(1)
     assert admit(m, "d", [1]).seq_id == 1
-    m.release_one(m.seqs[0])
-    m.release_one(m.seqs[2])
-    assert m.seq_ids.free_ids() == [0, 2]
+    m.release(0)
+    m.release(2)
+    assert m.state.seq_ids.free_ids() == [0, 2]
 
 
 def test_a_new_epoch_resets_and_a_stale_one_is_refused():
@@ -304,7 +304,7 @@ def test_a_new_epoch_resets_and_a_stale_one_is_refused():
 def test_bad_step_changes_nothing():
     m = make()
     a = admit(m, "a", list(range(6)))
-    before = (m.stats(), list(m.seqs[a.seq_id].pages), list(m.pool.free))
+    before = (m.stats(), list(m.state.seqs[a.seq_id].pages), list(m.state.pool.free))
     bad = [
         StepRequest(releases=[a.seq_id], needs=[Grow(99, 4)]),                    # unknown seq
         StepRequest(releases=[a.seq_id, a.seq_id]),                               # released twice
@@ -322,17 +322,17 @@ def test_bad_step_changes_nothing():
     for request in bad:
         with pytest.raises(errors):
             m.step(request)
-        assert (m.stats(), list(m.seqs[a.seq_id].pages), list(m.pool.free)) == before, request
+        assert (m.stats(), list(m.state.seqs[a.seq_id].pages), list(m.state.pool.free)) == before, request
 
 
 def test_swapped_sequences_refuse_grow_and_commit():
     m = make()
     a = admit(m, "a", list(range(6)))
-    m.swap_out_one(m.seqs[a.seq_id])
+    m.swap_out(a.seq_id)
     with pytest.raises(FailedPrecondition):
         m.step(StepRequest(needs=[Grow(a.seq_id, 12)]))
     with pytest.raises(FailedPrecondition):
-        m.commit_one(Commit(a.seq_id, 6))
+        m.commit(Commit(a.seq_id, 6))
 
 
 def test_generated_tokens_are_cached_for_the_next_turn():
@@ -359,9 +359,9 @@ def test_a_resume_undone_in_the_same_step_publishes_nothing():
     prompt = list(range(9))
     a = admit(m, "a", prompt)                                  # pages 0, 1, 2
     m.step(StepRequest(commits=[Commit(a.seq_id, 9)]))        # 0, 1 enter the tree
-    m.swap_out_one(m.seqs[a.seq_id])
+    m.swap_out(a.seq_id)
     b = admit(m, "b", [50 + t for t in range(24)])             # takes 3, 4, 5, 2 and evicts 1, 0
-    assert len(m.tree) == 0
+    assert len(m.state.tree) == 0
     m.step(StepRequest(commits=[Commit(b.seq_id, 24)]))
     m.step(StepRequest(releases=[b.seq_id]))                   # b's 6 pages all parked
     # a resumes (3 pages, copied back) and is then the tail when c's growth needs every page.
@@ -370,4 +370,4 @@ def test_a_resume_undone_in_the_same_step_publishes_nothing():
     assert [(p.seq_id, p.mode) for p in plan.preempted] == [(a.seq_id, PreemptionMode.RECOMPUTE)]
     assert plan.swap_in == []  # its copies would land in pages that are no longer its own
     hashes = page_hashes(prompt, PS)
-    assert all(m.tree.get(h) is None for h in hashes), "a page whose bytes never arrived is in the tree"
+    assert all(m.state.tree.get(h) is None for h in hashes), "a page whose bytes never arrived is in the tree"

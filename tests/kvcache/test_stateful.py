@@ -54,7 +54,7 @@ from kvserve.kvcache_service.core import (
     page_hashes,
 )
 from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
-from kvserve.kvcache_service.core.types import SeqState
+from kvserve.kvcache_service.contract.types import SeqState
 from tests.kvcache.invariants import EventMirror, check_invariants, snapshot
 
 TOKEN = st.integers(0, 2)  # a tiny alphabet: identical pages and prefix hits are common
@@ -135,9 +135,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _flush(self, s: ESeq) -> None:
         """The engine commits what it computed before a fine-grained call on the sequence."""
         if s.pending():
-            before = len(self.m.tree)
-            stored = self.m.commit_one(s.commit())
-            assert stored == len(self.m.tree) - before, "commit_one miscounts the pages it stored"
+            before = len(self.m.state.tree)
+            stored = self.m.commit(s.commit())
+            assert stored == len(self.m.state.tree) - before, "commit miscounts the pages it stored"
             s.committed()
 
     def _write(self, s: ESeq, start: int, end: int) -> None:
@@ -179,7 +179,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         ps, toks = self.ps, tuple(s.tokens)
         # A swapped sequence: the engine need not know where its pages went (a
         # Resume tells it); check the bytes where the manager says they are.
-        cpu_of = {i: c for i, c, _ in self.m.seqs[s.seq_id].swapped} if s.swapped else {}
+        cpu_of = {i: c for i, c, _ in self.m.state.seqs[s.seq_id].swapped} if s.swapped else {}
         for pos in range(s.computed):
             i = pos // ps
             if i in cpu_of:
@@ -308,7 +308,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for sid in running:
             if data.draw(st.integers(0, 3), label="grow?"):
                 if pressure:  # a little more than the last plan said was available
-                    extra = ps * data.draw(st.integers(1, m.available() + 2), label="lookahead pages")
+                    extra = ps * data.draw(st.integers(1, m.state.available() + 2), label="lookahead pages")
                 else:
                     extra = data.draw(st.sampled_from([0, 0, 0, 1, ps, 3 * ps]), label="lookahead")
                 grows.append(Grow(sid, post_len[sid] + extra))
@@ -333,14 +333,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         mode = data.draw(st.sampled_from([PreemptionMode.RECOMPUTE, PreemptionMode.SWAP]), label="mode")
         req = StepRequest(self.epoch, releases, truncs, commits, needs, mode)
 
-        before = snapshot(m)
-        free_ids = m.seq_ids.free_ids()
+        before = snapshot(m.state)
+        free_ids = m.state.seq_ids.free_ids()
         try:
             plan = m.step(req)
         except ResourceExhausted:
             # The one refusal a well-formed Step may meet: no page for a truncation's copy.
             assert truncs, "Step raised ResourceExhausted without truncations"
-            assert snapshot(m) == before, "a refused Step changed the state"
+            assert snapshot(m.state) == before, "a refused Step changed the state"
             for need in needs:  # the prompts go back to the queue
                 if isinstance(need, Admit):
                     self.waiting.append((list(need.token_ids), need.extra_key))
@@ -414,21 +414,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             if s is None or s.rid != pre.request_id:
                 # A sequence made in this step; its result was turned into a refusal.
                 assert pre.seq_id in new_ids and pre.mode is PreemptionMode.RECOMPUTE, pre
-                assert pre.request_id not in m.by_request, pre
+                assert pre.request_id not in m.state.by_request, pre
                 continue
             if pre.mode is PreemptionMode.RECOMPUTE:
-                assert pre.seq_id not in m.seqs, f"{pre} but the sequence is still live"
+                assert pre.seq_id not in m.state.seqs, f"{pre} but the sequence is still live"
                 del self.seqs[pre.seq_id]
                 if not s.swapped:  # (a swapped one resumed and preempted in this step was never listed)
                     self.order.remove(pre.seq_id)
                 self.waiting.append((list(s.tokens), s.ek))
                 COVERAGE["preempt recompute"] += 1
             else:
-                assert m.seqs[pre.seq_id].state is SeqState.SWAPPED, pre
+                assert m.state.seqs[pre.seq_id].state is SeqState.SWAPPED, pre
                 assert mode is PreemptionMode.SWAP, "SWAP preemption the engine did not ask for"
                 self._swapped_out(s)
                 COVERAGE["preempt swap"] += 1
-        assert plan.available_pages == m.available()
+        assert plan.available_pages == m.state.available()
         old_victims = [v for v in (pre.seq_id for pre in plan.preempted) if v in before_order]
         assert old_victims == before_order[::-1][: len(old_victims)], (
             f"victims {old_victims} are not the tail of the running order {before_order}")
@@ -442,8 +442,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         queue = free_ids + list(releases)
         assert taken == queue[: len(taken)], f"new seq ids {taken}, FIFO queue was {queue}"
         recomputed = [pre.seq_id for pre in plan.preempted if pre.mode is PreemptionMode.RECOMPUTE]
-        assert m.seq_ids.free_ids() == queue[len(taken):] + recomputed, (
-            f"free seq ids {m.seq_ids.free_ids()}, expected {queue[len(taken):] + recomputed}")
+        assert m.state.seq_ids.free_ids() == queue[len(taken):] + recomputed, (
+            f"free seq ids {m.state.seq_ids.free_ids()}, expected {queue[len(taken):] + recomputed}")
 
         self._execute(plan.swap_out, plan.copies, plan.swap_in)
         for s in touched:
@@ -470,10 +470,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._refused(need)
             self.waiting.append((prompt, ek))
             return
-        free_ids = m.seq_ids.free_ids()
-        res, swap_in, copies = m.allocate(need)
+        free_ids = m.state.seq_ids.free_ids()
+        res, swap_in, copies = m.try_allocate(need)
         assert not swap_in and not copies
-        assert [res.seq_id] + m.seq_ids.free_ids() == free_ids, "seq ids are not handed out FIFO"
+        assert [res.seq_id] + m.state.seq_ids.free_ids() == free_ids, "seq ids are not handed out FIFO"
         assert check.pages_needed == len(res.page_ids) - res.cached_tokens // ps
         assert res.cached_tokens == expect_cached, (
             f"admission hit {res.cached_tokens} tokens, the tree holds {expect_cached} of the prompt")
@@ -492,7 +492,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not check.ok:
             self._refused(need)
             return
-        res, swap_in, copies = self.m.allocate(need)
+        res, swap_in, copies = self.m.try_allocate(need)
         assert res.granted and not swap_in and not copies and not res.replaces_table
         assert len(res.page_ids) == check.pages_needed
         s.table.extend(res.page_ids)
@@ -508,12 +508,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not check.ok:
             self._refused(need)
             return
-        swapped_pages = len(self.m.seqs[s.seq_id].swapped)
-        if n == 0 and data.draw(st.booleans(), label="swap_in_one?"):
-            res, swap_in = self.m.swap_in_one(self.m.resolve(request_id=s.rid))
-        else:
-            res, swap_in, copies = self.m.allocate(need)
-            assert not copies
+        swapped_pages = len(self.m.state.seqs[s.seq_id].swapped)
+        if n == 0 and data.draw(st.booleans(), label="by request id?"):  # the SwapIn RPC's way
+            need = Resume(self.m.seq_id_of(s.rid))
+        res, swap_in, copies = self.m.try_allocate(need)
+        assert not copies
         self._resumed(s, res, n)
         if len(swap_in) < swapped_pages:
             COVERAGE["swap-in dedup"] += 1
@@ -525,17 +524,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         s = self.seqs[data.draw(st.sampled_from(self._running()), label="seq")]
         self._flush(s)
-        before = snapshot(self.m)
+        before = snapshot(self.m.state)
         try:
-            copies = self.m.swap_out_one(self.m.seqs[s.seq_id])
+            copies = self.m.swap_out(s.seq_id)
         except ResourceExhausted:
-            assert snapshot(self.m) == before, "a refused swap-out changed the state"
+            assert snapshot(self.m.state) == before, "a refused swap-out changed the state"
             COVERAGE["swap out refused"] += 1
             return
         self._swapped_out(s)
-        ms = self.m.seqs[s.seq_id]
+        ms = self.m.state.seqs[s.seq_id]
         assert sorted(copies) == sorted((s.table[i], c) for i, c, _ in ms.swapped), (
-            f"swap_out_one copies {copies} vs the manager's record {ms.swapped}")
+            f"swap_out copies {copies} vs the manager's record {ms.swapped}")
         self._execute(swap_out=copies)
         COVERAGE["swap out"] += 1
 
@@ -553,11 +552,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not check.ok:
             self._refused(need)
             return
-        if data.draw(st.booleans(), label="fork_one?"):
-            res, copies = self.m.fork_one(self.m.seqs[parent.seq_id], rid)
-        else:
-            res, swap_in, copies = self.m.allocate(need)
-            assert not swap_in
+        res, swap_in, copies = self.m.try_allocate(need)
+        assert not swap_in
         assert len(copies) == check.pages_needed == (1 if parent.computed % self.ps else 0)
         child = self._forked(parent, rid, res)
         self._execute(copies=copies)
@@ -571,15 +567,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             [sid for sid in self._running() if len(self.seqs[sid].tokens) >= 2]), label="seq")]
         self._flush(s)
         n = data.draw(st.integers(1, len(s.tokens) - 1), label="drop")
-        before = snapshot(self.m)
+        before = snapshot(self.m.state)
         try:
-            freed, copies = self.m.truncate_one(self.m.seqs[s.seq_id], n)
+            table, freed, copies = self.m.truncate(s.seq_id, n)
         except ResourceExhausted:
-            assert snapshot(self.m) == before, "a refused truncation changed the state"
+            assert snapshot(self.m.state) == before, "a refused truncation changed the state"
             return
         new_len = self._truncated(s, n)
+        assert table == self.m.state.seqs[s.seq_id].pages
         assert self._claim_copy(s, new_len, copies, 0, len(copies)) == len(copies), (
-            f"truncate_one: copies {copies} do not replace the new last page")
+            f"truncate: copies {copies} do not replace the new last page")
         self._execute(copies=copies)
         self._check_content(s, "after truncation")
 
@@ -590,14 +587,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         s = self.seqs.pop(data.draw(st.sampled_from(sorted(self.seqs)), label="seq"))
         if not s.swapped:
             self.order.remove(s.seq_id)
-        seq = m.resolve(request_id=s.rid) if data.draw(st.booleans()) else m.resolve(s.seq_id)
-        private = [p for p in seq.pages if p != SWAPPED_OUT and m.pool.ref[p] == 1]
-        want_freed = sum(1 for p in private if not m.tree.is_node(p))
-        free_ids = m.seq_ids.free_ids()
-        freed, cached = m.release_one(seq)
-        assert m.seq_ids.free_ids() == free_ids + [s.seq_id], "a released seq id must queue at the back"
+        seq_id = m.seq_id_of(s.rid) if data.draw(st.booleans()) else s.seq_id
+        seq = m.state.seqs[seq_id]
+        private = [p for p in seq.pages if p != SWAPPED_OUT and m.state.pool.ref[p] == 1]
+        want_freed = sum(1 for p in private if not m.state.tree.is_node(p))
+        free_ids = m.state.seq_ids.free_ids()
+        freed, cached = m.release(seq_id)
+        assert m.state.seq_ids.free_ids() == free_ids + [s.seq_id], "a released seq id must queue at the back"
         assert (freed, cached) == (want_freed, len(private) - want_freed), (
-            f"release_one returned ({freed}, {cached}), expected ({want_freed}, "
+            f"release returned ({freed}, {cached}), expected ({want_freed}, "
             f"{len(private) - want_freed})")
 
     @precondition(lambda self: any(not s.swapped and s.pending() for s in self.seqs.values()))
@@ -616,9 +614,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def register(self, how):
         m = self.m
         if how == "same epoch" and self.epoch:
-            before = snapshot(m)
+            before = snapshot(m.state)
             assert m.register(self.epoch, self.ps, self.cfg.num_pages) is False
-            assert snapshot(m) == before, "re-registering the same epoch changed the state"
+            assert snapshot(m.state) == before, "re-registering the same epoch changed the state"
             return
         if how == "admin reset":
             m.reset()  # (the engine is told out of band; the epoch stays)
@@ -637,16 +635,16 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _free_a_seq_id(self, data) -> None:
         """With every seq id taken, the engine finishes a request before it asks for another."""
-        if not len(self.m.seq_ids) and self.seqs and data.draw(st.integers(0, 3), label="finish one?"):
+        if not len(self.m.state.seq_ids) and self.seqs and data.draw(st.integers(0, 3), label="finish one?"):
             self.release(data)
 
     def _refused(self, need) -> None:
         """can_allocate said no: allocate must refuse it too, changing nothing."""
-        before = snapshot(self.m)
+        before = snapshot(self.m.state)
         with pytest.raises(ResourceExhausted):
-            self.m.allocate(need)
-        assert snapshot(self.m) == before, f"a refused allocate({need}) changed the state"
-        COVERAGE["allocate refused: " + ("seq ids" if not len(self.m.seq_ids) else "pages")] += 1
+            self.m.try_allocate(need)
+        assert snapshot(self.m.state) == before, f"a refused allocate({need}) changed the state"
+        COVERAGE["allocate refused: " + ("seq ids" if not len(self.m.state.seq_ids) else "pages")] += 1
 
     # --------------------------------------------------------- bad inputs
 
@@ -676,15 +674,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         m, ps = self.m, self.ps
-        check_invariants(m)
-        evicted = self.events.sync(m)
+        check_invariants(m.state)
+        evicted = self.events.sync(m.state)
         COVERAGE["evictions"] += len(evicted)
-        assert set(m.seqs) == set(self.seqs), (
-            f"manager holds seq ids {sorted(m.seqs)}, the engine {sorted(self.seqs)}")
-        assert list(m.running) == self.order, (
-            f"running order {list(m.running)}, the engine expects {self.order}")
+        assert set(m.state.seqs) == set(self.seqs), (
+            f"manager holds seq ids {sorted(m.state.seqs)}, the engine {sorted(self.seqs)}")
+        assert list(m.state.running) == self.order, (
+            f"running order {list(m.state.running)}, the engine expects {self.order}")
         for sid, s in self.seqs.items():
-            ms = m.seqs[sid]
+            ms = m.state.seqs[sid]
             assert ms.request_id == s.rid
             assert ms.tokens == s.tokens[: s.m_tokens] and len(ms.tokens) == s.m_tokens, (
                 f"seq {sid}: manager tokens {ms.tokens}, engine {s.tokens} ({s.m_tokens} committed)")
@@ -702,7 +700,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._check_content(s, "shadow check")
             if ms.diverged_at is not None:
                 COVERAGE["diverged sequence"] += 1
-        for h, p in m.tree.page_of.items():
+        for h, p in m.state.tree.page_of.items():
             assert h in self.registry, f"tree node page {p} holds tokens the engine never computed"
             ek, prefix = self.registry[h]
             base = len(prefix) - ps
@@ -728,10 +726,10 @@ BAD_INPUTS = {
     "release and commit": "running", "release and grow": "running",
     "truncate everything": "running", "truncate zero": "running", "truncate twice": "running",
     "two needs": "running", "commit twice": "running", "can_allocate grow zero": "running",
-    "commit_one beyond slots": "running", "truncate_one everything": "running",
-    "swap_in_one running": "running", "commit below computed": "computed",
+    "commit call beyond slots": "running", "truncate call everything": "running",
+    "swap-in call running": "running", "commit below computed": "computed",
     "grow swapped": "swapped", "fork swapped": "swapped", "commit swapped": "swapped",
-    "swap_out_one swapped": "swapped", "truncate swapped": "swapped",
+    "swap-out call swapped": "swapped", "truncate swapped": "swapped",
 }
 
 
@@ -739,12 +737,12 @@ def _targets(m: KVCacheManager, need: str | None) -> list:
     """The seq ids a bad input of this kind can name ([None]: it names none)."""
     if need is None:
         return [None]
-    running = sorted(sid for sid, s in m.seqs.items() if s.state is SeqState.RUNNING)
+    running = sorted(sid for sid, s in m.state.seqs.items() if s.state is SeqState.RUNNING)
     return {
-        "any": sorted(m.seqs),
+        "any": sorted(m.state.seqs),
         "running": running,
-        "computed": [sid for sid in running if m.seqs[sid].num_computed > 0],
-        "swapped": sorted(sid for sid, s in m.seqs.items() if s.state is SeqState.SWAPPED),
+        "computed": [sid for sid in running if m.state.seqs[sid].num_computed > 0],
+        "swapped": sorted(sid for sid, s in m.state.seqs.items() if s.state is SeqState.SWAPPED),
     }[need]
 
 
@@ -753,10 +751,10 @@ def bad_call(m: KVCacheManager, kind: str, sid: int | None, releases: list[int],
     """(a call that must fail, the KVCacheError class it must raise). Steps carry
     the valid `releases` and `commits` too, which must not be applied."""
     ps = m.page_size
-    unknown = next(i for i in range(10_000) if i not in m.seqs)
-    live = [i for i in sorted(m.seqs) if i not in releases and i != sid
-            and m.seqs[i].state is SeqState.RUNNING]
-    fine = [Grow(live[0], len(m.seqs[live[0]].tokens))] if live else []
+    unknown = next(i for i in range(10_000) if i not in m.state.seqs)
+    live = [i for i in sorted(m.state.seqs) if i not in releases and i != sid
+            and m.state.seqs[i].state is SeqState.RUNNING]
+    fine = [Grow(live[0], len(m.state.seqs[live[0]].tokens))] if live else []
 
     def step(**kw):
         base = dict(epoch=m.epoch, releases=releases, commits=commits)
@@ -776,23 +774,23 @@ def bad_call(m: KVCacheManager, kind: str, sid: int | None, releases: list[int],
             "unknown grow": (step(needs=fine + [Grow(unknown, 1)]), NotFound),
             "fork empty rid": (step(needs=[Fork(live[0], "")]) if live
                                else step(needs=[Admit("", [1])]), InvalidArgument),
-            "register epoch 0": (lambda: m.register(0, ps, m.pool.num_pages), InvalidArgument),
-            "register page_size": (lambda: m.register(m.epoch + 1, ps + 1, m.pool.num_pages),
+            "register epoch 0": (lambda: m.register(0, ps, m.state.pool.num_pages), InvalidArgument),
+            "register page_size": (lambda: m.register(m.epoch + 1, ps + 1, m.state.pool.num_pages),
                                    InvalidArgument),
-            "register num_pages": (lambda: m.register(m.epoch + 1, ps, m.pool.num_pages + 1),
+            "register num_pages": (lambda: m.register(m.epoch + 1, ps, m.state.pool.num_pages + 1),
                                    InvalidArgument),
             "match empty": (lambda: m.match_prefix([]), InvalidArgument),
-            "resolve unknown request": (lambda: m.resolve(request_id="no-such-request"), NotFound),
-            "allocate unknown": (lambda: m.allocate(Grow(unknown, 1)), NotFound),
+            "resolve unknown request": (lambda: m.seq_id_of("no-such-request"), NotFound),
+            "allocate unknown": (lambda: m.try_allocate(Grow(unknown, 1)), NotFound),
         }[kind]
-    seq = m.seqs[sid]
+    seq = m.state.seqs[sid]
     n, computed, slots = len(seq.tokens), seq.num_computed, len(seq.pages) * ps
     over = Commit(sid, slots + 1, tuple([0] * (slots + 1)))
     return {
         "double release": (step(releases=[sid, sid]), InvalidArgument),
         "admit live rid": (step(needs=fine + [Admit(seq.request_id, [1, 2])]), AlreadyExists),
         "fork live rid": (step(needs=[Fork(live[0], seq.request_id)]) if live
-                          else (lambda: m.allocate(Admit(seq.request_id, [1]))), AlreadyExists),
+                          else (lambda: m.try_allocate(Admit(seq.request_id, [1]))), AlreadyExists),
         "grow zero": (step(needs=[Grow(sid, 0)]), InvalidArgument),
         "resume running": (step(needs=[Resume(sid)]), FailedPrecondition),
         "commit beyond slots": (step(commits=commits + [over]), InvalidArgument),
@@ -813,24 +811,24 @@ def bad_call(m: KVCacheManager, kind: str, sid: int | None, releases: list[int],
         "two needs": (step(needs=[Grow(sid, 1), Grow(sid, 2)]), InvalidArgument),
         "commit twice": (step(commits=[Commit(sid, computed), Commit(sid, computed)]), InvalidArgument),
         "can_allocate grow zero": (lambda: m.can_allocate(Grow(sid, 0)), InvalidArgument),
-        "commit_one beyond slots": (lambda: m.commit_one(over), InvalidArgument),
-        "truncate_one everything": (lambda: m.truncate_one(m.seqs[sid], n), InvalidArgument),
-        "swap_in_one running": (lambda: m.swap_in_one(m.seqs[sid]), FailedPrecondition),
+        "commit call beyond slots": (lambda: m.commit(over), InvalidArgument),
+        "truncate call everything": (lambda: m.truncate(sid, n), InvalidArgument),
+        "swap-in call running": (lambda: m.try_allocate(Resume(sid)), FailedPrecondition),
         "grow swapped": (step(needs=[Grow(sid, 1)]), FailedPrecondition),
         "fork swapped": (step(needs=[Fork(sid, new_rid)]), FailedPrecondition),
         "commit swapped": (step(commits=commits + [Commit(sid, computed)]), FailedPrecondition),
-        "swap_out_one swapped": (lambda: m.swap_out_one(m.seqs[sid]), FailedPrecondition),
+        "swap-out call swapped": (lambda: m.swap_out(sid), FailedPrecondition),
         "truncate swapped": (step(truncations=[Truncation(sid, 1)]), FailedPrecondition),
     }[kind]
 
 
 def expect_refusal(m: KVCacheManager, kind: str, call, exc) -> None:
-    before = snapshot(m)
+    before = snapshot(m.state)
     with pytest.raises(KVCacheError) as info:
         call()
     assert type(info.value) is exc, f"{kind}: raised {type(info.value).__name__}: {info.value}"
-    assert snapshot(m) == before, f"{kind}: the failed call changed the state"
-    check_invariants(m)
+    assert snapshot(m.state) == before, f"{kind}: the failed call changed the state"
+    check_invariants(m.state)
 
 
 
@@ -849,7 +847,7 @@ def _watch_mid_step(monkeypatch) -> None:
 
         def watched(self, need, _serve=serve):
             result = _serve(self, need)
-            check_invariants(self.m, mid_step=True)
+            check_invariants(self.state, mid_step=True)
             COVERAGE["mid-step checks"] += 1
             return result
 
@@ -877,17 +875,17 @@ def test_manager_state_machine(monkeypatch):
 
 def test_step_commit_after_truncation_checks_real_slots():
     m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=4))
-    res, _, _ = m.allocate(Admit("a", [1, 2, 3, 4]))  # one page
+    res, _, _ = m.try_allocate(Admit("a", [1, 2, 3, 4]))  # one page
     sid = res.seq_id
     # Computed the prompt; eight draft tokens appended, no slots for them yet.
-    m.commit_one(Commit(sid, 4, [5, 6, 7, 8, 9, 10, 11, 12]))
-    check_invariants(m)
-    before = snapshot(m)
+    m.commit(Commit(sid, 4, [5, 6, 7, 8, 9, 10, 11, 12]))
+    check_invariants(m.state)
+    before = snapshot(m.state)
     # Drop 2 of the 12 tokens, then claim 8 computed: the sequence holds 4 slots.
     with pytest.raises(InvalidArgument):
         m.step(StepRequest(truncations=[Truncation(sid, 2)], commits=[Commit(sid, 8)]))
-    assert snapshot(m) == before  # "a call that raises has changed nothing"
-    check_invariants(m)
+    assert snapshot(m.state) == before  # "a call that raises has changed nothing"
+    check_invariants(m.state)
 
 
 def test_resume_preempted_in_its_step_publishes_nothing():
@@ -897,16 +895,16 @@ def test_resume_preempted_in_its_step_publishes_nothing():
     ps = 2
     m = KVCacheManager(ManagerConfig(num_pages=6, page_size=ps, max_seqs=4, cpu_pages=8))
     a_tokens = [1, 2, 3, 4, 5]
-    a = m.allocate(Admit("a", a_tokens))[0].seq_id
-    m.commit_one(Commit(a, 5, [6]))                  # pages 0, 1 enter the tree
-    m.swap_out_one(m.seqs[a])                        # they stay cached, parked
-    b = m.allocate(Admit("b", [9] * 9))[0].seq_id    # evicts one of them
-    m.commit_one(Commit(b, 9, [9]))
-    m.release_one(m.seqs[b])
-    c = m.allocate(Admit("c", [7, 7, 7]))[0].seq_id  # evicts the other
-    m.commit_one(Commit(c, 3, [7]))
+    a = m.try_allocate(Admit("a", a_tokens))[0].seq_id
+    m.commit(Commit(a, 5, [6]))                  # pages 0, 1 enter the tree
+    m.swap_out(a)                        # they stay cached, parked
+    b = m.try_allocate(Admit("b", [9] * 9))[0].seq_id    # evicts one of them
+    m.commit(Commit(b, 9, [9]))
+    m.release(b)
+    c = m.try_allocate(Admit("c", [7, 7, 7]))[0].seq_id  # evicts the other
+    m.commit(Commit(c, 3, [7]))
     hashes = page_hashes(a_tokens, ps)
-    assert [m.tree.get(h) for h in hashes] == [None, None]
+    assert [m.state.tree.get(h) for h in hashes] == [None, None]
     # A resumes (its two cached pages are copied back from the CPU), then c's Grow
     # does not fit and preempts the tail of the running order: a.
     plan = m.step(StepRequest(needs=[Resume(a), Grow(c, 8)]))
@@ -914,11 +912,11 @@ def test_resume_preempted_in_its_step_publishes_nothing():
     assert plan.swap_in == [] and not plan.results[0].granted and plan.results[1].granted
     written = {dst for _, dst in plan.swap_in} | {dst for _, dst in plan.copies}
     for i, h in enumerate(hashes):
-        page = m.tree.get(h)
+        page = m.state.tree.get(h)
         assert page is None or page in written, (
             f"page {i} of the preempted sequence is served from the tree at page {page}, "
             "which no copy in this plan writes")
-    check_invariants(m)
+    check_invariants(m.state)
     # Re-admitting the prompt must compute it, not hit garbage.
     assert m.match_prefix(a_tokens)[0] == 0
 
@@ -926,15 +924,15 @@ def test_resume_preempted_in_its_step_publishes_nothing():
 def _rich_manager() -> KVCacheManager:
     """Running sequences with and without computed tokens, a prefix hit, a swapped one."""
     m = KVCacheManager(ManagerConfig(num_pages=16, page_size=2, max_seqs=6, cpu_pages=8))
-    a = m.allocate(Admit("a", [1, 2, 3, 4, 5]))[0].seq_id
-    m.commit_one(Commit(a, 5, [6]))
-    b = m.allocate(Admit("b", [1, 2, 3, 4, 9]))[0].seq_id  # hits a's two full pages
-    m.commit_one(Commit(b, 5, [7]))
-    c = m.allocate(Admit("c", [8, 8, 8]))[0].seq_id
-    m.commit_one(Commit(c, 3, [8]))
-    m.swap_out_one(m.seqs[c])
-    m.allocate(Admit("d", [5, 5, 5, 5]))  # nothing computed yet
-    check_invariants(m)
+    a = m.try_allocate(Admit("a", [1, 2, 3, 4, 5]))[0].seq_id
+    m.commit(Commit(a, 5, [6]))
+    b = m.try_allocate(Admit("b", [1, 2, 3, 4, 9]))[0].seq_id  # hits a's two full pages
+    m.commit(Commit(b, 5, [7]))
+    c = m.try_allocate(Admit("c", [8, 8, 8]))[0].seq_id
+    m.commit(Commit(c, 3, [8]))
+    m.swap_out(c)
+    m.try_allocate(Admit("d", [5, 5, 5, 5]))  # nothing computed yet
+    check_invariants(m.state)
     return m
 
 
@@ -947,8 +945,8 @@ def test_bad_input_is_refused_and_changes_nothing(kind):
     for target in targets:
         for with_valid_parts in (False, True):
             m = _rich_manager()
-            d = m.by_request["d"]
-            others = [sid for sid in sorted(m.seqs) if sid not in (target, d)]
+            d = m.state.by_request["d"]
+            others = [sid for sid in sorted(m.state.seqs) if sid not in (target, d)]
             releases = others[-1:] if with_valid_parts else []
             commits = [Commit(d, 2)] if with_valid_parts and target != d else []
             call, exc = bad_call(m, kind, target, releases, commits, "new-request")

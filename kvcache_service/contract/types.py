@@ -1,9 +1,12 @@
-"""Plain data crossing the core's boundary: needs, results, step plans, stats.
+"""The manager's contract in plain data: needs, results, step plans, stats, events.
+
+The manager's core takes and returns these; the model service and a gateway build and read
+them; convert.py maps each to its protobuf message and back. No protobuf, grpc or torch here.
 
 The per-step types (needs, commits, StepRequest, Preemption) are not frozen: a frozen
-dataclass's __init__ sets every field through object.__setattr__, ~5x slower to build
-(0.85 vs 0.15 us for a Commit), and each Step builds dozens of them on both sides of
-the wire. Treat them as read-only all the same.
+dataclass's __init__ sets every field through object.__setattr__, several times slower to
+build (docs/benchmarks.md), and each Step builds dozens of them on both sides of the wire.
+Treat them as read-only all the same.
 
 Page copies are (src, dst) pairs; which pool each id refers to depends on the
 list they are in (see StepPlan).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class PreemptionMode(enum.IntEnum):
@@ -112,6 +116,13 @@ class StepPlan:
     available_pages: int = 0
 
 
+class Allocation(NamedTuple):
+    """What one need served outside a Step gets: its result and the copies to run first."""
+    result: NeedResult
+    swap_in: list[tuple[int, int]]   # (CPU page, device page)
+    copies: list[tuple[int, int]]    # (device page, device page), copy-on-write
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     """The answer of can_allocate."""
@@ -155,3 +166,35 @@ class Stats:
     epoch: int
     tree_pages: int
     last_event: int
+
+
+# ------------------------------------------------------------------ events (WatchEvents)
+# Numbered from 1, one more per event; a gap in the numbers means events were missed.
+
+@dataclass(slots=True)
+class PagesStored:
+    number: int
+    parent_hash: int
+    hashes: tuple[int, ...]  # a chain: each the parent of the next
+
+
+@dataclass(slots=True)
+class PagesEvicted:
+    number: int
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReset:
+    number: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every page in the tree as (hash, parent hash), parents first; `number`: the last event
+    it includes."""
+    number: int
+    pages: tuple[tuple[int, int], ...]
+
+
+Event = PagesStored | PagesEvicted | CacheReset | Snapshot

@@ -1,0 +1,191 @@
+"""Every check the manager makes before it changes anything.
+
+A call that fails a check raises a KVCacheError and has changed nothing. Step validates its
+whole request first (validate_step, against the state each part will meet: releases, then
+truncations, then commits, then needs); a fine-grained call runs the same check for its one
+operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from kvserve.kvcache_service.contract.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from kvserve.kvcache_service.contract.hashing import checked_token_bytes
+from kvserve.kvcache_service.contract.types import (
+    Admit,
+    Commit,
+    Fork,
+    Grow,
+    Need,
+    Resume,
+    SeqState,
+    StepRequest,
+)
+from kvserve.kvcache_service.core import release
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence
+from kvserve.kvcache_service.core.state import ManagerState
+
+_INT32_MAX = 2**31 - 1
+
+
+def out_of_range(token_ids: Seq[int]) -> int | None:
+    """The first token id outside [0, 2^31), or None."""
+    if not token_ids or checked_token_bytes(token_ids) is not None:  # one C pass: the common case
+        return None
+    return next((t for t in token_ids if not (isinstance(t, int) and 0 <= t <= _INT32_MAX)), token_ids[0])
+
+
+def check_new_request_id(state: ManagerState, request_id: str, what: str, pending: set[str] | None) -> None:
+    if not request_id:
+        raise InvalidArgument(f"{what}: request_id must not be empty")
+    if request_id in state.by_request or (pending and request_id in pending):
+        raise AlreadyExists(f"request id {request_id!r} is already live")
+
+
+def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = None) -> None:
+    check_new_request_id(state, need.request_id, "admit", pending)
+    if not need.token_ids:
+        raise InvalidArgument(f"admit {need.request_id!r}: token_ids must not be empty")
+    if need.max_tokens is not None and need.max_tokens <= 0:
+        raise InvalidArgument(f"admit {need.request_id!r}: max_tokens must be positive, got {need.max_tokens}")
+    bad = out_of_range(need.token_ids)
+    if bad is not None:
+        raise InvalidArgument(f"admit {need.request_id!r}: token id {bad} is not in [0, 2^31)")
+
+
+def check_need(state: ManagerState, need: Need, pending: set[str] | None = None) -> None:
+    """Raises for a malformed need or one naming a sequence in the wrong state. `pending`:
+    request ids admitted or forked earlier in the same Step."""
+    if isinstance(need, Grow):
+        state.running_seq(need.seq_id)
+        if need.num_tokens <= 0:
+            raise InvalidArgument(f"grow seq id {need.seq_id}: num_tokens must be positive, got {need.num_tokens}")
+    elif isinstance(need, Admit):
+        check_admit(state, need, pending)
+    elif isinstance(need, Resume):
+        state.swapped_seq(need.seq_id)
+        if need.num_tokens < 0:
+            raise InvalidArgument(f"resume seq id {need.seq_id}: num_tokens must not be negative")
+    elif isinstance(need, Fork):
+        state.running_seq(need.parent_seq_id)
+        if not need.request_id:
+            raise InvalidArgument("fork: the child's request_id must not be empty")
+        check_new_request_id(state, need.request_id, "fork", pending)
+    else:
+        raise InvalidArgument(f"unknown need {need!r}")
+
+
+def check_commit(state: ManagerState, c: Commit, num_tokens: int | None = None) -> None:
+    """num_tokens: the sequence's token count if a truncation precedes the commit."""
+    ps = state.page_size
+    seq = state.seqs.get(c.seq_id)
+    if seq is None or seq.state is not SeqState.RUNNING:
+        seq = state.running_seq(c.seq_id)  # raises the right error
+    if num_tokens is None:  # the common case, in one expression; any failure is reported below
+        n, ids = c.num_computed, c.token_ids
+        if (seq.num_computed <= n <= len(seq.tokens) + len(ids) and n <= len(seq.pages) * ps
+                and out_of_range(ids) is None):
+            return
+    known = (len(seq.tokens) if num_tokens is None else num_tokens) + len(c.token_ids)
+    computed = seq.num_computed if num_tokens is None else min(seq.num_computed, num_tokens)
+    pages = len(seq.pages) if num_tokens is None else min(len(seq.pages), -(-num_tokens // ps))
+    slots = pages * ps
+    if c.num_computed < computed:
+        raise InvalidArgument(
+            f"commit seq id {c.seq_id}: num_computed {c.num_computed} is below the {computed} "
+            "already computed (use Truncate to roll back)")
+    if c.num_computed > known:
+        raise InvalidArgument(
+            f"commit seq id {c.seq_id}: num_computed {c.num_computed} exceeds the {known} known tokens")
+    if c.num_computed > slots:
+        raise InvalidArgument(
+            f"commit seq id {c.seq_id}: num_computed {c.num_computed} exceeds the {slots} slots held")
+    bad = out_of_range(c.token_ids)
+    if bad is not None:
+        raise InvalidArgument(f"commit seq id {c.seq_id}: token id {bad} is not in [0, 2^31)")
+
+
+def check_truncate(state: ManagerState, seq_id: int, num_tokens: int) -> Sequence:
+    seq = state.running_seq(seq_id)
+    if num_tokens <= 0:
+        raise InvalidArgument(f"truncate seq id {seq_id}: num_tokens must be positive, got {num_tokens}")
+    if num_tokens >= len(seq.tokens):
+        raise InvalidArgument(
+            f"truncate seq id {seq_id}: cannot drop {num_tokens} of its {len(seq.tokens)} tokens "
+            "(at least one must stay; release it instead)")
+    return seq
+
+
+def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, available: int) -> int:
+    """Raises unless a truncation finds the page its copy may need, given `available` pages
+    before it runs. Returns the pages available after it."""
+    available += release.truncate_gain(state, seq, num_tokens)
+    cost = release.truncate_cost(state, seq, num_tokens)
+    if cost > available:
+        raise ResourceExhausted(f"truncating seq id {seq.seq_id} needs {cost} page for the copy of its "
+                                f"last page, {available} available")
+    return available - cost
+
+
+def validate_step(state: ManagerState, req: StepRequest) -> None:
+    """Checks the whole request against the state it will meet, before any change."""
+    released = set()
+    gained = 0  # pages the releases make available (freed or parked) before the truncations run
+    ref = state.pool.ref
+    for seq_id in req.releases:
+        seq = state.resolve(seq_id)
+        if seq_id in released:
+            raise InvalidArgument(f"step: seq id {seq_id} is released twice")
+        released.add(seq_id)
+        if req.truncations:  # only truncations need it: a walk over every page of the sequence
+            gained += sum(1 for page in seq.pages if page != SWAPPED_OUT and ref[page] == 1)
+
+    def live(seq_id: int, what: str) -> None:
+        if seq_id in released:
+            raise InvalidArgument(f"step: seq id {seq_id} is released and named by a {what} in the same step")
+
+    truncated: dict[int, int] = {}
+    available = state.available() + gained  # followed truncation by truncation, in the order they run
+    for t in req.truncations:
+        live(t.seq_id, "truncation")
+        seq = check_truncate(state, t.seq_id, t.num_tokens)
+        if t.seq_id in truncated:
+            raise InvalidArgument(f"step: seq id {t.seq_id} is truncated twice")
+        truncated[t.seq_id] = len(seq.tokens) - t.num_tokens
+        available = check_truncate_room(state, seq, t.num_tokens, available)
+    committed = set()
+    for c in req.commits:
+        live(c.seq_id, "commit")
+        if c.seq_id in committed:
+            raise InvalidArgument(f"step: seq id {c.seq_id} is committed twice")
+        committed.add(c.seq_id)
+        check_commit(state, c, truncated.get(c.seq_id))
+    _validate_needs(state, req, live)
+
+
+def _validate_needs(state: ManagerState, req: StepRequest, live) -> None:
+    new_ids: set[str] = set()
+    needing: set[int] = set()
+    seqs = state.seqs
+    for need in req.needs:
+        if type(need) is Grow:  # the common need, checked inline; errors come from check_need
+            seq_id = need.seq_id
+            seq = seqs.get(seq_id)
+            if seq is None or seq.state is not SeqState.RUNNING or need.num_tokens <= 0:
+                check_need(state, need, new_ids)
+            live(seq_id, "need")
+            if seq_id in needing:
+                raise InvalidArgument(f"step: seq id {seq_id} has two needs")
+            needing.add(seq_id)
+            continue
+        check_need(state, need, new_ids)
+        if isinstance(need, (Admit, Fork)):
+            new_ids.add(need.request_id)
+        if isinstance(need, Fork):
+            live(need.parent_seq_id, "fork")
+        if isinstance(need, Resume):
+            live(need.seq_id, "need")
+            if need.seq_id in needing:
+                raise InvalidArgument(f"step: seq id {need.seq_id} has two needs")
+            needing.add(need.seq_id)
