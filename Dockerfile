@@ -1,4 +1,7 @@
-# kvserve image: the README's install steps (a venv, torch pinned first, then the package).
+# kvserve image: the README's install steps (a venv, torch pinned first, then the package), in
+# two stages. The first has a C compiler and builds everything, the native CPU kernels included
+# (setup.py, for every instruction-set level they list, not for the build machine's CPU); the
+# serving image is the venv alone, with no compiler.
 #
 # CPU (default):
 #   docker build -t kvserve .
@@ -9,38 +12,40 @@
 # (PyPI's Linux torch wheel already bundles CUDA libraries; TORCH_INDEX_URL
 #  picks a specific CUDA, or https://download.pytorch.org/whl/cpu for a small CPU-only image.)
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
 
+FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=
-
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/kvserve/bin:$PATH
-
-# CUDA bases ship without Python (or without venv); python:* images have both.
-RUN if ! python3 -m venv /opt/kvserve 2>/dev/null; then \
-      rm -rf /opt/kvserve && apt-get update && \
-      apt-get install -y --no-install-recommends python3 python3-venv && \
-      rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/kvserve; \
+# gcc for the native kernels; CUDA bases ship without Python (or without venv).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && if ! python3 -m venv /opt/kvserve 2>/dev/null; then \
+      rm -rf /opt/kvserve && apt-get install -y --no-install-recommends python3 python3-venv python3-dev && \
+      python3 -m venv /opt/kvserve; \
     fi \
+ && rm -rf /var/lib/apt/lists/* \
  && pip install --upgrade pip
-
-# A C compiler: the native GEMM and the cpu attention backend's decode kernel are built at first
-# start, for the CPU they run on (-march=native). Without one, kvserve serves with oneDNN and the
-# torch attention backend (and warns).
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
-
 # Own layer: torch is by far the largest download and changes least often.
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
-
 WORKDIR /src
 COPY . .
-RUN pip install . && rm -rf /src/build
+RUN pip install . \
+ && python -c "from kvserve.model_service.kernels import library, levels; \
+missing = [k for k in levels.KERNELS if library.library_path(k, levels.KERNELS[k][0]) is None]; \
+assert not missing, f'native kernels not built: {missing}'"
 
-RUN useradd --create-home --uid 10001 kvserve
+FROM ${BASE_IMAGE}
+ENV PYTHONUNBUFFERED=1 \
+    PATH=/opt/kvserve/bin:$PATH
+# The venv's python is the base image's; CUDA bases need it installed here too.
+RUN if ! command -v python3 >/dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends python3 && rm -rf /var/lib/apt/lists/*; \
+    fi \
+ && useradd --create-home --uid 10001 kvserve
+COPY --from=build /opt/kvserve /opt/kvserve
 USER kvserve
 WORKDIR /home/kvserve
 

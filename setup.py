@@ -1,4 +1,4 @@
-"""What pyproject.toml cannot say declaratively: the package layout.
+"""What pyproject.toml cannot say declaratively: the package layout and the native kernels.
 
 Installing kvserve adds exactly one top-level import package, `kvserve`. Its root is
 protos/kvserve (the generated stubs live beside their .proto files), and each service folder of
@@ -9,9 +9,21 @@ the repository is one subpackage of it:
     kvcache_service/   -> kvserve.kvcache_service
     model_service/     -> kvserve.model_service
     clients/           -> kvserve.clients
+
+The native CPU kernels (model_service/kernels/*.c) are compiled here, by the same
+`pip install` that installs the package: once per instruction-set level they list in
+model_service/kernels/levels.py, which also gives the flags and why. They are plain shared
+libraries loaded through ctypes (kernels/library.py), not Python modules. Each build is
+optional: where it fails (no C compiler, an old one) pip warns, the package installs, and the
+model service runs on oneDNN and torch's own ops instead.
 """
 
-from setuptools import find_packages, setup
+import hashlib
+import platform
+import runpy
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
 
 FOLDERS = {
     "kvserve": "protos/kvserve",
@@ -20,6 +32,7 @@ FOLDERS = {
     "kvserve.model_service": "model_service",
     "kvserve.clients": "clients",
 }
+KERNELS_DIR = Path("model_service/kernels")
 
 
 def packages() -> list[str]:
@@ -30,8 +43,31 @@ def packages() -> list[str]:
     return sorted(set(found))
 
 
+def kernel_extensions() -> list[Extension]:
+    build = runpy.run_path(str(KERNELS_DIR / "levels.py"))
+    x86_64 = platform.machine() in ("x86_64", "AMD64")
+    out = []
+    for kernel, level_names in build["KERNELS"].items():
+        source = KERNELS_DIR / f"{kernel}.c"
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()   # library.py checks it on load
+        for name in level_names:
+            level = build["LEVELS"][name]
+            if level.x86_64_only and not x86_64:
+                continue
+            out.append(Extension(
+                f"kvserve.model_service.kernels._{kernel}_{name}",
+                sources=[str(source)],
+                extra_compile_args=[*build["COMPILE_FLAGS"], *([f"-march={level.march}"] if level.march else [])],
+                define_macros=[("KVSERVE_SOURCE_SHA256", f'"{digest}"')],
+                libraries=["m"],   # expf; glibc's libm.so brings libmvec, the vectorised one
+                optional=True,
+            ))
+    return out
+
+
 setup(
     package_dir=FOLDERS,
     packages=packages(),
-    package_data={"": ["*.proto", "*.pyi", "*.c"]},
+    package_data={"": ["*.proto", "*.pyi"]},
+    ext_modules=kernel_extensions(),
 )

@@ -31,7 +31,7 @@ from throughput import ROOT, Stack, make_prompts, run_kvserve  # noqa: E402
 PHASES = [
     ("forward: GEMMs (model/linear.py)", "model/linear.py"),
     ("forward: attention page gather", "PageGather.__call__"),
-    ("forward: attention kernels (SDPA, matmuls, cache write)", "attention/torch_backend.py"),
+    ("forward: attention kernels (SDPA, matmuls, cache write)", "model_service/attention/"),
     ("forward: batch build (runner.build)", "ModelRunner.build"),
     ("forward: the rest (norms, rope, embedding)", "ModelRunner.execute"),
     ("sampling", "model_service/sampling/"),

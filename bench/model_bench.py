@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.model_service.attention.select import select_backend  # noqa: E402
-from kvserve.model_service.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.model_service.attention.select import torch_attention  # noqa: E402
 from kvserve.model_service.kv_cache import KVCache  # noqa: E402
 from kvserve.model_service.model.linear import Linear  # noqa: E402
 from kvserve.model_service.model.loader import load_model  # noqa: E402
@@ -173,7 +173,7 @@ def bench_prefill(model, config, path: Path, repeat: int) -> None:
 
     tokens = torch.randint(7, config.vocab_size, (512,), generator=torch.Generator().manual_seed(2))
     cache = KVCache(config, 512 // PAGE + 1, PAGE)
-    backend = TorchAttentionBackend()
+    backend = torch_attention()
 
     def ours():
         batch = build_batch([Chunk(Sequence(tokens.tolist()), 512)], 0, PagePool(512 // PAGE + 1), PAGE)
@@ -203,7 +203,7 @@ def gemm_seconds(k: int, n: int, rows: int, gemm: str, repeat: int) -> float:
 
 def packed_gemms() -> list[str]:
     """The packed CPU GEMMs that run here (model/linear.py)."""
-    from kvserve.model_service.model.linear import choose_gemm
+    from kvserve.model_service.kernels.gemm import choose_gemm
 
     out = []
     for name in ("onednn", "native"):

@@ -1,4 +1,4 @@
-"""Pick an attention backend by name: "auto", "torch", "cpu" or "flash_attn"."""
+"""Pick an attention backend by name: "auto", "torch", "cpu" or "flash_attn", and build it."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import logging
 
 import torch
 
-from kvserve.model_service.attention import cpu_decode_kernel
 from kvserve.model_service.attention.base import AttentionBackend
-from kvserve.model_service.attention.cpu_backend import CpuAttentionBackend
+from kvserve.model_service.attention.chunks import NativeChunks, OneDnnChunks
+from kvserve.model_service.attention.decode import GatheredDecode, KernelDecode
 from kvserve.model_service.attention.flash_attn_backend import FlashAttnBackend, load_flash_api
-from kvserve.model_service.attention.torch_backend import TorchAttentionBackend
-from kvserve.model_service.model import cpu_gemm
+from kvserve.model_service.attention.page_gather import PageGather
+from kvserve.model_service.attention.paged import PagedAttention
+from kvserve.model_service.kernels import cpu_gemm, paged_decode
+from kvserve.model_service.kernels.cpu_gemm import CpuGemm
+from kvserve.model_service.kernels.library import KernelUnavailable, NotForThisCpu
+from kvserve.model_service.kernels.paged_decode import PagedDecodeKernel
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "flash_attn")
 log = logging.getLogger(__name__)
@@ -23,11 +27,11 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
     """auto: flash_attn on CUDA when flash-attn imports (and, if page_size is given,
     accepts it); cpu on CPU in float32 when its kernel builds; else torch. An explicit
     name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known.
-    gemm: the model's GEMM (linear.choose_gemm); the cpu backend's chunk products use the
-    native one only when the model does, where it builds."""
+    gemm: the model's GEMM (kernels/gemm.py); the cpu backend's chunk products use the
+    native one only when the model does."""
     device = torch.device(device)
     if name == "torch":
-        return TorchAttentionBackend()
+        return torch_attention()
     if name == "flash_attn":
         if device.type != "cuda":
             raise RuntimeError(f"the flash_attn backend runs on CUDA only, not on {device}")
@@ -42,35 +46,48 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
             return backend
         log.info("attention: flash_attn wants page_size %% %d == 0, got %d; using torch",
                  backend.page_size_multiple(), page_size)
-    if device.type == "cpu":   # _cpu_backend says why not (bfloat16, no compiler, ...)
+    if device.type == "cpu":   # _cpu_backend says why not (bfloat16, no kernel built, ...)
         try:
             return _cpu_backend(device, page_size, dtype, head_floats, gemm)
-        except RuntimeError as exc:   # a kernel that should build and does not is worth a warning
-            unbuilt = isinstance(exc.__cause__, cpu_decode_kernel.KernelUnavailable)
-            log.log(logging.WARNING if unbuilt else logging.INFO, "attention: %s; using torch", exc)
-    return TorchAttentionBackend()
+        except RuntimeError as exc:   # a kernel that should load and does not is worth a warning
+            cause = exc.__cause__
+            missing = isinstance(cause, KernelUnavailable) and not isinstance(cause, NotForThisCpu)
+            log.log(logging.WARNING if missing else logging.INFO, "attention: %s; using torch", exc)
+    return torch_attention()
+
+
+def torch_attention() -> PagedAttention:
+    """The reference backend: SDPA over gathered pages; CPU and any GPU."""
+    gather = PageGather()
+    return PagedAttention("torch", GatheredDecode(gather), OneDnnChunks(), gather)
+
+
+def cpu_attention(kernel: PagedDecodeKernel, gemm: CpuGemm | None = None) -> PagedAttention:
+    """Decode rows through the native paged kernel, cached-prefix chunks through the native
+    softmax and (where given) the native GEMM; the rest as the torch backend does it."""
+    return PagedAttention("cpu", KernelDecode(kernel), NativeChunks(kernel, gemm), PageGather())
 
 
 def _cpu_backend(device: torch.device, page_size: int | None, dtype: torch.dtype | None,
-                 head_floats: int | None, gemm: str) -> CpuAttentionBackend:
+                 head_floats: int | None, gemm: str) -> PagedAttention:
     if device.type != "cpu":
         raise RuntimeError(f"the cpu attention backend runs on CPU only, not on {device}")
     if dtype not in (None, torch.float32):
         raise RuntimeError(f"the cpu attention backend's kernel is float32 only, not {dtype}")
-    if page_size is not None and page_size > cpu_decode_kernel.MAX_PAGE_SIZE:
+    if page_size is not None and page_size > paged_decode.MAX_PAGE_SIZE:
         raise RuntimeError(f"the cpu attention backend takes pages of at most "
-                           f"{cpu_decode_kernel.MAX_PAGE_SIZE} tokens, not {page_size}")
-    if head_floats is not None and head_floats > cpu_decode_kernel.MAX_HEAD_FLOATS:
+                           f"{paged_decode.MAX_PAGE_SIZE} tokens, not {page_size}")
+    if head_floats is not None and head_floats > paged_decode.MAX_HEAD_FLOATS:
         raise RuntimeError(f"the cpu attention backend takes num_heads x head_dim up to "
-                           f"{cpu_decode_kernel.MAX_HEAD_FLOATS}, not {head_floats}")
+                           f"{paged_decode.MAX_HEAD_FLOATS}, not {head_floats}")
     try:
-        kernel = cpu_decode_kernel.load()
-    except cpu_decode_kernel.KernelUnavailable as exc:
+        kernel = paged_decode.load()
+    except KernelUnavailable as exc:
         raise RuntimeError(f"the cpu attention backend's kernel is unavailable: {exc}") from exc
     native = None
     if gemm == "native":
         try:
             native = cpu_gemm.load()
-        except cpu_gemm.KernelUnavailable:   # no AVX-512, say: chunk products stay on oneDNN
+        except KernelUnavailable:   # no AVX-512, say: the chunk products stay on oneDNN
             pass
-    return CpuAttentionBackend(kernel, native)
+    return cpu_attention(kernel, native)

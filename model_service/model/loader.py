@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.model_service.model.config import ModelConfig
-from kvserve.model_service.model.linear import choose_gemm
+from kvserve.model_service.kernels.gemm import choose_gemm
 from kvserve.model_service.model.llama import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +30,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints sa
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", gemm: str = "auto") -> tuple[CausalLM, ModelConfig]:
-    """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (linear.choose_gemm;
+    """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (kernels/gemm.py;
     ValueError if the one named cannot run here)."""
     path = Path(path)
     dtype = parse_dtype(dtype)

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.model_service.attention.base import AttentionBackend
 from kvserve.model_service.attention.select import select_backend
-from kvserve.model_service.attention.torch_backend import TorchAttentionBackend
+from kvserve.model_service.attention.select import torch_attention
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service.model.llama import CausalLM
 from kvserve.model_service.model.loader import load_model
@@ -54,7 +54,7 @@ def backend(request: pytest.FixtureRequest) -> AttentionBackend:
     """Both CPU backends: torch, the reference, and cpu as `auto` picks it (its decode through
     the native kernel; skipped where the kernel does not build)."""
     if request.param == "torch":
-        return TorchAttentionBackend()
+        return torch_attention()
     try:
         return select_backend("cpu", "cpu", dtype=torch.float32)
     except RuntimeError as exc:

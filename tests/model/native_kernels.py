@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import pytest
 
-from kvserve.model_service.native_build import KernelUnavailable
+from kvserve.model_service.kernels.library import KernelUnavailable
 
 K = TypeVar("K")
 

@@ -11,15 +11,15 @@ import sys
 import pytest
 import torch
 
-from kvserve.model_service.attention import cpu_decode_kernel, flash_attn_backend
-from kvserve.model_service.model import cpu_gemm
-from tests.model.native_kernels import load_or_skip, why_not
-from kvserve.model_service.attention.cpu_backend import CpuAttentionBackend
+from kvserve.model_service.attention import flash_attn_backend
+from kvserve.model_service.attention.decode import decode_groups
 from kvserve.model_service.attention.flash_attn_backend import FlashApi, FlashAttnBackend
-from kvserve.model_service.attention.select import select_backend
-from kvserve.model_service.attention.torch_backend import TorchAttentionBackend, decode_groups
+from kvserve.model_service.attention.paged import PagedAttention
+from kvserve.model_service.attention.select import cpu_attention, select_backend, torch_attention
 from kvserve.model_service.batch import ForwardBatch
-from kvserve.model_service.model.linear import onednn_available
+from kvserve.model_service.kernels import cpu_gemm, paged_decode
+from kvserve.model_service.kernels.onednn import onednn_available
+from tests.model.native_kernels import load_or_skip, why_not
 
 H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
 
@@ -87,8 +87,8 @@ CASES = {
 }
 
 
-def kernel_or_skip() -> cpu_decode_kernel.PagedDecodeKernel:
-    return load_or_skip(cpu_decode_kernel.load, "the cpu backend's kernel")
+def kernel_or_skip() -> paged_decode.PagedDecodeKernel:
+    return load_or_skip(paged_decode.load, "the cpu backend's kernel")
 
 
 def gemm_or_skip() -> cpu_gemm.CpuGemm:
@@ -109,14 +109,14 @@ class CountingGemm:
         return getattr(self.gemm, name)
 
 
-def make_backend(name: str) -> TorchAttentionBackend:
+def make_backend(name: str) -> PagedAttention:
     """torch; cpu (its cached-prefix chunks' products on oneDNN); cpu+gemm (on the native GEMM,
     as select_backend builds it where that runs)."""
     if name == "cpu":
-        return CpuAttentionBackend(kernel_or_skip())
+        return cpu_attention(kernel_or_skip())
     if name == "cpu+gemm":
-        return CpuAttentionBackend(kernel_or_skip(), CountingGemm(gemm_or_skip()))
-    return TorchAttentionBackend()
+        return cpu_attention(kernel_or_skip(), CountingGemm(gemm_or_skip()))
+    return torch_attention()
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu", "cpu+gemm"])
@@ -130,7 +130,7 @@ def test_cpu_backends_match_reference(case: str, name: str) -> None:
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=0.3)
     if name == "cpu+gemm":   # 2 products per KV head for each chunk on the matmul path
         matmul_chunks = sum(chunk.matmul for chunk in meta.prefills)
-        assert backend.gemm.calls == 2 * HK * matmul_chunks
+        assert backend.chunks.gemm.calls == 2 * HK * matmul_chunks
         assert matmul_chunks == (case == "a decode, and a long chunk behind a cached prefix")
     # The step's K/V landed at their slots.
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
@@ -141,7 +141,7 @@ def test_cpu_backends_match_reference(case: str, name: str) -> None:
 def test_only_mid_sized_cached_chunks_take_the_onednn_matmul_path() -> None:
     if not onednn_available(torch.float32):
         pytest.skip("oneDNN linears do not run here")
-    chunks = TorchAttentionBackend().prepare(make_batch([1, 70, 8, 12], [9, 170, 20, 12], 1)).prefills
+    chunks = torch_attention().prepare(make_batch([1, 70, 8, 12], [9, 170, 20, 12], 1)).prefills
     assert [c.bias is not None for c in chunks] == [True, False, False]   # short chunk; nothing cached
     bias, mask = chunks[0].bias, chunks[0].mask
     assert torch.equal(bias == 0, mask) and torch.isneginf(bias[~mask]).all()
@@ -157,10 +157,10 @@ def test_decode_groups_split_rows_by_context_length_longest_first() -> None:
 
 def test_decodes_in_length_order_are_sliced_not_indexed() -> None:
     lens = sorted(((5 * i) % 12 + 2 for i in range(24)), reverse=True)
-    meta = TorchAttentionBackend().prepare(make_batch([1] * 24, lens, 24))
-    assert [g.rows for g in meta.decode_groups] == [slice(0, 8), slice(8, 16), slice(16, 24)]
-    meta = TorchAttentionBackend().prepare(make_batch([1] * 24, lens[::-1], 24))
-    assert all(isinstance(g.rows, torch.Tensor) for g in meta.decode_groups)
+    meta = torch_attention().prepare(make_batch([1] * 24, lens, 24))
+    assert [g.rows for g in meta.decode] == [slice(0, 8), slice(8, 16), slice(16, 24)]
+    meta = torch_attention().prepare(make_batch([1] * 24, lens[::-1], 24))
+    assert all(isinstance(g.rows, torch.Tensor) for g in meta.decode)
 
 
 def fake_flash_api(version: int, calls: list[str]) -> FlashApi:
@@ -249,20 +249,20 @@ def test_select_cpu_backend_where_its_kernel_runs() -> None:
     with pytest.raises(RuntimeError, match="CPU only"):
         select_backend("cpu", "cuda")
     # A chat turn's chunk products run on the native GEMM only when the model's matmuls do.
-    assert select_backend("cpu", "cpu", gemm="onednn").gemm is None
-    assert select_backend("cpu", "cpu", gemm="torch").gemm is None
-    assert (select_backend("cpu", "cpu", gemm="native").gemm is None) == (why_not(cpu_gemm.load) is not None)
+    assert select_backend("cpu", "cpu", gemm="onednn").chunks.gemm is None
+    assert select_backend("cpu", "cpu", gemm="torch").chunks.gemm is None
+    assert (select_backend("cpu", "cpu", gemm="native").chunks.gemm is None) == (why_not(cpu_gemm.load) is not None)
 
 
-def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_load(monkeypatch) -> None:
     from kvserve.model_service.attention import select
 
     def unavailable():
-        raise cpu_decode_kernel.KernelUnavailable("no C compiler (cc, gcc or $CC) on this machine")
+        raise paged_decode.KernelUnavailable("the paged_decode kernel was not built for this CPU")
 
-    monkeypatch.setattr(select.cpu_decode_kernel, "load", unavailable)
+    monkeypatch.setattr(select.paged_decode, "load", unavailable)
     assert select_backend("auto", "cpu").name == "torch"
-    with pytest.raises(RuntimeError, match="kernel is unavailable: no C compiler"):
+    with pytest.raises(RuntimeError, match="kernel is unavailable: the paged_decode kernel was not built"):
         select_backend("cpu", "cpu")
 
 
@@ -283,7 +283,7 @@ def test_torch_backend_works_in_and_out_of_inference_mode() -> None:
     query_lens, seq_lens, num_decodes = CASES["mixed: 3 decodes, a cached chunk, a fresh chunk"]
     batch = make_batch(query_lens, seq_lens, num_decodes)
     q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
-    backend = TorchAttentionBackend()
+    backend = torch_attention()
     with torch.inference_mode():
         inside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
     outside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)

@@ -1,8 +1,7 @@
-"""The native paged decode kernel (attention/paged_decode.c) and how it is built and loaded."""
+"""The native paged decode kernel (kernels/paged_decode.c) against a reference."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,14 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.model_service.attention import cpu_decode_kernel
-from kvserve.model_service.attention.cpu_decode_kernel import KernelUnavailable
+from kvserve.model_service.kernels import paged_decode
 from tests.model.native_kernels import load_or_skip
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_decode_kernel.PagedDecodeKernel:
-    return load_or_skip(cpu_decode_kernel.load, "the paged decode kernel")
+def kernel() -> paged_decode.PagedDecodeKernel:
+    return load_or_skip(paged_decode.load, "the paged decode kernel")
 
 
 def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
@@ -93,48 +91,6 @@ def test_a_row_view_of_the_tables_and_queries_is_read_right(kernel) -> None:
         kernel(wide_q, k_cache, v_cache, tables[1:3], seq_lens[1:3], scale=0.25, max_len=30)
     with pytest.raises(ValueError, match="inconsistent"):
         kernel(wide_q[1:3], k_cache, v_cache, tables[1:3, :2], seq_lens[1:3], scale=0.25, max_len=30)
-
-
-def test_loading_the_kernel_keeps_denormals_and_one_openmp_runtime(kernel) -> None:
-    # A shared library linked with -ffast-math would switch on flush-to-zero process-wide.
-    tiny = torch.tensor([1e-39], dtype=torch.float32)         # below float32's smallest normal
-    assert (tiny * 1.0).item() != 0.0
-    gomps = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-             if Path(line.split()[-1]).name.startswith("libgomp")}
-    assert len(gomps) == 1, f"more than one OpenMP runtime loaded: {gomps}"
-
-
-def test_build_goes_to_the_cache_once_and_is_reused(kernel, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    built = cpu_decode_kernel._build_and_load()
-    assert built.path.parent == tmp_path / "kvserve" / "kernels" and built.path.is_file()
-    mtime = built.path.stat().st_mtime_ns
-    again = cpu_decode_kernel._build_and_load()
-    assert again.path == built.path and built.path.stat().st_mtime_ns == mtime
-    assert os.listdir(built.path.parent) == [built.path.name]   # no temp files left behind
-
-
-def test_a_missing_or_failing_compiler_is_reported(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(KernelUnavailable, match="no-such-cc"):
-        cpu_decode_kernel._build_and_load()
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\n"
-                      "echo 'cc: internal error' >&2; exit 1\n")
-    broken.chmod(0o755)
-    monkeypatch.setenv("CC", str(broken))
-    with pytest.raises(KernelUnavailable, match="failed:\ncc: internal error"):
-        cpu_decode_kernel._build_and_load()
-    assert not list((tmp_path / "kvserve" / "kernels").glob("*.so"))
-
-
-def test_a_cache_dir_that_cannot_be_written_is_reported(tmp_path, monkeypatch) -> None:
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
-    with pytest.raises(KernelUnavailable, match="cannot build into"):
-        cpu_decode_kernel._build_and_load()
 
 
 @settings(max_examples=40, deadline=None)

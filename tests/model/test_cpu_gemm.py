@@ -1,4 +1,4 @@
-"""The native float32 GEMM (model/cpu_gemm.c) against a float64 reference, and its refusals."""
+"""The native float32 GEMM (kernels/cpu_gemm.c) against a float64 reference, and its refusals."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.model_service.model import cpu_gemm
-from kvserve.model_service.model.cpu_gemm import KernelUnavailable
+from kvserve.model_service.kernels import cpu_gemm
+from kvserve.model_service.kernels.cpu_gemm import KernelUnavailable
 from tests.model.native_kernels import load_or_skip
 
 
@@ -129,9 +129,3 @@ def test_inconsistent_calls_are_refused(gemm) -> None:
     for call in bad:
         with pytest.raises(ValueError):
             call()
-
-
-def test_a_cpu_without_avx512_is_reported(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: "flags\t: fpu sse sse2 avx avx2 fma")
-    with pytest.raises(KernelUnavailable, match="no AVX-512"):
-        cpu_gemm._build_and_load()

@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_service.model import cpu_gemm
+from kvserve.model_service.kernels import cpu_gemm
 from kvserve.model_service.model.layers import GatedMLP
-from kvserve.model_service.model.linear import Linear, choose_gemm, matmul_nt, onednn_available
+from kvserve.model_service.kernels.gemm import choose_gemm
+from kvserve.model_service.kernels.onednn import matmul_nt, onednn_available
+from kvserve.model_service.model.linear import Linear
 from kvserve.model_service.model.loader import load_model
 from tests.model.native_kernels import why_not
 from tests.model.test_loader import prompt_logits

@@ -17,7 +17,7 @@ import torch
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.attention.select import select_backend
-from kvserve.model_service.model.linear import choose_gemm
+from kvserve.model_service.kernels.gemm import choose_gemm
 from tests.engine.harness import assert_same_tokens, hf_greedy
 from tests.service.util import (
     VOCAB,

@@ -1,19 +1,17 @@
-"""The native paged decode kernel (paged_decode.c): built on first use, called through ctypes.
+"""The native paged decode kernel (paged_decode.c), called through ctypes.
 
-How it is built, cached and linked against torch's OpenMP runtime: model_service/native_build.py.
-Without a compiler load() says why, and the torch backend serves as before.
+Built when kvserve is installed and loaded by kernels/library.py; where it cannot be,
+load() says why and the attention backends serve with torch's own ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from kvserve.model_service.native_build import KernelUnavailable, build_and_load, once_per_process
+from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
 MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a thread's stack
 MAX_PAGE_SIZE = 256       # the page's scores live on the stack too
 
@@ -24,8 +22,8 @@ class PagedDecodeKernel:
     """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages;
     and chunk_softmax, for the matmul path of a chunk behind a cached prefix."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, library: ctypes.CDLL, level: str) -> None:
+        self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
         fn = library.kvserve_paged_decode_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
@@ -71,9 +69,8 @@ class PagedDecodeKernel:
         return scores
 
 
-def _build_and_load() -> PagedDecodeKernel:
-    library, path = build_and_load(SOURCE)
-    return PagedDecodeKernel(library, path)
+def _load() -> PagedDecodeKernel:
+    return PagedDecodeKernel(*load_library("paged_decode", "a CPU it was built for"))
 
 
-load = once_per_process(_build_and_load)
+load = once_per_process(_load)

@@ -1,10 +1,10 @@
 /* Paged decode attention on CPU, float32: one query token per sequence.
  *
- * Built on the serving machine by native_build.py (cc -O3 -march=native
- * -fopenmp, linked against torch's own OpenMP runtime, so both share one thread
- * pool). The torch backend gathers a decode group's pages into a buffer and runs
- * SDPA over it, reading every key and value twice and writing them once; here
- * each page is read once, straight from the cache, with an online softmax.
+ * Built when kvserve is installed (setup.py; levels and flags in kernels/levels.py)
+ * and run on torch's own OpenMP pool (kernels/library.py). The torch backend
+ * gathers a decode group's pages into a buffer and runs SDPA over it, reading
+ * every key and value twice and writing them once; here each page is read once,
+ * straight from the cache, with an online softmax.
  *
  * Layout (model_service/attention/base.py):
  *   q, out              (num_seqs, num_heads, head_dim)
@@ -16,6 +16,13 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+
+#ifndef KVSERVE_SOURCE_SHA256
+#define KVSERVE_SOURCE_SHA256 ""
+#endif
+/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
+   built from another version of the source. */
+const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
 /* Random pages defeat the hardware prefetcher at every page boundary, so the next
  * page's loads are started by hand, one token record of K and of V beside each

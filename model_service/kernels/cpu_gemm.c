@@ -31,6 +31,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifndef KVSERVE_SOURCE_SHA256
+#define KVSERVE_SOURCE_SHA256 ""
+#endif
+/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
+   built from another version of the source. */
+const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
+
 #define NR 32   /* columns per panel: two 16-float vectors */
 #define MR 8    /* rows per tile */
 #define MC 128  /* rows per block: a chat turn's chunk (~80 rows) streams the weights once */

@@ -1,20 +1,18 @@
 """The native float32 GEMM (cpu_gemm.c): weights packed once into panels, called through ctypes.
 
-Built on first use like every native kernel (model_service/native_build.py). It needs
-AVX-512; elsewhere load() says why and linears run on oneDNN or F.linear (linear.choose_gemm).
+Built when kvserve is installed and loaded by kernels/library.py. It needs AVX-512; elsewhere
+load() says why and the linears run on oneDNN or F.linear (kernels/gemm.py chooses).
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kvserve.model_service.native_build import KernelUnavailable, build_and_load, cpu_flags, once_per_process
+from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
 PANEL = 32   # output columns per panel (NR in the C file)
 OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
@@ -33,8 +31,8 @@ class PackedWeight:
 class CpuGemm:
     """pack(W, b) once; then y = op(x Wᵀ + b) for any number of rows."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, library: ctypes.CDLL, level: str) -> None:
+        self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = library.kvserve_gemm_pack_f32
         self._pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
@@ -101,11 +99,8 @@ def _matrix(t: torch.Tensor, what: str) -> torch.Tensor:
     return _rows(t.detach())
 
 
-def _build_and_load() -> CpuGemm:
-    if "avx512f" not in cpu_flags().split():
-        raise KernelUnavailable("this CPU has no AVX-512 (the cpu gemm's tiles are AVX-512 code)")
-    library, path = build_and_load(SOURCE)
-    return CpuGemm(library, path)
+def _load() -> CpuGemm:
+    return CpuGemm(*load_library("cpu_gemm", "AVX-512 (its tiles are AVX-512 code)"))
 
 
-load = once_per_process(_build_and_load)
+load = once_per_process(_load)

@@ -1,0 +1,111 @@
+"""PagedAttention: the torch and cpu backends, one class composed of a decode strategy
+(decode.py) and a cached-prefix chunk strategy (chunks.py).
+
+    torch   GatheredDecode + OneDnnChunks   CPU and any GPU; the reference
+    cpu     KernelDecode   + NativeChunks   CPU, float32: the native paged kernel
+
+Per layer:
+1. Write the step's K/V: one index_copy_ of all T rows into the cache viewed as
+   (num_pages * page_size, Hk, D), at batch.slot_mapping.
+2. Decode rows (sequences [0, num_decodes), one query each) through the decode strategy.
+3. Prefill chunk rows: one attention per sequence over its gathered pages. A chunk with
+   nothing cached is plain causal SDPA; one behind a cached prefix needs a mask, and runs
+   as SDPA with it or, inside the chunk strategy's window, as two matmuls and a softmax.
+   Prefill is GEMM-bound, so the loop over sequences costs little here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model_service.attention.chunks import PrefillChunk
+from kvserve.model_service.attention.page_gather import PageGather
+from kvserve.model_service.batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class PagedMeta:
+    slot_mapping: torch.Tensor     # (T,) int64
+    num_decodes: int
+    decode: Any                    # the decode strategy's meta; None without decodes
+    prefills: list[PrefillChunk]
+
+
+class PagedAttention:
+    def __init__(self, name: str, decode, chunks, gather: PageGather) -> None:
+        self.name = name
+        self.decode = decode    # prepare(batch) -> meta; (q, k_cache, v_cache, meta, scale) -> out
+        self.chunks = chunks    # uses_matmul, bias, (q, keys, values, chunk, scale) -> out
+        self.gather = gather    # the prefill's page gather (GatheredDecode shares it)
+
+    def page_size_multiple(self) -> int:
+        return 1
+
+    def prepare(self, batch: ForwardBatch) -> PagedMeta:
+        nd = batch.num_decodes
+        decode = self.decode.prepare(batch) if nd else None
+        prefills = self._prepare_prefills(batch) if nd < batch.num_seqs else []
+        return PagedMeta(batch.slot_mapping, nd, decode, prefills)
+
+    def _prepare_prefills(self, batch: ForwardBatch) -> list[PrefillChunk]:
+        """One chunk per sequence after the decodes: its rows, pages and causal mask."""
+        device = batch.input_ids.device
+        tables = batch.block_tables.long()                                  # (B, max_pages)
+        prefills = []
+        starts = batch.cu_seqlens_q.tolist()
+        for i in range(batch.num_decodes, batch.num_seqs):
+            seq_len, q_len = batch.seq_lens_cpu[i], batch.query_lens_cpu[i]
+            cached = seq_len - q_len
+            mask = bias = None
+            matmul = False
+            if cached:
+                q_pos = torch.arange(cached, seq_len, device=device)           # (L,)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # (L, S)
+                matmul = self.chunks.uses_matmul(device, q_len, seq_len)
+                if matmul:
+                    bias = self.chunks.bias(mask)
+            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, matmul, bias))
+        return prefills
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: PagedMeta, scale: float) -> torch.Tensor:
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k)       # (pages*page, Hk, D)
+        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v)
+        if not meta.prefills:
+            return self.decode(q, k_cache, v_cache, meta.decode, scale)
+        out = torch.empty_like(q)                                           # (T, H, D)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.decode, scale)
+        for chunk in meta.prefills:
+            out[chunk.start:chunk.end] = self._prefill(q[chunk.start:chunk.end], k_cache, v_cache,
+                                                       chunk, scale)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        """q (L, H, D) of one chunk -> (L, H, D)."""
+        length, h, d = q.shape
+        page_size, hk = k_cache.shape[1], k_cache.shape[2]
+        g = h // hk
+        pages = chunk.pages[None, :-(-chunk.seq_len // page_size)]          # (1, P)
+        # Queries grouped by KV head; K/V broadcast over the group (stride 0, no copy).
+        # SDPA gets 4-D inputs: with 3-D ones torch's CPU SDPA takes its slow math path.
+        grouped = q.view(length, hk, g, d).permute(1, 2, 0, 3)              # (Hk, G, L, D)
+        shape = (hk, g, chunk.seq_len, d)
+        keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
+        values = self.gather(1, v_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
+        if chunk.matmul and q.dtype == torch.float32:
+            out = self.chunks(grouped, keys[:, 0], values[:, 0], chunk, scale)
+        elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
+            out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=chunk.mask,
+                                                 scale=scale)               # (Hk, G, L, D)
+        return out.permute(2, 0, 1, 3).reshape(length, h, d)

@@ -1,0 +1,48 @@
+"""What each native kernel is built for, and how: read by setup.py when kvserve is installed
+and by library.py when a kernel is loaded. Plain Python, no imports of kvserve or torch.
+
+A kernel is compiled once per instruction-set level it lists, best first; at run time the
+best level whose CPU flags this machine reports is loaded. The x86-64 levels are GCC's
+micro-architecture levels (-march=x86-64-v3: AVX2 and FMA; -v4: AVX-512 F/BW/CD/DQ/VL), not
+-march=native: a wheel or an image built on one machine must run on another.
+
+Compile flags and why:
+- -O3: the inner loops are vectorised by the compiler (paged_decode.c) or written with
+  intrinsics (cpu_gemm.c).
+- -ffast-math: lets GCC call glibc's vectorised expf (libmvec) inside `omp simd` loops and
+  reorder the softmax sums. Both kernels are written for it: no inf or NaN is ever formed
+  on purpose (-FLT_MAX stands for -inf, SiLU clamps its argument), and results differ from
+  torch's only in rounding. Compile only: at link time it would add crtfastmath.o, which
+  sets flush-to-zero for every thread of the process, torch's included.
+- -fopenmp: the kernels' parallel loops, run on torch's OpenMP pool (library.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    march: str                 # -march for GCC; "" is the compiler's default target
+    flags: frozenset[str]      # /proc/cpuinfo flags a CPU needs to run what -march allows
+    x86_64_only: bool = True
+
+
+_X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
+                        "cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+LEVELS = {
+    "avx512": Level("avx512", "x86-64-v4", _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                                          "avx512vl"}),
+    "avx2": Level("avx2", "x86-64-v3", _X86_64_V3),
+    "generic": Level("generic", "", frozenset(), x86_64_only=False),
+}
+
+# kernel (its C file's stem) -> the levels it is built for, best first
+KERNELS = {
+    "paged_decode": ("avx512", "avx2", "generic"),
+    "cpu_gemm": ("avx512",),   # its tiles are AVX-512 intrinsics
+}
+
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11")
