@@ -94,27 +94,42 @@ while os.read(fd, 4096):
 """
 
 
-def step_burst(engine, ms: float, where: str):
-    """After every engine loop pass, a core busy `ms` (see the module docstring); returns a
-    function that stops it."""
-    read_fd, write_fd = os.pipe()
-    if where == "process":
-        proc = subprocess.Popen([sys.executable, "-c", STEP_BURNER, str(read_fd), str(ms)], pass_fds=(read_fd,))
-    else:
-        def spin() -> None:
-            while os.read(read_fd, 4096):
-                start = time.perf_counter()
-                while time.perf_counter() - start < ms / 1e3:
-                    pass
-        threading.Thread(target=spin, daemon=True).start()
-    engine.flush_events = lambda: os.write(write_fd, b"x")
+class StepBurst:
+    """After every engine loop pass, once started, a core busy `ms` (see the module docstring).
+    Its tick is the engine's on_step_end."""
 
-    def stop() -> None:
-        engine.flush_events = lambda: None
+    def __init__(self, ms: float | None, where: str) -> None:
+        self.ms, self.where = ms, where
+        self.write_fd: int | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def tick(self) -> None:
+        if self.write_fd is not None:
+            os.write(self.write_fd, b"x")
+
+    def start(self) -> None:
+        if not self.ms:
+            return
+        read_fd, write_fd = os.pipe()
+        if self.where == "process":
+            self.proc = subprocess.Popen([sys.executable, "-c", STEP_BURNER, str(read_fd), str(self.ms)],
+                                         pass_fds=(read_fd,))
+        else:
+            def spin() -> None:
+                while os.read(read_fd, 4096):
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < self.ms / 1e3:
+                        pass
+            threading.Thread(target=spin, daemon=True).start()
+        self.write_fd = write_fd
+
+    def stop(self) -> None:
+        if self.write_fd is None:
+            return
+        write_fd, self.write_fd = self.write_fd, None
         os.close(write_fd)   # the burner reads end of file and ends
-        if where == "process":
-            proc.wait()
-    return stop
+        if self.proc is not None:
+            self.proc.wait()
 
 
 def main() -> None:
@@ -135,27 +150,26 @@ def main() -> None:
     args = ap.parse_args()
 
     path = Path(args.model) if args.model else default_tiny_path("bench")
+    burst = StepBurst(args.step_burst, args.burst_in)
     stack = build_on_a_thread_that_ends(ModelServiceConfig(
         model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm))
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm), on_step_end=burst.tick)
     engine = stack.engine
     engine.start()
-    burn = stop_burst = None
+    burn = None
     try:
         run(engine, [list(range(3, 35))], 4, "warm-up")   # as throughput.py: no workload prefix
         assert engine.wait_idle(60)
         prompts = make_prompts(args.requests, 32, 512, stack.model_config.vocab_size)
         burn = burner(args.burn)
-        if args.step_burst:
-            stop_burst = step_burst(engine, args.step_burst, args.burst_in)
+        burst.start()
         before = dict(vars(engine.counters))
         start = time.perf_counter()
         finished = run(engine, prompts, args.new_tokens, "run")
         wall = time.perf_counter() - start
         after = vars(engine.counters)
     finally:
-        if stop_burst is not None:
-            stop_burst()
+        burst.stop()
         engine.stop()
         if burn is not None:
             burn.kill()

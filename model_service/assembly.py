@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def build(cfg: ModelServiceConfig) -> ModelStack:
+def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:
+    """on_step_end: what the engine calls after each pass of its loop (the servicer's event relay)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(cfg.model)
@@ -128,6 +130,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
         num_pages=num_pages,
         max_waiting=cfg.max_waiting,
         stream_interval=cfg.stream_interval,
+        on_step_end=on_step_end,
     )
     log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name,
@@ -136,7 +139,7 @@ def build(cfg: ModelServiceConfig) -> ModelStack:
                       page_size, num_pages, max_model_len, eos_ids)
 
 
-def build_on_a_thread_that_ends(cfg: ModelServiceConfig) -> ModelStack:
+def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:
     """build(), on a thread of its own that ends once it returns.
 
     A thread that ran torch keeps an idle OpenMP pool while it lives, and with more OpenMP
@@ -147,7 +150,7 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig) -> ModelStack:
 
     def run() -> None:
         try:
-            box["stack"] = build(cfg)
+            box["stack"] = build(cfg, on_step_end)
         except BaseException as exc:   # raised again on the caller's thread
             box["error"] = exc
 

@@ -28,12 +28,12 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abo
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, stack) -> None:
+    def __init__(self, stack, relay: EventRelay) -> None:
         self.stack = stack
         self.engine = stack.engine
         self.builder = RequestBuilder(stack)
         self._draining = False
-        self._relay: EventRelay | None = None   # made on the serving loop, at the first call
+        self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -46,9 +46,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = self.builder.build(request, request.request_id or uuid.uuid4().hex)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self._relay is None:
-            self._relay = EventRelay(asyncio.get_running_loop())
-            self.engine.flush_events = self._relay.flush
         events: asyncio.Queue = asyncio.Queue()
         try:
             self.engine.submit(req, self._relay.sink(events))

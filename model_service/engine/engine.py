@@ -1,17 +1,17 @@
 """The engine loop: one thread owns torch and runs every step.
 
-    manager's answer → swap / copy pages → next plan out → forward → sample → emit
+    manager's plan → swap / copy pages → next proposal out → forward → sample → emit
 
-One Step round trip per step, pipelined: step N+1's plan is built and sent just
+One Step round trip per step, pipelined: step N+1's proposal is built and sent just
 before step N's forward, so the manager works while the model does, and step
-N+1 starts with its answer usually there (scheduler.py says how plans are built
+N+1 starts with its plan usually there (scheduler.py says how proposals are built
 ahead of the tokens they wait for).
 
 Other threads (the asyncio servicer) talk to it only through submit() and
 cancel(), which post to an inbox; events go back through each request's sink,
 which must not block, so a slow client never stalls a step. After each pass
-of the loop the engine calls `flush_events`, so a sink may hold its events
-until then and hand over a whole step's at once.
+of the loop the engine calls `on_step_end` (given at construction), so a sink may
+hold its events until then and hand over a whole step's at once.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Engine:
         num_pages: int,
         max_waiting: int = 1024,
         stream_interval: int = 1,
+        on_step_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
@@ -87,8 +88,8 @@ class Engine:
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0
-        self._in_flight: tuple | None = None  # (plan, callable giving the manager's answer)
-        self.flush_events: Callable[[], None] = lambda: None  # after each loop pass (servicer's relay)
+        self._in_flight: tuple | None = None  # (proposal, callable giving the manager's plan)
+        self.on_step_end = on_step_end  # after each loop pass: the servicer's event relay flushes
 
     # ------------------------------------------------------ other threads
 
@@ -142,11 +143,11 @@ class Engine:
                     log.exception("engine step failed")
                     self._fail_all(f"internal error in the engine step: {exc}")
                     self._restart()
-            self.flush_events()
+            self.on_step_end()
             if not self._has_work():
                 self._idle.set()
         self._fail_all("the server is shutting down")
-        self.flush_events()
+        self.on_step_end()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -170,20 +171,20 @@ class Engine:
     def _has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()
 
-    def _send_next_plan(self) -> None:
+    def _propose_next_step(self) -> None:
         c, clock = self.counters, time.perf_counter
         t0 = clock()
-        plan = self.scheduler.build()
+        proposal = self.scheduler.build()
         t1 = clock()
-        self._in_flight = (plan, self.kv.send_step(plan.step))
+        self._in_flight = (proposal, self.kv.send_step(proposal.step))
         c.schedule_s += t1 - t0
         c.manager_s += clock() - t1
 
     def _step(self) -> None:
         sched, c, clock = self.scheduler, self.counters, time.perf_counter
         if self._in_flight is None:  # nothing sent ahead: the first step after idling
-            self._send_next_plan()
-        (plan, answer_of), self._in_flight = self._in_flight, None
+            self._propose_next_step()
+        (proposal, answer_of), self._in_flight = self._in_flight, None
         t1 = clock()
         answer = answer_of()
         t2 = clock()
@@ -192,8 +193,7 @@ class Engine:
         cache.copy(answer.copies)
         cache.swap_in(answer.swap_in)
         t3 = clock()
-        work = sched.apply(plan, answer)
-        sched.launch(work)
+        work = sched.apply(proposal, answer)
         c.steps += 1
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
@@ -201,7 +201,7 @@ class Engine:
         c.manager_s += t2 - t1
         c.copy_s += t3 - t2
         if sched.has_work():
-            self._send_next_plan()  # its round trip overlaps this step's forward
+            self._propose_next_step()  # its round trip overlaps this step's forward
         if not work:
             return
         t4 = clock()

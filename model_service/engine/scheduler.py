@@ -9,12 +9,15 @@ sequences (max_num_seqs), spent in priority order:
 The manager serves the needs in that order and, when pages run out, preempts
 from the tail of the running order; apply() turns its answer into the batch.
 
-Pipelined: the engine builds and sends step N+1's plan while step N computes, so
-the manager's round trip hides behind the forward. launch(work) first moves each
+Pipelined: the engine builds and sends step N+1's proposal while step N computes,
+so the manager's round trip hides behind the forward. apply() ends by moving each
 request to where step N leaves it (computed through its chunk, one token pending
-if it samples), and build() plans from there. By the time N+1's answer is applied,
-step N may have finished some of those requests (a stop, a cancel): apply() drops
-their work and gives back what the manager granted them.
+if it samples), and build() proposes from there. By the time N+1's answer is
+applied, step N may have finished some of those requests (a stop, a cancel):
+apply() drops their work and gives back what the manager granted them.
+
+Words: the scheduler *proposes* a step (Proposal: the StepRequest it sent and what
+each request asked for); the manager answers with its *plan* (StepPlan).
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class Ask:
 
 
 @dataclass
-class Plan:
-    """What build() asked for, to be matched with the manager's answer."""
+class Proposal:
+    """What build() sent the manager, and what each request asked for: matched with the
+    manager's plan by apply()."""
     step: StepRequest
     asks: list[Ask]
 
@@ -110,7 +114,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- build
 
-    def build(self) -> Plan:
+    def build(self) -> Proposal:
         cfg, ps = self.config, self.config.page_size
         needs: list = []
         asks: list[Ask] = []
@@ -157,21 +161,22 @@ class Scheduler:
 
         step = StepRequest(self.epoch, self._releases, (), commits, needs, cfg.preemption_mode)
         self._releases = []
-        return Plan(step, asks)
+        return Proposal(step, asks)
 
     # --------------------------------------------------------------- apply
 
-    def apply(self, plan: Plan, answer: StepPlan) -> list[Work]:
-        """Takes the manager's answer; returns the step's work, decodes first."""
+    def apply(self, proposal: Proposal, answer: StepPlan) -> list[Work]:
+        """Takes the manager's plan for `proposal`; returns the step's work, decodes first, each
+        request already moved to where the step leaves it (the next proposal starts there)."""
         results = iter(answer.results)
         work: list[Work] = []
         recomputed = {p.seq_id for p in answer.preempted if p.mode is PreemptionMode.RECOMPUTE}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
             self._releases = [s for s in self._releases if s not in recomputed]
-        for ask in plan.asks:
+        for ask in proposal.asks:
             r = ask.request
             result = next(results) if ask.need is not None else None
-            if r.status is Status.FINISHED:   # ended after this plan was built
+            if r.status is Status.FINISHED:   # ended after this proposal was built
                 if type(ask.need) is Admit and result.granted and result.seq_id not in recomputed:
                     self._releases.append(result.seq_id)   # admitted for nobody: give it back
                 continue   # a grown or resumed sequence's release is already queued (finish)
@@ -206,14 +211,10 @@ class Scheduler:
         # groups that are row ranges; the cpu kernel's dynamic schedule starts the longest
         # first); the rest in plan order.
         work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding else 1)
-        return work
-
-    def launch(self, work: list[Work]) -> None:
-        """Moves each request to where this step leaves it, before the step computes:
-        the next plan is built from there (pipelined, see the module docstring)."""
-        for w in work:
+        for w in work:   # where this step leaves each request, before it computes (pipelined)
             w.request.num_computed = w.start + w.count
             w.request.pending = 1 if w.samples else 0
+        return work
 
     def _start(self, r: Request) -> None:
         r.status = Status.RUNNING

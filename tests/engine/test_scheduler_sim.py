@@ -6,7 +6,7 @@ sequence's whole context back through its page table. Any wrong page (a stale
 prefix hit, a lost swap, a bad copy) shows up as a context that differs from
 the request's tokens.
 
-The loop is the engine's: pipelined, the next step's plan is built and answered
+The loop is the engine's: pipelined, the next step's proposal is built and answered
 before this step "computes", and requests are cancelled at random between steps
 (as a closed client does), in flight or not."""
 
@@ -65,8 +65,8 @@ def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=3
     in_flight = None
 
     def send_next():
-        plan = sched.build()
-        return plan, kv.send_step(plan.step)
+        proposal = sched.build()
+        return proposal, kv.send_step(proposal.step)
 
     for _ in range(max_steps):
         if to_cancel and rng.random() < 0.2:   # between steps, as the engine takes its inbox
@@ -77,12 +77,11 @@ def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=3
             if not sched.has_work():
                 break
             in_flight = send_next()
-        (plan, answer_of), in_flight = in_flight, None
+        (proposal, answer_of), in_flight = in_flight, None
         answer = answer_of()
         preemptions += len(answer.preempted)
         cache.execute(answer)
-        work = sched.apply(plan, answer)
-        sched.launch(work)
+        work = sched.apply(proposal, answer)
         if sched.has_work():
             in_flight = send_next()   # before this step's tokens exist, as the engine does
         for w in work:

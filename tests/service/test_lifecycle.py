@@ -128,8 +128,8 @@ def test_the_model_is_built_on_a_thread_that_ends(tiny_dirs, monkeypatch):
 
     built_on = []
     real_build = assembly.build
-    monkeypatch.setattr(assembly, "build",
-                        lambda config: built_on.append(threading.current_thread()) or real_build(config))
+    monkeypatch.setattr(assembly, "build", lambda config, on_step_end: (
+        built_on.append(threading.current_thread()) or real_build(config, on_step_end)))
     server = ModelServerThread(tiny_dirs["tiny"])
     try:
         [thread] = built_on
