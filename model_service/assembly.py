@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from kvserve.kvcache_service.contract.types import PreemptionMode
-from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.kvcache_service.core.manager import KVCacheManager
 from kvserve.model_service.attention.select import select_backend
 from kvserve.model_service.config import ModelServiceConfig
@@ -164,9 +163,7 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[
 
 def _connect(cfg: ModelServiceConfig, num_pages: int, page_size: int) -> KVClient:
     if cfg.kvcache == "inprocess":
-        return InProcessKVClient(KVCacheManager(ManagerConfig(
-            num_pages=num_pages, page_size=page_size, max_seqs=2 * cfg.max_num_seqs,
-            cpu_pages=cfg.swap_pages)))
+        return InProcessKVClient(KVCacheManager(cfg.manager_config(num_pages, page_size)))
     client = RemoteKVClient(cfg.kvcache)
     client.wait_ready(cfg.kvcache_timeout_s)
     return client

@@ -1,38 +1,71 @@
-"""The model service's one configuration, validated at construction."""
+"""The model service's one configuration: every field a flag of `kvserve model` and `kvserve up`
+(services/plumbing/config_flags.py generates them), validated at construction.
+
+manager_config() is the one place the manager's sizes come from, whether `kvserve up` starts
+it as a process or the model service holds it in-process (`--kvcache inprocess`).
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.services.plumbing.config_flags import option
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_KVCACHE = "127.0.0.1:50061"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+CPU_GEMMS = ("auto", "native", "onednn", "torch")
+PREEMPTION_MODES = ("recompute", "swap")
+MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
+
+
+def parse_bytes(text: str) -> int:
+    """A size: 512MiB, 2GiB, 1000000."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)") from None
 
 
 @dataclass(frozen=True)
 class ModelServiceConfig:
-    model: str = "tiny"                   # "tiny" (generated on first use), a preset name, or a checkpoint dir
-    listen: str = DEFAULT_LISTEN
-    kvcache: str = DEFAULT_KVCACHE        # the manager's address, or "inprocess"
-    dtype: str = "auto"                   # float32 | bfloat16 | float16; auto: bf16 on CUDA, fp32 on CPU
-    device: str = "auto"                  # cpu | cuda | cuda:N; auto: cuda when available
-    attention_backend: str = "auto"       # auto | torch | cpu | flash_attn
-    cpu_gemm: str = "auto"                # auto | native | onednn | torch: what runs the matmuls on CPU
-    page_size: int | None = None          # tokens per page; None: 16, or 256 for flash-attn 2
-    num_pages: int | None = None          # device pages; None: from the memory budget below
-    kv_cache_memory: int | None = None    # bytes for KV pages; None: 1 GiB on CPU, profiled on CUDA
-    gpu_memory_utilization: float = 0.90  # CUDA: share of the GPU for weights + activations + pages
-    swap_pages: int = 0                   # CPU swap pages (preemption by swap); 0: recompute only
-    preemption_mode: str = "recompute"    # recompute | swap
-    max_num_seqs: int = 64                # sequences in one forward pass
-    max_num_batched_tokens: int = 2048    # tokens in one forward pass (chunked prefill splits longer prompts)
-    max_waiting: int = 1024               # queued requests before RESOURCE_EXHAUSTED
-    stream_interval: int = 1              # tokens per streamed chunk; the first token goes out at once
-    max_model_len: int | None = None      # None: the model's, capped by the page pool
-    cache_salt: str = ""                  # extra_key: keeps this deployment's prefix cache apart
-    prefix_caching: bool = True           # off: every request's pages are keyed apart (no hits)
-    kvcache_timeout_s: float = 60.0       # how long to wait for the manager at start
-    grace_s: float = 5.0                  # SIGTERM drain
-    sizing_file: str | None = None        # where to write {"num_pages", "page_size"} once sized (kvserve up)
+    model: str = option("tiny", "a checkpoint directory, or a built-in model (tiny, bench, ...) generated "
+                                "on first use")
+    listen: str = option(DEFAULT_LISTEN, "host:port or unix:///path")
+    kvcache: str = option(DEFAULT_KVCACHE, "the manager's address, or 'inprocess'")
+    dtype: str = option("auto", "weights and KV pages; auto is bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
+    device: str = option("auto", "cpu, cuda or cuda:N; auto is cuda where it is available")
+    attention_backend: str = option("auto", "attention over the pages; auto is flash_attn on CUDA where it "
+                                            "imports, cpu on CPU where its kernel loads, else torch",
+                                    choices=ATTENTION_BACKENDS)
+    cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "
+                                   "kvserve's measured order", choices=CPU_GEMMS)
+    page_size: int | None = option(None, "tokens per page (default 16; 256 for flash-attn 2)")
+    num_pages: int | None = option(None, "device KV pages (default: from the memory budget)")
+    kv_cache_memory: int | None = option(None, "bytes for KV pages, e.g. 2GiB (default 1GiB on CPU; "
+                                               "profiled on CUDA)", parse=parse_bytes)
+    gpu_memory_utilization: float = option(0.90, "CUDA: share of the GPU for weights, activations and pages")
+    swap_pages: int = option(0, "CPU swap pages (preemption by swap); 0: recompute only")
+    preemption_mode: str = option("recompute", "what a preempted sequence loses", choices=PREEMPTION_MODES)
+    max_num_seqs: int = option(64, "sequences in one forward pass")
+    max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
+    max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
+    stream_interval: int = option(1, "stream a request's tokens in chunks of this many (the first at once); "
+                                     "more is less per-message work for higher throughput, less smooth "
+                                     "streaming")
+    max_model_len: int | None = option(None, "default: the model's, capped by the page pool")
+    cache_salt: str = option("", "keeps this deployment's prefix cache apart (default: none)")
+    prefix_caching: bool = option(True, "never share KV pages between requests (for measurements)")
+    kvcache_timeout_s: float = option(60.0, "seconds to wait for the manager at start", flag="--kvcache-timeout")
+    grace_s: float = option(5.0, "seconds to drain on SIGTERM", flag="--grace-period")
+    # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
+    sizing_file: str | None = option(None, "where to write {num_pages, page_size} once sized", hidden=True)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -42,6 +75,12 @@ class ModelServiceConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
+        def one_of(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                                 f"got {value!r}")
+
         for name in ("page_size", "num_pages", "kv_cache_memory", "max_model_len"):
             positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
@@ -50,13 +89,16 @@ class ModelServiceConfig:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
-            raise ValueError(f"--attention-backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
-        if self.cpu_gemm not in ("auto", "native", "onednn", "torch"):
-            raise ValueError(f"--cpu-gemm must be auto, native, onednn or torch, got {self.cpu_gemm!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        one_of("dtype", DTYPES)
+        one_of("attention_backend", ATTENTION_BACKENDS)
+        one_of("cpu_gemm", CPU_GEMMS)
+        one_of("preemption_mode", PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
+
+    def manager_config(self, num_pages: int, page_size: int, max_seqs: int | None = None) -> ManagerConfig:
+        """The manager this model service needs, once its page pool is sized: the same pages,
+        its swap pages, and seq ids for twice the sequences a step runs (running, swapped, and
+        those released a step late by the pipelined engine), at least MIN_MANAGER_SEQS."""
+        return ManagerConfig(num_pages=num_pages, page_size=page_size, cpu_pages=self.swap_pages,
+                             max_seqs=max_seqs or max(MIN_MANAGER_SEQS, 2 * self.max_num_seqs))

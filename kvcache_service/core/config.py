@@ -1,18 +1,23 @@
-"""ManagerConfig: the sizes of the manager's pools, validated at construction."""
+"""ManagerConfig: the sizes of the manager's pools, validated at construction.
+
+Each field's "help" makes it a flag of `kvserve kvcache` (services/plumbing/config_flags.py
+generates them; the core itself imports nothing for it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
     """Sizes of the pools. Defaults fit a demo on one small model."""
-    num_pages: int = 4096      # device pages; must equal the model service's
-    page_size: int = 16        # tokens per page; must equal the model service's
-    max_seqs: int = 256        # live sequences at once (the seq-id pool)
-    cpu_pages: int = 0         # CPU swap pages; 0 disables SWAP preemption
-    event_capacity: int = 65536  # events kept for slow WatchEvents subscribers
+    num_pages: int = field(default=4096, metadata={"help": "device KV pages; must match the model service"})
+    page_size: int = field(default=16, metadata={"help": "tokens per page; must match the model service"})
+    max_seqs: int = field(default=256, metadata={"help": "live sequences at once: the seq-id pool"})
+    cpu_pages: int = field(default=0, metadata={"help": "CPU swap pages; 0 disables swapping"})
+    event_capacity: int = field(default=65536, metadata={
+        "help": "events kept for WatchEvents subscribers that fall behind"})
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_seqs", "event_capacity"):

@@ -15,42 +15,40 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvserve.kvcache_service.cli import DEFAULT_LISTEN as KV_LISTEN
-from kvserve.model_service.cli import add_model_arguments
-from kvserve.model_service.config import DEFAULT_LISTEN
+from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
+from kvserve.model_service.config import ModelServiceConfig
+from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
-_MODEL_FLAGS = ("model", "dtype", "device", "attention_backend", "cpu_gemm", "page_size", "num_pages", "kv_cache_memory",
-                "gpu_memory_utilization", "swap_pages", "preemption_mode", "max_num_seqs",
-                "max_num_batched_tokens", "max_waiting", "stream_interval", "max_model_len", "cache_salt",
-                "grace_period")
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `kvserve up` decides itself; every other flag is the model service's."""
+    kvcache_listen: str = option(KV_LISTEN, "the manager's address, host:port or unix:///path")
+    max_seqs: int | None = option(None, "the manager's seq-id pool (default: twice --max-num-seqs, at least 256)")
+    startup_timeout_s: float = option(600.0, "seconds to wait for the model to load and size its pool",
+                                      flag="--startup-timeout")
+
+    def __post_init__(self) -> None:
+        if self.max_seqs is not None and self.max_seqs <= 0:
+            raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout_s}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="run the manager and the model service together",
                               description=__doc__.splitlines()[0].split(": ", 1)[1])
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"the model service's address (default {DEFAULT_LISTEN})")
-    p.add_argument("--kvcache-listen", default=KV_LISTEN,
-                   help=f"the manager's address, host:port or unix:///path (default {KV_LISTEN})")
-    p.add_argument("--max-seqs", type=int, default=None,
-                   help="the manager's seq-id pool (default: twice --max-num-seqs, at least 256)")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds to wait for the model to load and size its pool (default 600)")
-    add_model_arguments(p)
+    add_arguments(p, UpConfig)
+    add_arguments(p, ModelServiceConfig, exclude=("kvcache", "sizing_file"))   # up wires those itself
     p.set_defaults(func=run)
 
 
-def _flag_args(args: argparse.Namespace) -> list[str]:
-    out = [] if args.prefix_caching else ["--no-prefix-caching"]
-    for name in _MODEL_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
+    up = from_args(UpConfig, args, "kvserve up")
+    model_config = from_args(ModelServiceConfig, args, "kvserve up")   # refused here, before anything starts
     cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
     stop = {"signal": None}
 
@@ -63,28 +61,25 @@ def run(args: argparse.Namespace) -> int:
         sizing = Path(tmp) / "sizing.json"
         # Both run on this host: the engine reaches the manager over a private Unix socket;
         # --kvcache-listen stays open for everyone else (grpcurl, a gateway's WatchEvents).
-        link = args.kvcache_listen if args.kvcache_listen.startswith("unix:") else f"unix://{tmp}/kv.sock"
+        link = up.kvcache_listen if up.kvcache_listen.startswith("unix:") else f"unix://{tmp}/kv.sock"
+        model_config = replace(model_config, kvcache=link, sizing_file=str(sizing))
         # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-        model = subprocess.Popen(cli + ["model", "--listen", args.listen, "--kvcache", link,
-                                        "--sizing-file", str(sizing)] + _flag_args(args), start_new_session=True)
+        model = subprocess.Popen(cli + ["model", *to_argv(model_config)], start_new_session=True)
         procs = [model]
         try:
-            size = _wait_for_sizing(sizing, model, args.startup_timeout, stop)
+            size = _wait_for_sizing(sizing, model, up.startup_timeout_s, stop)
             if size is None:
                 return 1 if stop["signal"] is None else 0
-            max_seqs = args.max_seqs or max(256, 2 * args.max_num_seqs)
-            listens = ["--listen", args.kvcache_listen] + (["--listen", link] if link != args.kvcache_listen else [])
-            kv = subprocess.Popen(cli + ["kvcache", *listens,
-                                         "--num-pages", str(size["num_pages"]), "--page-size", str(size["page_size"]),
-                                         "--max-seqs", str(max_seqs), "--cpu-pages", str(args.swap_pages)],
-                                  start_new_session=True)
+            manager = model_config.manager_config(size["num_pages"], size["page_size"], up.max_seqs)
+            listens = ["--listen", up.kvcache_listen] + (["--listen", link] if link != up.kvcache_listen else [])
+            kv = subprocess.Popen(cli + ["kvcache", *listens, *to_argv(manager)], start_new_session=True)
             procs.append(kv)
             while stop["signal"] is None and all(p.poll() is None for p in procs):
                 time.sleep(0.2)
             failed = [p for p in procs if p.poll() not in (None, 0)]
             return 1 if failed and stop["signal"] is None else 0
         finally:
-            _stop_all(procs, args.grace_period + 10)
+            _stop_all(procs, model_config.grace_s + 10)
 
 
 def _wait_for_sizing(path: Path, model: subprocess.Popen, timeout: float, stop: dict) -> dict | None:

@@ -1,11 +1,21 @@
-"""`kvserve up` hands every model-service option to the model process, unchanged."""
+"""Flags come from the config dataclasses: `kvserve up` and `kvserve model` take every model-service
+option, `kvserve kvcache` every manager size, and `kvserve up` hands each child its config
+unchanged, without restating a default."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+import pytest
+
+from kvserve.kvcache_service import cli as kvcache_cli
+from kvserve.kvcache_service.config import KVCacheServerConfig
+from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import cli as model_cli
+from kvserve.model_service.config import ModelServiceConfig
 from kvserve.services.cli import up
+from kvserve.services.plumbing.config_flags import from_args, options, to_argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,15 +23,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers()
     up.register(sub)
     model_cli.register(sub)
+    kvcache_cli.register(sub)
     return root
 
 
-def test_every_model_option_is_forwarded():
-    options = argparse.ArgumentParser()
-    model_cli.add_model_arguments(options)
-    dests = {a.dest for a in options._actions if a.dest != "help"}
-    forwarded = set(up._MODEL_FLAGS) | {"prefix_caching"}   # the one store_false flag
-    assert dests == forwarded, f"not forwarded: {dests - forwarded}; unknown: {forwarded - dests}"
+def _dests(command: str) -> set[str]:
+    sub = _parser()._subparsers._group_actions[0].choices[command]
+    return {a.dest for a in sub._actions if a.dest != "help"}
+
+
+def test_every_config_field_with_help_is_a_flag_of_its_commands():
+    model = {f.name for f in options(ModelServiceConfig)}
+    assert model == {f.name for f in dataclasses.fields(ModelServiceConfig)}   # no field without a flag
+    assert _dests("model") == model
+    assert _dests("up") == (model - {"kvcache", "sizing_file"}) | {f.name for f in options(up.UpConfig)}
+    assert _dests("kvcache") == {f.name for f in dataclasses.fields(ManagerConfig)} | {
+        f.name for f in dataclasses.fields(KVCacheServerConfig)}
 
 
 def test_forwarded_values_reach_the_model_config():
@@ -29,7 +46,38 @@ def test_forwarded_values_reach_the_model_config():
     args = root.parse_args(["up", "--model", "bench", "--stream-interval", "4", "--max-num-seqs", "7",
                             "--max-waiting", "9", "--kv-cache-memory", "64MiB", "--no-prefix-caching",
                             "--cpu-gemm", "onednn"])
-    model_args = root.parse_args(["model", *up._flag_args(args)])
-    cfg = model_cli.model_config(model_args)
+    sent = from_args(ModelServiceConfig, args)
+    cfg = from_args(ModelServiceConfig, root.parse_args(["model", *to_argv(sent)]))
+    assert cfg == sent
     assert (cfg.model, cfg.stream_interval, cfg.max_num_seqs, cfg.max_waiting) == ("bench", 4, 7, 9)
     assert cfg.kv_cache_memory == 64 * 2**20 and cfg.prefix_caching is False and cfg.cpu_gemm == "onednn"
+
+
+def test_a_child_gets_only_what_differs_from_the_defaults():
+    assert to_argv(ModelServiceConfig()) == []
+    assert to_argv(ModelServiceConfig(max_num_seqs=7, grace_s=2.5)) == ["--max-num-seqs", "7", "--grace-period", "2.5"]
+    assert to_argv(ManagerConfig(num_pages=99)) == ["--num-pages", "99"]
+
+
+def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
+    cfg = ModelServiceConfig(max_num_seqs=200, swap_pages=12)
+    assert cfg.manager_config(64, 4) == ManagerConfig(num_pages=64, page_size=4, max_seqs=400, cpu_pages=12)
+    assert ModelServiceConfig().manager_config(64, 4).max_seqs == 256                 # at least 256
+    assert cfg.manager_config(64, 4, max_seqs=9).max_seqs == 9                         # kvserve up --max-seqs
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["model", "--dtype", "float8"], "--dtype must be auto, float32, bfloat16 or float16, got 'float8'"),
+    (["up", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
+    (["up", "--max-seqs", "-1"], "--max-seqs must be a positive integer, got -1"),
+    (["kvcache", "--num-pages", "0"], "num_pages must be a positive integer, got 0"),
+])
+def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
+    args = _parser().parse_args(argv)
+    cls = {"model": ModelServiceConfig, "kvcache": ManagerConfig}.get(argv[0])
+    with pytest.raises(SystemExit, match=words):
+        if cls is None:
+            from_args(up.UpConfig, args)
+            from_args(ModelServiceConfig, args)
+        else:
+            from_args(cls, args)
