@@ -43,8 +43,9 @@ T = TypeVar("T")
 class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
     def __init__(self, manager: KVCacheManager) -> None:
         self.m = manager
+        self._events = manager.events
         self._wake = asyncio.Event()  # replaced after each set: a broadcast to event watchers
-        self._last_event = manager.events.last
+        self._last_event = self._events.last
         self._closing = False
 
     def close(self) -> None:
@@ -58,8 +59,8 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
             out = fn()
         except KVCacheError as exc:
             await context.abort(STATUS_OF[type(exc)], str(exc))
-        if self.m.events.last != self._last_event:
-            self._last_event = self.m.events.last
+        if self._events.last != self._last_event:
+            self._last_event = self._events.last
             self._wake.set()
             self._wake = asyncio.Event()
         return out
@@ -142,7 +143,7 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         return pb.ResetResponse()
 
     async def WatchEvents(self, request, context) -> AsyncIterator[pb.Event]:
-        events = self.m.events
+        events = self._events
         next_number = events.last + 1
         if request.snapshot:
             yield convert.event_to_pb(self.m.snapshot())

@@ -19,7 +19,6 @@ from kvserve.model_service.attention.select import select_backend
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.engine.engine import Engine
 from kvserve.kvcache_service.contract.client import InProcessKVClient, KVClient, RemoteKVClient
-from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import SchedulerConfig
 from kvserve.model_service.kv_cache import KVCache
@@ -123,7 +122,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     engine = Engine(
         ModelRunner(model, backend, kv_cache, page_size, device),
         Sampler(),
-        lambda request: OutputProcessor(request, tokenizer, eos_ids),
+        tokenizer,
+        eos_ids,
         kv,
         SchedulerConfig(page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, mode),
         num_pages=num_pages,

@@ -65,6 +65,14 @@ class KVCache:
     def num_cpu_pages(self) -> int:
         return self.cpu_pool.shape[_PAGE_DIM]
 
+    def execute(self, plan) -> None:
+        """A step plan's copies (kvcache_service.contract.types.StepPlan), in the order the
+        manager plans them so that every copy reads before anything overwrites its source:
+        swap_out (device -> CPU), copies (device -> device), swap_in (CPU -> device)."""
+        self.swap_out(plan.swap_out)
+        self.copy(plan.copies)
+        self.swap_in(plan.swap_in)
+
     def swap_out(self, pairs: PagePairs) -> None:
         """Device page -> CPU page, for each (src device page, dst cpu page)."""
         if pairs:

@@ -41,8 +41,10 @@ class InProcessKVClient:
         try:
             plan = self.manager.step(request)
         except Exception as exc:  # raised where the answer is awaited, as the remote client does
+            error = exc   # `exc` itself is unbound when the except block ends
+
             def fail() -> StepPlan:
-                raise exc
+                raise error
             return fail
         return lambda: plan
 

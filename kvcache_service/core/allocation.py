@@ -9,7 +9,7 @@ fits said: the caller checked, and the state has not changed in between.
 
 from __future__ import annotations
 
-from kvserve.kvcache_service.contract.types import Admit, Allocation, Fork, Grow, Need, NeedResult, Resume
+from kvserve.kvcache_service.contract.types import Admit, Allocation, Grow, Need, NeedResult, Resume
 from kvserve.kvcache_service.core import admission, swap
 from kvserve.kvcache_service.core.sequence import Sequence
 from kvserve.kvcache_service.core.state import Cost, ManagerState

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.kvcache_service.contract.client import KVClient
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
@@ -62,7 +63,8 @@ class Engine:
         self,
         runner: ModelRunner,
         sampler,
-        new_output: Callable[[Request], object],
+        tokenizer,
+        eos_token_ids: frozenset[int],
         kv: KVClient,
         scheduler_config: SchedulerConfig,
         *,
@@ -73,7 +75,8 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.sampler = sampler
-        self.new_output = new_output  # makes a request's OutputProcessor (detokenize, stop)
+        self.tokenizer = tokenizer            # each request's OutputProcessor detokenizes with it
+        self.eos_token_ids = eos_token_ids    # and stops at these (unless ignore_eos)
         self.kv = kv
         self.num_pages = num_pages
         self.max_waiting = max_waiting
@@ -157,7 +160,7 @@ class Engine:
         while True:
             kind, value = item
             if kind == "submit":
-                value.output = self.new_output(value)
+                value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
                 self.scheduler.add(value)
             elif kind == "cancel":
                 request = self._live.get(value)
@@ -188,10 +191,7 @@ class Engine:
         t1 = clock()
         answer = answer_of()
         t2 = clock()
-        cache = self.runner.kv_cache
-        cache.swap_out(answer.swap_out)  # the manager's order: every copy reads before anything overwrites
-        cache.copy(answer.copies)
-        cache.swap_in(answer.swap_in)
+        self.runner.kv_cache.execute(answer)   # the plan's page copies, in the manager's order
         t3 = clock()
         work = sched.apply(proposal, answer)
         c.steps += 1

@@ -4,7 +4,8 @@ an optional element-wise op in its epilogue (bias, SiLU, a product, a residual a
 output is written once and never read back for the op.
 
 The ops are private (torch.ops.mkldnn), so onednn_available() probes them once per dtype
-against torch's own results before anything uses them.
+against torch's own results before anything uses them. model/linear.py calls the same ops
+inline, one call per matmul on the hot path.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ never read back for the op:
 - "native" (float32, AVX-512): kernels/cpu_gemm.c, weights in 32-column panels, the next
   panel prefetched while this one is computed (decode steps multiply few rows by weights
   far larger than the caches).
-- "onednn" (float32, bfloat16): kernels/onednn.py.
+- "onednn" (float32, bfloat16): oneDNN's packed linears, called here directly (one call per
+  matmul on the hot path); kernels/onednn.py packs the weights and probes the ops.
 Results differ from F.linear's only in summation order (~1e-6 relative in float32).
 """
 
@@ -55,8 +56,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (..., in) -> (..., out)
         if self.gemm == "native":
             return self._native(x, self.packed)
-        if self.gemm == "onednn":
-            return onednn.linear(x, self.packed, self.bias)
+        if self.gemm == "onednn":   # the ops kernels/onednn.py probes (onednn_available)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class Linear(nn.Linear):
         if self.gemm == "native":
             return self._native(x, self.packed, "silu")
         if self.fused:
-            return onednn.linear_silu(x, self.packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
         return F.silu(self(x))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ class Linear(nn.Linear):
         if self.gemm == "native":
             return self._native(x, self.packed, "mul", other)
         if self.fused:
-            return onednn.linear_mul(x, other, self.packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
         return self(x) * other
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -80,5 +81,5 @@ class Linear(nn.Linear):
         if self.gemm == "native":
             return self._native(x, self.packed, "add", other)
         if self.fused:
-            return onednn.linear_add(x, other, self.packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return self(x) + other

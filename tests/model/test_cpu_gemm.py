@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_service.kernels import cpu_gemm
-from kvserve.model_service.kernels.cpu_gemm import KernelUnavailable
 from tests.model.native_kernels import load_or_skip
 
 

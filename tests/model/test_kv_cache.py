@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.kvcache_service.contract.types import StepPlan
 from kvserve.model_service.kv_cache import KVCache, bytes_per_page, bytes_per_token, pages_for_memory
 from kvserve.model_service.model.config import ModelConfig
 
@@ -47,6 +48,18 @@ def test_swap_out_copy_swap_in_round_trip_preserves_bytes(config: ModelConfig) -
     assert torch.equal(cache.pool[:, :, [3, 7]], original[:, :, [3, 7]])
     untouched = [0, 2, 4, 5, 6, 8]
     assert torch.equal(cache.pool[:, :, untouched], original[:, :, untouched])
+
+
+def test_a_plan_runs_swap_out_then_copies_then_swap_in(config: ModelConfig) -> None:
+    """One step's plan may swap a page out and hand the same device page to a copy and to a
+    swap-in: each reads before the next overwrites (the manager's order)."""
+    cache = KVCache(config, num_pages=6, page_size=2, cpu_pages=2)
+    fill_random(cache)
+    original, cpu = cache.pool.clone(), cache.cpu_pool.clone()
+    cache.execute(StepPlan(swap_out=[(1, 0)], copies=[(2, 1)], swap_in=[(1, 2)]))
+    assert torch.equal(cache.cpu_pool[:, :, 0], original[:, :, 1])    # page 1 saved before the copy
+    assert torch.equal(cache.pool[:, :, 1], original[:, :, 2])        # then overwritten by it
+    assert torch.equal(cache.pool[:, :, 2], cpu[:, :, 1])             # page 2 read, then swapped in
 
 
 def test_empty_page_lists_are_no_ops(config: ModelConfig) -> None:

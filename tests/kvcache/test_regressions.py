@@ -1,0 +1,68 @@
+"""Reproductions of core bugs the state machine (or reading the core) found."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.kvcache_service.core import (
+    Admit,
+    Commit,
+    Grow,
+    InvalidArgument,
+    KVCacheManager,
+    ManagerConfig,
+    PreemptionMode,
+    Resume,
+    StepRequest,
+    Truncation,
+    page_hashes,
+)
+from tests.kvcache.invariants import check_invariants, snapshot
+
+
+def test_step_commit_after_truncation_checks_real_slots():
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=4))
+    res, _, _ = m.try_allocate(Admit("a", [1, 2, 3, 4]))  # one page
+    sid = res.seq_id
+    # Computed the prompt; eight draft tokens appended, no slots for them yet.
+    m.commit(Commit(sid, 4, [5, 6, 7, 8, 9, 10, 11, 12]))
+    check_invariants(m.state)
+    before = snapshot(m.state)
+    # Drop 2 of the 12 tokens, then claim 8 computed: the sequence holds 4 slots.
+    with pytest.raises(InvalidArgument):
+        m.step(StepRequest(truncations=[Truncation(sid, 2)], commits=[Commit(sid, 8)]))
+    assert snapshot(m.state) == before  # "a call that raises has changed nothing"
+    check_invariants(m.state)
+
+
+def test_resume_preempted_in_its_step_publishes_nothing():
+    """A Resume granted and then preempted in the same Step: its swap-in copies are
+    dropped, so the pages it would have put back into the tree were never written
+    and must not be served as prefix hits (regression: swap_in used to publish at once)."""
+    ps = 2
+    m = KVCacheManager(ManagerConfig(num_pages=6, page_size=ps, max_seqs=4, cpu_pages=8))
+    a_tokens = [1, 2, 3, 4, 5]
+    a = m.try_allocate(Admit("a", a_tokens))[0].seq_id
+    m.commit(Commit(a, 5, [6]))                  # pages 0, 1 enter the tree
+    m.swap_out(a)                        # they stay cached, parked
+    b = m.try_allocate(Admit("b", [9] * 9))[0].seq_id    # evicts one of them
+    m.commit(Commit(b, 9, [9]))
+    m.release(b)
+    c = m.try_allocate(Admit("c", [7, 7, 7]))[0].seq_id  # evicts the other
+    m.commit(Commit(c, 3, [7]))
+    hashes = page_hashes(a_tokens, ps)
+    assert [m.state.tree.get(h) for h in hashes] == [None, None]
+    # A resumes (its two cached pages are copied back from the CPU), then c's Grow
+    # does not fit and preempts the tail of the running order: a.
+    plan = m.step(StepRequest(needs=[Resume(a), Grow(c, 8)]))
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(a, PreemptionMode.RECOMPUTE)]
+    assert plan.swap_in == [] and not plan.results[0].granted and plan.results[1].granted
+    written = {dst for _, dst in plan.swap_in} | {dst for _, dst in plan.copies}
+    for i, h in enumerate(hashes):
+        page = m.state.tree.get(h)
+        assert page is None or page in written, (
+            f"page {i} of the preempted sequence is served from the tree at page {page}, "
+            "which no copy in this plan writes")
+    check_invariants(m.state)
+    # Re-admitting the prompt must compute it, not hit garbage.
+    assert m.match_prefix(a_tokens)[0] == 0
