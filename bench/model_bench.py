@@ -13,7 +13,7 @@ attention backends.
 1. Decode step: 32 sequences, contexts 64..544 (evenly spaced), page 16, shuffled pages.
    For each CPU attention backend (torch: page gather + SDPA; cpu: the native paged
    kernel), time per step, split into attention (backend.forward), the nn.Linear GEMMs,
-   and the rest; then the per-layer decode attention against the PERF_NOTES peer (a
+   and the rest; then the per-layer decode attention against the plain peer (a
    Python loop over sequences, K/V heads repeated).
 2. Prefill: one 512-token prompt; tokens/s, against transformers' forward on the
    same prompt in the same process.
@@ -136,7 +136,7 @@ def bench_decode(model, config, repeat: int, backend_name: str) -> None:
 
 
 def bench_decode_attention_peer(config, batch, cache, backend, repeat: int) -> None:
-    """One layer's decode attention: ours vs the per-sequence loop PERF_NOTES measured."""
+    """One layer's decode attention: ours vs a Python loop over sequences, the obvious way."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(32, config.num_heads, config.head_dim, generator=g)
     k = torch.randn(32, config.num_kv_heads, config.head_dim, generator=g)

@@ -283,9 +283,9 @@ def multi_turn(stack: Stack, vocab: int, turns: int, add: int, reply: int, seed:
 
 def multi_turn_median(stack: Stack, vocab: int, turns: int, conversations: int) -> list[float]:
     """Per turn, the median over `conversations` independent conversations (no shared tokens):
-    one ~20 ms time to first token moves by a third when anything else wakes on 2 cores, and
-    the turn-8 / turn-1 ratio of medians of 5 ranged 1.38-1.57 over four runs where medians
-    of 15 read 1.40 twice."""
+    one short time to first token moves a lot when anything else wakes on 2 cores, and the
+    turn-8 / turn-1 ratio of medians of 5 wandered far more than that of medians of 15
+    (docs/benchmarks.md)."""
     runs = [multi_turn(stack, vocab, turns, 64, 16, seed=1 + c) for c in range(conversations)]
     return [statistics.median(turn) for turn in zip(*runs)]
 
@@ -310,9 +310,9 @@ def print_throughput(rows: list) -> None:
 def print_goals(rows: list, turns: dict) -> None:
     """The issue's three goals, each against this run's figures.
 
-    The roofline goal is read at torch's GEMM rate: the issue set its goals as one bar (2x
-    generate is parity with a C++ server on this machine), and 75 % of that roofline is ~2x
-    generate at 64 new tokens, while at the oneDNN rate it would be ~5x. The table shows both."""
+    The roofline goal is read at torch's GEMM rate: the goals were set as one bar, and at the
+    packed GEMMs' rates it would be a different bar (docs/benchmarks.md, "The roofline goal").
+    The table shows every rate."""
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
 

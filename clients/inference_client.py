@@ -18,11 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import grpc
 
+from kvserve.clients.results import (
+    Chunk,
+    Completion,
+    Event,
+    Finished,
+    KVCacheStats,
+    KVServeError,
+    Message,
+    ModelInfo,
+    PrefillDone,
+    Queued,
+    ServerStats,
+    Tokenized,
+    TokenLogprob,
+    TopLogprob,
+)
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -32,162 +47,6 @@ __all__ = [
     "TokenLogprob", "TopLogprob",
 ]
 
-
-# --------------------------------------------------------------------------- errors
-
-class KVServeError(Exception):
-    """A call failed; code is the gRPC status name, e.g. "INVALID_ARGUMENT"."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(code, message)
-        self.code = code
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
-
-    @classmethod
-    def from_rpc_error(cls, exc: grpc.RpcError) -> KVServeError:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else None
-        return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
-
-
-# --------------------------------------------------------------------------- events
-
-@dataclass(frozen=True, slots=True)
-class Queued:
-    """The request waits for a worker (sent by a gateway, not by the model service)."""
-    position: int  # 1 = next
-    eta_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillDone:
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int  # served from the prefix cache
-
-
-@dataclass(frozen=True, slots=True)
-class TopLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[TopLogprob, ...] = ()  # most likely first
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    token_ids: tuple[int, ...]
-    text: str  # incremental
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when asked for
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    reason: str  # "stop" | "length" | "abort" ("unspecified" if the server sent none)
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    ttft_ms: float
-    total_ms: float
-    stop: str = ""                     # the stop string that ended it
-    stop_token_id: int | None = None   # or the stop token / EOS
-
-
-Event = Union[Queued, PrefillDone, Chunk, Finished]
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    text: str
-    token_ids: tuple[int, ...]
-    finished: Finished
-    prefill: PrefillDone | None  # None only if the server never sent prefill_done
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-    @property
-    def request_id(self) -> str:
-        return self.prefill.request_id if self.prefill else ""
-
-
-# --------------------------------------------------------------------------- unary results
-
-@dataclass(frozen=True, slots=True)
-class Tokenized:
-    token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    name: str
-    architecture: str
-    max_model_len: int
-    vocab_size: int
-    page_size: int
-    dtype: str
-    attention_backend: str
-    device: str
-    num_pages: int
-    eos_token_ids: tuple[int, ...]
-    cpu_gemm: str = ""     # native | onednn | torch; empty from a server older than the field
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheStats:
-    """kvserve.kvcache.v1.Stats, as the model service reports it."""
-    total_pages: int
-    free_pages: int
-    cached_pages: int
-    used_pages: int
-    num_sequences: int
-    free_seq_ids: int
-    cpu_total_pages: int
-    cpu_free_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    preemptions_recompute: int
-    preemptions_swap: int
-    page_size: int
-    max_seqs: int
-    num_swapped: int
-    epoch: int
-    tree_pages: int
-    last_event: int
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStats:
-    running: int
-    waiting: int
-    swapped: int
-    prompt_tokens: int
-    generated_tokens: int
-    cached_tokens: int
-    requests_finished: int
-    requests_aborted: int
-    steps: int
-    kvcache: KVCacheStats | None = None
-    # Seconds the engine spent in each phase of its steps since start.
-    schedule_seconds: float = 0.0  # building the step's needs, applying the answer
-    manager_seconds: float = 0.0   # the Step round trip to the KV-cache manager
-    copy_seconds: float = 0.0      # swap and copy-on-write page copies
-    forward_seconds: float = 0.0   # batch tensors + the model's forward pass
-    sample_seconds: float = 0.0
-    emit_seconds: float = 0.0      # detokenizing, stop checks, handing events to streams
-
-
-# A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any
-# object with .role and .content.
-Message = Union[Mapping[str, str], tuple[str, str], Any]
 
 _T = TypeVar("_T")
 

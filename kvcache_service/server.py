@@ -32,7 +32,7 @@ async def serve(address: str | list[str], config: ManagerConfig, grace_s: float 
     running, servicer = await _create_with_servicer(address, config)
     # A Step allocates thousands of short-lived objects, which plain reference counting
     # frees; with the default gen-0 threshold (700) the cycle collector still runs several
-    # times per Step (~10% of its CPU). Objects made at start-up are frozen out of it.
+    # times per Step (its cost: docs/benchmarks.md). Objects made at start-up are frozen out of it.
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     log.info("kv-cache manager: %d pages of %d tokens, %d seq ids, %d CPU pages, on %s",

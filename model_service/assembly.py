@@ -143,8 +143,8 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[
 
     A thread that ran torch keeps an idle OpenMP pool while it lives, and with more OpenMP
     threads than cores libgomp stops spinning between parallel regions, so every region of
-    the engine thread's forward waited to wake its workers (bench model, 256 new tokens:
-    8.3 s instead of 6.9 s). The caller's thread runs no torch here."""
+    the engine thread's forward waited to wake its workers (docs/benchmarks.md). The
+    caller's thread runs no torch here."""
     box: dict[str, ModelStack | BaseException] = {}
 
     def run() -> None:

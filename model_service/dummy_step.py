@@ -3,8 +3,8 @@ CPU warm-up both use it.
 
 Worst case: one prompt of max_num_batched_tokens tokens, so every activation has its largest
 shape. On CPU the warm-up leaves the heap at its working size (host_memory.py keeps it) and has
-oneDNN build its kernels, so the first real request does not pay for either (on the bench model
-the first 32-request burst ran ~10 % slower without it).
+oneDNN build its kernels, so the first real request does not pay for either (docs/benchmarks.md
+has what a cold first burst cost).
 """
 
 from __future__ import annotations

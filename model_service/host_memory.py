@@ -3,9 +3,9 @@
 A CPU forward allocates and frees activations of several MB per op (the MLP's
 (T, intermediate) tensors are 12 MB at 2048 tokens of the bench model). glibc's
 defaults hand such blocks back to the kernel (munmap, heap trim), so the next
-step touches fresh pages and the kernel zero-fills them. On the bench workload
-that was 165k minor faults (650 MB) in a 3.5 s run; with the settings below,
-2-4k, and the run 15-20 % faster (docs/benchmarks.md). torch's CUDA caching
+step touches fresh pages and the kernel zero-fills them: on the bench workload,
+a hundred thousand minor faults a run, and far fewer with the settings below
+(docs/benchmarks.md has the counts and the run times). torch's CUDA caching
 allocator does this for GPU memory; tcmalloc or jemalloc do it for the host
 when preloaded, which a pip install cannot arrange, so we ask glibc directly.
 """

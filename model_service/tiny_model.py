@@ -8,7 +8,7 @@ AutoModelForCausalLM / AutoTokenizer and our loader both load.
 Weights come from a seeded torch.Generator. Matrices are drawn with std
 2/sqrt(fan_in), norm weights around 1 and biases around 0: with HF's default
 initializer_range (0.02) the logits would be nearly flat and greedy ties common
-(shared/TESTING.md). config.json uses the long-standing keys (rope_theta,
+(docs/architecture.md, "The equality oracle"). config.json uses the long-standing keys (rope_theta,
 rope_scaling) that transformers 4.x and 5 both read.
 
 `default_tiny_path(preset)` builds a preset once per machine into the user

@@ -3,9 +3,8 @@
  * Why not oneDNN here: a decode step's GEMMs have few rows (one per sequence)
  * and weights far larger than the caches, so each call streams its weights
  * from memory once. oneDNN's kernels (and ours without the prefetch below)
- * then stall on the first pass over each block of weights; measured on the
- * bench model's 41 matmuls at 32 rows, weights cold: oneDNN 8.8 ms, this file
- * 6.8 ms; at 2048 rows the two are on a par (docs/benchmarks.md).
+ * then stall on the first pass over each block of weights (docs/benchmarks.md,
+ * "The native GEMM", has the measurements; at prefill sizes the two are on a par).
  *
  * Layout: W (N, K) becomes panels of NR = 32 output columns, panel p holding
  * W[p*32 .. p*32+31][k] for k = 0..K-1 as K rows of 32 floats (the last

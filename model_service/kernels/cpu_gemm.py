@@ -70,7 +70,7 @@ class CpuGemm:
                 and (other is not None) == (op in ("mul", "add"))
                 and (other is None or (_on_cpu_f32(other) and other.shape == (*x.shape[:-1], w.n)))):
             raise ValueError("cpu gemm: inconsistent shapes, dtypes, devices or op")
-        # On every linear of every step: kept to plain tensor attributes (~5 us a call).
+        # On every linear of every step: kept to plain tensor attributes.
         rows = _rows(x if x.dim() == 2 else x.reshape(-1, w.k))
         y = x.new_empty((*x.shape[:-1], w.n))   # float32 on the CPU, as x was checked to be
         if other is not None:

@@ -27,9 +27,9 @@ const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 /* Random pages defeat the hardware prefetcher at every page boundary, so the next
  * page's loads are started by hand, one token record of K and of V beside each
  * token of this page: spread out, they keep memory busy while this page is
- * computed. Issued all at once, a page's 256 cache lines queue behind each other
- * (a bench-model decode step: 8.2 ms at once, 4.3 ms spread; 1 page ahead
- * measured best of 1-4). */
+ * computed. Issued all at once, a page's 256 cache lines queue behind each other;
+ * one page ahead measured best of 1-4 (docs/benchmarks.md, "The cpu attention
+ * backend"). */
 static inline void prefetch(const float *p, int64_t floats)
 {
     const char *c = (const char *)p;
@@ -38,8 +38,8 @@ static inline void prefetch(const float *p, int64_t floats)
 }
 
 /* Inlined into one copy per common head_dim (below), where the constant lets the
- * compiler unroll every dot product and row update: 35-40 % less arithmetic
- * than with head_dim known only at run time. */
+ * compiler unroll every dot product and row update: far less arithmetic than
+ * with head_dim known only at run time (docs/benchmarks.md). */
 static inline __attribute__((always_inline)) void
 attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
        int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -94,7 +94,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
 
 
 def assert_same_tokens(ours: list[int], ref: list[int], margins: list[float], what: str) -> None:
-    """Exact equality, except at a near tie (TESTING.md): there the two float32
+    """Exact equality, except at a near tie (docs/architecture.md): there the two float32
     implementations may legitimately pick different tokens, and the rest differs too."""
     if ours == ref:
         return

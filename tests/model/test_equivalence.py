@@ -16,7 +16,7 @@ from tests.model.conftest import ARCH_PRESETS, Loaded
 from tests.model.paged import Chunk, PagePool, Sequence, advance, build_batch
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
-NEAR_TIE = 1e-3   # shared/TESTING.md: a top-2 gap below this is a tie, not a bug
+NEAR_TIE = 1e-3   # docs/architecture.md: a top-2 gap below this is a tie, not a bug
 
 
 def random_prompt(loaded: Loaded, length: int, seed: int) -> list[int]:
