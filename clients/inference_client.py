@@ -39,6 +39,7 @@ from kvserve.clients.results import (
     TopLogprob,
 )
 from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.kvcache_service.contract.convert import stats_from_pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
 __all__ = [
@@ -287,7 +288,7 @@ class InferenceClient:
 
     def server_stats(self) -> ServerStats:
         r = self._unary("GetServerStats", pb.GetServerStatsRequest())
-        kv = _scalars(KVCacheStats, r.kvcache) if r.HasField("kvcache") else None
+        kv = stats_from_pb(r.kvcache) if r.HasField("kvcache") else None
         return _scalars(ServerStats, r, kvcache=kv)
 
     def _unary(self, method: str, request: Any) -> Any:

@@ -9,6 +9,8 @@ from typing import Any, Union
 
 import grpc
 
+from kvserve.kvcache_service.contract.types import Stats
+
 
 # --------------------------------------------------------------------------- errors
 
@@ -117,28 +119,8 @@ class ModelInfo:
     cpu_gemm: str = ""     # native | onednn | torch; empty from a server older than the field
 
 
-@dataclass(frozen=True, slots=True)
-class KVCacheStats:
-    """kvserve.kvcache.v1.Stats, as the model service reports it."""
-    total_pages: int
-    free_pages: int
-    cached_pages: int
-    used_pages: int
-    num_sequences: int
-    free_seq_ids: int
-    cpu_total_pages: int
-    cpu_free_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    preemptions_recompute: int
-    preemptions_swap: int
-    page_size: int
-    max_seqs: int
-    num_swapped: int
-    epoch: int
-    tree_pages: int
-    last_event: int
+# kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
+KVCacheStats = Stats
 
 
 @dataclass(frozen=True, slots=True)
