@@ -7,6 +7,7 @@ VENV ?= .venv
 # GPU: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 SERVE_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -26,10 +27,10 @@ protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
 bench-kvcache: $(STAMP)
-	$(BIN)/python bench/kvcache_bench.py
+	$(BIN)/python bench/kvcache_bench.py $(BENCH_ARGS)
 
 bench-throughput: $(STAMP)
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/throughput.py $(BENCH_ARGS)
 
 install: $(STAMP)
 

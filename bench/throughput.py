@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
+from bench.throughput_report import (  # noqa: E402
+    ALONE, print_gemm_comparison, print_goals, print_steps, print_throughput, print_turns)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -168,8 +170,8 @@ async def generate(stub, prompt: list[int], new_tokens: int) -> pb.Finished:
 
 async def send_all(address: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[pb.Finished]]:
     """Every prompt at once from one asyncio client, timed until the last stream ends. On 2
-    cores the client shares the server's CPU: a sync-gRPC thread per stream spent ~0.7 CPU-s
-    on a 256-token run, this ~0.5."""
+    cores the client shares the server's CPU: one loop costs less of it than a sync-gRPC thread
+    per stream (docs/benchmarks.md)."""
     async with grpc.aio.insecure_channel(address) as channel:
         await channel.channel_ready()
         stub = pb_grpc.InferenceStub(channel)
@@ -205,9 +207,6 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
     steps = after.steps - before.steps
     return {"tok_s": tokens / wall, "wall": wall, "steps": steps, "phases": phases, "cpu": cpu,
             "ttft_ms": sorted(f.ttft_ms for f in finished)}
-
-
-ALONE = "engine alone"
 
 
 def engine_alone(model: Path, requests: int, new_tokens: int) -> dict:
@@ -290,46 +289,6 @@ def multi_turn_median(stack: Stack, vocab: int, turns: int, conversations: int) 
     return [statistics.median(turn) for turn in zip(*runs)]
 
 
-# ---------------------------------------------------------------------------------- report
-
-def print_throughput(rows: list) -> None:
-    """The markdown table docs/benchmarks.md carries: each roofline and kvserve's share of it,
-    a row per new-token count and way of running kvserve."""
-    names = list(rows[0][5])
-    print("\n| new tokens | kvserve | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | "
-          + " | ".join(f"roofline ({name}) tok/s | kvserve / it" for name in names)
-          + " | kvserve / HF generate |")
-    print("|---" * (6 + 2 * len(names)) + "|")
-    for n, how, k, static, batch, roofs in rows:
-        b = f"{batch['tok_s']:.1f}" if "tok_s" in batch else f"n/a ({batch['error']})"
-        shares = " | ".join(f"{r:.1f} | {100 * k['tok_s'] / r:.0f}%" for r in roofs.values())
-        print(f"| {n} | {how} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {shares} | "
-              f"{k['tok_s'] / static['tok_s']:.2f}x |")
-
-
-def print_goals(rows: list, turns: dict) -> None:
-    """The issue's three goals, each against this run's figures.
-
-    The roofline goal is read at torch's GEMM rate: the goals were set as one bar, and at the
-    packed GEMMs' rates it would be a different bar (docs/benchmarks.md, "The roofline goal").
-    The table shows every rate."""
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
-    print("\ngoals:")
-    for how in dict.fromkeys(row[1] for row in rows):
-        mine = [row for row in rows if row[1] == how]
-        vs_hf = [k["tok_s"] / static["tok_s"] for _, _, k, static, _, _ in mine]
-        vs_roof = [k["tok_s"] / roofs["F.linear"] for _, _, k, _, _, roofs in mine]
-        print(f"  {how}{' (not the goal: no gRPC)' if how == ALONE else ''}:")
-        print(f"    >= 2x HF generate: {', '.join(f'{r:.2f}x' for r in vs_hf)}  {verdict(min(vs_hf) >= 2)}")
-        print(f"    >= 75% of the roofline at torch's GEMM rate: "
-              f"{', '.join(f'{100 * r:.0f}%' for r in vs_roof)}  {verdict(min(vs_roof) >= 0.75)}")
-    growth = turns[True][-1] / turns[True][0]
-    print(f"  turn-{len(turns[True])} time to first token <= 1.5x turn 1, cache on: {growth:.2f}x  "
-          f"{verdict(growth <= 1.5)}")
-
-
 # ------------------------------------------------------------------------------------ main
 
 def main() -> None:
@@ -344,6 +303,10 @@ def main() -> None:
     ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4],
                     help="kvserve --stream-interval values to run (default 1, the server's default, and 4)")
     ap.add_argument("--skip-engine-alone", action="store_true", help="skip the engine-alone peer run")
+    ap.add_argument("--cpu-gemms", nargs="+", default=None, metavar="GEMM",
+                    help="run kvserve with each of these --cpu-gemm values, interleaved, and compare them")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --cpu-gemms: this many runs of each, the order alternating round by round")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
     args = ap.parse_args()
     if args.quick:
@@ -367,22 +330,30 @@ def main() -> None:
     print("GEMM rate on the model's layer shapes, 2048 rows: "
           + ", ".join(f"{name} {r / 1e9:.1f} GFLOP/s" for name, r in rates.items()))
     server = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
-    rows = []
-    results = {}
+    gemms = args.cpu_gemms or [None]
+    results: dict[tuple[int, str], list[dict]] = {}
     for n in args.new_tokens:
-        for interval in args.stream_intervals:  # a fresh stack each: a last run's prompts would be prefix hits
-            stack = Stack(path, server + ["--stream-interval", str(interval)])
-            try:
-                results[n, f"gRPC, interval {interval}"] = run_kvserve(stack, prompts, n)
-            finally:
-                stack.close()
+        for round_ in range(args.rounds if args.cpu_gemms else 1):
+            for gemm in gemms if round_ % 2 == 0 else gemms[::-1]:
+                for interval in args.stream_intervals:  # a fresh stack each: a last run's prompts would be hits
+                    how = f"gRPC, interval {interval}" + (f", GEMM {gemm}" if gemm else "")
+                    stack = Stack(path, server + ["--stream-interval", str(interval)]
+                                  + (["--cpu-gemm", gemm] if gemm else []))
+                    try:
+                        results.setdefault((n, how), []).append(run_kvserve(stack, prompts, n))
+                    finally:
+                        stack.close()
         if not args.skip_engine_alone:
-            results[n, ALONE] = engine_alone(path, args.requests, n)
+            results[n, ALONE] = [engine_alone(path, args.requests, n)]
+    if args.cpu_gemms:
+        print_gemm_comparison(results, args.cpu_gemms)
+    rows = []
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for n in args.new_tokens:
         static = hf_static(hf, prompts, n)
         batch = {"error": "skipped"} if args.skip_hf_batch else hf_batch(hf, prompts, n)
-        rows += [(n, how, k, static, batch) for (m, how), k in results.items() if m == n]
+        rows += [(n, how, sorted(runs, key=lambda k: k["tok_s"])[len(runs) // 2], static, batch)
+                 for (m, how), runs in results.items() if m == n]   # the median run of each
         rates = best_rates(rates, gemm_rates(cfg))  # re-measured: the machine's speed drifts
 
     turns = {}
@@ -400,20 +371,8 @@ def main() -> None:
                                         for name, r in rates.items()})
             for n, how, k, static, batch in rows]
     print_throughput(rows)
-    print("\nwhere kvserve's step time went (engine phase timers):")
-    for n, how, k, *_ in rows:
-        total = sum(k["phases"].values())
-        split = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in k["phases"].items())
-        print(f"  {n} new tokens, {how}: {k['steps']} steps, "
-              f"{1e3 * total / max(1, k['steps']):.1f} ms/step; {split}")
-        if "cpu" in k:   # on 2 cores, CPU outside the engine costs the forward about as much wall time
-            print(f"    {k['wall']:.2f} s wall; CPU s: " + ", ".join(f"{name} {s:.2f}" for name, s in k["cpu"].items()))
-    print(f"\nmulti-turn time to first token (ms), turns 1..{args.turns}, +64 tokens per turn, "
-          f"median of {args.conversations} conversations:")
-    for caching, ttfts in turns.items():
-        label = "cache on " if caching else "cache off"
-        print(f"  {label}: {' '.join(f'{t:.1f}' for t in ttfts)}   last/first {ttfts[-1] / ttfts[0]:.2f}x")
-
+    print_steps(rows)
+    print_turns(turns, args.turns, args.conversations)
     print_goals(rows, turns)
 
 

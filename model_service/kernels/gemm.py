@@ -1,11 +1,14 @@
 """Which GEMM runs the model's matmuls on CPU: `--cpu-gemm auto|native|onednn|torch`.
 
-- native: kvserve's float32 GEMM (cpu_gemm.c), weights packed in panels; AVX-512.
-- onednn: oneDNN with packed weights (onednn.py); float32 and bfloat16.
+- onednn: oneDNN with packed weights (onednn.py); float32 and bfloat16; AVX2 or AVX-512.
+- native: kvserve's float32 GEMM (cpu_gemm.c), weights packed in panels; AVX-512 only.
 - torch:  F.linear (on x86, MKL).
-`auto` takes the first that runs here, in AUTO_ORDER; the order is a measured decision,
-recorded with the machines it was measured on in docs/benchmarks.md ("Which GEMM auto takes").
-A GEMM asked for by name that cannot run here is refused with the reason.
+`auto` takes the first that runs here, in AUTO_ORDER, a measured decision (docs/benchmarks.md,
+"Which GEMM auto takes", has the runs and the machines): through `make bench-throughput`
+oneDNN beat F.linear by far more than the run-to-run spread on an AVX2 machine, while the
+native GEMM's lead over oneDNN on an AVX-512 one stayed inside it, so native is there to be
+named (`--cpu-gemm native`), or taken where oneDNN does not run. A GEMM asked for by name that
+cannot run here is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from kvserve.model_service.kernels.onednn import onednn_available
 log = logging.getLogger(__name__)
 
 GEMMS = ("auto", "native", "onednn", "torch")
-AUTO_ORDER = ("native", "onednn", "torch")
+AUTO_ORDER = ("onednn", "native", "torch")
 
 
 def why_not(gemm: str, dtype: torch.dtype) -> str | None:

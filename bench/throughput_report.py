@@ -1,0 +1,84 @@
+"""bench/throughput.py's report: the throughput table docs/benchmarks.md carries, the GEMM
+comparison (--cpu-gemms), where the step time went, the multi-turn times and the goals."""
+
+from __future__ import annotations
+
+import statistics
+
+ALONE = "engine alone"   # the row of bench/engine_alone.py's run
+
+
+def print_throughput(rows: list) -> None:
+    """The markdown table docs/benchmarks.md carries: each roofline and kvserve's share of it,
+    a row per new-token count and way of running kvserve."""
+    names = list(rows[0][5])
+    print("\n| new tokens | kvserve | kvserve tok/s | HF generate tok/s | HF generate_batch tok/s | "
+          + " | ".join(f"roofline ({name}) tok/s | kvserve / it" for name in names)
+          + " | kvserve / HF generate |")
+    print("|---" * (6 + 2 * len(names)) + "|")
+    for n, how, k, static, batch, roofs in rows:
+        b = f"{batch['tok_s']:.1f}" if "tok_s" in batch else f"n/a ({batch['error']})"
+        shares = " | ".join(f"{r:.1f} | {100 * k['tok_s'] / r:.0f}%" for r in roofs.values())
+        print(f"| {n} | {how} | {k['tok_s']:.1f} | {static['tok_s']:.1f} | {b} | {shares} | "
+              f"{k['tok_s'] / static['tok_s']:.2f}x |")
+
+
+def print_goals(rows: list, turns: dict) -> None:
+    """The issue's three goals, each against this run's figures.
+
+    The roofline goal is read at torch's GEMM rate: the goals were set as one bar, and at the
+    packed GEMMs' rates it would be a different bar (docs/benchmarks.md, "The roofline goal").
+    The table shows every rate."""
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    print("\ngoals:")
+    for how in dict.fromkeys(row[1] for row in rows):
+        mine = [row for row in rows if row[1] == how]
+        vs_hf = [k["tok_s"] / static["tok_s"] for _, _, k, static, _, _ in mine]
+        vs_roof = [k["tok_s"] / roofs["F.linear"] for _, _, k, _, _, roofs in mine]
+        print(f"  {how}{' (not the goal: no gRPC)' if how == ALONE else ''}:")
+        print(f"    >= 2x HF generate: {', '.join(f'{r:.2f}x' for r in vs_hf)}  {verdict(min(vs_hf) >= 2)}")
+        print(f"    >= 75% of the roofline at torch's GEMM rate: "
+              f"{', '.join(f'{100 * r:.0f}%' for r in vs_roof)}  {verdict(min(vs_roof) >= 0.75)}")
+    growth = turns[True][-1] / turns[True][0]
+    print(f"  turn-{len(turns[True])} time to first token <= 1.5x turn 1, cache on: {growth:.2f}x  "
+          f"{verdict(growth <= 1.5)}")
+
+
+def print_gemm_comparison(results: dict, gemms: list[str]) -> None:
+    """Each GEMM's runs (interleaved), their spread, and the ratio of medians to the first GEMM's."""
+    print("\nGEMMs compared, kvserve through gRPC, tok/s of each interleaved run:")
+    for n, how in dict.fromkeys((n, how.split(", GEMM ")[0]) for n, how in results):
+        medians = {}
+        for gemm in gemms:
+            runs = [k["tok_s"] for k in results.get((n, f"{how}, GEMM {gemm}"), [])]
+            if not runs:
+                continue
+            medians[gemm] = statistics.median(runs)
+            spread = (max(runs) - min(runs)) / medians[gemm]
+            print(f"  {n} new tokens, {how}, GEMM {gemm}: {', '.join(f'{t:.1f}' for t in runs)}"
+                  f"   median {medians[gemm]:.1f}, spread {100 * spread:.0f}%")
+        first = gemms[0]
+        for gemm in gemms[1:]:
+            if first in medians and gemm in medians:
+                print(f"    {gemm} / {first}: {medians[gemm] / medians[first]:.3f}x")
+
+
+def print_steps(rows: list) -> None:
+    print("\nwhere kvserve's step time went (engine phase timers):")
+    for n, how, k, *_ in rows:
+        total = sum(k["phases"].values())
+        split = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in k["phases"].items())
+        print(f"  {n} new tokens, {how}: {k['steps']} steps, "
+              f"{1e3 * total / max(1, k['steps']):.1f} ms/step; {split}")
+        if "cpu" in k:   # on 2 cores, CPU outside the engine costs the forward about as much wall time
+            print(f"    {k['wall']:.2f} s wall; CPU s: " + ", ".join(f"{name} {s:.2f}" for name, s in k["cpu"].items()))
+
+
+def print_turns(turns: dict, count: int, conversations: int) -> None:
+    print(f"\nmulti-turn time to first token (ms), turns 1..{count}, +64 tokens per turn, "
+          f"median of {conversations} conversations:")
+    for caching, ttfts in turns.items():
+        label = "cache on " if caching else "cache off"
+        print(f"  {label}: {' '.join(f'{t:.1f}' for t in ttfts)}   last/first {ttfts[-1] / ttfts[0]:.2f}x")
