@@ -33,9 +33,8 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 WORKDIR /src
 COPY . .
 RUN pip install . \
- && python -c "from kvserve.model_service.kernels import library, levels; \
-missing = [k for k in levels.KERNELS if library.library_path(k, levels.KERNELS[k][0]) is None]; \
-assert not missing, f'native kernels not built: {missing}'"
+ && python -c "from kvserve.model_service.kernels.library import missing_builds as m; \
+assert not m(), f'native kernels not built: {m()}; pip install -v . shows why'"
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 \

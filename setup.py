@@ -14,8 +14,9 @@ The native CPU kernels (model_service/kernels/*.c) are compiled here, by the sam
 `pip install` that installs the package: once per instruction-set level they list in
 model_service/kernels/levels.py, which also gives the flags and why. They are plain shared
 libraries loaded through ctypes (kernels/library.py), not Python modules. Each build is
-optional: where it fails (no C compiler, an old one) pip warns, the package installs, and the
-model service runs on oneDNN and torch's own ops instead.
+optional: where it fails (no C compiler, an old one) the package installs without it (`pip -v`
+shows the compiler's error), the model service warns at start, and it runs on oneDNN and
+torch's own ops instead.
 """
 
 import hashlib
@@ -44,24 +45,19 @@ def packages() -> list[str]:
 
 
 def kernel_extensions() -> list[Extension]:
-    build = runpy.run_path(str(KERNELS_DIR / "levels.py"))
-    x86_64 = platform.machine() in ("x86_64", "AMD64")
+    levels = runpy.run_path(str(KERNELS_DIR / "levels.py"))
     out = []
-    for kernel, level_names in build["KERNELS"].items():
+    for kernel, name, march in levels["builds_for"](platform.machine()):
         source = KERNELS_DIR / f"{kernel}.c"
         digest = hashlib.sha256(source.read_bytes()).hexdigest()   # library.py checks it on load
-        for name in level_names:
-            level = build["LEVELS"][name]
-            if level.x86_64_only and not x86_64:
-                continue
-            out.append(Extension(
-                f"kvserve.model_service.kernels._{kernel}_{name}",
-                sources=[str(source)],
-                extra_compile_args=[*build["COMPILE_FLAGS"], *([f"-march={level.march}"] if level.march else [])],
-                define_macros=[("KVSERVE_SOURCE_SHA256", f'"{digest}"')],
-                libraries=["m"],   # expf; glibc's libm.so brings libmvec, the vectorised one
-                optional=True,
-            ))
+        out.append(Extension(
+            f"kvserve.model_service.kernels._{kernel}_{name}",
+            sources=[str(source)],
+            extra_compile_args=[*levels["COMPILE_FLAGS"], *([f"-march={march}"] if march else [])],
+            define_macros=[("KVSERVE_SOURCE_SHA256", f'"{digest}"')],
+            libraries=["m"],   # expf; glibc's libm.so brings libmvec, the vectorised one
+            optional=True,
+        ))
     return out
 
 

@@ -11,14 +11,15 @@ import argparse
 from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.model_service import choices
 from kvserve.services.plumbing.config_flags import option
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_KVCACHE = "127.0.0.1:50061"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
-CPU_GEMMS = ("auto", "native", "onednn", "torch")
-PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", *choices.DTYPES)
+ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
+CPU_GEMMS = ("auto", *choices.CPU_GEMMS)
+PREEMPTION_MODES = choices.PREEMPTION_MODES
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
 
 
@@ -37,7 +38,7 @@ def parse_bytes(text: str) -> int:
 class ModelServiceConfig:
     model: str = option("tiny", "a checkpoint directory, or a built-in model (tiny, bench, ...) generated "
                                 "on first use")
-    listen: str = option(DEFAULT_LISTEN, "host:port or unix:///path")
+    listen: str = option(DEFAULT_LISTEN, "the model service's address: host:port or unix:///path")
     kvcache: str = option(DEFAULT_KVCACHE, "the manager's address, or 'inprocess'")
     dtype: str = option("auto", "weights and KV pages; auto is bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     device: str = option("auto", "cpu, cuda or cuda:N; auto is cuda where it is available")

@@ -3,7 +3,9 @@
 The manager's servicer decodes requests and encodes answers with it; the client (client.py)
 encodes requests and decodes answers; nothing else in kvserve touches a kvcache_pb2 message.
 Every `X_to_pb(x)` has its `X_from_pb(msg)`, and tests/kvcache/test_convert.py checks that
-each pair gives back what it was given.
+each pair gives back what it was given. The engine needs only the Step pairs and Stats; the
+rest (the fine-grained answers, events) serve clients beyond it: a gateway's index of what
+each worker holds is fed by event_from_pb.
 
 Hot paths (a Step's request and plan, on both sides) fill repeated fields in place with
 .add(): building each sub-message and handing a list of them to a constructor makes upb copy
@@ -178,6 +180,7 @@ def step_plan_to_pb(plan: StepPlan) -> pb.StepResponse:
 
 
 def step_plan_from_pb(msg: pb.StepResponse) -> StepPlan:
+    # result_from_pb inlined: once per need of every Step on the engine's thread
     return StepPlan(
         results=[NeedResult(r.granted, r.seq_id, r.page_ids[:], r.replaces_table, r.cached_tokens,
                             r.num_tokens, r.reason) for r in msg.results],

@@ -49,11 +49,10 @@ class Counters:
 
 
 class ManagerState:
-    __slots__ = ("config", "page_size", "pool", "cpu", "tree", "seq_ids", "events", "seqs",
+    __slots__ = ("page_size", "pool", "cpu", "tree", "seq_ids", "events", "seqs",
                  "by_request", "running", "pending_seq_ids", "counters", "epoch")
 
     def __init__(self, config: ManagerConfig) -> None:
-        self.config = config
         self.page_size = config.page_size
         self.pool = PagePool(config.num_pages)
         self.cpu = CpuPool(config.cpu_pages)

@@ -97,6 +97,8 @@ class _Step:
         n = -(-need.num_tokens // state.page_size) - len(seq.pages)
         if n <= 0:
             return NeedResult(True, need.seq_id, [])
+        if n <= state.available():   # fits without preempting anybody: the common case, kept short
+            return NeedResult(True, need.seq_id, state.grow(seq, need.num_tokens))
         cost = Cost(n)
         while not state.fits(cost):
             victim = next(reversed(state.running))

@@ -69,8 +69,6 @@ def check_need(state: ManagerState, need: Need, pending: set[str] | None = None)
             raise InvalidArgument(f"resume seq id {need.seq_id}: num_tokens must not be negative")
     elif isinstance(need, Fork):
         state.running_seq(need.parent_seq_id)
-        if not need.request_id:
-            raise InvalidArgument("fork: the child's request_id must not be empty")
         check_new_request_id(state, need.request_id, "fork", pending)
     else:
         raise InvalidArgument(f"unknown need {need!r}")

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from kvserve.model_service import choices
 from kvserve.model_service.attention.base import AttentionBackend
 from kvserve.model_service.attention.chunks import NativeChunks, OneDnnChunks
 from kvserve.model_service.attention.decode import GatheredDecode, KernelDecode
@@ -17,7 +18,7 @@ from kvserve.model_service.kernels.cpu_gemm import CpuGemm
 from kvserve.model_service.kernels.library import KernelUnavailable, NotForThisCpu
 from kvserve.model_service.kernels.paged_decode import PagedDecodeKernel
 
-BACKEND_NAMES = ("auto", "torch", "cpu", "flash_attn")
+BACKEND_NAMES = ("auto", *choices.ATTENTION_BACKENDS)
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +26,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
                    dtype: torch.dtype | None = None, head_floats: int | None = None,
                    gemm: str = "native") -> AttentionBackend:
     """auto: flash_attn on CUDA when flash-attn imports (and, if page_size is given,
-    accepts it); cpu on CPU in float32 when its kernel builds; else torch. An explicit
+    accepts it); cpu on CPU in float32 when its kernel loads; else torch. An explicit
     name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known.
     gemm: the model's GEMM (kernels/gemm.py); the cpu backend's chunk products use the
     native one only when the model does."""

@@ -187,13 +187,13 @@ class Engine:
         sched, c, clock = self.scheduler, self.counters, time.perf_counter
         if self._in_flight is None:  # nothing sent ahead: the first step after idling
             self._propose_next_step()
-        (proposal, answer_of), self._in_flight = self._in_flight, None
+        (proposal, plan_of), self._in_flight = self._in_flight, None
         t1 = clock()
-        answer = answer_of()
+        plan = plan_of()
         t2 = clock()
-        self.runner.kv_cache.execute(answer)   # the plan's page copies, in the manager's order
+        self.runner.kv_cache.execute(plan)   # the plan's page copies, in the manager's order
         t3 = clock()
-        work = sched.apply(proposal, answer)
+        work = sched.apply(proposal, plan)
         c.steps += 1
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))

@@ -7,12 +7,12 @@ sequences (max_num_seqs), spent in priority order:
   3. swapped sequences resuming, oldest first (before any new admission);
   4. waiting requests, FCFS; those preempted by recompute wait at the head.
 The manager serves the needs in that order and, when pages run out, preempts
-from the tail of the running order; apply() turns its answer into the batch.
+from the tail of the running order; apply() turns its plan into the batch.
 
 Pipelined: the engine builds and sends step N+1's proposal while step N computes,
 so the manager's round trip hides behind the forward. apply() ends by moving each
 request to where step N leaves it (computed through its chunk, one token pending
-if it samples), and build() proposes from there. By the time N+1's answer is
+if it samples), and build() proposes from there. By the time N+1's plan is
 applied, step N may have finished some of those requests (a stop, a cancel):
 apply() drops their work and gives back what the manager granted them.
 
@@ -165,12 +165,12 @@ class Scheduler:
 
     # --------------------------------------------------------------- apply
 
-    def apply(self, proposal: Proposal, answer: StepPlan) -> list[Work]:
+    def apply(self, proposal: Proposal, plan: StepPlan) -> list[Work]:
         """Takes the manager's plan for `proposal`; returns the step's work, decodes first, each
         request already moved to where the step leaves it (the next proposal starts there)."""
-        results = iter(answer.results)
+        results = iter(plan.results)
         work: list[Work] = []
-        recomputed = {p.seq_id for p in answer.preempted if p.mode is PreemptionMode.RECOMPUTE}
+        recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
             self._releases = [s for s in self._releases if s not in recomputed]
         for ask in proposal.asks:
@@ -204,12 +204,12 @@ class Scheduler:
                 self.by_seq[r.seq_id] = r
                 self._start(r)
                 work.append(Work(r, result.cached_tokens, result.num_tokens))
-        if answer.preempted:
-            gone = self._preempt(answer)
+        if plan.preempted:
+            gone = self._preempt(plan)
             work = [w for w in work if w.request not in gone]
         # Decodes first, longest context first (the torch backend then attends them in length
         # groups that are row ranges; the cpu kernel's dynamic schedule starts the longest
-        # first); the rest in plan order.
+        # first); the rest in the order proposed.
         work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding else 1)
         for w in work:   # where this step leaves each request, before it computes (pipelined)
             w.request.num_computed = w.start + w.count
@@ -220,9 +220,9 @@ class Scheduler:
         r.status = Status.RUNNING
         self.running.append(r)
 
-    def _preempt(self, answer: StepPlan) -> set[Request]:
+    def _preempt(self, plan: StepPlan) -> set[Request]:
         gone = set()
-        for p in answer.preempted:  # lowest priority first, so the last lands at the head
+        for p in plan.preempted:  # lowest priority first, so the last lands at the head
             r = self.by_seq.get(p.seq_id)
             if r is None:  # admitted and preempted within this step: it never left waiting
                 continue

@@ -17,14 +17,15 @@ import logging
 
 import torch
 
+from kvserve.model_service import choices
 from kvserve.model_service.kernels import cpu_gemm
 from kvserve.model_service.kernels.library import KernelUnavailable, NotForThisCpu
 from kvserve.model_service.kernels.onednn import onednn_available
 
 log = logging.getLogger(__name__)
 
-GEMMS = ("auto", "native", "onednn", "torch")
-AUTO_ORDER = ("onednn", "native", "torch")
+GEMMS = ("auto", *choices.CPU_GEMMS)
+AUTO_ORDER = choices.CPU_GEMMS   # the measured order (above)
 
 
 def why_not(gemm: str, dtype: torch.dtype) -> str | None:

@@ -15,6 +15,8 @@ Compile flags and why:
   torch's only in rounding. Compile only: at link time it would add crtfastmath.o, which
   sets flush-to-zero for every thread of the process, torch's included.
 - -fopenmp: the kernels' parallel loops, run on torch's OpenMP pool (library.py).
+- -mtune=generic, and an explicit -march on x86-64 even for the generic level: flags from the
+  environment ($CFLAGS, which setuptools passes first) cannot tune a build to the build machine.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Level:
     name: str
-    march: str                 # -march for GCC; "" is the compiler's default target
+    march: str                 # -march for GCC on x86-64; "" elsewhere is the compiler's default target
     flags: frozenset[str]      # /proc/cpuinfo flags a CPU needs to run what -march allows
     x86_64_only: bool = True
 
@@ -36,7 +38,8 @@ LEVELS = {
     "avx512": Level("avx512", "x86-64-v4", _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
                                                           "avx512vl"}),
     "avx2": Level("avx2", "x86-64-v3", _X86_64_V3),
-    "generic": Level("generic", "", frozenset(), x86_64_only=False),
+    # Any CPU: on x86-64 the baseline ISA, named so that a -march in $CFLAGS cannot leak in.
+    "generic": Level("generic", "x86-64", frozenset(), x86_64_only=False),
 }
 
 # kernel (its C file's stem) -> the levels it is built for, best first
@@ -45,4 +48,13 @@ KERNELS = {
     "cpu_gemm": ("avx512",),   # its tiles are AVX-512 intrinsics
 }
 
-COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11", "-mtune=generic")
+
+
+def builds_for(machine: str) -> list[tuple[str, str, str]]:
+    """(kernel, level, -march or "") of every library setup.py builds on `machine`
+    (platform.machine()); -march only on x86-64."""
+    x86_64 = machine in ("x86_64", "AMD64")
+    return [(kernel, name, LEVELS[name].march if x86_64 else "")
+            for kernel, names in KERNELS.items() for name in names
+            if x86_64 or not LEVELS[name].x86_64_only]

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from kvserve.model_service.kernels.levels import KERNELS, LEVELS
+from kvserve.model_service.kernels.levels import KERNELS, LEVELS, builds_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,21 +75,32 @@ def load_library(kernel: str, needs: str) -> tuple[ctypes.CDLL, str]:
               if LEVELS[name].flags <= flags and (x86_64 or not LEVELS[name].x86_64_only)]
     if not usable:
         raise NotForThisCpu(f"the {kernel} kernel needs {needs}, which this CPU does not have")
-    for level in usable:
-        path = library_path(kernel, level.name)
-        if path is not None:
-            break
-    else:
-        raise KernelUnavailable(
-            f"the {kernel} kernel was not built for this CPU ({', '.join(level.name for level in usable)}) when "
-            "kvserve was installed: install it again where a C compiler is present (pip install .)")
     _share_torchs_openmp()
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load {path.name}: {exc}") from exc
-    _check_source(kernel, library, path)
-    return library, level.name
+    problems = []
+    for level in usable:   # the best first; a library that is missing or will not load gives way
+        path = library_path(kernel, level.name)
+        if path is None:
+            problems.append(f"{level.name}: not built when kvserve was installed")
+            continue
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as exc:
+            problems.append(f"{level.name}: cannot load {path.name}: {exc}")
+            continue
+        stale = _stale(kernel, library, path)
+        if stale:
+            problems.append(f"{level.name}: {stale}")
+            continue
+        return library, level.name
+    raise KernelUnavailable(f"no build of the {kernel} kernel for this CPU loads ({'; '.join(problems)}): install "
+                            "kvserve again where a C compiler is present (make install, or pip install .)")
+
+
+def missing_builds() -> list[str]:
+    """The libraries setup.py builds on this machine that are not here (a build that failed
+    quietly: the extensions are optional)."""
+    return [f"{kernel} ({level})" for kernel, level, _ in builds_for(platform.machine())
+            if library_path(kernel, level) is None]
 
 
 def _share_torchs_openmp() -> None:
@@ -114,16 +125,17 @@ def source_sha256(kernel: str) -> str | None:
     return hashlib.sha256(source.read_bytes()).hexdigest() if source.is_file() else None
 
 
-def _check_source(kernel: str, library: ctypes.CDLL, path: Path) -> None:
-    """Where the C file is at hand (a checkout), the library must be built from it as it is."""
+def _stale(kernel: str, library: ctypes.CDLL, path: Path) -> str | None:
+    """Where the C file is at hand (a checkout), the library must be built from it as it is:
+    why not, or None."""
     want = source_sha256(kernel)
     if want is None:
-        return
+        return None
     built_from = library.kvserve_source_sha256
     built_from.restype = ctypes.c_char_p
     if built_from().decode() != want:
-        raise KernelUnavailable(f"{path.name} was built from an older {kernel}.c: install again "
-                                "(make install, or pip install -e .) to rebuild it")
+        return f"{path.name} was built from an older {kernel}.c"
+    return None
 
 
 K = TypeVar("K")

@@ -21,10 +21,11 @@ import torch
 from safetensors import safe_open
 
 from kvserve.model_service.model.config import ModelConfig
+from kvserve.model_service import choices
 from kvserve.model_service.kernels.gemm import choose_gemm
 from kvserve.model_service.model.llama import CausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
+from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
             if size is None:
                 return 1 if stop["signal"] is None else 0
             manager = model_config.manager_config(size["num_pages"], size["page_size"], up.max_seqs)
-            listens = ["--listen", up.kvcache_listen] + (["--listen", link] if link != up.kvcache_listen else [])
-            kv = subprocess.Popen(cli + ["kvcache", *listens, *to_argv(manager)], start_new_session=True)
+            server = KVCacheServerConfig(listen=tuple(dict.fromkeys((up.kvcache_listen, link))))
+            kv = subprocess.Popen(cli + ["kvcache", *to_argv(server), *to_argv(manager)], start_new_session=True)
             procs.append(kv)
             while stop["signal"] is None and all(p.poll() is None for p in procs):
                 time.sleep(0.2)

@@ -76,36 +76,35 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Iterable[
         parser.add_argument(flag_of(f), **kwargs)
 
 
-def from_args(cls: type[C], args: argparse.Namespace, prog: str = "kvserve", **override: Any) -> C:
-    """The config the user asked for: the flags given, the dataclass's defaults for the rest,
-    `override` over both. A value the dataclass refuses exits with its message."""
+def from_args(cls: type[C], args: argparse.Namespace, prog: str = "kvserve") -> C:
+    """The config the user asked for: the flags given, the dataclass's defaults for the rest.
+    A value the dataclass refuses exits with its message."""
     given = {f.name: getattr(args, f.name) for f in options(cls) if hasattr(args, f.name)}
     for f in options(cls):
         if isinstance(f.default, tuple) and f.name in given:
             given[f.name] = tuple(given[f.name])
     try:
-        return cls(**{**given, **override})
+        return cls(**given)
     except ValueError as exc:
         raise SystemExit(f"{prog}: {exc}") from None
 
 
-def to_argv(config: Any, exclude: Iterable[str] = ()) -> list[str]:
+def to_argv(config: Any) -> list[str]:
     """The flags that give `config` back through from_args: those whose value is not the
-    default (the child's dataclass supplies the rest)."""
+    default (the child's dataclass supplies the rest). `--flag=value`, so that a value that
+    starts with a dash stays a value."""
     hints = typing.get_type_hints(type(config))
-    skip = set(exclude)
     argv: list[str] = []
     for f in options(type(config)):
         value = getattr(config, f.name)
-        if f.name in skip or value == f.default:
+        if value == f.default:
             continue
         if _base_type(hints[f.name]) is bool:
             argv.append(_bool_flag(f))
         elif isinstance(value, tuple):
-            for item in value:
-                argv += [flag_of(f), str(item)]
+            argv += [f"{flag_of(f)}={item}" for item in value]
         else:
-            argv += [flag_of(f), str(value)]
+            argv.append(f"{flag_of(f)}={value}")
     return argv
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model_service.kernels import cpu_gemm, library, paged_decode
-from kvserve.model_service.kernels.levels import KERNELS, LEVELS
+from kvserve.model_service.kernels import cpu_gemm, levels, library, paged_decode
+from kvserve.model_service.kernels.levels import LEVELS
 from kvserve.model_service.kernels.library import KernelUnavailable, NotForThisCpu
 
 linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="the native kernels are built for Linux")
@@ -23,10 +23,14 @@ linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="the native
 def test_the_install_built_every_level_of_every_kernel_this_machine_can_compile() -> None:
     """`pip install` (make install) compiles the kernels; a build that failed quietly (the
     extensions are optional) would leave the model service on its fallbacks, so CI fails here."""
-    x86_64 = platform.machine() in ("x86_64", "AMD64")
-    missing = [f"{kernel} ({level})" for kernel, levels in KERNELS.items() for level in levels
-               if (x86_64 or not LEVELS[level].x86_64_only) and library.library_path(kernel, level) is None]
-    assert not missing, f"not built at install: {', '.join(missing)}; see pip's output for the compiler's error"
+    missing = library.missing_builds()
+    assert not missing, f"not built at install: {', '.join(missing)}; `pip install -v .` shows the compiler's error"
+
+
+def test_every_library_is_built_for_a_named_target() -> None:
+    """No level leaves -march to the environment ($CFLAGS) on x86-64; elsewhere only the generic one is built."""
+    assert all(march for _, _, march in levels.builds_for("x86_64"))
+    assert levels.builds_for("aarch64") == [("paged_decode", "generic", "")]
 
 
 @linux_only
@@ -45,14 +49,26 @@ def test_the_best_level_this_cpu_runs_is_the_one_loaded(monkeypatch) -> None:
 @linux_only
 def test_a_level_not_built_at_install_is_reported(monkeypatch) -> None:
     monkeypatch.setattr(library, "library_path", lambda kernel, level: None)
-    with pytest.raises(KernelUnavailable, match="not built for this CPU .* when kvserve was installed"):
+    with pytest.raises(KernelUnavailable, match="no build of the paged_decode kernel for this CPU loads "
+                                                 r"\(.*generic: not built when kvserve was installed\)"):
         paged_decode._load()
+
+
+@linux_only
+def test_a_library_that_will_not_load_gives_way_to_the_next_level(tmp_path, monkeypatch) -> None:
+    broken = tmp_path / "broken.so"
+    broken.write_text("not a shared library")
+    real = library.library_path
+    best = library.KERNELS["paged_decode"][0]
+    monkeypatch.setattr(library, "cpu_flags", lambda: LEVELS[best].flags)
+    monkeypatch.setattr(library, "library_path", lambda k, lv: broken if lv == best else real(k, lv))
+    assert paged_decode._load().level != best
 
 
 @linux_only
 def test_a_library_built_from_another_version_of_its_source_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(library, "source_sha256", lambda kernel: "0" * 64)
-    with pytest.raises(KernelUnavailable, match=r"built from an older paged_decode.c: install again"):
+    with pytest.raises(KernelUnavailable, match=r"built from an older paged_decode.c\).*install kvserve again"):
         paged_decode._load()
 
 

@@ -150,7 +150,7 @@ def test_a_cpu_gemm_that_cannot_run_is_refused_at_build(tiny_dirs):
     from kvserve.model_service.assembly import build_on_a_thread_that_ends
     from kvserve.model_service.config import ModelServiceConfig
 
-    with pytest.raises(ValueError, match="--cpu-gemm must be auto, native, onednn or torch, got 'mkl'"):
+    with pytest.raises(ValueError, match="--cpu-gemm must be auto, onednn, native or torch, got 'mkl'"):
         ModelServiceConfig(cpu_gemm="mkl")
     with pytest.raises(ValueError, match="native CPU GEMM cannot run here: it runs float32, not torch.bfloat16"):
         build_on_a_thread_that_ends(ModelServiceConfig(model=str(tiny_dirs["tiny"]), kvcache="inprocess",

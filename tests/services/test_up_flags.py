@@ -55,8 +55,8 @@ def test_forwarded_values_reach_the_model_config():
 
 def test_a_child_gets_only_what_differs_from_the_defaults():
     assert to_argv(ModelServiceConfig()) == []
-    assert to_argv(ModelServiceConfig(max_num_seqs=7, grace_s=2.5)) == ["--max-num-seqs", "7", "--grace-period", "2.5"]
-    assert to_argv(ManagerConfig(num_pages=99)) == ["--num-pages", "99"]
+    assert to_argv(ModelServiceConfig(max_num_seqs=7, grace_s=2.5)) == ["--max-num-seqs=7", "--grace-period=2.5"]
+    assert to_argv(ManagerConfig(num_pages=99)) == ["--num-pages=99"]
 
 
 def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
