@@ -1,6 +1,7 @@
 """Decode attention on pages: one query per sequence, two ways behind one shape.
 
-    prepare(batch) -> meta               once per step (with decodes), shared by every layer
+    gathers                              whether prepare needs the int64 page tables
+    prepare(batch, tables) -> meta       once per step (with decodes), shared by every layer
     __call__(q, k_cache, v_cache, meta, scale) -> out      q, out (Bd, H, D)
 
 GatheredDecode (torch; CPU and any GPU): the rows' pages gathered by page table, one SDPA per
@@ -54,11 +55,13 @@ class DecodeGroup:
 
 
 class GatheredDecode:
+    gathers = True
+
     def __init__(self, gather: PageGather) -> None:
         self.gather = gather
 
-    def prepare(self, batch: ForwardBatch) -> list[DecodeGroup]:
-        tables = batch.block_tables.long()                                  # (B, max_pages)
+    def prepare(self, batch: ForwardBatch, tables: torch.Tensor) -> list[DecodeGroup]:
+        """tables: (B, max_pages) int64."""
         return [_decode_group(batch, tables, rows) for rows in decode_groups(batch.seq_lens_cpu[:batch.num_decodes])]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,10 +119,12 @@ class KernelDecodeMeta:
 
 
 class KernelDecode:
+    gathers = False   # the kernel reads the int32 tables as they are
+
     def __init__(self, kernel: PagedDecodeKernel) -> None:
         self.kernel = kernel
 
-    def prepare(self, batch: ForwardBatch) -> KernelDecodeMeta:
+    def prepare(self, batch: ForwardBatch, tables: torch.Tensor | None) -> KernelDecodeMeta:
         nd = batch.num_decodes
         return KernelDecodeMeta(batch.block_tables[:nd].contiguous(), batch.seq_lens[:nd].contiguous(),
                                 max(batch.seq_lens_cpu[:nd], default=0))

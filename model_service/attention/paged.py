@@ -38,7 +38,7 @@ class PagedMeta:
 class PagedAttention:
     def __init__(self, name: str, decode, chunks, gather: PageGather) -> None:
         self.name = name
-        self.decode = decode    # prepare(batch) -> meta; (q, k_cache, v_cache, meta, scale) -> out
+        self.decode = decode    # gathers, prepare(batch, tables) -> meta, (q, k_cache, v_cache, meta, scale) -> out
         self.chunks = chunks    # uses_matmul, bias, (q, keys, values, chunk, scale) -> out
         self.gather = gather    # the prefill's page gather (GatheredDecode shares it)
 
@@ -47,14 +47,16 @@ class PagedAttention:
 
     def prepare(self, batch: ForwardBatch) -> PagedMeta:
         nd = batch.num_decodes
-        decode = self.decode.prepare(batch) if nd else None
-        prefills = self._prepare_prefills(batch) if nd < batch.num_seqs else []
+        chunks = nd < batch.num_seqs
+        # The page tables as int64 indices, made once a step for whoever gathers pages.
+        tables = batch.block_tables.long() if chunks or (nd and self.decode.gathers) else None  # (B, max_pages)
+        decode = self.decode.prepare(batch, tables) if nd else None
+        prefills = self._prepare_prefills(batch, tables) if chunks else []
         return PagedMeta(batch.slot_mapping, nd, decode, prefills)
 
-    def _prepare_prefills(self, batch: ForwardBatch) -> list[PrefillChunk]:
+    def _prepare_prefills(self, batch: ForwardBatch, tables: torch.Tensor) -> list[PrefillChunk]:
         """One chunk per sequence after the decodes: its rows, pages and causal mask."""
         device = batch.input_ids.device
-        tables = batch.block_tables.long()                                  # (B, max_pages)
         prefills = []
         starts = batch.cu_seqlens_q.tolist()
         for i in range(batch.num_decodes, batch.num_seqs):
