@@ -58,9 +58,15 @@ class KVCacheManager:
 
     def register(self, epoch: int, page_size: int, num_pages: int) -> bool:
         """A model service (re)starts. Returns True when the epoch was new and the
-        manager reset, so no stale page table outlives the device bytes."""
+        manager reset, so no stale page table outlives the device bytes. Epochs only move
+        forward: the live epoch again changes nothing, an older one is refused (a stale
+        instance must not wipe the live one's state)."""
         if epoch <= 0:
             raise InvalidArgument(f"register: epoch must be positive, got {epoch}")
+        if epoch < self.state.epoch:
+            raise FailedPrecondition(
+                f"register: epoch {epoch} is older than the live epoch {self.state.epoch}: a newer model "
+                "service has registered since, so this one is stale")
         if page_size != self.config.page_size:
             raise InvalidArgument(
                 f"register: page_size {page_size} does not match the manager's {self.config.page_size}")

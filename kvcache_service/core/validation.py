@@ -36,15 +36,19 @@ def out_of_range(token_ids: Seq[int]) -> int | None:
     return next((t for t in token_ids if not (isinstance(t, int) and 0 <= t <= _INT32_MAX)), token_ids[0])
 
 
-def check_new_request_id(state: ManagerState, request_id: str, what: str, pending: set[str] | None) -> None:
+def check_new_request_id(state: ManagerState, request_id: str, what: str, pending: set[str] | None,
+                         released: frozenset[str] = frozenset()) -> None:
+    """`pending`: ids admitted or forked earlier in the same Step; `released`: ids of sequences the
+    same Step releases first, free again by the time its needs are served."""
     if not request_id:
         raise InvalidArgument(f"{what}: request_id must not be empty")
-    if request_id in state.by_request or (pending and request_id in pending):
+    if (request_id in state.by_request and request_id not in released) or (pending and request_id in pending):
         raise AlreadyExists(f"request id {request_id!r} is already live")
 
 
-def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = None) -> None:
-    check_new_request_id(state, need.request_id, "admit", pending)
+def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = None,
+                released: frozenset[str] = frozenset()) -> None:
+    check_new_request_id(state, need.request_id, "admit", pending, released)
     if not need.token_ids:
         raise InvalidArgument(f"admit {need.request_id!r}: token_ids must not be empty")
     if need.max_tokens is not None and need.max_tokens <= 0:
@@ -54,22 +58,23 @@ def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = Non
         raise InvalidArgument(f"admit {need.request_id!r}: token id {bad} is not in [0, 2^31)")
 
 
-def check_need(state: ManagerState, need: Need, pending: set[str] | None = None) -> None:
+def check_need(state: ManagerState, need: Need, pending: set[str] | None = None,
+               released: frozenset[str] = frozenset()) -> None:
     """Raises for a malformed need or one naming a sequence in the wrong state. `pending`:
-    request ids admitted or forked earlier in the same Step."""
+    request ids admitted or forked earlier in the same Step; `released`: those it releases."""
     if isinstance(need, Grow):
         state.running_seq(need.seq_id)
         if need.num_tokens <= 0:
             raise InvalidArgument(f"grow seq id {need.seq_id}: num_tokens must be positive, got {need.num_tokens}")
     elif isinstance(need, Admit):
-        check_admit(state, need, pending)
+        check_admit(state, need, pending, released)
     elif isinstance(need, Resume):
         state.swapped_seq(need.seq_id)
         if need.num_tokens < 0:
             raise InvalidArgument(f"resume seq id {need.seq_id}: num_tokens must not be negative")
     elif isinstance(need, Fork):
         state.running_seq(need.parent_seq_id)
-        check_new_request_id(state, need.request_id, "fork", pending)
+        check_new_request_id(state, need.request_id, "fork", pending, released)
     else:
         raise InvalidArgument(f"unknown need {need!r}")
 
@@ -159,10 +164,12 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
             raise InvalidArgument(f"step: seq id {c.seq_id} is committed twice")
         committed.add(c.seq_id)
         check_commit(state, c, truncated.get(c.seq_id))
-    _validate_needs(state, req, live)
+    # A request released by this Step may be admitted again by it (a client retrying an id).
+    freed = frozenset(state.seqs[seq_id].request_id for seq_id in released) if released else frozenset()
+    _validate_needs(state, req, live, freed)
 
 
-def _validate_needs(state: ManagerState, req: StepRequest, live) -> None:
+def _validate_needs(state: ManagerState, req: StepRequest, live, freed: frozenset[str]) -> None:
     new_ids: set[str] = set()
     needing: set[int] = set()
     seqs = state.seqs
@@ -171,13 +178,13 @@ def _validate_needs(state: ManagerState, req: StepRequest, live) -> None:
             seq_id = need.seq_id
             seq = seqs.get(seq_id)
             if seq is None or seq.state is not SeqState.RUNNING or need.num_tokens <= 0:
-                check_need(state, need, new_ids)
+                check_need(state, need, new_ids, freed)
             live(seq_id, "need")
             if seq_id in needing:
                 raise InvalidArgument(f"step: seq id {seq_id} has two needs")
             needing.add(seq_id)
             continue
-        check_need(state, need, new_ids)
+        check_need(state, need, new_ids, freed)
         if isinstance(need, (Admit, Fork)):
             new_ids.add(need.request_id)
         if isinstance(need, Fork):

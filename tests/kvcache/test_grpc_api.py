@@ -50,6 +50,17 @@ def test_register_resets_on_a_new_epoch_only(kv: KV) -> None:
     assert kv.stats().num_sequences == 0 and kv.stats().epoch == 8
 
 
+def test_a_stale_epochs_register_is_refused_and_the_live_state_is_intact(kv: KV) -> None:
+    kv.call("Register", pb.RegisterRequest(epoch=8, page_size=4, num_pages=16))
+    kv.step(needs=[admit("live", T10)], epoch=8)
+    before = kv.stats()
+    err = rpc_error(lambda: kv.call("Register", pb.RegisterRequest(epoch=1, page_size=4, num_pages=16)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "epoch 1 is older than the live epoch 8" in err.details()
+    assert kv.stats() == before and kv.seq(request_id="live").page_ids == [0, 1, 2]
+    assert kv.step(needs=[grow(0, 13)], epoch=8).results[0].granted   # the live service goes on
+
+
 # ---------------------------------------------------------- CanAllocate / Allocate
 
 def test_can_allocate_then_allocate_counts_cached_pages(kv: KV) -> None:

@@ -301,6 +301,32 @@ def test_a_new_epoch_resets_and_a_stale_one_is_refused():
         m.register(9, 8, 16)
 
 
+def test_epochs_only_move_forward():
+    """A stale model service (an older epoch) is refused and the live one's state is untouched."""
+    m = make()
+    m.register(8, PS, 16)
+    a = m.step(StepRequest(epoch=8, needs=[Admit("a", list(range(10)))])).results[0]
+    m.step(StepRequest(epoch=8, commits=[Commit(a.seq_id, 10)]))
+    before = m.stats()
+    with pytest.raises(FailedPrecondition, match="epoch 7 is older than the live epoch 8"):
+        m.register(7, PS, 16)
+    assert m.stats() == before and m.epoch == 8
+    assert m.register(8, PS, 16) is False and m.stats() == before   # the live epoch again: idempotent
+    m.step(StepRequest(epoch=8, releases=[a.seq_id]))                # still the live epoch's to use
+
+
+def test_a_step_may_release_a_request_and_admit_its_id_again():
+    """Validated against the state the needs will meet: the release runs first."""
+    m = make()
+    a = admit_computed(m, "a", list(range(9)))
+    plan = m.step(StepRequest(releases=[a.seq_id], needs=[Admit("a", list(range(9)))]))
+    (again,) = plan.results
+    assert again.granted and again.cached_tokens == 8   # its own pages, cached by the release
+    assert m.state.by_request == {"a": again.seq_id}
+    with pytest.raises(AlreadyExists):                  # without the release it is still live
+        m.step(StepRequest(needs=[Admit("a", [1, 2])]))
+
+
 def test_bad_step_changes_nothing():
     m = make()
     a = admit(m, "a", list(range(6)))
