@@ -121,8 +121,10 @@ class KVCacheManagerServicer:
 
     def Register(self, request, context):
         """A model service announces itself. A new epoch (the service restarted and
-        its device pages are gone) resets the manager. A page_size or num_pages
-        that differs from the manager's is refused with INVALID_ARGUMENT.
+        its device pages are gone) resets the manager; the live epoch again changes
+        nothing; an older one is refused with FAILED_PRECONDITION (a stale instance
+        must not wipe the live one). A page_size or num_pages that differs from the
+        manager's is refused with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,7 +132,8 @@ class KVCacheManagerServicer:
 
     def Step(self, request, context):
         """The engine's one round trip per iteration: releases, truncations and
-        commits are applied first, then the needs are served in priority order.
+        commits are applied first, then the needs are served in priority order
+        (so a request released here may be admitted again, under the same id).
         Running out of pages for a need is an answer (granted = false), not an
         error. FAILED_PRECONDITION when the epoch is stale; RESOURCE_EXHAUSTED
         only when a truncation must copy a shared last page and no page is left.
