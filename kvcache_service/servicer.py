@@ -2,7 +2,7 @@
 
 All handlers run on the server's one asyncio loop, so the core is only ever
 touched by one call at a time and needs no lock. Domain errors become gRPC
-status codes here, in one table.
+status codes here, by the one table both sides read (contract/status.py).
 """
 
 from __future__ import annotations
@@ -16,26 +16,12 @@ import grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from kvserve.kvcache_service.contract import convert
-from kvserve.kvcache_service.contract.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    KVCacheError,
-    NotFound,
-    ResourceExhausted,
-)
+from kvserve.kvcache_service.contract.errors import InvalidArgument, KVCacheError
+from kvserve.kvcache_service.contract.status import STATUS_OF
 from kvserve.kvcache_service.contract.types import Fork, Resume
 from kvserve.kvcache_service.core.manager import KVCacheManager
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheManager"].full_name
-
-STATUS_OF: dict[type[KVCacheError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-}
 
 T = TypeVar("T")
 

@@ -1,7 +1,10 @@
-"""The engine's link to the KV-cache manager: in-process, or remote over gRPC.
+"""The link to a KV-cache manager: in-process, or remote over gRPC.
 
-Both speak the core's plain types (kvcache_service.core.types); the remote one
-converts at its edge, so the engine never sees protobuf.
+Both speak the contract's plain types (types.py) and raise its errors (errors.py): the remote
+one converts at its edge (convert.py, status.py), so its user (the model service's engine, a
+gateway) never sees protobuf or a grpc.RpcError. ManagerUnavailable means the manager did not
+answer; the remote client's channel then reconnects by itself, quickly (a restarted manager on
+the same address is found within about a second), and the next Step opens a new stream.
 """
 
 from __future__ import annotations
@@ -15,14 +18,37 @@ import grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from kvserve.kvcache_service.contract import convert
+from kvserve.kvcache_service.contract.errors import InvalidArgument
+from kvserve.kvcache_service.contract.status import error_from_rpc
 from kvserve.kvcache_service.contract.types import Stats, StepPlan, StepRequest
+
+# gRPC's default reconnect backoff grows to two minutes; a restarted manager is found sooner.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class KVClient(Protocol):
-    def register(self, epoch: int, page_size: int, num_pages: int) -> None: ...
-    def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
-        """Sends a Step now; the callable waits for its answer. Steps are answered in order."""
+    address: str
+
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
+        """Raises KVCacheError: InvalidArgument for sizes the manager does not share,
+        FailedPrecondition for an epoch older than its live one, ManagerUnavailable."""
         ...
+
+    def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
+        """Sends a Step now; the callable waits for its answer (raising the KVCacheError the
+        Step met). Steps are answered in order."""
+        ...
+
+    def interrupt(self) -> None:
+        """From another thread: a wait for an answer ends now, with ManagerUnavailable."""
+        ...
+
     def stats(self) -> Stats: ...
     def close(self) -> None: ...
 
@@ -31,10 +57,12 @@ class InProcessKVClient:
     """A manager in the caller's own process (`--kvcache inprocess`): any object with the
     core's register / step / stats (kvcache_service.core.KVCacheManager)."""
 
+    address = "inprocess"
+
     def __init__(self, manager) -> None:
         self.manager = manager
 
-    def register(self, epoch: int, page_size: int, num_pages: int) -> None:
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
         self.manager.register(epoch, page_size, num_pages)
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
@@ -48,6 +76,9 @@ class InProcessKVClient:
             return fail
         return lambda: plan
 
+    def interrupt(self) -> None:
+        pass   # an in-process Step is answered before send_step returns
+
     def stats(self) -> Stats:
         return self.manager.stats()
 
@@ -59,10 +90,7 @@ class RemoteKVClient:
     """A KVCacheManager service at `address` (host:port or unix:///path)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1)])
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheManagerStub(self._channel)
         self._timeout = timeout_s
         self._stream: _StepStream | None = None
@@ -75,16 +103,19 @@ class RemoteKVClient:
             raise ConnectionError(f"the KV-cache manager at {self.address} did not answer "
                                   f"within {timeout_s:.0f} s") from None
 
-    def register(self, epoch: int, page_size: int, num_pages: int) -> None:
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
+        """Waits for the channel up to `timeout_s` (default: the client's timeout)."""
         try:
             self._stub.Register(pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
-                                timeout=self._timeout)
+                                timeout=self._timeout if timeout_s is None else timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(f"the KV-cache manager at {self.address} refused to register this model service: "
-                                 f"{exc.details().removeprefix('register: ')} (start both with the same "
-                                 "--page-size and --num-pages, or use `kvserve up`)") from None
-            raise ConnectionError(f"the KV-cache manager at {self.address}: {exc.code().name}: {exc.details()}") from None
+            error = error_from_rpc(exc, self.address)
+            if isinstance(error, InvalidArgument):
+                raise InvalidArgument(
+                    f"the KV-cache manager at {self.address} refused to register this model service: "
+                    f"{str(error).removeprefix('register: ')} (start both with the same --page-size and "
+                    "--num-pages, or use `kvserve up`)") from None
+            raise error from None
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""
@@ -96,15 +127,29 @@ class RemoteKVClient:
         def answer() -> StepPlan:
             try:
                 return convert.step_plan_from_pb(stream.receive())
-            except Exception:
-                stream.close()
-                if self._stream is stream:
-                    self._stream = None
+            except grpc.RpcError as exc:
+                self._drop(stream)
+                raise error_from_rpc(exc, self.address) from None
+            except BaseException:
+                self._drop(stream)
                 raise
         return answer
 
+    def interrupt(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.close()   # a receive() waiting on it raises CANCELLED: ManagerUnavailable
+
+    def _drop(self, stream: _StepStream) -> None:
+        stream.close()
+        if self._stream is stream:
+            self._stream = None
+
     def stats(self) -> Stats:
-        return convert.stats_from_pb(self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout))
+        try:
+            return convert.stats_from_pb(self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
 
     def close(self) -> None:
         if self._stream is not None:
@@ -122,13 +167,9 @@ class _StepStream:
     def send(self, request) -> None:
         self._requests.put(request)
 
-    def call(self, request):
-        self.send(request)
-        return self.receive()
-
     def receive(self):
-        # No per-message deadline on a stream: a dead manager is caught by the
-        # channel's keepalive pings, which end the stream with UNAVAILABLE.
+        # No per-message deadline on a stream: a dead manager is caught by the channel's
+        # keepalive pings, a stalled one by the engine, which interrupts the wait.
         return next(self._responses)
 
     def close(self) -> None:

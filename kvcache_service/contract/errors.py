@@ -23,3 +23,8 @@ class ResourceExhausted(KVCacheError):
 
 class FailedPrecondition(KVCacheError):
     """A stale epoch, or a sequence in the wrong state for the call."""
+
+
+class ManagerUnavailable(KVCacheError):
+    """The client's view: the manager did not answer (no connection, a broken stream, a
+    deadline). The manager itself never raises it."""
