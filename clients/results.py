@@ -142,6 +142,9 @@ class ServerStats:
     forward_seconds: float = 0.0   # batch tensors + the model's forward pass
     sample_seconds: float = 0.0
     emit_seconds: float = 0.0      # detokenizing, stop checks, handing events to streams
+    requests_failed: int = 0       # ended with an error status (UNAVAILABLE, INTERNAL)
+    manager_losses: int = 0        # times the KV-cache manager went away and requests were re-admitted
+    manager_reachable: bool = True  # false while the engine waits for its manager (kvcache is then None)
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

@@ -129,6 +129,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         num_pages=num_pages,
         max_waiting=cfg.max_waiting,
         stream_interval=cfg.stream_interval,
+        manager_timeout_s=cfg.manager_timeout_s,
+        stall_timeout_s=cfg.stall_timeout_s,
         on_step_end=on_step_end,
     )
     log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
@@ -164,7 +166,7 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[
 def _connect(cfg: ModelServiceConfig, num_pages: int, page_size: int) -> KVClient:
     if cfg.kvcache == "inprocess":
         return InProcessKVClient(KVCacheManager(cfg.manager_config(num_pages, page_size)))
-    client = RemoteKVClient(cfg.kvcache)
+    client = RemoteKVClient(cfg.kvcache, timeout_s=cfg.manager_timeout_s)
     client.wait_ready(cfg.kvcache_timeout_s)
     return client
 

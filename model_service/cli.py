@@ -19,11 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_model(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvserve.kvcache_service.contract.errors import KVCacheError
     from kvserve.model_service.server import serve
 
     config = from_args(ModelServiceConfig, args, "kvserve model")
     try:
         asyncio.run(serve(config))
-    except (ValueError, ConnectionError) as exc:  # bad model/config, manager refused or unreachable
+    except (ValueError, ConnectionError, KVCacheError) as exc:  # bad model/config, manager refused or unreachable
         raise SystemExit(f"kvserve model: {exc}") from None
     return 0

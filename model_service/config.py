@@ -64,7 +64,22 @@ class ModelServiceConfig:
     cache_salt: str = option("", "keeps this deployment's prefix cache apart (default: none)")
     prefix_caching: bool = option(True, "never share KV pages between requests (for measurements)")
     kvcache_timeout_s: float = option(60.0, "seconds to wait for the manager at start", flag="--kvcache-timeout")
-    grace_s: float = option(5.0, "seconds to drain on SIGTERM", flag="--grace-period")
+    manager_timeout_s: float = option(5.0, "seconds a lost manager may take to come back before the requests "
+                                           "it held end with UNAVAILABLE (they wait, then go on, if it "
+                                           "returns sooner); also the longest wait for one Step's answer",
+                                      flag="--manager-timeout")
+    stall_timeout_s: float = option(30.0, "seconds without a completed engine step, with requests in "
+                                          "flight, before health says NOT_SERVING", flag="--stall-timeout")
+    grace_s: float = option(5.0, "seconds to drain on SIGTERM: in-flight requests finish, then end "
+                                 "with UNAVAILABLE", flag="--grace-period")
+    # Limits on each request, checked before any work is done for it.
+    max_request_bytes: int = option(8 << 20, "largest request message, e.g. 8MiB", parse=parse_bytes)
+    max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
+    max_chat_messages: int = option(1024, "most messages in one chat request")
+    max_stop_strings: int = option(64, "most stop strings in one request")
+    max_logprobs: int = option(20, "most top logprobs a request may ask for per token")
+    tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the server's "
+                                       "event loop")
     # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
     sizing_file: str | None = option(None, "where to write {num_pages, page_size} once sized", hidden=True)
 
@@ -84,8 +99,18 @@ class ModelServiceConfig:
 
         for name in ("page_size", "num_pages", "kv_cache_memory", "max_model_len"):
             positive(name)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval",
+                     "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads"):
             positive(name, allow_none=False)
+        for name in ("max_stop_strings", "max_logprobs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in ("kvcache_timeout_s", "manager_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
         if self.swap_pages < 0:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

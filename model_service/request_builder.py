@@ -1,30 +1,41 @@
 """GenerateRequest (protobuf) → engine Request, with every check a person needs to read.
 
-Refused here, before anything is queued: no input, an empty prompt, a token id
-outside the vocabulary, bad sampling parameters, and any request that could
-never fit (prompt + max_tokens over the model length, which the page pool caps).
+Refused here, before anything is queued, in order of cost:
+  1. limits on size (the flags --max-prompt-chars, --max-chat-messages, --max-stop-strings,
+     --max-logprobs; request ids up to 256 characters), and a prompt so long that it cannot
+     fit the model whatever it tokenizes to (prompt_bound.py): no tokenizing;
+  2. bad sampling parameters;
+  3. after tokenizing (off the event loop, tokenizing.py): an empty input, a token id outside
+     the vocabulary, prompt + max_tokens over the model length (which the page pool caps).
 """
 
 from __future__ import annotations
 
+from kvserve.model_service.engine.errors import InvalidRequest
 from kvserve.model_service.engine.request import Request
+from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
 from kvserve.model_service.sampling.params import SamplingParams
 from kvserve.model_service.sampling.sampler import make_generator
+from kvserve.model_service.tokenizing import TokenizerLanes
 
-
-class RequestError(ValueError):
-    """Bad input: the call ends with INVALID_ARGUMENT and this message."""
+RequestError = InvalidRequest   # the name this module's callers know
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
 
 
 class RequestBuilder:
-    def __init__(self, stack) -> None:
+    def __init__(self, stack, lanes: TokenizerLanes | None = None) -> None:
         self.stack = stack
+        self.config = stack.config
         self.tokenizer = stack.tokenizer
         self.vocab_size = stack.model_config.vocab_size
+        self.lanes = lanes or TokenizerLanes(stack.config.tokenizer_threads)
+        self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
 
-    def build(self, msg, request_id: str) -> Request:
-        prompt = self._input_ids(msg)
+    async def build(self, msg, request_id: str) -> Request:
+        self.check_limits(msg, request_id)
         params = self._params(msg.sampling)
+        prompt = await self._input_ids(msg)
         limit = self.stack.max_model_len
         if len(prompt) >= limit:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model length is {limit}, "
@@ -33,50 +44,106 @@ class RequestBuilder:
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                                f"{len(prompt) + max_tokens} exceeds the model length {limit}")
-        salt = self.stack.config.cache_salt
-        if not self.stack.config.prefix_caching:
+        salt = self.config.cache_salt
+        if not self.config.prefix_caching:
             salt = f"{salt}\x00{request_id}"  # pages of one request only: nothing is ever shared
         request = Request(request_id, prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
         return request
 
-    def tokenize(self, msg) -> list[int]:
+    async def tokenize(self, msg) -> list[int]:
         add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            return self.tokenizer.encode(msg.prompt, add_special_tokens=add_special)
+            self._check_text(msg.prompt, "the prompt", fit=False)   # counting tokens is the point
+            return await self.lanes.run(len(msg.prompt), self._encode, msg.prompt, add_special)
         if kind == "messages":
-            return self._chat(msg.messages)
+            return await self._chat(msg.messages, fit=False)
         raise RequestError("set one input: prompt or messages")
+
+    def check_limits(self, msg, request_id: str) -> None:
+        """What can be refused from the message's sizes alone."""
+        cfg = self.config
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise RequestError(f"the request id has {len(request_id)} characters; at most "
+                               f"{MAX_REQUEST_ID_CHARS} are allowed")
+        kind = msg.WhichOneof("input")
+        if kind == "prompt":
+            self._check_text(msg.prompt, "the prompt")
+        elif kind == "messages":
+            self._check_chat(msg.messages.messages)
+        elif kind == "token_ids" and len(msg.token_ids.ids) >= self.stack.max_model_len:
+            raise RequestError(f"the prompt has {len(msg.token_ids.ids)} tokens; the model length is "
+                               f"{self.stack.max_model_len}, which leaves no room for output")
+        stops = msg.sampling.stop
+        if len(stops) > cfg.max_stop_strings:
+            raise RequestError(f"{len(stops)} stop strings; at most {cfg.max_stop_strings} are allowed "
+                               "(--max-stop-strings)")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise RequestError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed")
 
     # ------------------------------------------------------------ helpers
 
-    def _input_ids(self, msg) -> list[int]:
+    def _check_text(self, text: str, what: str, fit: bool = True) -> None:
+        cfg, limit = self.config, self.stack.max_model_len
+        if len(text) > cfg.max_prompt_chars:
+            raise RequestError(f"{what} has {len(text):,} characters; at most {cfg.max_prompt_chars:,} are "
+                               "allowed (--max-prompt-chars)")
+        fewest = fewest_tokens(text, self.bytes_per_token)
+        if fit and fewest >= limit:
+            raise RequestError(f"{what} has {len(text):,} characters, which is at least {fewest:,} tokens; "
+                               f"the model length is {limit}")
+
+    def _check_chat(self, messages, fit: bool = True) -> None:
+        cfg = self.config
+        if len(messages) > cfg.max_chat_messages:
+            raise RequestError(f"{len(messages)} chat messages; at most {cfg.max_chat_messages} are allowed "
+                               "(--max-chat-messages)")
+        chars = sum(len(m.content) + len(m.role) for m in messages)
+        if chars > cfg.max_prompt_chars:
+            raise RequestError(f"the chat messages have {chars:,} characters; at most "
+                               f"{cfg.max_prompt_chars:,} are allowed (--max-prompt-chars)")
+        fewest = sum(fewest_tokens(m.content, self.bytes_per_token) for m in messages)
+        if fit and fewest >= self.stack.max_model_len:
+            raise RequestError(f"the chat messages have {chars:,} characters, which is at least {fewest:,} "
+                               f"tokens; the model length is {self.stack.max_model_len}")
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The tokenizer itself, not its backend's encode: it releases the GIL (tokenizing.py).
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def _input_ids(self, msg) -> list[int]:
         kind = msg.WhichOneof("input")
         if kind == "prompt":
             if not msg.prompt:
                 raise RequestError("the prompt is empty")
-            ids = self.tokenizer.encode(msg.prompt)
+            ids = await self.lanes.run(len(msg.prompt), self._encode, msg.prompt)
         elif kind == "token_ids":
             ids = list(msg.token_ids.ids)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         elif kind == "messages":
-            ids = self._chat(msg.messages)
+            ids = await self._chat(msg.messages)
         else:
             raise RequestError("set one input: prompt, token_ids or messages")
         if not ids:
             raise RequestError("the input has no tokens")
         return ids
 
-    def _chat(self, messages) -> list[int]:
+    async def _chat(self, messages, fit: bool = True) -> list[int]:
+        self._check_chat(messages.messages, fit)
         if not messages.messages:
             raise RequestError("messages is empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; send a prompt instead")
         chat = [{"role": m.role, "content": m.content} for m in messages.messages]
+        size = sum(len(m["content"]) for m in chat)
+        return await self.lanes.run(size, self._render_chat, chat)
+
+    def _render_chat(self, chat: list[dict]) -> list[int]:
         try:
             out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
@@ -96,7 +163,7 @@ class RequestBuilder:
                 seed=opt("seed", None), max_tokens=opt("max_tokens", None),
                 stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True))
-            params.validate(self.vocab_size)
+            params.validate(self.vocab_size, self.config.max_logprobs)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         return params

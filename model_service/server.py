@@ -10,7 +10,9 @@ from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal
+from kvserve.model_service.engine.errors import Unavailable
+from kvserve.model_service.health import HealthReporter
+from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -22,21 +24,48 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     # The executor's thread only waits; torch runs on one that ends.
     stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
     try:
-        stack.engine.start()
+        await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
         servicer = InferenceServicer(stack, relay)
         spec = ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)
-        return await _create(config.listen, [spec]), servicer
+        running = await _create(config.listen, [spec], options={
+            "grpc.max_receive_message_length": config.max_request_bytes})
+        servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
+        servicer.health.start()
+        return running, servicer
     except Exception:
         stack.engine.stop()
         stack.kv.close()
         raise
 
 
+async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: float) -> None:
+    """NOT_SERVING first, then no new requests; in-flight streams get up to `grace_s` to finish,
+    and what is left ends with UNAVAILABLE (the manager is still there for their releases)."""
+    loop = asyncio.get_running_loop()
+    engine = servicer.engine
+    await servicer.health.drain()
+    servicer.drain()
+    deadline = loop.time() + grace_s
+    while engine.num_live() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_live():
+        log.warning("%d requests still running after the %.1f s grace period end with UNAVAILABLE",
+                    engine.num_live(), grace_s)
+        engine.end_all(Unavailable(f"the server shut down before the request finished (it was given "
+                                   f"{grace_s:g} s to finish)"))
+        stop_at = loop.time() + 2.0
+        while engine.num_live() and loop.time() < stop_at:
+            await asyncio.sleep(0.02)
+    await running.server.stop(1.0)   # the streams' last messages go out
+
+
 async def serve(config: ModelServiceConfig) -> None:
     running, servicer = await create_server(config)
     log.info("model service on %s", running.address)
     try:
-        await serve_until_signal(running.server, running.health, config.grace_s, on_stop=servicer.drain)
+        await wait_for_signal(running.server, config.grace_s)
+        await drain(running, servicer, config.grace_s)
     finally:
         servicer.engine.stop()
+        servicer.close()
         servicer.stack.kv.close()

@@ -3,7 +3,8 @@
 Runs on the server's asyncio loop; the engine runs on its own thread and
 reaches a call only through the call's queue (the sink hops onto this loop).
 A call that ends early — cancelled, deadline passed, client gone — cancels
-its request, so its pages go back within one engine step.
+its request, so its pages go back within one engine step. Every way a call
+can fail ends with the code of the one table in status.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import uuid
 import grpc
 
 from kvserve.kvcache_service.contract import convert
-from kvserve.model_service.engine.engine import DuplicateRequest, QueueFull
+from kvserve.kvcache_service.contract.errors import KVCacheError
+from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
-from kvserve.model_service.request_builder import RequestBuilder, RequestError
+from kvserve.model_service.request_builder import RequestBuilder
+from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
+from kvserve.model_service.tokenizing import TokenizerLanes
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -31,28 +35,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, stack, relay: EventRelay) -> None:
         self.stack = stack
         self.engine = stack.engine
-        self.builder = RequestBuilder(stack)
-        self._draining = False
+        self.lanes = TokenizerLanes(stack.config.tokenizer_threads)
+        self.builder = RequestBuilder(stack, self.lanes)
+        self.draining = False
+        self.health = None   # the HealthReporter, once the server runs (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
-        self._draining = True
+        self.draining = True
+
+    def close(self) -> None:
+        self.lanes.close()
 
     async def Generate(self, request, context):
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        try:
-            req = self.builder.build(request, request.request_id or uuid.uuid4().hex)
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         events: asyncio.Queue = asyncio.Queue()
         try:
+            if self.draining:
+                raise Unavailable("the server is draining: it takes no new requests (another worker, "
+                                  "or this one once restarted, will)")
+            req = await self.builder.build(request, request.request_id or uuid.uuid4().hex)
             self.engine.submit(req, self._relay.sink(events))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DuplicateRequest as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except Exception as exc:
+            await abort(context, as_request_failed(exc, "building the request failed"))
         finished = False
         try:
             while not finished:
@@ -61,8 +66,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 while not events.empty():  # coalesce what piled up while the client was slow
                     batch.append(events.get_nowait())
                 for message, finished, failure in _to_messages(req.request_id, batch):
-                    if failure:
-                        await context.abort(grpc.StatusCode.INTERNAL, failure)
+                    if failure is not None:
+                        await abort(context, failure)
                     yield message
         finally:
             if not finished:  # cancelled, deadline, client gone: free the pages now
@@ -70,14 +75,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Cancel(self, request, context):
         if not self.engine.cancel(request.request_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+            shown = request.request_id if len(request.request_id) <= 64 else request.request_id[:64] + "..."
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()
 
     async def Tokenize(self, request, context):
         try:
-            ids = self.builder.tokenize(request)
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            ids = await self.builder.tokenize(request)
+        except Exception as exc:
+            await abort(context, as_request_failed(exc, "tokenizing failed"))
         tokens = self.stack.tokenizer.convert_ids_to_tokens(ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
@@ -91,18 +97,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetServerStats(self, request, context):
         e, c = self.engine, self.engine.counters
-        kv = await asyncio.to_thread(self.stack.kv.stats)
-        return pb.ServerStats(
+        stats = pb.ServerStats(
             running=e.num_running, waiting=e.num_waiting, swapped=e.num_swapped,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, cached_tokens=c.cached_tokens,
             requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
-            kvcache=convert.stats_to_pb(kv),
             schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,
-            forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s)
+            forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s,
+            requests_failed=c.failed, manager_losses=c.manager_losses)
+        try:
+            stats.kvcache.CopyFrom(convert.stats_to_pb(await asyncio.to_thread(self.stack.kv.stats)))
+            stats.manager_reachable = not e.link.lost
+        except KVCacheError:
+            stats.manager_reachable = False
+        return stats
 
 
 def _to_messages(request_id: str, events: list):
-    """Engine events → (response, finished, failure); consecutive tokens merge into one chunk."""
+    """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens
+    merge into one chunk."""
     chunk: pb.TokenChunk | None = None
     for event in events:
         if isinstance(event, Tokens):
@@ -132,7 +144,7 @@ def _to_messages(request_id: str, events: list):
             yield pb.GenerateResponse(finished=finished), True, None
             return
         elif isinstance(event, Failed):
-            yield None, True, event.message
+            yield None, True, event.error
             return
     if chunk is not None:
         yield pb.GenerateResponse(chunk=chunk), False, None

@@ -46,7 +46,9 @@ class ModelServerThread(LoopThread):
     def stop(self) -> None:
         try:
             self.call(self.running.server.stop(None))
+            self.call(self.servicer.health.stop())
         finally:
             self.servicer.engine.stop()
+            self.servicer.close()
             self.servicer.stack.kv.close()
             self.close()

@@ -12,10 +12,19 @@ cancel(), which post to an inbox; events go back through each request's sink,
 which must not block, so a slow client never stalls a step. After each pass
 of the loop the engine calls `on_step_end` (given at construction), so a sink may
 hold its events until then and hand over a whole step's at once.
+
+When the manager goes away (its stream breaks, or it stops answering for longer than
+manager_timeout_s) the engine stops stepping, puts every request it holds back in the
+waiting queue in arrival order, and registers again under a new epoch as soon as a manager
+answers (manager_link.py). Each request is then re-admitted from its prompt and the tokens
+it has generated so far, recomputed, and goes on streaming where it was: greedy and seeded
+requests produce exactly the tokens they would have. A loss longer than manager_timeout_s
+ends every request with UNAVAILABLE and refuses new ones until the manager is back.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -23,22 +32,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
-from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.kvcache_service.contract.client import KVClient
+from kvserve.kvcache_service.contract.errors import FailedPrecondition, ManagerUnavailable
+from kvserve.model_service.engine.errors import (
+    DuplicateRequest,
+    InternalError,
+    QueueFull,
+    RequestFailed,
+    Unavailable,
+)
+from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.manager_link import ManagerLink
+from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.model_service.engine.watchdog import Progress, Watchdog
+from kvserve.model_service.sampling.sampler import seeded_for
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """More requests wait than max_waiting allows."""
-
-
-class DuplicateRequest(Exception):
-    """A request with this id is already in flight."""
 
 
 @dataclass
@@ -49,6 +61,8 @@ class EngineCounters:
     cached_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    failed: int = 0            # ended with an error (the manager lost too long, shutdown, a bug)
+    manager_losses: int = 0    # times the manager went away and the engine re-admitted its requests
     # seconds per phase of the step, since start
     schedule_s: float = 0.0
     manager_s: float = 0.0
@@ -71,22 +85,28 @@ class Engine:
         num_pages: int,
         max_waiting: int = 1024,
         stream_interval: int = 1,
+        manager_timeout_s: float = 5.0,
+        stall_timeout_s: float = 30.0,
         on_step_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
         self.tokenizer = tokenizer            # each request's OutputProcessor detokenizes with it
         self.eos_token_ids = eos_token_ids    # and stops at these (unless ignore_eos)
-        self.kv = kv
         self.num_pages = num_pages
         self.max_waiting = max_waiting
         self.stream_interval = stream_interval  # tokens per Tokens event (the first goes alone)
-        self.epoch = time.time_ns()  # new on every start: the manager drops stale tables
-        self.scheduler = Scheduler(scheduler_config, self.epoch)
+        self.stall_timeout_s = stall_timeout_s
+        # A new epoch on every start and every reconnection: the manager drops stale tables.
+        self.link = ManagerLink(kv, scheduler_config.page_size, num_pages, manager_timeout_s)
+        self.scheduler = Scheduler(scheduler_config)
         self.counters = EngineCounters()
+        self.progress = Progress()
+        self._watchdog = Watchdog(self.progress, self.link, lambda: bool(self._live), stall_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
         self._lock = threading.Lock()  # guards _live
+        self._arrivals = itertools.count()   # each request's place in line, kept through a re-admission
         self._stop = threading.Event()
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
@@ -96,19 +116,35 @@ class Engine:
 
     # ------------------------------------------------------ other threads
 
-    def start(self) -> None:
-        self.kv.register(self.epoch, self.scheduler.config.page_size, self.num_pages)
+    @property
+    def epoch(self) -> int:
+        return self.link.epoch
+
+    @property
+    def kv(self) -> KVClient:
+        return self.link.kv
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Registers with the manager (waiting up to `timeout_s` for it), then runs the loop.
+        Raises the manager's KVCacheError."""
+        self.link.register(timeout_s)
+        self.scheduler.epoch = self.link.epoch
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._watchdog.stop()
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout_s)
 
     def submit(self, request: Request, sink: Callable[[Event], None]) -> None:
-        """Queues a validated request. Raises QueueFull or DuplicateRequest."""
+        """Queues a validated request. Raises QueueFull, DuplicateRequest, or Unavailable while
+        the manager has been lost for longer than its timeout."""
+        if self.link.long_loss or self.link.superseded_by is not None:
+            raise Unavailable(self._why_unavailable())
         with self._lock:
             if request.request_id in self._live:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already in flight")
@@ -116,6 +152,7 @@ class Engine:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting; try again later")
             self._live[request.request_id] = request
         request.sink = sink
+        request.order = next(self._arrivals)
         self._inbox.put(("submit", request))
 
     def cancel(self, request_id: str) -> bool:
@@ -125,6 +162,23 @@ class Engine:
                 return False
         self._inbox.put(("cancel", request_id))
         return True
+
+    def end_all(self, error: RequestFailed) -> None:
+        """Ends every request in flight with `error` (a drain past its grace period)."""
+        self._inbox.put(("end_all", error))
+
+    def num_live(self) -> int:
+        """Requests submitted and not yet ended."""
+        return len(self._live)
+
+    def problem(self) -> str | None:
+        """Why this engine cannot make progress now (for health checks), or None."""
+        if self.link.superseded_by is not None or self.link.lost_since is not None:
+            return self._why_unavailable()
+        stalled = self.progress.stalled_for(bool(self._live), self.stall_timeout_s)
+        if stalled is not None:
+            return f"the engine has completed no step for {stalled:.0f} s; it is {self.progress.phase}"
+        return None
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Blocks until the engine has nothing left to do (finished requests'
@@ -137,19 +191,30 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.link.lost:
+                self._while_lost()
+                continue
             self._take_inbox(block=not self._has_work())
             if self._has_work():
                 self._idle.clear()
                 try:
                     self._step()
-                except Exception as exc:  # a bug or a lost manager: fail everyone, start clean
-                    log.exception("engine step failed")
-                    self._fail_all(f"internal error in the engine step: {exc}")
-                    self._restart()
+                except ManagerUnavailable as exc:
+                    self._lose_manager(exc)
+                except FailedPrecondition as exc:   # our epoch is not the manager's
+                    if self.link.restarted_elsewhere():
+                        self._lose_manager(exc)
+                    else:
+                        self._internal_error("a Step the manager refused")
+                except Exception:
+                    self._internal_error("the engine step failed")
+            else:
+                self.progress.advanced()
+                self.progress.phase = "idle"
             self.on_step_end()
             if not self._has_work():
                 self._idle.set()
-        self._fail_all("the server is shutting down")
+        self._fail_all(Unavailable("the server shut down before the request finished"))
         self.on_step_end()
 
     def _take_inbox(self, block: bool) -> None:
@@ -160,16 +225,70 @@ class Engine:
         while True:
             kind, value = item
             if kind == "submit":
-                value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
-                self.scheduler.add(value)
+                if value.status is not Status.FINISHED:   # not ended while it sat in the inbox
+                    value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
+                    self.scheduler.add(value)
             elif kind == "cancel":
                 request = self._live.get(value)
                 if request is not None and request.status is not Status.FINISHED:
                     self._finish(request, "abort")
+            elif kind == "end_all":
+                self._fail_all(value)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    # ------------------------------------------------------- the manager lost
+
+    def _lose_manager(self, error: Exception) -> None:
+        """Every request waits again, in arrival order, until a manager takes a new epoch."""
+        self.link.lose()
+        self._in_flight = None
+        held = self.scheduler.requeue_all()
+        self.counters.manager_losses += 1
+        log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
+
+    def _while_lost(self) -> None:
+        self.progress.phase = "waiting for the KV-cache manager"
+        self._take_inbox(block=False)   # cancels, and new requests while the loss is short
+        if self.link.superseded_by is None and self.link.reconnect():
+            self.scheduler.epoch = self.link.epoch
+            log.info("the KV-cache manager at %s is back (epoch %d); re-admitting %d requests",
+                     self.link.kv.address, self.link.epoch, len(self.scheduler.waiting))
+            self.progress.advanced()
+        elif self.link.loss_is_long() or self.link.superseded_by is not None:
+            self._fail_all(Unavailable(self._why_unavailable()))
+        if self.link.superseded_by is not None:
+            self._stop.wait(0.5)   # nothing more to try; the inbox is read for cancels
+        self.on_step_end()
+
+    def _why_unavailable(self) -> str:
+        address = self.link.kv.address
+        if self.link.superseded_by is not None:
+            return (f"this model service no longer serves: another one registered with its KV-cache "
+                    f"manager at {address}")
+        lost = self.link.lost_since
+        for_how_long = f" for {time.monotonic() - lost:.0f} s" if lost is not None else ""
+        return (f"the KV-cache manager at {address} has been unreachable{for_how_long}; "
+                f"this worker cannot serve until it is back")
+
+    def _internal_error(self, what: str) -> None:
+        """A bug: every request ends with INTERNAL naming an incident id the log has beside the
+        traceback; the engine starts clean under a new epoch."""
+        error = InternalError(what)
+        log.exception("%s (incident %s); ending the %d requests in flight", what, error.incident, len(self._live))
+        self._fail_all(error)
+        self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
+        self.scheduler = Scheduler(self.scheduler.config)
+        try:
+            self.link.register(self.link.timeout_s)
+            self.scheduler.epoch = self.link.epoch
+        except ManagerUnavailable:
+            self.link.lose()
+        except Exception:
+            log.exception("registering again after incident %s failed", error.incident)
+            self.link.lose()
 
     def _has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()
@@ -184,17 +303,20 @@ class Engine:
         c.manager_s += clock() - t1
 
     def _step(self) -> None:
-        sched, c, clock = self.scheduler, self.counters, time.perf_counter
+        sched, c, clock, progress = self.scheduler, self.counters, time.perf_counter, self.progress
         if self._in_flight is None:  # nothing sent ahead: the first step after idling
             self._propose_next_step()
         (proposal, plan_of), self._in_flight = self._in_flight, None
+        progress.phase = "waiting for the KV-cache manager's plan"
         t1 = clock()
-        plan = plan_of()
+        plan = self.link.wait_for_plan(plan_of)
         t2 = clock()
+        progress.phase = "copying pages"
         self.runner.kv_cache.execute(plan)   # the plan's page copies, in the manager's order
         t3 = clock()
         work = sched.apply(proposal, plan)
         c.steps += 1
+        progress.step = c.steps
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
         c.schedule_s += clock() - t3
@@ -203,22 +325,30 @@ class Engine:
         if sched.has_work():
             self._propose_next_step()  # its round trip overlaps this step's forward
         if not work:
+            progress.advanced()
             return
+        progress.phase = f"running the model ({len(work)} sequences)"
         t4 = clock()
         logits = self.runner.execute(work)
         sampled = [w for w in work if w.samples]
         t5 = clock()
         c.forward_s += t5 - t4
         if not sampled:
+            progress.advanced()
             return
+        progress.phase = "sampling"
         requests = [w.request for w in sampled]
+        generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
+                      for r in requests]
         out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
-                           [r.output_ids for r in requests], [r.generator for r in requests])
+                           [r.output_ids for r in requests], generators)
         t6 = clock()
+        progress.phase = "streaming"
         for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
             self._emit(r, token, logprobs)
         c.sample_s += t6 - t5
         c.emit_s += clock() - t6
+        progress.advanced()
 
     def _emit(self, r: Request, token: int, logprobs) -> None:
         now = time.monotonic()
@@ -261,21 +391,13 @@ class Engine:
                         (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
                         stop if isinstance(stop, int) else None))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: RequestFailed) -> None:
+        """Ends every live request with `error`; pages they hold go back in the next step."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
         for r in live:
+            if r.status is not Status.FINISHED:
+                self.scheduler.finish(r)
             if r.sink is not None:
-                r.sink(Failed(message))
-
-    def _restart(self) -> None:
-        """A new epoch: the manager drops every stale page table of ours."""
-        self.epoch = time.time_ns()
-        self._in_flight = None
-        self.scheduler = Scheduler(self.scheduler.config, self.epoch)
-        try:
-            self.kv.register(self.epoch, self.scheduler.config.page_size, self.num_pages)
-        except Exception:  # the manager is unreachable; the next step will say so again
-            log.exception("re-registering with the KV-cache manager failed")
-
-
+                r.sink(Failed(error))
+        self.counters.failed += len(live)

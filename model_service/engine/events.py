@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.model_service.engine.errors import RequestFailed
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillDone:
@@ -36,8 +38,13 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The engine could not serve the request (an internal error); the stream ends with a status."""
-    message: str
+    """The engine could not complete the request; the stream ends with the error's status
+    (errors.py: Unavailable when the manager stays lost or the server stops, InternalError)."""
+    error: RequestFailed
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
 
 
 Event = PrefillDone | Tokens | Finished | Failed

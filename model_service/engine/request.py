@@ -23,6 +23,7 @@ class Request:
     params: Any = None               # sampling.SamplingParams
     extra_key: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    order: int = 0                   # place in line, set by the engine at submit
     tokens: list[int] = field(init=False)  # prompt + generated: what a re-admission prefills
 
     status: Status = Status.WAITING
@@ -70,5 +71,5 @@ class Request:
         """Preempted by recompute: everything goes again through admission."""
         self.seq_id = None
         self.page_table = []
-        self.num_computed = self.told_computed = self.told_tokens = 0
+        self.num_computed = self.told_computed = self.told_tokens = self.pending = 0
         self.status = Status.WAITING

@@ -101,7 +101,8 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Done (stopped, length, aborted): its pages go back in the next step."""
         if request.status is Status.WAITING:
-            self.waiting.remove(request)
+            if request in self.waiting:   # not when it was ended before the engine took it in
+                self.waiting.remove(request)
         elif request.status is Status.RUNNING:
             self.running.remove(request)
         elif request.status is Status.SWAPPED:
@@ -111,6 +112,19 @@ class Scheduler:
             del self.by_seq[request.seq_id]
             request.seq_id = None
         request.status = Status.FINISHED
+
+    def requeue_all(self) -> int:
+        """The manager was lost, and every page with it: each request waits again, in arrival
+        order, to be re-admitted from its prompt and the tokens it has generated (recomputed).
+        Returns how many wait."""
+        held = [*self.running, *self.swapped, *self.waiting]
+        for r in held:
+            r.forget_pages()
+        held.sort(key=lambda r: r.order)
+        self.running, self.swapped, self.waiting = [], deque(), deque(held)
+        self.by_seq.clear()
+        self._releases = []
+        return len(held)
 
     # --------------------------------------------------------------- build
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # Below this temperature a row is sampled greedily: dividing logits by a smaller number can
 # overflow float32, and the distribution is already one-hot in all but name (vLLM's choice).
 GREEDY_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20  # top-n logprobs per token; OpenAI's limit
+MAX_LOGPROBS = 20  # top-n logprobs per token: OpenAI's limit, and the default of --max-logprobs
 _MAX_SEED = 2**64  # the proto's seed is a uint64
 
 
@@ -66,7 +66,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raise ValueError naming the first bad field and its value."""
         _check(self.temperature >= 0, "temperature", self.temperature, "a finite number >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
@@ -85,9 +85,9 @@ class SamplingParams:
             _check_int(self.max_tokens, "max_tokens", "an integer >= 1")
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         if self.logprobs is not None:
-            _check_int(self.logprobs, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
-            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
-                   f"an integer in [0, {MAX_LOGPROBS}]")
+            top = min(max_logprobs, vocab_size)
+            _check_int(self.logprobs, "logprobs", f"an integer in [0, {top}]")
+            _check(0 <= self.logprobs <= top, "logprobs", self.logprobs, f"an integer in [0, {top}]")
         for token_id in self.stop_token_ids:
             _check_int(token_id, "stop_token_ids", f"token ids in [0, {vocab_size})")
             _check(0 <= token_id < vocab_size, "stop_token_ids", token_id,

@@ -15,7 +15,9 @@ Sampling. `argmax(probs / q)` with q ~ Exp(1) i.i.d. draws a token with probabil
 (the exponential race; equivalent to Gumbel-max). A row with a generator draws its V
 exponentials from it and from nothing else, and every other op is row-wise, so a seeded row's
 tokens depend only on its own logits, parameters and seed: same seed, same tokens, whatever else
-is in the batch. Rows without a generator share one draw from torch's default generator.
+is in the batch. Rows without a generator share one draw from torch's default generator. The
+engine seeds a row's generator for the token's position first (seeded_for), so the draw does not
+depend on the request's history of steps either.
 
 Logprobs. `log_softmax` of the logits after penalties and before temperature, top-k, top-p and
 min-p: the model's distribution as the penalties shaped it, independent of how the token was then
@@ -48,8 +50,26 @@ class SamplerOutput:
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The per-request generator for a seeded request; it lives as long as the request."""
+    """The per-request generator for a seeded request; it lives as long as the request, and
+    seeded_for() sets it for each token it draws."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_for(generator: torch.Generator, seed: int, position: int) -> torch.Generator:
+    """`generator`, seeded for the request's output token `position` (0 for the first).
+
+    A seeded request's draw for a token is a function of (seed, position) alone, not of how
+    many draws came before: a request that is recomputed (preempted, or re-admitted after its
+    manager restarted) goes on with the tokens it would have drawn anyway. The two are mixed
+    by splitmix64's finaliser, so nearby seeds and positions give unrelated streams.
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return generator.manual_seed(z ^ (z >> 31))
 
 
 @dataclass(slots=True)

@@ -123,6 +123,15 @@ async def serve_until_signal(
     Must run in the main thread (asyncio signal handlers). The handlers are
     removed before draining, so a second Ctrl-C interrupts a slow drain.
     """
+    await wait_for_signal(server, grace_s)
+    if on_stop is not None:
+        on_stop()
+    await stop_gracefully(server, health, grace_s)
+
+
+async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None) -> signal.Signals | None:
+    """Returns on SIGTERM or SIGINT (which it returns), or when the server stops (None). A server
+    that drains in its own way (the model service) starts from here; `grace_s` is for the log."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -130,7 +139,7 @@ async def serve_until_signal(
     for sig in watched:
         loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
     # shield: cancelling a bare wait_for_termination() cancels grpc's own
-    # shutdown future, and server.stop() below would then raise CancelledError.
+    # shutdown future, and server.stop() afterwards would then raise CancelledError.
     terminated = asyncio.shield(server.wait_for_termination())
     waiters = [asyncio.ensure_future(stop.wait()), terminated]
     try:
@@ -140,11 +149,9 @@ async def serve_until_signal(
             waiter.cancel()
         for sig in watched:
             loop.remove_signal_handler(sig)
-    if received:
+    if received and grace_s is not None:
         log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
-    if on_stop is not None:
-        on_stop()
-    await stop_gracefully(server, health, grace_s)
+    return received[0] if received else None
 
 
 async def stop_gracefully(

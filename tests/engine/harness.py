@@ -41,10 +41,14 @@ class Outcome:
 
 
 class EngineHarness:
-    def __init__(self, model: Path, **config) -> None:
+    def __init__(self, model: Path, wrap_kv=None, **config) -> None:
+        """wrap_kv: a function of the stack's KV client giving the one the engine uses (a test
+        double that fails on cue, tests/engine/flaky_kv.py)."""
         config.setdefault("kvcache", "inprocess")
         self.stack: ModelStack = build(ModelServiceConfig(model=str(model), **config))
         self.engine = self.stack.engine
+        if wrap_kv is not None:
+            self.stack.kv = self.engine.link.kv = wrap_kv(self.stack.kv)
         self.engine.start()
         self._n = 0
 

@@ -11,6 +11,7 @@ from kvserve.model_service.sampling.sampler import (
     exponential_noise,
     make_generator,
     min_p_mask,
+    seeded_for,
     top_k_top_p_mask,
 )
 
@@ -129,6 +130,24 @@ def test_a_seeded_rows_noise_comes_from_its_generator_alone():
     alone = exponential_noise(torch.Size((1, 100)), [make_generator(4)], torch.device("cpu"))
     assert torch.equal(noise[2], alone[0])
     assert bool((noise > 0).all() and (noise < 64).all())
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_alone():
+    """What lets a recomputed or migrated request go on with the tokens it would have drawn:
+    the draw for position p is the same whatever the generator drew before."""
+    shape, cpu = torch.Size((1, 100)), torch.device("cpu")
+
+    def draw(gen):
+        return exponential_noise(shape, [gen], cpu)
+
+    fresh = draw(seeded_for(make_generator(9), 9, 5))
+    used = make_generator(9)
+    for _ in range(7):
+        draw(used)
+    assert torch.equal(draw(seeded_for(used, 9, 5)), fresh)
+    assert not torch.equal(draw(seeded_for(used, 9, 6)), fresh)    # another position
+    assert not torch.equal(draw(seeded_for(used, 10, 5)), fresh)   # another seed
+    assert not torch.equal(draw(seeded_for(used, 9 + 1, 5 - 1)), draw(seeded_for(used, 9, 5)))
 
 
 # ---------------------------------------------------------------- distributions

@@ -36,7 +36,7 @@ def test_drain_refuses_new_calls_and_lets_running_ones_finish(fresh_server):
         servicer.drain()
         err = rpc_error(lambda: stub.Generate(request(token_ids=PROMPT, **greedy(3)), timeout=10))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shutting down" in err.details()
+        assert "draining" in err.details()
         events += list(short)  # the running call is not cut
         assert events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(e.chunk.token_ids) for e in events if e.HasField("chunk")) == 30
@@ -80,7 +80,7 @@ def _fail_fifth_forward(servicer):
     runner.execute = failing
 
 
-def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_server):
+def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_server, caplog):
     address, servicer = fresh_server
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.InferenceStub(ch)
@@ -94,7 +94,12 @@ def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_s
                     events.append(event)
             # a status, never an error message inside the stream
             assert info.value.code() == grpc.StatusCode.INTERNAL
-            assert "internal error in the engine step: injected failure" in info.value.details()
+            details = info.value.details()
+            # a message for a person, naming the incident the log files the traceback under
+            assert details.startswith("internal error (the engine step failed)"), details
+            assert "RuntimeError" not in details and "injected" not in details
+            incident = details.rsplit(" ", 1)[1]
+            assert any(incident in r.getMessage() and r.exc_info for r in caplog.records)
             assert not any(e.HasField("finished") for e in events)
         # a new epoch, a clean manager, and the same tokens as before
         again = generate(stub, request(token_ids=PROMPT, **greedy(12)))

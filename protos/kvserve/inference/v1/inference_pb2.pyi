@@ -234,7 +234,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds")
+    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,9 @@ class ServerStats(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -267,4 +270,7 @@ class ServerStats(_message.Message):
     forward_seconds: float
     sample_seconds: float
     emit_seconds: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ...) -> None: ...
+    requests_failed: int
+    manager_losses: int
+    manager_reachable: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,38 @@
+"""Why the model service refuses or ends a request: one class per gRPC status code, each message
+written for a person. The servicer's table (model_service/status.py) gives each its code; nothing
+else picks a code, and no message carries a Python repr.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+
+class RequestFailed(Exception):
+    """The request was refused or could not be completed; str() is the message the client reads."""
+
+
+class InvalidRequest(RequestFailed, ValueError):
+    """Bad input: the request can never be served as sent."""
+
+
+class QueueFull(RequestFailed):
+    """More requests wait than --max-waiting allows: try again later."""
+
+
+class DuplicateRequest(RequestFailed):
+    """A request with this id is already in flight."""
+
+
+class Unavailable(RequestFailed):
+    """This worker cannot serve now (its KV-cache manager is unreachable, it is draining or
+    shutting down); another worker, or this one later, can."""
+
+
+class InternalError(RequestFailed):
+    """A bug. The message names an incident id that the server's log has beside the traceback."""
+
+    def __init__(self, what: str) -> None:
+        self.incident = uuid.uuid4().hex[:12]
+        super().__init__(f"internal error ({what}); the server log has the details under incident "
+                         f"{self.incident}")

@@ -1,0 +1,122 @@
+"""The engine's standing with its KV-cache manager: registered under an epoch, or lost.
+
+Mechanism only; the engine decides what a loss means for its requests (engine.py). A loss starts
+when a Step finds no manager (the stream broke, or the watchdog gave up waiting for an answer)
+and ends when a Register under a new epoch succeeds. Past `timeout_s` the loss is declared
+*long*: the engine then ends what it holds with UNAVAILABLE and refuses new requests, while this
+link goes on trying. A manager that answers with a newer epoch than ours was registered by another
+model service: this one is *superseded* and stops trying, so the two never wipe each other in turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvserve.kvcache_service.contract.client import KVClient
+from kvserve.kvcache_service.contract.errors import FailedPrecondition, KVCacheError, ManagerUnavailable
+
+log = logging.getLogger(__name__)
+
+RETRY_WAIT_S = 0.5   # one reconnection attempt waits this long: the engine reads its inbox between
+
+
+class ManagerLink:
+    def __init__(self, kv: KVClient, page_size: int, num_pages: int, timeout_s: float,
+                 clock=time.monotonic) -> None:
+        self.kv = kv
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.epoch = 0
+        self.lost_since: float | None = None   # when the manager stopped answering
+        self.long_loss = False                 # lost for more than timeout_s
+        self.superseded_by: int | None = None  # the newer epoch another model service registered
+        self._waiting_since: float | None = None   # a Step's answer is awaited since
+        self._overdue_since: float | None = None   # the start of the wait the watchdog ended
+        self._lock = threading.Lock()          # the engine thread waits, the watchdog interrupts
+
+    # ------------------------------------------------------------ engine thread
+
+    def register(self, timeout_s: float | None = None) -> None:
+        """Registers a new epoch (newer than any before: the manager drops what an older one held).
+        Raises the manager's KVCacheError; ManagerUnavailable when it did not answer in time."""
+        epoch = max(time.time_ns(), self.epoch + 1)
+        self.kv.register(epoch, self.page_size, self.num_pages, timeout_s)
+        self.epoch = epoch
+
+    def wait_for_plan(self, plan_of):
+        """plan_of()'s answer; the watchdog interrupts a wait longer than timeout_s."""
+        with self._lock:
+            self._waiting_since = self.clock()
+        try:
+            return plan_of()
+        finally:
+            with self._lock:
+                self._waiting_since = None
+
+    def lose(self) -> None:
+        """The manager did not answer: the loss dates from the wait the watchdog ended, if it
+        ended one, else from now."""
+        with self._lock:
+            since, self._overdue_since = self._overdue_since, None
+        if self.lost_since is None:
+            self.lost_since = self.clock() if since is None else since
+
+    def reconnect(self) -> bool:
+        """One attempt, waiting up to RETRY_WAIT_S for the manager. True when registered again."""
+        try:
+            self.register(RETRY_WAIT_S)
+        except ManagerUnavailable:
+            return False
+        except FailedPrecondition:   # a newer epoch is live there: another model service's
+            self.superseded_by = self._live_epoch()
+            log.error("another model service registered with the KV-cache manager at %s (epoch %s); "
+                      "this one stops using it and serves nothing more", self.kv.address, self.superseded_by)
+            return False
+        self.lost_since, self.long_loss = None, False
+        return True
+
+    def loss_is_long(self) -> bool:
+        """Declared once: True the first time the loss has outlasted timeout_s."""
+        if self.lost_since is None or self.long_loss or self.clock() - self.lost_since <= self.timeout_s:
+            return False
+        self.long_loss = True
+        return True
+
+    def restarted_elsewhere(self) -> bool:
+        """After a Step was refused as stale: did the manager lose our epoch (a restart: register
+        again) rather than our engine send a bad Step? Unreachable counts as a restart."""
+        live = self._live_epoch()
+        if live is not None and live > self.epoch:
+            self.superseded_by = live
+            log.error("another model service registered with the KV-cache manager at %s (epoch %d); "
+                      "this one stops using it and serves nothing more", self.kv.address, live)
+        return live != self.epoch
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_since is not None or self.superseded_by is not None
+
+    # ------------------------------------------------------------ watchdog thread
+
+    def interrupt_if_overdue(self) -> bool:
+        """Ends a wait for a Step's answer that has lasted more than timeout_s (the engine thread
+        then meets ManagerUnavailable and calls lose())."""
+        with self._lock:
+            since = self._waiting_since
+            if since is None or self.clock() - since <= self.timeout_s:
+                return False
+            self._waiting_since, self._overdue_since = None, since
+        log.warning("the KV-cache manager at %s has not answered a Step for %.1f s; treating it as lost",
+                    self.kv.address, self.clock() - since)
+        self.kv.interrupt()
+        return True
+
+    def _live_epoch(self) -> int | None:
+        try:
+            return self.kv.stats().epoch
+        except KVCacheError:
+            return None

@@ -1,0 +1,64 @@
+"""Is the engine making progress? The engine thread notes where it is (Progress); a watchdog
+thread reads that, ends a Step wait the manager has let run past its timeout, and logs a stalled
+engine with the phase and step it is stuck in. Health (engine.problem()) reads the same notes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.model_service.engine.manager_link import ManagerLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Written by the engine thread only; plain attributes, so reading them from another thread
+    is safe (at worst one write old)."""
+    phase: str = "starting"
+    step: int = 0
+    since: float = field(default_factory=time.monotonic)   # the last completed step, or idle moment
+
+    def advanced(self) -> None:
+        self.since = time.monotonic()
+
+    def stalled_for(self, busy: bool, limit_s: float) -> float | None:
+        """Seconds without progress while there was work, once past `limit_s`; else None."""
+        quiet = time.monotonic() - self.since
+        return quiet if busy and quiet > limit_s else None
+
+
+class Watchdog:
+    def __init__(self, progress: Progress, link: ManagerLink, busy: Callable[[], bool],
+                 stall_timeout_s: float, period_s: float = 0.25) -> None:
+        self.progress = progress
+        self.link = link
+        self.busy = busy
+        self.stall_timeout_s = stall_timeout_s
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvserve-watchdog", daemon=True)
+        self._reported = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.link.interrupt_if_overdue()
+            stalled = self.progress.stalled_for(self.busy(), self.stall_timeout_s)
+            if stalled is not None and not self._reported:
+                log.warning("the engine has completed no step for %.1f s with requests in flight; it is "
+                            "%s (step %d)", stalled, self.progress.phase, self.progress.step)
+                self._reported = True
+            elif stalled is None and self._reported:
+                log.info("the engine is making progress again (step %d)", self.progress.step)
+                self._reported = False

@@ -1,0 +1,67 @@
+"""How few tokens a text can become, known from its size alone, so that a prompt far longer than
+the model is refused without tokenizing it (800,000 characters take most of a second to
+tokenize, and a second of a core).
+
+The bound: no token stands for more than B bytes of UTF-8 (the longest token's text), so a text
+of n bytes becomes at least n / B tokens, once normalized. Normalizers may shrink text: NFC / NFKC
+composition at most threefold (three Hangul jamo, 9 bytes, compose into one syllable of 3);
+lowercasing less. The bound therefore divides by SHRINK * B.
+
+It holds only when every byte of the text ends up in some token: byte-level BPE, or a model with
+byte fallback, and nothing along the way that drops text (a Strip normalizer, a splitter that
+removes what it matches). A tokenizer that may fold a run of unknown characters into one unknown
+token (WordPiece, BPE without byte fallback) gets no bound, and every prompt is tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+SHRINK = 3
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "Sequence", "Precompiled"}
+_KEEPING_PRETOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Sequence", "Punctuation",
+                          "UnicodeScripts"}
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """B for this tokenizer, or None when no bound holds (see the module's doc)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    pre = _flatten(spec.get("pre_tokenizer"), "pretokenizers")
+    byte_level = any(p["type"] == "ByteLevel" for p in pre)
+    if not (byte_level or spec["model"].get("byte_fallback")):
+        return None
+    if any(p["type"] not in _KEEPING_PRETOKENIZERS or p.get("behavior") == "Removed" for p in pre):
+        return None
+    norms = _flatten(spec.get("normalizer"), "normalizers")
+    if any(n["type"] not in _KEEPING_NORMALIZERS or (n["type"] == "Replace" and not _grows(n)) for n in norms):
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return max(len(t.encode("utf-8")) for t in texts) or None
+
+
+def fewest_tokens(text: str, bytes_per_token: int | None) -> int:
+    """A lower bound on len(tokenize(text)); 0 when nothing is known."""
+    if bytes_per_token is None:
+        return 0
+    return len(text.encode("utf-8")) // (SHRINK * bytes_per_token)
+
+
+def _grows(replace: dict) -> bool:
+    """A Replace of a plain string by one at least as long (Llama's " " → "▁")."""
+    pattern = replace.get("pattern", {}).get("String")
+    content = replace.get("content") or ""
+    return pattern is not None and len(content.encode()) >= len(pattern.encode())
+
+
+def _flatten(spec: dict | None, key: str) -> list[dict]:
+    if spec is None:
+        return []
+    if spec["type"] == "Sequence":
+        return [leaf for child in spec[key] for leaf in _flatten(child, key)]
+    return [spec]

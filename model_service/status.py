@@ -1,0 +1,47 @@
+"""The model service's one error table: each RequestFailed class (engine/errors.py) and the gRPC
+status code a call ends with. Anything else that escapes a handler is a bug: it is logged with
+its traceback under an incident id, and the call ends INTERNAL naming that id, never with the
+exception's repr."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+
+from kvserve.kvcache_service.contract.errors import ManagerUnavailable
+from kvserve.model_service.engine.errors import (
+    DuplicateRequest,
+    InternalError,
+    InvalidRequest,
+    QueueFull,
+    RequestFailed,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    InternalError: grpc.StatusCode.INTERNAL,
+}
+
+
+def as_request_failed(exc: Exception, what: str) -> RequestFailed:
+    """`exc` as the RequestFailed a client is told; an unexpected one is logged as a bug."""
+    if isinstance(exc, RequestFailed):
+        return exc
+    if isinstance(exc, ManagerUnavailable):
+        return Unavailable(str(exc))
+    error = InternalError(what)
+    log.error("%s (incident %s)", what, error.incident, exc_info=exc)
+    return error
+
+
+async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
+    code = next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
+    await context.abort(code, str(error))

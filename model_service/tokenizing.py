@@ -1,0 +1,57 @@
+"""Tokenizing and chat templating off the server's event loop, in two lanes.
+
+On the loop, one 800,000-character prompt held every other stream for over a second. In a
+thread it does not: transformers' fast tokenizers run their Rust code without the GIL (a batch
+encode releases it; `backend_tokenizer.encode` alone would not, which is why the builder calls
+the tokenizer itself), so the loop goes on streaming and the engine on stepping.
+
+Lanes keep a long prompt from delaying a short one: texts up to `long_chars` go to a pool of
+`threads`; longer ones to a single thread of their own, with at most `long_waiting` queued
+behind it; past that a request is refused (RESOURCE_EXHAUSTED) rather than held in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from kvserve.model_service.engine.errors import QueueFull
+
+T = TypeVar("T")
+
+LONG_CHARS = 32_768     # about 30 ms to tokenize: longer goes to the long lane
+LONG_WAITING = 8
+
+
+class TokenizerLanes:
+    def __init__(self, threads: int, long_chars: int = LONG_CHARS, long_waiting: int = LONG_WAITING) -> None:
+        self.long_chars = long_chars
+        self.long_waiting = long_waiting
+        self._short = ThreadPoolExecutor(threads, thread_name_prefix="kvserve-tokenize")
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize-long")
+        self._long_queued = 0   # in the long lane, running or waiting; counted down when the job
+        self._lock = threading.Lock()   # ends, not when its caller gives up (that frees no thread)
+
+    async def run(self, size: int, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on a lane picked by `size` (characters of input)."""
+        if size <= self.long_chars:
+            return await asyncio.wrap_future(self._short.submit(fn, *args))
+        with self._lock:
+            if self._long_queued > self.long_waiting:
+                raise QueueFull(f"{self._long_queued} long prompts (over {self.long_chars:,} characters) are "
+                                "already being tokenized; try again shortly")
+            self._long_queued += 1
+        job = self._long.submit(fn, *args)
+        job.add_done_callback(self._long_done)
+        return await asyncio.wrap_future(job)   # a cancelled caller cancels a job not yet started
+
+    def _long_done(self, _job) -> None:
+        with self._lock:
+            self._long_queued -= 1
+
+    def close(self) -> None:
+        self._short.shutdown(wait=False, cancel_futures=True)
+        self._long.shutdown(wait=False, cancel_futures=True)

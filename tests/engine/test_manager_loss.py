@@ -1,0 +1,173 @@
+"""The engine outlives its manager: a restarted manager gets a new epoch and every request it
+held is re-admitted, in arrival order, from its prompt and the tokens it has generated; each
+stream goes on where it was, with the tokens it would have had without the failure. A manager
+that stays away past --manager-timeout ends the requests with UNAVAILABLE instead.
+(Process-level versions, with kill -9 and SIGSTOP: tests/service/test_faults.py.)"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from kvserve.model_service.engine.errors import Unavailable
+from tests.engine.flaky_kv import FlakyKV
+from tests.engine.harness import EngineHarness, wait
+from tests.service.util import wait_until
+
+_rng = random.Random(77)
+PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (3, 9, 17, 30, 41, 55, 64, 70)]
+NEW_TOKENS = 24
+# Small pages and a small token budget: several pages per request and chunked prefills, so a
+# kill lands on requests in every state.
+CONFIG = dict(page_size=4, max_num_batched_tokens=48)
+
+
+def run(model, prompts=PROMPTS, wrap_kv=None, **params):
+    h = EngineHarness(model, wrap_kv=wrap_kv, **{**CONFIG, **params.pop("config", {})})
+    try:
+        outcomes = h.run(prompts, NEW_TOKENS, **params)
+        return outcomes, h.stats(), h.engine.counters
+    finally:
+        h.close()
+
+
+def flaky(**kwargs):
+    box = {}
+
+    def wrap(inner):
+        box["kv"] = FlakyKV(inner, **kwargs)
+        return box["kv"]
+    return wrap, box
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_three_restarts_change_no_token(tiny_dirs, params):
+    model = tiny_dirs["tiny"]
+    undisturbed, _, _ = run(model, **params)
+    wrap, box = flaky(kill_at_steps=(3, 12, 30))
+    outcomes, stats, counters = run(model, wrap_kv=wrap, **params)
+    assert box["kv"].kills == 3 and counters.manager_losses == 3
+    for i, (a, b) in enumerate(zip(outcomes, undisturbed)):
+        assert a.tokens == b.tokens, f"request {i}: the restart changed its tokens"
+        assert a.text == b.text and a.finished.reason == b.finished.reason == "length"
+        assert a.finished.completion_tokens == NEW_TOKENS and a.prefill == b.prefill
+    assert stats.used_pages == 0 and stats.num_sequences == 0
+
+
+def test_requests_preempted_by_swap_are_recomputed_after_a_restart(tiny_dirs):
+    """Swapped pages live in the manager's CPU pool: a restart loses them too."""
+    model = tiny_dirs["tiny"]
+    tight = dict(num_pages=40, swap_pages=40, preemption_mode="swap")
+    undisturbed, quiet, _ = run(model, config=tight)
+    assert quiet.preemptions_swap > 0, "the pool is not tight enough to swap"
+    wrap, _ = flaky(kill_at_steps=(20, 40))
+    outcomes, stats, counters = run(model, wrap_kv=wrap, config=tight)
+    assert [o.tokens for o in outcomes] == [o.tokens for o in undisturbed]
+    assert stats.used_pages == 0 and stats.cpu_free_pages == stats.cpu_total_pages
+
+
+def test_a_hung_step_is_given_up_after_the_manager_timeout(tiny_dirs):
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=0.5, **CONFIG)
+    try:
+        undisturbed = h.run(PROMPTS[:4], NEW_TOKENS)
+        box["kv"].hang_at_steps = {box["kv"].steps + 5}
+        outcomes = h.run(PROMPTS[:4], NEW_TOKENS)
+        assert [o.tokens for o in outcomes] == [o.tokens for o in undisturbed]
+        assert h.engine.counters.manager_losses == 1
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
+def test_a_manager_away_past_the_timeout_ends_requests_unavailable_then_serves_again(tiny_dirs):
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=0.5, **CONFIG)
+    try:
+        kv = box["kv"]
+        before = h.run(PROMPTS[:2], NEW_TOKENS)
+        kv.down.set()
+        kv.kill()
+        outcomes = [h.submit(p, 200) for p in PROMPTS]
+        for o in outcomes:
+            assert o.done.wait(30), "a request hung while the manager was away"
+            assert o.finished is None
+            assert "unreachable" in o.failure and "flaky-manager" in o.failure
+        assert "unreachable" in h.engine.problem()
+        with pytest.raises(Unavailable, match="unreachable"):
+            h.submit(PROMPTS[0])
+        kv.down.clear()
+        wait_until(lambda: h.engine.problem() is None, what="the engine to find its manager again")
+        after = h.run(PROMPTS[:2], NEW_TOKENS)
+        assert [o.tokens for o in after] == [o.tokens for o in before]
+        assert h.stats().used_pages == 0
+        assert h.engine.counters.failed == len(PROMPTS)
+    finally:
+        h.close()
+
+
+def test_a_request_cancelled_while_the_manager_is_away_ends_as_aborted(tiny_dirs):
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=30, **CONFIG)
+    try:
+        kv = box["kv"]
+        kv.down.set()
+        kv.kill()
+        outcome = h.submit(PROMPTS[3], 50)
+        wait_until(lambda: h.engine.link.lost, what="the engine to notice")
+        assert h.engine.cancel(outcome.request_id)
+        assert outcome.done.wait(10) and outcome.finished.reason == "abort"
+        kv.down.clear()
+        wait([h.submit(PROMPTS[0], 4)])
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
+def test_another_model_service_taking_the_manager_is_not_fought(tiny_dirs):
+    """A newer epoch at the manager is another instance's: this one stops, and never registers
+    over it (that would wipe the other's requests)."""
+    h = EngineHarness(tiny_dirs["tiny"], manager_timeout_s=0.5, **CONFIG)
+    try:
+        manager = h.stack.kv.manager
+        outcome = h.submit(PROMPTS[6], 400)
+        wait_until(lambda: outcome.tokens, what="the first token")
+        newer = h.engine.epoch + 1
+        manager.register(newer, h.stack.page_size, h.stack.num_pages)
+        assert outcome.done.wait(30)
+        assert "another one registered" in outcome.failure
+        assert manager.epoch == newer
+        with pytest.raises(Unavailable):
+            h.submit(PROMPTS[0])
+        assert h.engine.problem() is not None
+    finally:
+        h.close()
+
+
+def test_arrival_order_is_kept_through_a_restart(tiny_dirs):
+    """One sequence at a time: requests are served strictly in arrival order, before and after."""
+    wrap, box = flaky(kill_at_steps=(6,))
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, max_num_seqs=1, **CONFIG)
+    try:
+        order: list[str] = []
+        lock = threading.Lock()
+        outcomes = []
+        for p in PROMPTS[:4]:
+            o = h.submit(p, 6)
+            sink = o.sink
+
+            def recording(event, o=o, sink=sink):
+                if o.prefill is None and type(event).__name__ == "PrefillDone":
+                    with lock:
+                        order.append(o.request_id)
+                sink(event)
+            h.engine._live[o.request_id].sink = recording
+            outcomes.append(o)
+        wait(outcomes)
+        assert box["kv"].kills == 1
+        assert order == [o.request_id for o in outcomes]
+    finally:
+        h.close()
