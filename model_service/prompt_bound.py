@@ -3,9 +3,10 @@ the model is refused without tokenizing it (800,000 characters take most of a se
 tokenize, and a second of a core).
 
 The bound: no token stands for more than B bytes of UTF-8 (the longest token's text), so a text
-of n bytes becomes at least n / B tokens, once normalized. Normalizers may shrink text: NFC / NFKC
-composition at most threefold (three Hangul jamo, 9 bytes, compose into one syllable of 3);
-lowercasing less. The bound therefore divides by SHRINK * B.
+of n bytes becomes at least n / B tokens, once normalized. Some normalizers shrink text: NFC / NFKC
+composition at most threefold (three Hangul jamo, 9 bytes, compose into one syllable of 3), and
+lowercasing as much (the Kelvin sign, 3 bytes, becomes "k"). With one of those in the chain the
+bound divides by SHRINK * B; without (byte-level BPE as Llama 3 and Mistral ship it), by B.
 
 It holds only when every byte of the text ends up in some token: byte-level BPE, or a model with
 byte fallback, and nothing along the way that drops text (a Strip normalizer, a splitter that
@@ -22,12 +23,14 @@ log = logging.getLogger(__name__)
 
 SHRINK = 3
 _KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "Sequence", "Precompiled"}
+_SHRINKING_NORMALIZERS = {"NFC", "NFKC", "Lowercase", "Precompiled"}
 _KEEPING_PRETOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Sequence", "Punctuation",
                           "UnicodeScripts"}
 
 
 def max_bytes_per_token(tokenizer) -> int | None:
-    """B for this tokenizer, or None when no bound holds (see the module's doc)."""
+    """B for this tokenizer, times SHRINK when it normalizes with one that shrinks text; None
+    when no bound holds (see the module's doc)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -42,14 +45,16 @@ def max_bytes_per_token(tokenizer) -> int | None:
     if any(n["type"] not in _KEEPING_NORMALIZERS or (n["type"] == "Replace" and not _grows(n)) for n in norms):
         return None
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return max(len(t.encode("utf-8")) for t in texts) or None
+    longest = max(len(t.encode("utf-8")) for t in texts)
+    shrinks = any(n["type"] in _SHRINKING_NORMALIZERS for n in norms)
+    return longest * (SHRINK if shrinks else 1) or None
 
 
-def fewest_tokens(text: str, bytes_per_token: int | None) -> int:
-    """A lower bound on len(tokenize(text)); 0 when nothing is known."""
+def fewest_tokens(nbytes: int, bytes_per_token: int | None) -> int:
+    """A lower bound on the tokens of a text of `nbytes` bytes of UTF-8; 0 when nothing is known."""
     if bytes_per_token is None:
         return 0
-    return len(text.encode("utf-8")) // (SHRINK * bytes_per_token)
+    return nbytes // bytes_per_token
 
 
 def _grows(replace: dict) -> bool:

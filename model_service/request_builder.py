@@ -11,6 +11,9 @@ Refused here, before anything is queued, in order of cost:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import InvalidRequest
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
@@ -19,6 +22,18 @@ from kvserve.model_service.sampling.sampler import make_generator
 from kvserve.model_service.tokenizing import TokenizerLanes
 
 RequestError = InvalidRequest   # the name this module's callers know
+
+
+def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
+    """At most the prompt's UTF-8 length, from encoded sizes, without decoding it (a few times
+    cheaper): the message, less its other fields with at most 6 bytes of tag and length each."""
+    if isinstance(msg, pb.GenerateRequest):
+        other = msg.sampling.ByteSize() + len(msg.request_id.encode()) + len(msg.session_id.encode()) + 18
+    else:
+        other = 2   # add_special_tokens
+    return max(0, msg.ByteSize() - other - 6)
+
+
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
 
@@ -56,21 +71,24 @@ class RequestBuilder:
         add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            self._check_text(msg.prompt, "the prompt", fit=False)   # counting tokens is the point
-            return await self.lanes.run(len(msg.prompt), self._encode, msg.prompt, add_special)
+            self._check_text(_prompt_bytes(msg), lambda: len(msg.prompt), "the prompt",
+                             fit=False)   # counting its tokens is the point
+            text = msg.prompt
+            return await self.lanes.run(len(text), self._encode, text, add_special)
         if kind == "messages":
             return await self._chat(msg.messages, fit=False)
         raise RequestError("set one input: prompt or messages")
 
     def check_limits(self, msg, request_id: str) -> None:
-        """What can be refused from the message's sizes alone."""
+        """What can be refused from the message's sizes alone; a long prompt is not even decoded
+        (reading a string field builds a Python str of it, every time)."""
         cfg = self.config
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError(f"the request id has {len(request_id)} characters; at most "
                                f"{MAX_REQUEST_ID_CHARS} are allowed")
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            self._check_text(msg.prompt, "the prompt")
+            self._check_text(_prompt_bytes(msg), lambda: len(msg.prompt), "the prompt")
         elif kind == "messages":
             self._check_chat(msg.messages.messages)
         elif kind == "token_ids" and len(msg.token_ids.ids) >= self.stack.max_model_len:
@@ -86,29 +104,25 @@ class RequestBuilder:
 
     # ------------------------------------------------------------ helpers
 
-    def _check_text(self, text: str, what: str, fit: bool = True) -> None:
+    def _check_text(self, nbytes: int, count_chars: Callable[[], int], what: str, fit: bool = True) -> None:
+        """`nbytes`: at most the text's UTF-8 length; count_chars() decodes it, only when needed."""
         cfg, limit = self.config, self.stack.max_model_len
-        if len(text) > cfg.max_prompt_chars:
-            raise RequestError(f"{what} has {len(text):,} characters; at most {cfg.max_prompt_chars:,} are "
-                               "allowed (--max-prompt-chars)")
-        fewest = fewest_tokens(text, self.bytes_per_token)
+        fewest = fewest_tokens(nbytes, self.bytes_per_token)
         if fit and fewest >= limit:
-            raise RequestError(f"{what} has {len(text):,} characters, which is at least {fewest:,} tokens; "
+            raise RequestError(f"{what} has {nbytes:,} bytes, which is at least {fewest:,} tokens; "
                                f"the model length is {limit}")
+        if nbytes > cfg.max_prompt_chars and (chars := count_chars()) > cfg.max_prompt_chars:
+            raise RequestError(f"{what} has {chars:,} characters; at most {cfg.max_prompt_chars:,} are "
+                               "allowed (--max-prompt-chars)")
 
     def _check_chat(self, messages, fit: bool = True) -> None:
         cfg = self.config
         if len(messages) > cfg.max_chat_messages:
             raise RequestError(f"{len(messages)} chat messages; at most {cfg.max_chat_messages} are allowed "
                                "(--max-chat-messages)")
-        chars = sum(len(m.content) + len(m.role) for m in messages)
-        if chars > cfg.max_prompt_chars:
-            raise RequestError(f"the chat messages have {chars:,} characters; at most "
-                               f"{cfg.max_prompt_chars:,} are allowed (--max-prompt-chars)")
-        fewest = sum(fewest_tokens(m.content, self.bytes_per_token) for m in messages)
-        if fit and fewest >= self.stack.max_model_len:
-            raise RequestError(f"the chat messages have {chars:,} characters, which is at least {fewest:,} "
-                               f"tokens; the model length is {self.stack.max_model_len}")
+        # Each message's encoded size, less its role and at most 12 bytes of tags and lengths.
+        nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - 12) for m in messages)
+        self._check_text(nbytes, lambda: sum(len(m.content) for m in messages), "the chat messages", fit)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer itself, not its backend's encode: it releases the GIL (tokenizing.py).
@@ -117,9 +131,10 @@ class RequestBuilder:
     async def _input_ids(self, msg) -> list[int]:
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            if not msg.prompt:
+            text = msg.prompt
+            if not text:
                 raise RequestError("the prompt is empty")
-            ids = await self.lanes.run(len(msg.prompt), self._encode, msg.prompt)
+            ids = await self.lanes.run(len(text), self._encode, text)
         elif kind == "token_ids":
             ids = list(msg.token_ids.ids)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -134,7 +149,8 @@ class RequestBuilder:
         return ids
 
     async def _chat(self, messages, fit: bool = True) -> list[int]:
-        self._check_chat(messages.messages, fit)
+        if not fit:   # Tokenize: build() has checked a Generate's already
+            self._check_chat(messages.messages, fit)
         if not messages.messages:
             raise RequestError("messages is empty")
         if not getattr(self.tokenizer, "chat_template", None):
