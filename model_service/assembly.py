@@ -84,6 +84,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cpu":
         host_memory.keep_freed_memory()   # before the first big allocation
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)   # process-wide: the engine thread's too
     model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm)
     backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
                              mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm)

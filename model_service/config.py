@@ -45,6 +45,9 @@ class ModelServiceConfig:
     attention_backend: str = option("auto", "attention over the pages; auto is flash_attn on CUDA where it "
                                             "imports, cpu on CPU where its kernel loads, else torch",
                                     choices=ATTENTION_BACKENDS)
+    cpu_threads: int = option(0, "CPU: threads for the model's math (0: one per core); fewer leaves cores to "
+                                 "the server's front (receiving, tokenizing) so a burst of large requests "
+                                 "slows the engine less")
     cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "
                                    "kvserve's measured order", choices=CPU_GEMMS)
     page_size: int | None = option(None, "tokens per page (default 16; 256 for flash-attn 2)")
@@ -111,6 +114,8 @@ class ModelServiceConfig:
                                  f"got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ValueError(f"--cpu-threads must be an integer >= 0, got {self.cpu_threads!r}")
         if self.swap_pages < 0:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
