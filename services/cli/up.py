@@ -1,17 +1,25 @@
-"""`kvserve up`: the KV-cache manager and the model service as two processes.
+"""`kvserve up`: the KV-cache manager and the model service as two processes, kept running.
 
 The model service starts first: it loads the model and sizes its page pool
 (on CUDA that takes a profile run), writes the size to a file, and waits for
 the manager. Then the manager starts with exactly that size, so the two agree
-by construction. Ctrl-C or SIGTERM stops both; if either dies, so does the other.
+by construction.
+
+A child that exits is started again (supervisor.py), with a backoff, up to
+--max-restarts times a minute: a restarted manager is empty, and the model
+service re-admits what it held (its requests pause, then go on); a restarted
+model service keeps the first pool size, so the running manager still fits it,
+and registers a new epoch, which resets the manager. Ctrl-C or SIGTERM stops
+both: the model service first, which drains its requests while the manager
+still serves them, then the manager.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +29,10 @@ from pathlib import Path
 from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
+from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
+
+log = logging.getLogger("kvserve.up")
 
 
 @dataclass(frozen=True)
@@ -31,12 +42,16 @@ class UpConfig:
     max_seqs: int | None = option(None, "the manager's seq-id pool (default: twice --max-num-seqs, at least 256)")
     startup_timeout_s: float = option(600.0, "seconds to wait for the model to load and size its pool",
                                       flag="--startup-timeout")
+    max_restarts: int = option(5, "times one child may exit within a minute and be started again; one "
+                                  "more stops the stack")
 
     def __post_init__(self) -> None:
         if self.max_seqs is not None and self.max_seqs <= 0:
             raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,48 +79,44 @@ def run(args: argparse.Namespace) -> int:
         # --kvcache-listen stays open for everyone else (grpcurl, a gateway's WatchEvents).
         link = up.kvcache_listen if up.kvcache_listen.startswith("unix:") else f"unix://{tmp}/kv.sock"
         model_config = replace(model_config, kvcache=link, sizing_file=str(sizing))
-        # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-        model = subprocess.Popen(cli + ["model", *to_argv(model_config)], start_new_session=True)
-        procs = [model]
+        model = Child("the model service", cli + ["model", *to_argv(model_config)])
+        manager = Child("the KV-cache manager", [])
+        supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         try:
+            model.start()
             size = _wait_for_sizing(sizing, model, up.startup_timeout_s, stop)
             if size is None:
                 return 1 if stop["signal"] is None else 0
-            manager = model_config.manager_config(size["num_pages"], size["page_size"], up.max_seqs)
             server = KVCacheServerConfig(listen=tuple(dict.fromkeys((up.kvcache_listen, link))))
-            kv = subprocess.Popen(cli + ["kvcache", *to_argv(server), *to_argv(manager)], start_new_session=True)
-            procs.append(kv)
-            while stop["signal"] is None and all(p.poll() is None for p in procs):
-                time.sleep(0.2)
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            return 1 if failed and stop["signal"] is None else 0
+            sized = model_config.manager_config(size["num_pages"], size["page_size"], up.max_seqs)
+            manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
+            manager.start()
+            # A restarted model service takes the pool size the manager was started with.
+            model.argv = cli + ["model", *to_argv(replace(model_config, num_pages=size["num_pages"],
+                                                          page_size=size["page_size"]))]
+            while stop["signal"] is None:
+                time.sleep(0.1)
+                for child in (manager, model):
+                    if child.exited():
+                        supervisor.restart(child)
+            return 0
+        except RestartLimit as exc:
+            log.error("%s", exc)
+            return 1
         finally:
-            _stop_all(procs, model_config.grace_s + 10)
+            model.stop(model_config.grace_s + 10)   # it drains while the manager still serves it
+            manager.stop(10)
 
 
-def _wait_for_sizing(path: Path, model: subprocess.Popen, timeout: float, stop: dict) -> dict | None:
+def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict) -> dict | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and stop["signal"] is None:
         if path.exists():
             return json.loads(path.read_text())
-        if model.poll() is not None:
-            print(f"kvserve up: the model service exited with code {model.returncode} while starting",
-                  file=sys.stderr)
+        if model.exited():
+            log.error("the model service %s while starting", model.exit_reason())
             return None
         time.sleep(0.1)
     if stop["signal"] is None:
-        print(f"kvserve up: the model service did not size its page pool within {timeout:.0f} s",
-              file=sys.stderr)
+        log.error("the model service did not size its page pool within %.0f s", timeout)
     return None
-
-
-def _stop_all(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Model service first (it drains its requests, which still need the manager), then the manager."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

@@ -1,0 +1,95 @@
+"""Keeps `kvserve up`'s children running: a child that exits is started again after a backoff,
+unless it has exited too often in the last minute; then the stack stops, with the reason.
+
+Mechanism only: up.py says what each child is and what a restart of one means for the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("kvserve.up")
+
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+STEADY_S = 30.0     # a child that ran this long has recovered: its backoff starts over
+
+
+@dataclass
+class Child:
+    name: str                           # for the log: "the KV-cache manager", "the model service"
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    backoff_s: float = FIRST_BACKOFF_S
+    exits: deque = field(default_factory=deque)   # when it exited, within the last minute
+
+    def start(self) -> None:
+        # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
+        self.proc = subprocess.Popen(self.argv, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def exit_reason(self) -> str:
+        code = self.proc.returncode
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class RestartLimit(Exception):
+    """A child exited more often in a minute than the limit allows."""
+
+
+class Supervisor:
+    def __init__(self, max_restarts_per_minute: int, stopping: Callable[[], bool]) -> None:
+        self.max_restarts = max_restarts_per_minute
+        self.stopping = stopping
+
+    def restart(self, child: Child) -> None:
+        """Starts an exited child again after its backoff. Raises RestartLimit."""
+        now = time.monotonic()
+        reason = child.exit_reason()
+        if now - child.started_at > STEADY_S:
+            child.backoff_s = FIRST_BACKOFF_S
+        child.exits.append(now)
+        while child.exits and now - child.exits[0] > 60:
+            child.exits.popleft()
+        if len(child.exits) > self.max_restarts:
+            raise RestartLimit(f"{child.name} {reason}: {len(child.exits)} exits within a minute, more than "
+                               f"--max-restarts {self.max_restarts} allows; stopping the stack")
+        log.warning("%s %s; starting it again in %.1f s (exit %d of at most %d a minute)",
+                    child.name, reason, child.backoff_s, len(child.exits), self.max_restarts)
+        self.sleep(child.backoff_s)
+        child.backoff_s = min(child.backoff_s * 2, MAX_BACKOFF_S)
+        if not self.stopping():
+            child.start()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleeps, waking early when the stack is stopping."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping() and time.monotonic() < deadline:
+            time.sleep(min(0.05, deadline - time.monotonic()))
