@@ -7,103 +7,27 @@ Greedy tokens through the processes equal transformers' `generate` while chunked
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
-from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from tests.engine.harness import assert_same_tokens, hf_greedy
+from tests.service.processes import alive, children, free_port, kv_stats, kvserve, stop_pids, unix_address, wait_serving
 from tests.service.util import generate, greedy, request, wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-HEALTH_TIMEOUT_S = 60.0
 NEW_TOKENS = 10
 _rng = random.Random(4321)
 PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (3, 9, 17, 30, 41, 55, 64, 70)]
 SYSTEM = [_rng.randrange(3, 1024) for _ in range(40)]
 PREEMPT_PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (20, 28, 36, 44, 52, 60, 33, 47)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def unix_address(tmp_path: Path) -> str:
-    path = tmp_path / "kv.sock"
-    if len(os.fsencode(str(path))) > 100:  # sun_path limit
-        path = Path(tempfile.mkdtemp(prefix="kv")) / "kv.sock"
-    return f"unix://{path}"
-
-
-def kvserve(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvserve.services.cli.main", *args], cwd=REPO, **popen)
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = HEALTH_TIMEOUT_S) -> None:
-    """Polls grpc.health.v1 until the server says SERVING; fails if `proc` exits first."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while True:
-            assert proc.poll() is None, f"the process exited with {proc.returncode} while starting"
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"{address} not SERVING within {timeout} s"
-            time.sleep(0.2)
-
-
-def children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def stop_pids(pids: list[int]) -> None:
-    """Teardown of processes this module started (directly or through `up`), by pid."""
-    for pid in pids:
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class Up:
@@ -136,11 +60,6 @@ def up(tiny_dirs, tmp_path_factory):
                 proc.kill()
                 proc.wait()
         stop_pids(u.child_pids)
-
-
-def kv_stats(kv_address: str) -> kv_pb.Stats:
-    with grpc.insecure_channel(kv_address) as ch:
-        return kv_pb_grpc.KVCacheManagerStub(ch).GetStats(kv_pb.GetStatsRequest(), timeout=5)
 
 
 def test_up_greedy_equals_transformers_under_pressure(up, hf_tiny):
