@@ -160,3 +160,35 @@ def test_a_cpu_gemm_that_cannot_run_is_refused_at_build(tiny_dirs):
     with pytest.raises(ValueError, match="native CPU GEMM cannot run here: it runs float32, not torch.bfloat16"):
         build_on_a_thread_that_ends(ModelServiceConfig(model=str(tiny_dirs["tiny"]), kvcache="inprocess",
                                                        device="cpu", dtype="bfloat16", cpu_gemm="native"))
+
+
+def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavailable(tiny_dirs):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvserve.model_service.server import drain
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub, health = pb_grpc.InferenceStub(ch), health_pb2_grpc.HealthStub(ch)
+            serving = lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
+            assert serving() == health_pb2.HealthCheckResponse.SERVING
+            long_call, _ = _stream_until_chunk(stub, request(token_ids=PROMPT, **greedy(1900)))
+            short_call, short_events = _stream_until_chunk(stub, request(token_ids=PROMPT + [5], **greedy(8)))
+            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 1.0), server.loop)
+            wait_until(lambda: serving() == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
+            err = rpc_error(lambda: stub.Generate(request(token_ids=PROMPT, **greedy(3)), timeout=10))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+            short_events += list(short_call)
+            assert short_events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in long_call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details() == ("the server shut down before the request finished "
+                                            "(it was given 1 s to finish)")
+            draining.result(15)
+        assert_pages_free(server.servicer)
+    finally:
+        server.stop()
