@@ -51,6 +51,7 @@ from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.sampler import seeded_for
 
 log = logging.getLogger(__name__)
+WAITING_FOR_MANAGER = "waiting for the KV-cache manager"
 
 
 @dataclass
@@ -172,9 +173,19 @@ class Engine:
         return len(self._live)
 
     def problem(self) -> str | None:
-        """Why this engine cannot make progress now (for health checks), or None."""
+        """Why this engine cannot make progress now (for readiness), or None."""
         if self.link.superseded_by is not None or self.link.lost_since is not None:
             return self._why_unavailable()
+        return self._stall()
+
+    def stalled(self) -> str | None:
+        """Why the engine is stuck on its own, not waiting for its manager (for liveness: a
+        restart may help), or None. A wait for the manager is bounded by --manager-timeout."""
+        if self.link.lost_since is not None or self.progress.phase.startswith(WAITING_FOR_MANAGER):
+            return None
+        return self._stall()
+
+    def _stall(self) -> str | None:
         stalled = self.progress.stalled_for(bool(self._live), self.stall_timeout_s)
         if stalled is not None:
             return f"the engine has completed no step for {stalled:.0f} s; it is {self.progress.phase}"
@@ -250,7 +261,7 @@ class Engine:
         log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
 
     def _while_lost(self) -> None:
-        self.progress.phase = "waiting for the KV-cache manager"
+        self.progress.phase = WAITING_FOR_MANAGER
         self._take_inbox(block=False)   # cancels, and new requests while the loss is short
         if self.link.superseded_by is None and self.link.reconnect():
             self.scheduler.epoch = self.link.epoch
@@ -307,7 +318,7 @@ class Engine:
         if self._in_flight is None:  # nothing sent ahead: the first step after idling
             self._propose_next_step()
         (proposal, plan_of), self._in_flight = self._in_flight, None
-        progress.phase = "waiting for the KV-cache manager's plan"
+        progress.phase = f"{WAITING_FOR_MANAGER}'s plan"
         t1 = clock()
         plan = self.link.wait_for_plan(plan_of)
         t2 = clock()

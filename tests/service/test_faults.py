@@ -84,9 +84,9 @@ def pid_of(up_pid: int, command: str) -> int:
     raise AssertionError(f"no `kvserve {command}` under pid {up_pid}")
 
 
-def health_of(address: str) -> int:
+def health_of(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 class HealthLog:
@@ -282,6 +282,8 @@ def test_sigstop_the_manager_for_2_s_pauses_the_streams_and_changes_no_token(apa
             # --stall-timeout 1: the stalled engine turns health NOT_SERVING while it waits
             wait_until(lambda: health_pb2.HealthCheckResponse.NOT_SERVING in health.statuses, timeout=10,
                        what="NOT_SERVING during the stop")
+            # a stopped manager is not cured by restarting the model service: liveness holds
+            assert health_of(apart.address, "liveness") == health_pb2.HealthCheckResponse.SERVING
             stopped_at = time.monotonic()
             wait_until(lambda: time.monotonic() - stopped_at > 1.0, what="the rest of the 2 s")
         finally:

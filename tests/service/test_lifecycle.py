@@ -192,3 +192,33 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
         assert_pages_free(server.servicer)
     finally:
         server.stop()
+
+
+def test_a_stalled_forward_turns_readiness_and_liveness_not_serving_until_it_moves(tiny_dirs):
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"], stall_timeout_s=0.5)
+    runner = server.servicer.engine.runner
+    execute, release = runner.execute, threading.Event()
+    runner.execute = lambda work: release.wait(30) and execute(work)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status(service: str) -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            call = pb_grpc.InferenceStub(ch).Generate(request(token_ids=PROMPT, **greedy(4)), timeout=60)
+            NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+            wait_until(lambda: status("liveness") == NOT_SERVING, what="liveness NOT_SERVING")
+            assert status("") == NOT_SERVING
+            release.set()
+            assert len([e for e in call if e.HasField("chunk")]) >= 1
+            wait_until(lambda: status("liveness") == SERVING and status("") == SERVING, what="SERVING again")
+    finally:
+        release.set()
+        server.stop()
