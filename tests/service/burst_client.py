@@ -1,6 +1,8 @@
-"""A hostile client, run as its own process: `python -m tests.service.burst_client ADDRESS N SEED`
-sends N prompts of 10,000 to 800,000 characters at once and prints one line per phase:
-"sending", then "done" with the status code of each call as JSON. It runs at the lowest CPU
+"""A hostile client, run as its own process: `python -m tests.service.burst_client ADDRESS N SEED
+SECONDS` sends N prompts of 10,000 to 800,000 characters at once, and sends each again as soon as
+it is answered until SECONDS have passed (a refusal is fast: a single wave would be over before
+ordinary requests could arrive during it). It prints one line per phase: "sending", then "done"
+with the status code of each call as JSON. It runs at the lowest CPU
 priority, as a client on another machine would take none of the server's cores.
 """
 
@@ -41,17 +43,24 @@ async def send(stub, prompt: str) -> str:
         return exc.code().name
 
 
-async def main(address: str, count: int, seed: int) -> None:
+async def main(address: str, count: int, seed: int, seconds: float) -> None:
     rng = random.Random(seed)
     prompts = [text(rng.randrange(10_000, 800_001), rng) for _ in range(count)]
+    codes: list[str] = []
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.InferenceStub(ch)
-        calls = [asyncio.ensure_future(send(stub, p)) for p in prompts]
+        stop_at = time.monotonic() + seconds
+
+        async def lane(prompt: str) -> None:
+            codes.append(await send(stub, prompt))
+            while time.monotonic() < stop_at:
+                codes.append(await send(stub, prompt))
+
         print("sending", time.time(), flush=True)
-        codes = await asyncio.gather(*calls)
+        await asyncio.gather(*(lane(p) for p in prompts))
     print("done", time.time(), json.dumps(codes), flush=True)
 
 
 if __name__ == "__main__":
     os.nice(19)
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))

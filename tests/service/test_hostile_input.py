@@ -25,13 +25,11 @@ from tests.service.util import greedy, request, wait_until
 
 pytestmark = pytest.mark.slow
 
-# Before tokenizing left the event loop, 16 requests arriving during such a burst waited 19-27 s
-# for their first token (0.1 s on a quiet server). With one of the 2 cores the tests run on left to
-# the server's front (--cpu-threads 1, as a CPU deployment on a small machine should be), they take
-# 0.2-0.25 s at most, with gaps between tokens up to 0.16 s; with both cores given to the model's
-# math, receiving 40 MB of prompts competes with it, and they take up to 0.47 s (docs/benchmarks.md).
-# Half a second leaves room for a slower machine, and is still 40 times below what tokenizing on
-# the loop cost.
+# The bound: half a second for both time to first token and the largest gap. Before tokenizing
+# left the event loop, requests arriving during such a burst waited tens of seconds; a quiet server
+# answers in well under a tenth of one. The server runs with --cpu-threads 1, leaving one of the
+# 2 cores to its front, as a CPU deployment on a small machine should; the margin over what this
+# machine shows (docs/benchmarks.md, "Faults and hostile input") is for a slower one.
 BOUND_S = 0.5
 BURST = 100
 ORDINARY = 16
@@ -62,16 +60,16 @@ def timed_stream(address: str, i: int) -> tuple[float, float, int]:
     with grpc.insecure_channel(address) as ch:
         start = time.monotonic()
         stamps = []
-        for event in pb_grpc.InferenceStub(ch).Generate(
+        for message in pb_grpc.InferenceStub(ch).Generate(
                 request(prompt=f"request {i}: the model token cache", **greedy(20)), timeout=60):
-            stamps += [time.monotonic()] * len(event.chunk.token_ids)
+            stamps += [time.monotonic()] * len(message.chunk.token_ids)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return stamps[0] - start, max(gaps), len(stamps)
 
 
 def test_a_burst_of_huge_prompts_keeps_everyone_elses_latency_small(served_with_manager):
     served, _ = served_with_manager
-    burst = subprocess.Popen([sys.executable, "-m", "tests.service.burst_client", served, str(BURST), "7"],
+    burst = subprocess.Popen([sys.executable, "-m", "tests.service.burst_client", served, str(BURST), "7", "1.0"],
                              cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert burst.stdout.readline().startswith("sending")
@@ -90,15 +88,15 @@ def test_a_burst_of_huge_prompts_keeps_everyone_elses_latency_small(served_with_
             burst.kill()
     codes = json.loads(codes)
     # The tiny model's length is 2048 tokens: every one of them is too long.
-    assert codes == ["INVALID_ARGUMENT"] * BURST, codes
+    assert len(codes) >= BURST and set(codes) == {"INVALID_ARGUMENT"}, codes
     assert float(ended) > last_start, "the burst was over before the last ordinary request arrived"
     ttft = max(r[0] for r in results)
     gap = max(r[1] for r in results)
     assert all(r[2] == 20 for r in results)
     assert ttft < BOUND_S and gap < BOUND_S, (f"time to first token up to {ttft:.3f} s, gaps up to {gap:.3f} s "
                                               f"during the burst (bound {BOUND_S} s)")
-    print(f"during the burst: time to first token up to {ttft:.3f} s, gaps up to {gap:.3f} s, burst over "
-          f"{float(ended) - started:.2f} s after it began")
+    print(f"during the burst: time to first token up to {ttft:.3f} s, gaps up to {gap:.3f} s; "
+          f"{len(codes)} huge prompts refused in {float(ended) - started:.2f} s")
 
 
 # ------------------------------------------------------------------- any request at all
@@ -107,27 +105,40 @@ DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 INT32, UINT32, UINT64 = (-2**31, 2**31 - 1), (0, 2**32 - 1), (0, 2**64 - 1)
 
 
+def _mostly(valid, anything):
+    """Three times in four a value the server accepts, so that many requests run; else anything."""
+    return st.one_of(valid, valid, valid, anything)
+
+
 def _texts():
-    """Short, empty, and huge (a repeated character: cheap to build, 300,000 characters)."""
-    return st.one_of(st.text(max_size=30), st.builds(lambda c, n: c * n, st.characters(), st.integers(0, 300_000)))
+    """Short, empty, and huge (a repeated character: cheap to build, 300,000 characters). Any
+    character UTF-8 can carry: a lone surrogate cannot be put on the wire at all."""
+    return _mostly(st.text(max_size=30),
+                   st.builds(lambda c, n: c * n, st.characters(codec="utf-8"), st.integers(0, 300_000)))
 
 
-def _optional(strategy):
-    return st.one_of(st.none(), strategy)
+def _floats(lo: float, hi: float):
+    """One in the valid range, or any float32, NaN and infinities too."""
+    return _mostly(st.floats(lo, hi, width=32), st.floats(width=32))
 
 
-_floats = st.floats(width=32)
+def _ints(lo: int, hi: int, bounds: tuple[int, int]):
+    return _mostly(st.integers(lo, hi), st.integers(*bounds))
+
+
 _sampling = st.fixed_dictionaries({}, optional={
-    "temperature": _floats, "top_p": _floats, "top_k": st.integers(*INT32), "min_p": _floats,
-    "repetition_penalty": _floats, "presence_penalty": _floats, "frequency_penalty": _floats,
-    "seed": st.integers(*UINT64), "max_tokens": st.integers(*UINT32),
-    "stop_token_ids": st.lists(st.integers(*INT32), max_size=5), "stop": st.lists(_texts(), max_size=70),
-    "ignore_eos": st.booleans(), "logprobs": st.integers(*UINT32), "skip_special_tokens": st.booleans()})
-_inputs = st.one_of(
-    st.none(),
-    st.builds(lambda p: {"prompt": p}, _texts()),
-    st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(*INT32), max_size=2100)),
-    st.builds(lambda ms: {"messages": ms}, st.lists(st.tuples(_texts(), _texts()), max_size=4)))
+    "temperature": _floats(0, 2), "top_p": _floats(0.125, 1), "top_k": _ints(-1, 50, INT32), "min_p": _floats(0, 1),
+    "repetition_penalty": _floats(0.5, 2), "presence_penalty": _floats(-2, 2), "frequency_penalty": _floats(-2, 2),
+    "seed": st.integers(*UINT64), "max_tokens": _ints(0, 64, UINT32),
+    "stop_token_ids": st.lists(_ints(0, 1023, INT32), max_size=5), "stop": st.lists(_texts(), max_size=70),
+    "ignore_eos": st.booleans(), "logprobs": _ints(0, 5, UINT32), "skip_special_tokens": st.booleans()})
+_inputs = _mostly(
+    st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(0, 1023), min_size=1, max_size=40)),
+    st.one_of(
+        st.none(),
+        st.builds(lambda p: {"prompt": p}, _texts()),
+        st.builds(lambda ids: {"token_ids": ids}, st.lists(_ints(0, 1023, INT32), max_size=2100)),
+        st.builds(lambda ms: {"messages": ms}, st.lists(st.tuples(_texts(), _texts()), max_size=4))))
 
 
 def _message(request_id, input_, sampling, session_id):
@@ -164,7 +175,7 @@ def test_any_generate_request_ends_ok_or_with_a_documented_code(in_process, requ
             if code == grpc.StatusCode.CANCELLED and n == 5:
                 event("ran, then cancelled")
                 return
-            event(f"ended {code.name}")
+            event(f"ended {code.name}: {exc.details()[:40]}")
             assert code in DOCUMENTED, f"{code}: {exc.details()}"
             details = exc.details()
             assert details and "Traceback" not in details and "object at 0x" not in details, details
