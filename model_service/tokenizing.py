@@ -1,6 +1,6 @@
 """Tokenizing and chat templating off the server's event loop, in two lanes.
 
-On the loop, one 800,000-character prompt held every other stream for over a second. In a
+On the loop, one 800,000-character prompt held every other stream for seconds. In a
 thread it does not: transformers' fast tokenizers run their Rust code without the GIL (a batch
 encode releases it; `backend_tokenizer.encode` alone would not, which is why the builder calls
 the tokenizer itself), so the loop goes on streaming and the engine on stepping.
@@ -22,7 +22,7 @@ from kvserve.model_service.engine.errors import QueueFull
 
 T = TypeVar("T")
 
-LONG_CHARS = 32_768     # about 30 ms to tokenize: longer goes to the long lane
+LONG_CHARS = 32_768     # longer texts go to the long lane
 LONG_WAITING = 8
 
 
