@@ -78,6 +78,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_pids(pids: list[int]) -> None:
     """Teardown of processes this module started (directly or through `up`), by pid."""
     for pid in pids:

@@ -22,7 +22,8 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
-from tests.service.processes import alive, children, free_port, kv_stats, kvserve, stop_pids, wait_serving
+from tests.service.processes import (alive, children, free_port, kv_stats, kvserve, stop_pids, terminate,
+                                     wait_serving)
 from tests.service.util import generate, greedy, request, rpc_error, wait_until
 
 pytestmark = pytest.mark.slow
@@ -111,16 +112,6 @@ class HealthLog:
         self._channel.close()
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # ------------------------------------------------------------------- under `kvserve up`
 
 
@@ -137,7 +128,7 @@ def up(tiny_dirs):
         yield proc, address, kv_address
     finally:
         kids += children(proc.pid)
-        stop(proc)
+        terminate(proc)
         stop_pids(kids)
 
 
@@ -220,7 +211,7 @@ def test_up_stops_the_stack_when_a_child_exits_too_often(tiny_dirs):
         assert "2 exits within a minute, more than --max-restarts 1 allows" in stderr, stderr
         wait_until(lambda: not any(alive(p) for p in kids), what="the children to stop")
     finally:
-        stop(proc)
+        terminate(proc)
         stop_pids(kids + children(proc.pid))
 
 
@@ -253,8 +244,8 @@ class Apart:
                        "--log-level", "warning")
 
     def close(self) -> None:
-        stop(self.model)
-        stop(self.manager)
+        terminate(self.model)
+        terminate(self.manager)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,8 @@ from hypothesis import strategies as st
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from tests.service.processes import REPO, children, free_port, kv_stats, kvserve, stop_pids, wait_serving
+from tests.service.processes import (REPO, children, free_port, kv_stats, kvserve, stop_pids, terminate,
+                                     wait_serving)
 from tests.service.util import greedy, request, wait_until
 
 pytestmark = pytest.mark.slow
@@ -47,11 +47,7 @@ def served_with_manager(tiny_dirs):
         kids = children(proc.pid)
         yield address, kv_address
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
         stop_pids(kids)
 
 

@@ -18,7 +18,8 @@ import pytest
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.engine.harness import assert_same_tokens, hf_greedy
-from tests.service.processes import alive, children, free_port, kv_stats, kvserve, stop_pids, unix_address, wait_serving
+from tests.service.processes import (alive, children, free_port, kv_stats, kvserve, stop_pids, terminate,
+                                     unix_address, wait_serving)
 from tests.service.util import generate, greedy, request, wait_until
 
 pytestmark = pytest.mark.slow
@@ -52,13 +53,7 @@ def up(tiny_dirs, tmp_path_factory):
         u.child_pids = children(proc.pid)
         yield u
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, 20)
         stop_pids(u.child_pids)
 
 
@@ -149,12 +144,7 @@ def mismatched(tiny_dirs, tmp_path_factory):
             pytest.fail(f"the model service hung on a manager that refuses it:\n{stderr}")
         yield model.returncode, stderr
     finally:
-        manager.send_signal(signal.SIGTERM)
-        try:
-            manager.wait(20)
-        except subprocess.TimeoutExpired:
-            manager.kill()
-            manager.wait()
+        terminate(manager, 20)
 
 
 def test_mismatched_num_pages_exits_nonzero_naming_num_pages(mismatched):
