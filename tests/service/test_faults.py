@@ -189,6 +189,32 @@ def test_kill_9_the_model_service_and_up_starts_it_again(up, undisturbed):
     wait_until(lambda: kv_stats(kv_address).used_pages == 0, what="used_pages == 0")
 
 
+def test_sigterm_to_up_drains_the_model_service_while_the_manager_still_serves(tiny_dirs):
+    address = f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address,
+                   "--kvcache-listen", f"127.0.0.1:{free_port()}", "--grace-period", "1", *MODEL_FLAGS,
+                   "--log-level", "warning", stderr=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    try:
+        wait_serving(address, proc)
+        kids = children(proc.pid)
+        recorded = streams(address, max_tokens=1800)
+        wait_until(lambda: all(r.tokens for r in recorded), timeout=60, what="every stream's first token")
+        proc.send_signal(signal.SIGTERM)
+        finish(recorded, timeout=30)
+        # ended by the drain, with the manager still there: not by a lost manager
+        for r in recorded:
+            assert (r.code, r.details) == (grpc.StatusCode.UNAVAILABLE, "the server shut down before the request "
+                                           "finished (it was given 1 s to finish)"), (r.code, r.details)
+        assert proc.wait(30) == 0
+        stderr = proc.stderr.read()
+        assert "lost the KV-cache manager" not in stderr, stderr
+        wait_until(lambda: not any(alive(p) for p in kids), what="the children to stop")
+    finally:
+        terminate(proc)
+        stop_pids(kids + children(proc.pid))
+
+
 def test_up_stops_the_stack_when_a_child_exits_too_often(tiny_dirs):
     address = f"127.0.0.1:{free_port()}"
     proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address,
