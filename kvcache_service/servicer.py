@@ -130,13 +130,16 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
 
     async def WatchEvents(self, request, context) -> AsyncIterator[pb.Event]:
         events = self._events
-        next_number = events.last + 1
-        if request.snapshot:
-            yield convert.event_to_pb(self.m.snapshot())
-        while not self._closing:
-            for event in events.since(next_number):
-                yield convert.event_to_pb(event)
-                next_number = event.number + 1
-            if events.last < next_number:
-                await self._wake.wait()
+        reader = events.open()   # with the snapshot, in one go: it reads from the snapshot's number on
+        try:
+            if request.snapshot:
+                yield convert.event_to_pb(self.m.snapshot())
+            while not self._closing:
+                batch = events.read(reader)
+                for event in batch:
+                    yield convert.event_to_pb(event)
+                if not batch:
+                    await self._wake.wait()
+        finally:
+            events.close(reader)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the KV-cache manager is shutting down")

@@ -241,25 +241,26 @@ def stats_from_pb(msg: pb.Stats) -> Stats:
 
 def event_to_pb(e: Event) -> pb.Event:
     if isinstance(e, PagesStored):
-        return pb.Event(number=e.number, stored=pb.PagesStored(parent_hash=e.parent_hash, hashes=e.hashes))
+        return pb.Event(number=e.number, epoch=e.epoch,
+                        stored=pb.PagesStored(parent_hash=e.parent_hash, hashes=e.hashes))
     if isinstance(e, PagesEvicted):
-        return pb.Event(number=e.number, evicted=pb.PagesEvicted(hashes=e.hashes))
+        return pb.Event(number=e.number, epoch=e.epoch, evicted=pb.PagesEvicted(hashes=e.hashes))
     if isinstance(e, CacheReset):
-        return pb.Event(number=e.number, reset=pb.CacheReset())
+        return pb.Event(number=e.number, epoch=e.epoch, reset=pb.CacheReset())
     if isinstance(e, Snapshot):
         pages = [pb.StoredPage(hash=h, parent_hash=p) for h, p in e.pages]
-        return pb.Event(number=e.number, snapshot=pb.Snapshot(pages=pages))
+        return pb.Event(number=e.number, epoch=e.epoch, snapshot=pb.Snapshot(pages=pages))
     raise TypeError(f"not an event: {e!r}")
 
 
 def event_from_pb(msg: pb.Event) -> Event:
     kind = msg.WhichOneof("kind")
     if kind == "stored":
-        return PagesStored(msg.number, msg.stored.parent_hash, tuple(msg.stored.hashes))
+        return PagesStored(msg.number, msg.stored.parent_hash, tuple(msg.stored.hashes), msg.epoch)
     if kind == "evicted":
-        return PagesEvicted(msg.number, tuple(msg.evicted.hashes))
+        return PagesEvicted(msg.number, tuple(msg.evicted.hashes), msg.epoch)
     if kind == "reset":
-        return CacheReset(msg.number)
+        return CacheReset(msg.number, msg.epoch)
     if kind == "snapshot":
-        return Snapshot(msg.number, tuple((p.hash, p.parent_hash) for p in msg.snapshot.pages))
+        return Snapshot(msg.number, tuple((p.hash, p.parent_hash) for p in msg.snapshot.pages), msg.epoch)
     raise ValueError(f"an event with no kind (number {msg.number})")

@@ -169,24 +169,29 @@ class Stats:
 
 
 # ------------------------------------------------------------------ events (WatchEvents)
-# Numbered from 1, one more per event; a gap in the numbers means events were missed.
+# Numbered from 1, one more per event; a gap in the numbers means events were missed. Each
+# carries the epoch it happened in: a reader that sees the epoch change knows the cache it
+# mirrors was reset, even across a restart of the manager that numbers from 1 again.
 
 @dataclass(slots=True)
 class PagesStored:
     number: int
     parent_hash: int
     hashes: tuple[int, ...]  # a chain: each the parent of the next
+    epoch: int = 0
 
 
 @dataclass(slots=True)
 class PagesEvicted:
     number: int
     hashes: tuple[int, ...]
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class CacheReset:
     number: int
+    epoch: int = 0          # the new epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +200,7 @@ class Snapshot:
     it includes."""
     number: int
     pages: tuple[tuple[int, int], ...]
+    epoch: int = 0
 
 
 Event = PagesStored | PagesEvicted | CacheReset | Snapshot

@@ -17,7 +17,7 @@ class ManagerConfig:
     max_seqs: int = field(default=256, metadata={"help": "live sequences at once: the seq-id pool"})
     cpu_pages: int = field(default=0, metadata={"help": "CPU swap pages; 0 disables swapping"})
     event_capacity: int = field(default=65536, metadata={
-        "help": "events kept for WatchEvents subscribers that fall behind"})
+        "help": "most events kept for a WatchEvents subscriber that falls behind (only unread ones are kept)"})
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_seqs", "event_capacity"):

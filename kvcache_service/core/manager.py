@@ -75,8 +75,7 @@ class KVCacheManager:
                 f"register: num_pages {num_pages} does not match the manager's {self.config.num_pages}")
         if epoch == self.state.epoch:
             return False
-        self.state.reset()
-        self.state.epoch = epoch
+        self.state.reset(epoch)
         return True
 
     def step(self, request: StepRequest) -> StepPlan:
@@ -174,7 +173,7 @@ class KVCacheManager:
     def snapshot(self) -> Snapshot:
         """Every page in the tree, parents first, as of the last event."""
         state = self.state
-        return Snapshot(state.events.last, tuple(state.tree.nodes_parent_first()))
+        return Snapshot(state.events.last, tuple(state.tree.nodes_parent_first()), state.epoch)
 
     def stats(self) -> Stats:
         return self.state.stats()

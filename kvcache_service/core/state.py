@@ -171,8 +171,11 @@ class ManagerState:
             self.seq_ids.release(seq_id)
         self.pending_seq_ids.clear()
 
-    def reset(self) -> None:
-        """Drops every sequence and cached page (the device bytes are gone)."""
+    def reset(self, epoch: int | None = None) -> None:
+        """Drops every sequence and cached page (the device bytes are gone); a new epoch, when
+        given, is the one the reset event carries."""
+        if epoch is not None:
+            self.epoch = self.events.epoch = epoch
         self.pool.reset()
         self.cpu.reset()
         self.tree.reset()

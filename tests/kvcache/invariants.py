@@ -338,12 +338,17 @@ class EventMirror:
         self.nodes: dict[int, int] = {}
         self.last = 0
         self.evicted = 0
+        self.reader: int | None = None
 
     def sync(self, state: ManagerState) -> list[int]:
         from kvserve.kvcache_service.contract.types import CacheReset, PagesEvicted, PagesStored
 
         evicted: list[int] = []
-        for ev in state.events.since(self.last + 1):
+        if self.reader is None:   # a reader from the state's first event on
+            if state.events.last != self.last:
+                _fail(f"events: the mirror started after event {state.events.last}")
+            self.reader = state.events.open()
+        for ev in state.events.read(self.reader):
             if ev.number != self.last + 1:
                 _fail(f"events: expected number {self.last + 1}, got {ev.number}")
             self.last = ev.number

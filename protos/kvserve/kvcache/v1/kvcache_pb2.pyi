@@ -444,18 +444,20 @@ class Snapshot(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[_Union[StoredPage, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("number", "stored", "evicted", "reset", "snapshot")
+    __slots__ = ("number", "epoch", "stored", "evicted", "reset", "snapshot")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     number: int
+    epoch: int
     stored: PagesStored
     evicted: PagesEvicted
     reset: CacheReset
     snapshot: Snapshot
-    def __init__(self, number: _Optional[int] = ..., stored: _Optional[_Union[PagesStored, _Mapping]] = ..., evicted: _Optional[_Union[PagesEvicted, _Mapping]] = ..., reset: _Optional[_Union[CacheReset, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
+    def __init__(self, number: _Optional[int] = ..., epoch: _Optional[int] = ..., stored: _Optional[_Union[PagesStored, _Mapping]] = ..., evicted: _Optional[_Union[PagesEvicted, _Mapping]] = ..., reset: _Optional[_Union[CacheReset, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -231,7 +231,8 @@ class KVCacheManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Pages stored in and evicted from the prefix tree, in order. Event numbers
+        """Pages stored in and evicted from the prefix tree, in order. The manager keeps
+        only what its subscribers have not read yet (at most --event-capacity). Event numbers
         rise by exactly one; a gap means the subscriber fell behind and missed
         events (reconnect with snapshot = true to resynchronise).
         """
