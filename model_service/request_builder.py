@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import InvalidRequest
+from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
 from kvserve.model_service.sampling.params import SamplingParams
@@ -28,7 +29,8 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
     """At most the prompt's UTF-8 length, from encoded sizes, without decoding it (a few times
     cheaper): the message, less its other fields with at most 6 bytes of tag and length each."""
     if isinstance(msg, pb.GenerateRequest):
-        other = msg.sampling.ByteSize() + len(msg.request_id.encode()) + len(msg.session_id.encode()) + 18
+        other = (msg.sampling.ByteSize() + msg.continuation.ByteSize() + len(msg.request_id.encode())
+                 + len(msg.session_id.encode()) + 24)
     else:
         other = 2   # add_special_tokens
     return max(0, msg.ByteSize() - other - 6)
@@ -65,7 +67,30 @@ class RequestBuilder:
         request = Request(request_id, prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
+        if msg.continuation.ids:
+            await self._continue(request, list(msg.continuation.ids))
         return request
+
+    async def _continue(self, request: Request, tokens: list[int]) -> None:
+        """The request goes on from `tokens` it generated elsewhere: they join its output, and its
+        output processor reads them first (detokenizer and stop checks in the state they would
+        be in), so that what it streams next follows on without a gap or a repeat."""
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"continuation token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(tokens) >= request.max_tokens:
+            raise RequestError(f"the continuation has {len(tokens)} tokens; max_tokens ({request.max_tokens}) "
+                               "leaves none to generate")
+        request.tokens.extend(tokens)
+        request.output = await self.lanes.run(4 * len(tokens), self._primed_output, request, tokens)
+
+    def _primed_output(self, request: Request, tokens: list[int]) -> OutputProcessor:
+        output = OutputProcessor(request, self.tokenizer, self.stack.eos_token_ids)
+        for token in tokens:
+            if output.add(token)[1]:
+                raise RequestError("the continuation already meets a stop condition (EOS, a stop token id "
+                                   "or a stop string): there is nothing left to generate")
+        return output
 
     async def tokenize(self, msg) -> list[int]:
         add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True

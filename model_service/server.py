@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.model_service.assembly import build_on_a_thread_that_ends
+from kvserve.model_service.cache_events import SERVICE_NAME as EVENTS_SERVICE_NAME, CacheEventsServicer
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
@@ -26,8 +28,11 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     try:
         await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
         servicer = InferenceServicer(stack, relay)
-        spec = ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)
-        running = await _create(config.listen, [spec], options={
+        servicer.cache_events = CacheEventsServicer(config.kvcache)
+        specs = [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME),
+                 ServiceSpec(kv_pb_grpc.add_KVCacheEventsServicer_to_server, servicer.cache_events,
+                             EVENTS_SERVICE_NAME)]
+        running = await _create(config.listen, specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes})
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
         servicer.health.start()
@@ -65,6 +70,7 @@ async def serve(config: ModelServiceConfig) -> None:
     try:
         await wait_for_signal(running.server, config.grace_s)
         await drain(running, servicer, config.grace_s)
+        await servicer.cache_events.close()
     finally:
         servicer.engine.stop()
         servicer.close()

@@ -16,6 +16,7 @@ import grpc
 
 from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import KVCacheError
+from kvserve.kvcache_service.contract.hashing import extra_key_digest
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
@@ -39,6 +40,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.builder = RequestBuilder(stack, self.lanes)
         self.draining = False
         self.health = None   # the HealthReporter, once the server runs (server.py)
+        self.cache_events = None   # the CacheEventsServicer served beside this one (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
 
     def drain(self) -> None:
@@ -93,7 +95,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             name=s.config.model if s.config.model in PRESETS else s.model_path.name, architecture=s.model_config.architecture, max_model_len=s.max_model_len,
             vocab_size=s.model_config.vocab_size, page_size=s.page_size, dtype=str(s.dtype).removeprefix("torch."),
             attention_backend=s.backend_name, cpu_gemm=s.gemm, device=str(s.device), num_pages=s.num_pages,
-            eos_token_ids=sorted(s.eos_token_ids))
+            eos_token_ids=sorted(s.eos_token_ids), extra_key_digest=extra_key_digest(s.config.cache_salt))
 
     async def GetServerStats(self, request, context):
         e, c = self.engine, self.engine.counters

@@ -47,6 +47,7 @@ class ModelServerThread(LoopThread):
         try:
             self.call(self.running.server.stop(None))
             self.call(self.servicer.health.stop())
+            self.call(self.servicer.cache_events.close())
         finally:
             self.servicer.engine.stop()
             self.servicer.close()

@@ -100,3 +100,9 @@ def page_hashes(
         return []
     return hash_pages(token_bytes(tokens[start_page * page_size : end_page * page_size]),
                       page_size, extra_key, parent)
+
+
+def extra_key_digest(extra_key: str) -> str:
+    """16 hex digits naming an extra_key without showing it: a gateway compares its own with a
+    worker's (ModelInfo.extra_key_digest) before trusting its hashes to match the worker's."""
+    return sha256(extra_key.encode("utf-8")).digest()[:8].hex()

@@ -237,7 +237,8 @@ class Engine:
             kind, value = item
             if kind == "submit":
                 if value.status is not Status.FINISHED:   # not ended while it sat in the inbox
-                    value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
+                    if value.output is None:   # a continued request brings its own, primed
+                        value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
                     self.scheduler.add(value)
             elif kind == "cancel":
                 request = self._live.get(value)

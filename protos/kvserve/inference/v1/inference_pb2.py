@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvserve.kvcache.v1 import kvcache_pb2 as kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve/inference/v1/inference.proto\x12\x14kvserve.inference.v1\x1a kvserve/kvcache/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.kvserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbf\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsH\x00\x12\x36\n\x08messages\x18\x04 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.kvserve.inference.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\tB\x07\n\x05input\"/\n\x0bQueueStatus\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"O\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"`\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .kvserve.inference.v1.TopLogprob\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x08\x46inished\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvserve.inference.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvserve.inference.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xf2\x01\n\x10GenerateResponse\x12\x33\n\x06queued\x18\x01 \x01(\x0b\x32!.kvserve.inference.v1.QueueStatusH\x00\x12\x39\n\x0cprefill_done\x18\x02 \x01(\x0b\x32!.kvserve.inference.v1.PrefillDoneH\x00\x12\x31\n\x05\x63hunk\x18\x03 \x01(\x0b\x32 .kvserve.inference.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.kvserve.inference.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x9c\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xe3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tnum_pages\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x10\n\x08\x63pu_gemm\x18\x0b \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xd4\x03\n\x0bServerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x06 \x01(\x04\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12*\n\x07kvcache\x18\n \x01(\x0b\x32\x19.kvserve.kvcache.v1.Stats\x12\x18\n\x10schedule_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmanager_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x63opy_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x0e \x01(\x01\x12\x16\n\x0esample_seconds\x18\x0f \x01(\x01\x12\x14\n\x0c\x65mit_seconds\x18\x10 \x01(\x01\x12\x17\n\x0frequests_failed\x18\x11 \x01(\x04\x12\x16\n\x0emanager_losses\x18\x12 \x01(\x04\x12\x19\n\x11manager_reachable\x18\x13 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x03\n\tInference\x12[\n\x08Generate\x12%.kvserve.inference.v1.GenerateRequest\x1a&.kvserve.inference.v1.GenerateResponse0\x01\x12S\n\x06\x43\x61ncel\x12#.kvserve.inference.v1.CancelRequest\x1a$.kvserve.inference.v1.CancelResponse\x12Y\n\x08Tokenize\x12%.kvserve.inference.v1.TokenizeRequest\x1a&.kvserve.inference.v1.TokenizeResponse\x12Z\n\x0cGetModelInfo\x12).kvserve.inference.v1.GetModelInfoRequest\x1a\x1f.kvserve.inference.v1.ModelInfo\x12`\n\x0eGetServerStats\x12+.kvserve.inference.v1.GetServerStatsRequest\x1a!.kvserve.inference.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve/inference/v1/inference.proto\x12\x14kvserve.inference.v1\x1a kvserve/kvcache/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.kvserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbf\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xaf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsH\x00\x12\x36\n\x08messages\x18\x04 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.kvserve.inference.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x34\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsB\x07\n\x05input\"/\n\x0bQueueStatus\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"O\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"`\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .kvserve.inference.v1.TopLogprob\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x08\x46inished\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvserve.inference.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvserve.inference.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xf2\x01\n\x10GenerateResponse\x12\x33\n\x06queued\x18\x01 \x01(\x0b\x32!.kvserve.inference.v1.QueueStatusH\x00\x12\x39\n\x0cprefill_done\x18\x02 \x01(\x0b\x32!.kvserve.inference.v1.PrefillDoneH\x00\x12\x31\n\x05\x63hunk\x18\x03 \x01(\x0b\x32 .kvserve.inference.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.kvserve.inference.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x9c\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xfd\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tnum_pages\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x10\n\x08\x63pu_gemm\x18\x0b \x01(\t\x12\x18\n\x10\x65xtra_key_digest\x18\x0c \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xd4\x03\n\x0bServerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x06 \x01(\x04\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12*\n\x07kvcache\x18\n \x01(\x0b\x32\x19.kvserve.kvcache.v1.Stats\x12\x18\n\x10schedule_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmanager_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x63opy_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x0e \x01(\x01\x12\x16\n\x0esample_seconds\x18\x0f \x01(\x01\x12\x14\n\x0c\x65mit_seconds\x18\x10 \x01(\x01\x12\x17\n\x0frequests_failed\x18\x11 \x01(\x04\x12\x16\n\x0emanager_losses\x18\x12 \x01(\x04\x12\x19\n\x11manager_reachable\x18\x13 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x03\n\tInference\x12[\n\x08Generate\x12%.kvserve.inference.v1.GenerateRequest\x1a&.kvserve.inference.v1.GenerateResponse0\x01\x12S\n\x06\x43\x61ncel\x12#.kvserve.inference.v1.CancelRequest\x1a$.kvserve.inference.v1.CancelResponse\x12Y\n\x08Tokenize\x12%.kvserve.inference.v1.TokenizeRequest\x1a&.kvserve.inference.v1.TokenizeResponse\x12Z\n\x0cGetModelInfo\x12).kvserve.inference.v1.GetModelInfoRequest\x1a\x1f.kvserve.inference.v1.ModelInfo\x12`\n\x0eGetServerStats\x12+.kvserve.inference.v1.GetServerStatsRequest\x1a!.kvserve.inference.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.inference.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2872
-  _globals['_FINISHREASON']._serialized_end=2992
+  _globals['_FINISHREASON']._serialized_start=2952
+  _globals['_FINISHREASON']._serialized_end=3072
   _globals['_CHATMESSAGE']._serialized_start=96
   _globals['_CHATMESSAGE']._serialized_end=140
   _globals['_CHATMESSAGES']._serialized_start=142
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=237
   _globals['_SAMPLINGPARAMS']._serialized_end=684
   _globals['_GENERATEREQUEST']._serialized_start=687
-  _globals['_GENERATEREQUEST']._serialized_end=936
-  _globals['_QUEUESTATUS']._serialized_start=938
-  _globals['_QUEUESTATUS']._serialized_end=985
-  _globals['_PREFILLDONE']._serialized_start=987
-  _globals['_PREFILLDONE']._serialized_end=1066
-  _globals['_TOPLOGPROB']._serialized_start=1068
-  _globals['_TOPLOGPROB']._serialized_end=1115
-  _globals['_TOKENLOGPROB']._serialized_start=1117
-  _globals['_TOKENLOGPROB']._serialized_end=1213
-  _globals['_TOKENCHUNK']._serialized_start=1215
-  _globals['_TOKENCHUNK']._serialized_end=1314
-  _globals['_USAGE']._serialized_start=1316
-  _globals['_USAGE']._serialized_end=1396
-  _globals['_FINISHED']._serialized_start=1399
-  _globals['_FINISHED']._serialized_end=1607
-  _globals['_GENERATERESPONSE']._serialized_start=1610
-  _globals['_GENERATERESPONSE']._serialized_end=1852
-  _globals['_CANCELREQUEST']._serialized_start=1854
-  _globals['_CANCELREQUEST']._serialized_end=1889
-  _globals['_CANCELRESPONSE']._serialized_start=1891
-  _globals['_CANCELRESPONSE']._serialized_end=1907
-  _globals['_TOKENIZEREQUEST']._serialized_start=1910
-  _globals['_TOKENIZEREQUEST']._serialized_end=2066
-  _globals['_TOKENIZERESPONSE']._serialized_start=2068
-  _globals['_TOKENIZERESPONSE']._serialized_end=2121
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2123
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2144
-  _globals['_MODELINFO']._serialized_start=2147
-  _globals['_MODELINFO']._serialized_end=2374
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2376
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2399
-  _globals['_SERVERSTATS']._serialized_start=2402
-  _globals['_SERVERSTATS']._serialized_end=2870
-  _globals['_INFERENCE']._serialized_start=2995
-  _globals['_INFERENCE']._serialized_end=3465
+  _globals['_GENERATEREQUEST']._serialized_end=990
+  _globals['_QUEUESTATUS']._serialized_start=992
+  _globals['_QUEUESTATUS']._serialized_end=1039
+  _globals['_PREFILLDONE']._serialized_start=1041
+  _globals['_PREFILLDONE']._serialized_end=1120
+  _globals['_TOPLOGPROB']._serialized_start=1122
+  _globals['_TOPLOGPROB']._serialized_end=1169
+  _globals['_TOKENLOGPROB']._serialized_start=1171
+  _globals['_TOKENLOGPROB']._serialized_end=1267
+  _globals['_TOKENCHUNK']._serialized_start=1269
+  _globals['_TOKENCHUNK']._serialized_end=1368
+  _globals['_USAGE']._serialized_start=1370
+  _globals['_USAGE']._serialized_end=1450
+  _globals['_FINISHED']._serialized_start=1453
+  _globals['_FINISHED']._serialized_end=1661
+  _globals['_GENERATERESPONSE']._serialized_start=1664
+  _globals['_GENERATERESPONSE']._serialized_end=1906
+  _globals['_CANCELREQUEST']._serialized_start=1908
+  _globals['_CANCELREQUEST']._serialized_end=1943
+  _globals['_CANCELRESPONSE']._serialized_start=1945
+  _globals['_CANCELRESPONSE']._serialized_end=1961
+  _globals['_TOKENIZEREQUEST']._serialized_start=1964
+  _globals['_TOKENIZEREQUEST']._serialized_end=2120
+  _globals['_TOKENIZERESPONSE']._serialized_start=2122
+  _globals['_TOKENIZERESPONSE']._serialized_end=2175
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2177
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2198
+  _globals['_MODELINFO']._serialized_start=2201
+  _globals['_MODELINFO']._serialized_end=2454
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2456
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2479
+  _globals['_SERVERSTATS']._serialized_start=2482
+  _globals['_SERVERSTATS']._serialized_end=2950
+  _globals['_INFERENCE']._serialized_start=3075
+  _globals['_INFERENCE']._serialized_end=3545
 # @@protoc_insertion_point(module_scope)

@@ -72,20 +72,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "session_id")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "session_id", "continuation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
     messages: ChatMessages
     sampling: SamplingParams
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    continuation: TokenIds
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class QueueStatus(_message.Message):
     __slots__ = ("position", "eta_ms")
@@ -204,7 +206,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,7 @@ class ModelInfo(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CPU_GEMM_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -227,7 +230,8 @@ class ModelInfo(_message.Message):
     num_pages: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cpu_gemm: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ...) -> None: ...
+    extra_key_digest: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -772,3 +772,93 @@ class KVCacheManager:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVCacheEventsStub:
+    """The read-only face of a worker's manager, served by the model service on its own address:
+    WatchEvents there relays the stream of the manager it uses. The manager itself stays
+    private to its pod (its write RPCs are for that model service alone), and a gateway given
+    a worker's address finds the worker's cache events at the same address.
+    FAILED_PRECONDITION when the worker's manager runs in-process (it publishes no events);
+    UNAVAILABLE when the manager's stream breaks (subscribe again, with a snapshot).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchEvents = channel.unary_stream(
+                '/kvserve.kvcache.v1.KVCacheEvents/WatchEvents',
+                request_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.Event.FromString,
+                _registered_method=True)
+
+
+class KVCacheEventsServicer:
+    """The read-only face of a worker's manager, served by the model service on its own address:
+    WatchEvents there relays the stream of the manager it uses. The manager itself stays
+    private to its pod (its write RPCs are for that model service alone), and a gateway given
+    a worker's address finds the worker's cache events at the same address.
+    FAILED_PRECONDITION when the worker's manager runs in-process (it publishes no events);
+    UNAVAILABLE when the manager's stream breaks (subscribe again, with a snapshot).
+    """
+
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVCacheEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.Event.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvserve.kvcache.v1.KVCacheEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvserve.kvcache.v1.KVCacheEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVCacheEvents:
+    """The read-only face of a worker's manager, served by the model service on its own address:
+    WatchEvents there relays the stream of the manager it uses. The manager itself stays
+    private to its pod (its write RPCs are for that model service alone), and a gateway given
+    a worker's address finds the worker's cache events at the same address.
+    FAILED_PRECONDITION when the worker's manager runs in-process (it publishes no events);
+    UNAVAILABLE when the manager's stream breaks (subscribe again, with a snapshot).
+    """
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.kvcache.v1.KVCacheEvents/WatchEvents',
+            kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+            kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

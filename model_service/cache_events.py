@@ -1,0 +1,43 @@
+"""KVCacheEvents on the model service's address: WatchEvents relayed from this worker's manager.
+
+The manager listens where only its model service reaches it (a Unix socket in the pod); its
+event stream is what a gateway needs to know this worker's cache. Relaying it here keeps the
+manager's write RPCs private, needs no second port, and lets a gateway that knows a worker's
+address find its events at the same address. One upstream stream per subscriber: a fleet has
+a handful of gateways, and each event is a few hashes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+
+SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVCacheEvents"].full_name
+
+
+class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
+    def __init__(self, kvcache: str) -> None:
+        """`kvcache`: the manager's address, or "inprocess" (then there is nothing to relay)."""
+        self._channel = None if kvcache == "inprocess" else grpc.aio.insecure_channel(kvcache)
+
+    async def WatchEvents(self, request, context):
+        if self._channel is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker's KV-cache manager runs in-process (--kvcache inprocess) and "
+                                "publishes no events; run it as its own process for a gateway to follow its cache")
+        call = kv_pb_grpc.KVCacheManagerStub(self._channel).WatchEvents(request)
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this worker's KV-cache manager stopped its event stream ({exc.code().name}: "
+                                f"{exc.details()}); subscribe again with a snapshot")
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,63 @@
+"""KVCacheEvents on the model service's address: the worker's manager's events, relayed, each
+with the epoch the worker registered; the relay ends UNAVAILABLE when the manager goes away,
+and a worker with an in-process manager says it has none to relay."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.kvcache_service.contract.hashing import extra_key_digest, page_hashes
+from kvserve.kvcache_service.core import ManagerConfig
+from tests.kvcache.conftest import ServerThread
+from tests.service.conftest import ModelServerThread
+from tests.service.util import generate, greedy, request, rpc_error
+
+PROMPT = list(range(10, 31))   # 21 tokens: 5 full pages of 4
+
+
+@pytest.fixture
+def worker(tiny_dirs):
+    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
+    model = None
+    try:
+        model = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, cache_salt="deploy-a")
+        yield manager, model
+    finally:
+        if model is not None:
+            model.stop()
+        if manager.thread.is_alive():   # the test may have stopped it
+            manager.stop()
+
+
+def test_the_worker_relays_its_managers_events_with_the_epoch(worker):
+    manager, model = worker
+    with grpc.insecure_channel(model.address) as ch:
+        events = kv_pb_grpc.KVCacheEventsStub(ch).WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=30)
+        snapshot = next(events)
+        epoch = manager.manager.epoch
+        assert snapshot.HasField("snapshot") and snapshot.epoch == epoch > 0
+        info = pb_grpc.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.extra_key_digest == extra_key_digest("deploy-a") != extra_key_digest("")
+        generate(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(3)))
+        stored = next(events)
+        assert stored.epoch == epoch and stored.number == snapshot.number + 1
+        # the worker's hashes, salted with its --cache-salt
+        assert list(stored.stored.hashes) == page_hashes(PROMPT, 4, extra_key="deploy-a")[:len(stored.stored.hashes)]
+        manager.stop()
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in events:
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "subscribe again" in ended.value.details()
+
+
+def test_a_worker_with_an_in_process_manager_has_no_events_to_relay(model_server):
+    with grpc.insecure_channel(model_server.address) as ch:
+        stub = kv_pb_grpc.KVCacheEventsStub(ch)
+        err = rpc_error(lambda: stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=10))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "in-process" in err.details()

@@ -1,0 +1,52 @@
+"""GenerateRequest.continuation: a request that goes on from tokens it generated elsewhere (a
+gateway moving it from a failed worker) streams exactly what the uninterrupted request would
+have streamed after them: tokens, text and seeded draws, with usage counting all of them."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error
+
+PROMPT = "The model token cache pages the batch memory"
+
+
+@pytest.mark.parametrize("sampling", [greedy(40), dict(temperature=0.9, top_p=0.9, seed=1234, max_tokens=40,
+                                                       ignore_eos=True, repetition_penalty=1.3,
+                                                       frequency_penalty=0.5)],
+                         ids=["greedy", "seeded-with-penalties"])
+@pytest.mark.parametrize("cut", [1, 17, 39])
+def test_a_continued_request_streams_what_the_whole_one_would_have(stub, model_server, sampling, cut):
+    whole = generate(stub, request(prompt=PROMPT, **sampling))
+    msg = request(prompt=PROMPT, **sampling)
+    msg.continuation.ids.extend(whole.tokens[:cut])
+    rest = generate(stub, msg)
+    assert rest.tokens == whole.tokens[cut:]
+    # The rest's text is the whole text after what the first `cut` tokens streamed. A chunk may
+    # carry several tokens (a slow reader's are coalesced): that one bounds the cut's text.
+    assert rest.text and whole.text.endswith(rest.text)
+    before, seen, lo = whole.text[:len(whole.text) - len(rest.text)], 0, ""
+    for c in whole.chunks:
+        if seen + len(c.token_ids) > cut:
+            assert before.startswith(lo) and (lo + c.text).startswith(before), (lo, c.text, before)
+            break
+        seen, lo = seen + len(c.token_ids), lo + c.text
+    assert rest.finished.usage.completion_tokens == len(whole.tokens)
+    assert rest.finished.usage.prompt_tokens == whole.finished.usage.prompt_tokens
+    assert_pages_free(model_server.servicer)
+
+
+def test_a_continuation_that_cannot_go_on_is_refused(stub):
+    msg = request(prompt=PROMPT, **greedy(4))
+    msg.continuation.ids.extend([5, 6, 7, 8])
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "leaves none to generate" in err.details()
+    msg = request(prompt=PROMPT, **greedy(8))
+    msg.continuation.ids.extend([5, 99999])
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.details()
+    msg = request(prompt=PROMPT, temperature=0.0, max_tokens=8, stop_token_ids=[6])
+    msg.continuation.ids.extend([5, 6])
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop condition" in err.details()
