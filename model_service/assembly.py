@@ -24,7 +24,8 @@ from kvserve.model_service.engine.scheduler import SchedulerConfig
 from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
-from kvserve.model_service import dummy_step, host_memory, sizing, tiny_model
+from kvserve.model_service import dummy_step, host_memory, sizing
+from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,6 @@ class ModelStack:
     eos_token_ids: frozenset[int]
 
 
-def resolve_model_path(name: str) -> Path:
-    """A checkpoint directory, or a built-in preset generated on first use."""
-    if name in tiny_model.PRESETS:
-        return tiny_model.default_tiny_path(name)
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name!r} is neither a built-in model ({', '.join(tiny_model.PRESETS)}) "
-                         "nor a directory with a config.json")
-    return path
-
-
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,7 +67,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:
     """on_step_end: what the engine calls after each pass of its loop (the servicer's event relay)."""
-    from transformers import AutoTokenizer
 
     path = resolve_model_path(cfg.model)
     device = pick_device(cfg.device)
@@ -114,7 +103,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
 
     kv_cache = KVCache(mcfg, num_pages, page_size, dtype, device, cpu_pages=cfg.swap_pages)
     kv = _connect(cfg, num_pages, page_size)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     eos = set(mcfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

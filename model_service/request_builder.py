@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import InvalidRequest
+from kvserve.model_service import prompt_tokens
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
@@ -150,8 +151,7 @@ class RequestBuilder:
         self._check_text(nbytes, lambda: sum(len(m.content) for m in messages), "the chat messages", fit)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The tokenizer itself, not its backend's encode: it releases the GIL (tokenizing.py).
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return prompt_tokens.encode(self.tokenizer, text, add_special_tokens)
 
     async def _input_ids(self, msg) -> list[int]:
         kind = msg.WhichOneof("input")
@@ -178,19 +178,15 @@ class RequestBuilder:
             self._check_chat(messages.messages, fit)
         if not messages.messages:
             raise RequestError("messages is empty")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template; send a prompt instead")
         chat = [{"role": m.role, "content": m.content} for m in messages.messages]
         size = sum(len(m["content"]) for m in chat)
         return await self.lanes.run(size, self._render_chat, chat)
 
     def _render_chat(self, chat: list[dict]) -> list[int]:
         try:
-            out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
-            raise RequestError(f"the chat template rejected the messages: {exc}") from None
-        # transformers 5 returns a BatchEncoding here, 4.x a plain list
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return prompt_tokens.render_chat(self.tokenizer, chat)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def _params(self, s) -> SamplingParams:
         def opt(name, default):
