@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "up": "kvserve.services.cli.up:register",
     "kvcache": "kvserve.kvcache_service.cli:register",
     "model": "kvserve.model_service.cli:register",
+    "gateway": "kvserve.services.gateway.cli:register",
     "make-tiny-model": "kvserve.model_service.model_cli:register",
     "generate": "kvserve.clients.cli:register_generate",
     "chat": "kvserve.clients.cli:register_chat",

@@ -238,7 +238,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable")
+    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable", "workers", "queued")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,8 @@ class ServerStats(_message.Message):
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     MANAGER_LOSSES_FIELD_NUMBER: _ClassVar[int]
     MANAGER_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -277,4 +279,38 @@ class ServerStats(_message.Message):
     requests_failed: int
     manager_losses: int
     manager_reachable: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    queued: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_AWAY_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    running: int
+    waiting: int
+    used_pages: int
+    free_pages: int
+    cached_pages: int
+    requests_routed: int
+    hit_tokens: int
+    prompt_tokens: int
+    epoch: int
+    events_live: bool
+    index_pages: int
+    migrated_away: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., requests_routed: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., events_live: _Optional[bool] = ..., index_pages: _Optional[int] = ..., migrated_away: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+"""`kvserve gateway`: one Inference address in front of the workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvserve.services.gateway.config import GatewayConfig
+from kvserve.services.plumbing.config_flags import add_arguments, from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gateway", help="route requests to a fleet of model services by what their "
+                                              "caches hold",
+                              description="Serve kvserve.inference.v1.Inference in front of model services "
+                                          "(workers), each request going to the worker that holds its prefix.")
+    add_arguments(p, GatewayConfig)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.services.gateway.server import serve
+
+    config = from_args(GatewayConfig, args, "kvserve gateway")
+    if not config.worker and not config.workers_dns:
+        raise SystemExit("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
+    asyncio.run(serve(config))
+    return 0

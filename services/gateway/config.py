@@ -1,0 +1,48 @@
+"""What `kvserve gateway` serves on and how it routes. Every field is a flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.services.plumbing.config_flags import option
+
+DEFAULT_LISTEN = "127.0.0.1:50050"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str = option(DEFAULT_LISTEN, "host:port or unix:///path to serve Inference on")
+    worker: tuple[str, ...] = option((), "a model service's address; repeat for each worker", metavar="ADDR")
+    workers_dns: str = option("", "NAME:PORT resolved every --dns-interval seconds, one worker per address "
+                                  "(a Kubernetes headless Service)", metavar="NAME:PORT")
+    dns_interval_s: float = option(5.0, "seconds between resolutions of --workers-dns", flag="--dns-interval")
+    model: str = option("tiny", "the workers' checkpoint directory (or built-in model): the gateway tokenizes "
+                                "with its tokenizer, as the workers do")
+    cache_salt: str = option("", "the workers' --cache-salt: the extra_key the gateway hashes prompts with")
+    overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
+                                        "its decode load")
+    worker_queue_depth: int = option(2, "requests waiting at one worker before the gateway keeps new ones in "
+                                        "its own queue")
+    max_queued: int = option(1024, "requests in the gateway's queue before RESOURCE_EXHAUSTED")
+    migration_limit: int = option(3, "times one request may move to another worker when its worker fails "
+                                     "mid-stream (0: never; it then ends UNAVAILABLE)")
+    poll_interval_s: float = option(0.1, "seconds between reads of each worker's load and health",
+                                    flag="--poll-interval")
+    tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
+    grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
+
+    def __post_init__(self) -> None:
+        if self.workers_dns and ":" not in self.workers_dns:
+            raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
+        for name in ("dns_interval_s", "poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
+        for name in ("worker_queue_depth", "max_queued", "tokenizer_threads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be an integer >= 0, got {self.migration_limit!r}")
+        if self.overlap_weight < 0:
+            raise ValueError(f"--overlap-weight must not be negative, got {self.overlap_weight}")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")

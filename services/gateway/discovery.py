@@ -1,0 +1,39 @@
+"""Where the workers are: the --worker addresses, and the addresses --workers-dns resolves to,
+resolved again every --dns-interval seconds (a Kubernetes headless Service lists one address per
+ready pod), adding workers that appear and removing those that are gone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from kvserve.services.gateway.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+def _resolve(host: str, port: int) -> set[str]:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out = set()
+    for family, _, _, _, addr in infos:
+        ip = addr[0]
+        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return out
+
+
+async def follow_dns(fleet: Fleet, name_port: str, interval_s: float) -> None:
+    host, _, port = name_port.rpartition(":")
+    known: set[str] = set()
+    while True:
+        try:
+            found = await asyncio.to_thread(_resolve, host, int(port))
+        except OSError as exc:
+            log.warning("resolving %s failed (%s); keeping the %d workers known", name_port, exc, len(known))
+        else:
+            for address in sorted(found - known):
+                fleet.add(address)
+            for address in sorted(known - found):
+                await fleet.remove(address)
+            known = found
+        await asyncio.sleep(interval_s)

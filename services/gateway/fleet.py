@@ -1,0 +1,112 @@
+"""The workers behind the gateway: adding and removing them, following each (follow.py), the
+prefix index they feed, and the choice of a worker for a request (router.py) with the facts
+that choice needs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from kvserve.kvcache_service.contract.hashing import page_hashes
+from kvserve.services.gateway.follow import Follower
+from kvserve.services.gateway.index import PrefixIndex
+from kvserve.services.gateway.router import Choice, Policy, choose
+from kvserve.services.gateway.waiting import WaitQueue
+from kvserve.services.gateway.worker import SERVING, Worker
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 100_000
+
+
+class Fleet:
+    def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
+                 queue: WaitQueue) -> None:
+        self.cache_salt = cache_salt
+        self.overlap_weight = overlap_weight
+        self.worker_queue_depth = worker_queue_depth
+        self.poll_s = poll_s
+        self.queue = queue
+        self.index = PrefixIndex()
+        self.workers: dict[str, Worker] = {}
+        self._followers: dict[str, Follower] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()   # session id -> worker address
+        self._prompt_tokens_seen = 0
+        self._requests_seen = 0
+
+    # ------------------------------------------------------------ membership
+
+    def add(self, address: str) -> None:
+        if address in self.workers:
+            return
+        worker = Worker.connect(address)
+        self.workers[address] = worker
+        follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off)
+        self._followers[address] = follower
+        follower.start()
+        log.info("worker %s added", address)
+
+    async def remove(self, address: str) -> None:
+        """No new requests go there; streams running on it go on until they end."""
+        follower = self._followers.pop(address, None)
+        worker = self.workers.pop(address, None)
+        if follower is not None:
+            await follower.stop()
+            log.info("worker %s removed", address)
+        if worker is not None:
+            while worker.relays:   # its streams finish on the open channel
+                await asyncio.sleep(0.5)
+            await worker.channel.close()
+
+    async def close(self) -> None:
+        for address in list(self.workers):
+            await self.remove(address)
+
+    def _moved_off(self, worker: Worker) -> None:
+        for relay in list(worker.relays):
+            relay.move_off(worker)
+
+    # ------------------------------------------------------------ routing
+
+    @property
+    def page_size(self) -> int | None:
+        sizes = {w.info.page_size for w in self.workers.values() if w.info is not None}
+        return min(sizes) if sizes else None
+
+    def hashes(self, ids: list[int]) -> list[int]:
+        ps = self.page_size
+        return page_hashes(ids, ps, extra_key=self.cache_salt) if ps and ids else []
+
+    def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None) -> Choice | None:
+        ps = self.page_size
+        if ps is None:
+            return None
+        candidates = [w for w in self.workers.values()
+                      if w.info is not None and w.info.page_size == ps and w is not avoid]
+        if avoid is not None and not candidates and avoid.address in self.workers:
+            candidates = [avoid]
+        matchable = [w.address for w in candidates if w.hashes_match and w.events_live]
+        matches = self.index.matches(hashes, matchable)
+        sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
+        if session_id:
+            key = session_id.encode()
+        else:
+            key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
+        mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
+        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth)
+        choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
+        if choice is not None:
+            w = choice.worker
+            w.routed(len(ids), choice.matched_pages * ps)
+            self._prompt_tokens_seen += len(ids)
+            self._requests_seen += 1
+            if session_id:
+                self._sessions[session_id] = w.address
+                self._sessions.move_to_end(session_id)
+                if len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+        return choice
+
+    def serving(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.state == SERVING]

@@ -1,0 +1,143 @@
+"""Keeping up with one worker: its cache events into the index, its load and health into its
+state. Two tasks per worker, for as long as it is part of the fleet.
+
+Events: a subscription starts with a snapshot that replaces whatever the index held for the
+worker. A new epoch (its manager reset or restarted), a gap in the numbers (it fell behind) or a
+lost stream drops the worker's entries at once, and a new subscription rebuilds them from a new
+snapshot. A worker whose manager runs in-process publishes no events: it is routed by load only.
+
+Load and health: GetServerStats and grpc.health.v1 every --poll-interval. A worker that does not
+answer is down: its running streams are moved to other workers (relay.py) and it gets nothing
+new until it answers again; NOT_SERVING (draining, its manager lost, stalled) gets nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.services.gateway.index import PrefixIndex
+from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, Load, Worker
+
+log = logging.getLogger(__name__)
+
+RESUBSCRIBE_MAX_S = 5.0
+NO_EVENTS_RETRY_S = 30.0
+
+
+class Follower:
+    def __init__(self, worker: Worker, index: PrefixIndex, cache_salt: str, poll_s: float,
+                 on_change: Callable[[], None], on_down: Callable[[Worker], None]) -> None:
+        self.worker = worker
+        self.index = index
+        self.digest = extra_key_digest(cache_salt)
+        self.poll_s = poll_s
+        self.on_change = on_change
+        self.on_down = on_down
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        name = self.worker.address
+        self._tasks = [asyncio.create_task(self._follow_events(), name=f"events {name}"),
+                       asyncio.create_task(self._follow_load(), name=f"load {name}")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.index.drop(self.worker.address)
+
+    # ------------------------------------------------------------ events
+
+    async def _follow_events(self) -> None:
+        w, wait_s = self.worker, 0.2
+        while True:
+            try:
+                if await self._subscribe():
+                    wait_s = 0.2   # it ran: resubscribe at once, the backoff starts over
+                    continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    if w.events_live or wait_s == 0.2:
+                        log.warning("worker %s publishes no cache events (%s); routing to it by load only",
+                                    w.address, exc.details())
+                    self._forget()
+                    await asyncio.sleep(NO_EVENTS_RETRY_S)
+                    continue
+                log.debug("worker %s: event stream ended: %s", w.address, exc.code().name)
+            self._forget()
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, RESUBSCRIBE_MAX_S)
+
+    async def _subscribe(self) -> bool:
+        """One subscription, until it must start over. True when it had begun (a snapshot came)."""
+        w, index = self.worker, self.index
+        call = w.cache_events.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True))
+        began = False
+        epoch = last = 0
+        try:
+            async for event in call:
+                kind = event.WhichOneof("kind")
+                if kind == "snapshot":
+                    index.replace(w.address, [p.hash for p in event.snapshot.pages])
+                    epoch, last, began = event.epoch, event.number, True
+                    w.epoch, w.events_live = epoch, True
+                    continue
+                if not began or event.epoch != epoch or event.number != last + 1:
+                    why = ("a new epoch" if event.epoch != epoch else f"a gap after event {last}")
+                    log.info("worker %s: %s; rebuilding its entries from a snapshot", w.address, why)
+                    self._forget()
+                    return began
+                last = event.number
+                if kind == "stored":
+                    index.add(w.address, event.stored.hashes)
+                elif kind == "evicted":
+                    index.remove(w.address, event.evicted.hashes)
+                elif kind == "reset":
+                    index.drop(w.address)
+        finally:
+            call.cancel()
+        return began
+
+    def _forget(self) -> None:
+        self.index.drop(self.worker.address)
+        self.worker.events_live = False
+
+    # ------------------------------------------------------------ load and health
+
+    async def _follow_load(self) -> None:
+        w = self.worker
+        while True:
+            asked = time.monotonic()
+            try:
+                if w.info is None:
+                    w.info = await w.inference.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+                    w.hashes_match = w.info.extra_key_digest == self.digest
+                    if not w.hashes_match:
+                        log.error("worker %s hashes its pages with another extra_key (--cache-salt) than this "
+                                  "gateway's: its cache cannot be matched, it is routed by load only", w.address)
+                stats = await w.inference.GetServerStats(pb.GetServerStatsRequest(), timeout=2)
+                health = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                kv = stats.kvcache
+                w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages,
+                              kv.tree_pages, asked))
+                state = SERVING if health.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
+                if state != w.state:
+                    log.info("worker %s: %s", w.address, state)
+                w.state = state
+            except grpc.aio.AioRpcError as exc:
+                if w.state != DOWN:
+                    log.warning("worker %s is down (%s: %s)", w.address, exc.code().name, exc.details())
+                    w.state = DOWN
+                    w.info = None
+                    self.on_down(w)
+            self.on_change()
+            await asyncio.sleep(self.poll_s)

@@ -1,0 +1,168 @@
+"""One Generate through the fleet: wait for a worker (telling the client its place in the
+queue), forward the request, stream the worker's answer back, and when the worker fails
+mid-stream, go on on another one from the tokens already streamed (GenerateRequest.continuation),
+so the client sees neither a gap nor a repeat: one prefill_done, every token once, one finished.
+
+A worker fails when its call ends UNAVAILABLE (killed, draining past its grace period, its
+manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it), or
+when the gateway's poll finds it down (it stopped answering: the call is cancelled here). Any
+other status is the request's own and reaches the client as the worker gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.router import Choice
+from kvserve.services.gateway.waiting import QueueFull
+from kvserve.services.gateway.worker import Worker
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class Refused(Exception):
+    """The call ends with this status (and trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple = ()) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, trailers
+
+
+class Relay:
+    def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
+                 migration_limit: int) -> None:
+        self.fleet = fleet
+        self.request = request
+        self.request_id = request_id
+        self.ids = ids
+        self.migration_limit = migration_limit
+        self.worker: Worker | None = None     # the worker streaming it now
+        self.cancelled = False                # Cancel(request_id) while it waited
+        self._call = None
+        self._moved = False
+
+    def move_off(self, worker: Worker) -> None:
+        """`worker` stopped answering: end the call to it; run() goes on elsewhere."""
+        if self.worker is worker and self._call is not None:
+            self._moved = True
+            self._call.cancel()
+
+    async def cancel(self) -> bool:
+        """Cancel(request_id): on the worker that streams it, or here while it waits."""
+        worker = self.worker
+        if worker is None:
+            self.cancelled = True
+            self.fleet.queue.wake()
+            return True
+        try:
+            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=5)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def run(self, time_left) -> AsyncIterator[pb.GenerateResponse]:
+        fleet = self.fleet
+        hashes: dict[int | None, list[int]] = {}
+
+        def hashes_for() -> list[int]:   # once per page size (known once a worker has answered)
+            ps = fleet.page_size
+            if ps not in hashes:
+                hashes[ps] = fleet.hashes(self.ids)
+            return hashes[ps]
+
+        sent: list[int] = []
+        prefill_sent = False
+        moves = 0
+        avoid: Worker | None = None
+        while True:
+            choice = None
+            async for item in self._acquire(lambda: fleet.choose(self.ids, hashes_for(), self.request.session_id,
+                                                                 avoid)):
+                if isinstance(item, Choice):
+                    choice = item
+                else:
+                    yield item
+            if choice is None:   # cancelled while it waited
+                yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
+                return
+            worker = choice.worker
+            msg = pb.GenerateRequest()
+            msg.CopyFrom(self.request)
+            msg.request_id = self.request_id
+            if sent:
+                msg.continuation.ids.extend(sent)
+            self.worker, self._moved = worker, False
+            worker.relays.add(self)
+            self._call = call = worker.inference.Generate(msg, timeout=time_left())
+            try:
+                async for response in call:
+                    kind = response.WhichOneof("event")
+                    if kind == "prefill_done":
+                        if prefill_sent:
+                            continue
+                        prefill_sent = True
+                    elif kind == "chunk":
+                        sent.extend(response.chunk.token_ids)
+                    yield response
+                    if kind == "finished":
+                        return
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE and not self._moved:
+                    raise Refused(exc.code(), exc.details()) from None
+                why = f"{exc.code().name}: {exc.details()}"
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._moved or (task is not None and task.cancelling()):
+                    raise
+                why = "it stopped answering"
+            finally:
+                worker.relays.discard(self)
+                self.worker, self._call = None, None
+                call.cancel()
+            if moves >= self.migration_limit:
+                raise Refused(grpc.StatusCode.UNAVAILABLE,
+                              f"worker {worker.address} failed before the request finished ({why}); it has moved "
+                              f"{moves} times, as many as --migration-limit allows")
+            moves += 1
+            worker.migrated_away += 1
+            avoid = worker
+            log.warning("request %s: worker %s failed (%s); going on elsewhere from %d streamed tokens (move %d)",
+                        self.request_id, worker.address, why, len(sent), moves)
+
+    async def _acquire(self, route) -> AsyncIterator[Choice | pb.GenerateResponse]:
+        """A worker now, or a place in the queue until one has room (queued events meanwhile).
+        Yields nothing more when the request is cancelled while it waits."""
+        queue = self.fleet.queue
+        if not len(queue) and (choice := route()) is not None:
+            yield choice
+            return
+        try:
+            waiter = queue.enter(self.request_id)
+        except QueueFull as exc:
+            eta = queue.eta_ms(len(queue) + 1)
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again later",
+                          (("retry-after-ms", str(max(eta, 1000))),)) from None
+        try:
+            told = None
+            while not self.cancelled:
+                position = queue.position(waiter)
+                if position == 1 and (choice := route()) is not None:
+                    queue.leave(waiter)
+                    yield choice
+                    return
+                if position != told:
+                    told = position
+                    yield pb.GenerateResponse(queued=pb.QueueStatus(position=position,
+                                                                    eta_ms=queue.eta_ms(position)))
+                await queue.changed(timeout_s=1.0)
+        finally:
+            queue.leave(waiter)

@@ -1,0 +1,78 @@
+"""Which worker a request goes to. Policy only: it reads the workers' last reports, the index's
+matches and the gateway's own routings since those reports, and changes nothing.
+
+A worker with room (serving, fewer than --worker-queue-depth requests waiting there or sent since
+its last report, pages enough for what it must compute) costs
+
+    overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
+
+where the decode load is the pages its sequences hold plus an average request for each one
+waiting there or routed since its last report, so a burst of misses spreads instead of all
+landing on the emptiest worker before its next report. Among workers within one page's compute
+of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
+recently used; then a hash of the request's first page (or session) and the worker's address,
+so that one conversation keeps choosing the same worker among equals while different ones, and
+several gateways, spread. No worker with room: the request waits in the gateway's queue.
+A session sticks to its last worker while that worker has room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvserve.services.gateway.worker import SERVING, Worker
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker: Worker
+    matched_pages: int
+
+
+@dataclass(frozen=True)
+class Policy:
+    page_size: int
+    overlap_weight: float = 1.0
+    worker_queue_depth: int = 2
+
+
+def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
+    ld = w.load
+    return (w.state == SERVING and ld.waiting + w.pending < policy.worker_queue_depth
+            and ld.free_pages + ld.cached_pages >= pages_needed)
+
+
+def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
+           key: bytes, sticky: Worker | None = None, mean_request_tokens: float = 0.0) -> Choice | None:
+    """The worker for a request of `prompt_tokens` whose leading pages `matches` says each
+    worker holds; None when no worker has room. `key` names the request (its first page, or
+    its session) for the last tie-break."""
+    ps = policy.page_size
+    total_pages = -(-prompt_tokens // ps)
+    room = [w for w in workers if has_room(w, policy, total_pages - matches.get(w.address, 0))]
+    if not room:
+        return None
+    if sticky is not None and sticky in room:
+        return Choice(sticky, matches.get(sticky.address, 0))
+
+    def cost(w: Worker) -> float:
+        uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
+        load = w.load.used_pages * ps + (w.load.waiting + w.pending) * mean_request_tokens
+        return policy.overlap_weight * uncached + load
+
+    costs = {w.address: cost(w) for w in room}
+    best = min(costs.values())
+    near = [w for w in room if costs[w.address] <= best + policy.overlap_weight * ps]
+
+    def preference(w: Worker) -> tuple:
+        cold = w.load.tree_pages == 0
+        return (-matches.get(w.address, 0), not cold, w.last_routed, _rendezvous(key, w.address))
+
+    pick = min(near, key=preference)
+    return Choice(pick, matches.get(pick.address, 0))
+
+
+def _rendezvous(key: bytes, address: str) -> bytes:
+    return hashlib.blake2b(key + address.encode(), digest_size=8).digest()

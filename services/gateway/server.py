@@ -1,0 +1,84 @@
+"""Starts the gateway: the fleet (workers from --worker and --workers-dns), the Inference
+service in front of it, and health that says SERVING while at least one worker does."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from grpc_health.v1 import health_pb2
+
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
+from kvserve.services.gateway.config import GatewayConfig
+from kvserve.services.gateway.discovery import follow_dns
+from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.inputs import Inputs
+from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
+from kvserve.services.gateway.waiting import WaitQueue
+from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
+
+log = logging.getLogger(__name__)
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Gateway:
+    running: RunningServer
+    servicer: GatewayServicer
+    fleet: Fleet
+    tasks: list[asyncio.Task]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.fleet.close()
+        self.servicer.inputs.close()
+
+
+async def create_gateway(config: GatewayConfig) -> Gateway:
+    tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
+    queue = WaitQueue(config.max_queued)
+    fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue)
+    for address in config.worker:
+        fleet.add(address)
+    servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit)
+    running = await _create(config.listen, [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
+                                                        SERVICE_NAME)], options={
+        "grpc.max_receive_message_length": 64 << 20})
+    tasks = [asyncio.create_task(_report_health(running, fleet, servicer), name="gateway health")]
+    if config.workers_dns:
+        tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
+                                         name="gateway dns"))
+    return Gateway(running, servicer, fleet, tasks)
+
+
+async def _report_health(running: RunningServer, fleet: Fleet, servicer: GatewayServicer) -> None:
+    told = None
+    while True:
+        status = SERVING if fleet.serving() and not servicer.draining else NOT_SERVING
+        if status != told:
+            for name in ("", SERVICE_NAME):
+                await running.health.set(name, status)
+            log.info("gateway health: %s (%d of %d workers serving)", "SERVING" if status == SERVING else
+                     "NOT_SERVING", len(fleet.serving()), len(fleet.workers))
+            told = status
+        await asyncio.sleep(0.2)
+
+
+async def serve(config: GatewayConfig) -> None:
+    gateway = await create_gateway(config)
+    log.info("gateway on %s, %d workers given%s", gateway.running.address, len(config.worker),
+             f", following {config.workers_dns}" if config.workers_dns else "")
+    try:
+        await wait_for_signal(gateway.running.server, config.grace_s)
+        gateway.servicer.draining = True
+        deadline = asyncio.get_running_loop().time() + config.grace_s
+        while gateway.servicer.relays and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await gateway.running.server.stop(1.0)
+    finally:
+        await gateway.close()

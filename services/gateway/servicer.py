@@ -1,0 +1,92 @@
+"""kvserve.inference.v1.Inference on the gateway: the workers' API, so every client works
+unchanged. Generate goes through the fleet (relay.py); Cancel follows the request to its worker;
+Tokenize answers here, with the workers' tokenizer; GetModelInfo is a worker's; GetServerStats
+sums the workers and lists each."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.inputs import InputError, Inputs
+from kvserve.services.gateway.relay import Refused, Relay
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_REQUEST_ID_CHARS = 256
+
+
+class GatewayServicer(pb_grpc.InferenceServicer):
+    def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int) -> None:
+        self.fleet = fleet
+        self.inputs = inputs
+        self.migration_limit = migration_limit
+        self.relays: dict[str, Relay] = {}
+        self.draining = False
+
+    async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if self.draining:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
+            if len(request_id) > MAX_REQUEST_ID_CHARS:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the request id has {len(request_id)} characters; "
+                              f"at most {MAX_REQUEST_ID_CHARS} are allowed")
+            if request_id in self.relays:
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+            try:
+                ids = await self.inputs.ids(request)
+            except InputError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        relay = Relay(self.fleet, request, request_id, ids, self.migration_limit)
+        self.relays[request_id] = relay
+        try:
+            async for response in relay.run(context.time_remaining):
+                yield response
+        except Refused as exc:
+            if exc.trailers:
+                context.set_trailing_metadata(exc.trailers)
+            await context.abort(exc.code, exc.message)
+        finally:
+            del self.relays[request_id]
+            self.fleet.queue.stream_ended()
+
+    async def Cancel(self, request, context):
+        relay = self.relays.get(request.request_id)
+        if relay is None or not await relay.cancel():
+            shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
+        return pb.CancelResponse()
+
+    async def Tokenize(self, request, context):
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        try:
+            ids = await self.inputs.ids(request, add_special)
+        except InputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.inputs.tokenizer.convert_ids_to_tokens(ids))
+
+    async def GetModelInfo(self, request, context):
+        info = next((w.info for w in self.fleet.serving() if w.info is not None), None)
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving yet")
+        return info
+
+    async def GetServerStats(self, request, context):
+        workers = list(self.fleet.workers.values())
+        out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()))
+        for w in workers:
+            out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
+            out.running += w.load.running
+            out.waiting += w.load.waiting
+            out.prompt_tokens += w.prompt_tokens
+            out.cached_tokens += w.hit_tokens
+        return out

@@ -1,0 +1,87 @@
+"""The gateway's queue: requests that found no worker with room wait here, first in, first out,
+and are told where they stand.
+
+Mechanism: positions, a wake-up for everyone when room may have freed (a worker's report, a
+stream's end), and the rate at which room frees, measured from the ends of streams over the
+last minute, for each waiter's estimate. Only the head may take a worker: a later request never
+overtakes an earlier one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Waiter:
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class WaitQueue:
+    WINDOW_S = 60.0
+
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self._waiters: deque[Waiter] = deque()
+        self._changed = asyncio.Event()
+        self._ends: deque[float] = deque()   # when streams ended, within WINDOW_S
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def enter(self, request_id: str) -> Waiter:
+        if len(self._waiters) >= self.max_queued:
+            raise QueueFull(f"{self.max_queued} requests are already waiting for a worker (--max-queued)")
+        waiter = Waiter(request_id)
+        self._waiters.append(waiter)
+        return waiter
+
+    def leave(self, waiter: Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return
+        self.wake()   # everyone behind moved up
+
+    def position(self, waiter: Waiter) -> int:
+        """1 = next."""
+        return self._waiters.index(waiter) + 1
+
+    def find(self, request_id: str) -> Waiter | None:
+        return next((w for w in self._waiters if w.request_id == request_id), None)
+
+    def wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    # ------------------------------------------------------------ estimates
+
+    def stream_ended(self) -> None:
+        now = time.monotonic()
+        self._ends.append(now)
+        while self._ends and self._ends[0] < now - self.WINDOW_S:
+            self._ends.popleft()
+        self.wake()
+
+    def eta_ms(self, position: int) -> int:
+        """Milliseconds until the waiter at `position` gets a worker, at the rate streams ended
+        over the last minute; 0 when none has ended yet (no estimate)."""
+        ends = self._ends
+        if len(ends) < 2:
+            return 0
+        rate = (len(ends) - 1) / max(ends[-1] - ends[0], 1e-3)
+        return int(1000 * position / rate)

@@ -1,0 +1,91 @@
+"""One worker as the gateway knows it: its connection, what it reported last, and the gateway's
+own counts. Plain state; follow.py updates it, router.py reads it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+
+STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
+
+
+@dataclass
+class Load:
+    """What the worker reported in its last GetServerStats."""
+    running: int = 0
+    waiting: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    used_pages: int = 0
+    tree_pages: int = 0
+    asked_at: float = 0.0     # when the gateway sent the call that brought it
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    channel: grpc.aio.Channel
+    state: str = STARTING
+    info: pb.ModelInfo | None = None
+    load: Load = field(default_factory=Load)
+    routed_at: list[float] = field(default_factory=list)   # routings its last load does not show yet
+    last_routed: float = 0.0
+    epoch: int = 0
+    events_live: bool = False
+    hashes_match: bool = True   # its extra_key is ours: the index may route to its cache
+    requests_routed: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    migrated_away: int = 0
+    relays: set = field(default_factory=set)                # the streams now running on it
+
+    @classmethod
+    def connect(cls, address: str) -> Worker:
+        return cls(address, grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]))
+
+    @property
+    def inference(self) -> pb_grpc.InferenceStub:
+        return pb_grpc.InferenceStub(self.channel)
+
+    @property
+    def cache_events(self) -> kv_pb_grpc.KVCacheEventsStub:
+        return kv_pb_grpc.KVCacheEventsStub(self.channel)
+
+    @property
+    def health(self) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def pending(self) -> int:
+        """Requests routed here that its last load report does not count yet."""
+        return len(self.routed_at)
+
+    def loaded(self, load: Load) -> None:
+        self.load = load
+        self.routed_at = [t for t in self.routed_at if t >= load.asked_at]
+
+    def routed(self, prompt_tokens: int, hit_tokens: int) -> None:
+        now = time.monotonic()
+        self.routed_at.append(now)
+        self.last_routed = now
+        self.requests_routed += 1
+        self.prompt_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    def stats(self, index_pages: int) -> pb.WorkerStats:
+        ld = self.load
+        return pb.WorkerStats(
+            address=self.address, state=self.state, running=ld.running, waiting=ld.waiting,
+            used_pages=ld.used_pages, free_pages=ld.free_pages, cached_pages=ld.cached_pages,
+            requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
+            epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
+            migrated_away=self.migrated_away)
