@@ -98,7 +98,7 @@ class Fleet:
         choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
         if choice is not None:
             w = choice.worker
-            w.routed(len(ids), choice.matched_pages * ps)
+            choice = Choice(w, choice.matched_pages, w.routed(len(ids), choice.matched_pages * ps))
             self._prompt_tokens_seen += len(ids)
             self._requests_seen += 1
             if session_id:

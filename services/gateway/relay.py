@@ -125,6 +125,7 @@ class Relay:
                     raise
                 why = "it stopped answering"
             finally:
+                worker.ended(choice.mark)
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
                 call.cancel()

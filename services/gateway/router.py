@@ -6,9 +6,10 @@ its last report, pages enough for what it must compute) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
-where the decode load is the pages its sequences hold plus an average request for each one
-waiting there or routed since its last report, so a burst of misses spreads instead of all
-landing on the emptiest worker before its next report. Among workers within one page's compute
+where the decode load is an average request's tokens for each request running or waiting
+there: its last report's count, less this gateway's streams that ended there since, plus those
+it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
+before its next report, and a finished conversation's worker is not thought busy. Among workers within one page's compute
 of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
 recently used; then a hash of the request's first page (or session) and the worker's address,
 so that one conversation keeps choosing the same worker among equals while different ones, and
@@ -29,6 +30,7 @@ from kvserve.services.gateway.worker import SERVING, Worker
 class Choice:
     worker: Worker
     matched_pages: int
+    mark: float = 0.0     # Worker.routed()'s, once the choice is taken
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Policy:
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
     ld = w.load
-    return (w.state == SERVING and ld.waiting + w.pending < policy.worker_queue_depth
+    waiting = max(0, ld.waiting - w.ended_since_report) + w.pending
+    return (w.state == SERVING and waiting < policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed)
 
 
@@ -59,7 +62,7 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
 
     def cost(w: Worker) -> float:
         uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
-        load = w.load.used_pages * ps + (w.load.waiting + w.pending) * mean_request_tokens
+        load = w.active * mean_request_tokens
         return policy.overlap_weight * uncached + load
 
     costs = {w.address: cost(w) for w in room}

@@ -36,6 +36,7 @@ class Worker:
     info: pb.ModelInfo | None = None
     load: Load = field(default_factory=Load)
     routed_at: list[float] = field(default_factory=list)   # routings its last load does not show yet
+    ended_since_report: int = 0   # streams of this gateway that ended there after its last report was asked
     last_routed: float = 0.0
     epoch: int = 0
     events_live: bool = False
@@ -69,17 +70,34 @@ class Worker:
         """Requests routed here that its last load report does not count yet."""
         return len(self.routed_at)
 
+    @property
+    def active(self) -> int:
+        """Requests running or waiting there as far as the gateway can tell: its last report,
+        less this gateway's streams that ended since, plus those it sent since."""
+        return max(0, self.load.running + self.load.waiting - self.ended_since_report) + self.pending
+
     def loaded(self, load: Load) -> None:
         self.load = load
         self.routed_at = [t for t in self.routed_at if t >= load.asked_at]
+        self.ended_since_report = 0
 
-    def routed(self, prompt_tokens: int, hit_tokens: int) -> None:
+    def routed(self, prompt_tokens: int, hit_tokens: int) -> float:
+        """Counts a request sent here; returns its mark for ended()."""
         now = time.monotonic()
         self.routed_at.append(now)
         self.last_routed = now
         self.requests_routed += 1
         self.prompt_tokens += prompt_tokens
         self.hit_tokens += hit_tokens
+        return now
+
+    def ended(self, mark: float) -> None:
+        """A stream routed here ended: no longer pending if no report counted it yet, else one
+        fewer than the report says."""
+        try:
+            self.routed_at.remove(mark)
+        except ValueError:
+            self.ended_since_report += 1
 
     def stats(self, index_pages: int) -> pb.WorkerStats:
         ld = self.load

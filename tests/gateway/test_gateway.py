@@ -1,0 +1,212 @@
+"""The gateway in front of two workers (each a model service with its own manager, over real
+gRPC): routing by what each cache holds, the index kept equal to each manager's tree, hashes
+computed as the workers compute them, the queue, Cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from tests.gateway.conftest import make_fleet
+from tests.service.util import generate, greedy, request, wait_until
+
+SYSTEM = list(range(100, 164))   # 64 tokens: 16 pages
+
+
+def routed(fleet) -> dict[str, int]:
+    stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    return {w.address: w.requests_routed for w in stats.workers}
+
+
+def run_on(fleet, msg) -> tuple[str, object]:
+    """Sends one request and says which worker the gateway sent it to."""
+    before = routed(fleet)
+    out = generate(fleet.stub, msg)
+    after = routed(fleet)
+    [worker] = [a for a in after if after[a] != before.get(a, 0)]
+    return worker, out
+
+
+def indexed(fleet, ids: list[int]) -> bool:
+    """Every full page of `ids` is in the gateway's index for some worker."""
+    f = fleet.gateway.fleet
+    hashes = f.hashes(ids)
+    return max(f.index.matches(hashes, list(f.workers)).values(), default=0) == len(hashes)
+
+
+def tree_hashes(worker) -> set[int]:
+    with grpc.insecure_channel(worker.manager.address) as ch:
+        events = kv_pb_grpc.KVCacheManagerStub(ch).WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=10)
+        snapshot = next(events)
+        events.cancel()
+    return {p.hash for p in snapshot.snapshot.pages}
+
+
+def test_a_conversation_stays_on_the_worker_that_holds_it(two_workers):
+    fleet = two_workers
+    conversations = {c: [200 + c] * 6 + SYSTEM[:8] for c in range(4)}   # nothing shared: they spread
+    used: dict[int, set[str]] = {c: set() for c in conversations}
+    for turn in range(3):
+        for c, history in conversations.items():
+            worker, out = run_on(fleet, request(token_ids=history, **greedy(6)))
+            used[c].add(worker)
+            if turn:
+                # all of the history the worker had stored: its full pages but the last prompt token's
+                assert out.prefill.cached_tokens >= (len(history) - 1) // 4 * 4 - 4, (turn, out.prefill)
+            conversations[c] = history + out.tokens + [300 + turn, 301 + turn]
+            wait_until(lambda: indexed(fleet, history), what="the turn's pages in the gateway's index")
+    assert all(len(workers) == 1 for workers in used.values()), used
+    assert len(set().union(*used.values())) == 2   # the four conversations are spread over both
+
+
+def test_a_warm_system_prompt_draws_new_requests_to_its_worker(two_workers):
+    fleet = two_workers
+    warm, _ = run_on(fleet, request(token_ids=SYSTEM + [1, 2, 3], **greedy(2)))
+    wait_until(lambda: indexed(fleet, SYSTEM), what="the system prompt in the gateway's index")
+    for i in range(4):
+        worker, out = run_on(fleet, request(token_ids=SYSTEM + [400 + i] * 5, **greedy(2)))
+        assert worker == warm and out.prefill.cached_tokens == len(SYSTEM)
+
+
+def test_the_index_equals_each_managers_tree_through_evictions(tiny_dirs):
+    # 48 pages per worker: the workload below evicts, and the index must follow.
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, worker_config=dict(num_pages=48)):
+        for i in range(24):
+            generate(fleet.stub, request(token_ids=[(i * 37 + j) % 1000 + 3 for j in range(40)], **greedy(4)))
+        index = fleet.gateway.fleet.index
+        for w in fleet.workers:
+            wait_until(lambda: {h for h in tree_hashes(w) if index.holds(w.address, h)} == tree_hashes(w)
+                       and index.pages_of(w.address) == len(tree_hashes(w)), what="the index to equal the tree")
+        stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        evicted = [w for w in fleet.workers if w.manager.manager.stats().evictions]
+        assert evicted, "the workload was meant to evict"
+        assert sum(w.index_pages for w in stats.workers) == sum(len(tree_hashes(w)) for w in fleet.workers)
+
+
+def test_a_managers_restart_drops_its_workers_old_pages(two_workers):
+    from tests.kvcache.conftest import ServerThread
+
+    fleet = two_workers
+    worker, _ = run_on(fleet, request(token_ids=SYSTEM, **greedy(2)))
+    w = fleet.worker_at(worker)
+    gw_worker = fleet.gateway.fleet.workers[worker]
+    wait_until(lambda: fleet.gateway.fleet.index.pages_of(worker) > 0, what="its pages in the index")
+    old_epoch, address, config = gw_worker.epoch, w.manager.address, w.manager.manager.config
+    w.manager.stop()
+    wait_until(lambda: fleet.gateway.fleet.index.pages_of(worker) == 0, what="its pages dropped")
+    w.manager = ServerThread(address, config)   # the same address, empty: the worker registers a new epoch
+    wait_until(lambda: gw_worker.events_live and gw_worker.epoch != old_epoch, timeout=30,
+               what="the new epoch's event stream")
+    assert fleet.gateway.fleet.index.pages_of(worker) == 0
+    out = generate(fleet.stub, request(token_ids=SYSTEM, **greedy(2)))
+    assert len(out.tokens) == 2
+
+
+@pytest.mark.parametrize("salt", ["tenant-a", "tenant-b"])
+def test_the_gateway_hashes_prompts_as_the_workers_store_them(tiny_dirs, salt):
+    for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config=dict(cache_salt=salt), cache_salt=salt):
+        gw = fleet.gateway.fleet
+        assert gw.workers[fleet.workers[0].address].hashes_match
+        inputs = fleet.gateway.gateway.servicer.inputs
+        prompt = request(prompt="the model token cache page batch memory server stream " * 3, **greedy(1))
+        chat = request(messages=[("system", "be brief"), ("user", "the cache, the page, the batch " * 2)],
+                       **greedy(1))
+        ids = request(token_ids=list(range(50, 90)), **greedy(1))
+        for msg in (prompt, chat, ids):
+            generate(fleet.stub, msg)
+            hashes = gw.hashes(fleet.gateway.call(inputs.ids(msg)))
+            assert hashes and set(hashes) <= tree_hashes(fleet.workers[0]), msg.WhichOneof("input")
+
+
+def test_a_worker_with_another_salt_is_routed_by_load_only(tiny_dirs):
+    for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config=dict(cache_salt="theirs"), cache_salt="ours"):
+        assert not fleet.gateway.fleet.workers[fleet.workers[0].address].hashes_match
+        out = generate(fleet.stub, request(token_ids=SYSTEM, **greedy(3)))
+        assert len(out.tokens) == 3
+
+
+# ------------------------------------------------------------------- the queue
+
+
+class Streamed:
+    def __init__(self, stub, msg) -> None:
+        self.events: list[pb.GenerateResponse] = []
+        self.done = threading.Event()
+        self.code = None
+        self.call = stub.Generate(msg, timeout=120)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            for e in self.call:
+                self.events.append(e)
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code = exc.code()
+        self.done.set()
+
+    @property
+    def positions(self) -> list[int]:
+        return [e.queued.position for e in self.events if e.HasField("queued")]
+
+    def started(self) -> bool:
+        return any(e.HasField("prefill_done") for e in self.events)
+
+
+def test_with_every_worker_full_requests_wait_in_order_and_see_their_place(tiny_dirs):
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, worker_config=dict(max_num_seqs=1), worker_queue_depth=1):
+        busy = []
+        for i in range(4):   # two run, one waits at each worker
+            busy.append(Streamed(fleet.stub, request(token_ids=[7 + i] * 9, **greedy(300))))
+            wait_until(lambda: sum(routed(fleet).values()) == i + 1, what="the request routed")
+        queued = []
+        for i in range(3):
+            queued.append(Streamed(fleet.stub, request(token_ids=[50 + i] * 9, **greedy(4))))
+            wait_until(lambda: queued[-1].positions, what="a queued event")
+        assert [q.positions[0] for q in queued] == [1, 2, 3]
+        for s in busy + queued:
+            assert s.done.wait(120)
+            assert s.code == grpc.StatusCode.OK
+        # each saw its place fall one by one, and they started in the order they came
+        for i, q in enumerate(queued):
+            assert q.positions == list(range(i + 1, 0, -1)), q.positions
+        assert fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).queued == 0
+
+
+def test_cancel_through_the_gateway_ends_the_stream_and_frees_the_workers_pages(two_workers):
+    fleet = two_workers
+    s = Streamed(fleet.stub, request(request_id="to-cancel", token_ids=SYSTEM, **greedy(1500)))
+    wait_until(lambda: any(e.HasField("chunk") for e in s.events), what="the first tokens")
+    fleet.stub.Cancel(pb.CancelRequest(request_id="to-cancel"), timeout=10)
+    assert s.done.wait(30)
+    assert s.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+    for w in fleet.workers:
+        wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
+    err = None
+    try:
+        fleet.stub.Cancel(pb.CancelRequest(request_id="to-cancel"), timeout=10)
+    except grpc.RpcError as exc:
+        err = exc
+    assert err is not None and err.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_dropped_client_frees_the_workers_pages(two_workers):
+    fleet = two_workers
+    with grpc.insecure_channel(fleet.gateway.address) as ch:
+        from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+
+        call = pb_grpc.InferenceStub(ch).Generate(request(token_ids=SYSTEM, **greedy(1500)), timeout=60)
+        for e in call:
+            if e.HasField("chunk"):
+                break
+        call.cancel()
+    deadline = time.monotonic() + 10
+    for w in fleet.workers:
+        wait_until(lambda: w.manager.manager.stats().used_pages == 0, timeout=max(0.1, deadline - time.monotonic()),
+                   what="the worker's pages freed")

@@ -1,0 +1,122 @@
+"""The gateway's index and its routing policy, on their own: what each worker holds and which
+worker a request goes to, with the failure modes the policy guards against."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.services.gateway.index import PrefixIndex
+from kvserve.services.gateway.router import Policy, choose
+from kvserve.services.gateway.worker import NOT_SERVING, SERVING, Load, Worker
+
+POLICY = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2)
+
+
+def worker(name: str, used: int = 0, waiting: int = 0, free: int = 100, tree: int = 10, state: str = SERVING,
+           last: float = 0.0) -> Worker:
+    w = Worker(name, channel=None, state=state)
+    w.load = Load(running=0, waiting=waiting, free_pages=free, cached_pages=0, used_pages=used, tree_pages=tree)
+    w.last_routed = last
+    return w
+
+
+# ------------------------------------------------------------------- index
+
+
+def test_matches_count_the_leading_pages_each_worker_holds():
+    index = PrefixIndex()
+    index.add("a", [1, 2, 3])
+    index.add("b", [1, 2])
+    index.add("c", [2, 3])          # not a prefix: its first page is missing
+    assert index.matches([1, 2, 3, 4], ["a", "b", "c", "d"]) == {"a": 3, "b": 2, "c": 0, "d": 0}
+    index.remove("a", [2])
+    assert index.matches([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 2}
+    index.drop("b")
+    assert index.matches([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 0}
+    assert index.pages_of("b") == 0 and len(index) == 3   # 1, 3 (a) and 2, 3 (c)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "drop", "replace"]), st.sampled_from("abc"),
+                          st.lists(st.integers(1, 12), max_size=5)), max_size=40),
+       st.lists(st.integers(1, 12), max_size=6))
+def test_the_index_agrees_with_a_plain_model_of_it(ops, query):
+    index, model = PrefixIndex(), {w: set() for w in "abc"}
+    for op, w, hashes in ops:
+        if op == "add":
+            index.add(w, hashes)
+            model[w] |= set(hashes)
+        elif op == "remove":
+            index.remove(w, hashes)
+            model[w] -= set(hashes)
+        elif op == "drop":
+            index.drop(w)
+            model[w] = set()
+        else:
+            index.replace(w, hashes)
+            model[w] = set(hashes)
+    for w in "abc":
+        assert index.pages_of(w) == len(model[w])
+        expected = 0
+        for h in query:
+            if h not in model[w]:
+                break
+            expected += 1
+        assert index.matches(query, "abc")[w] == expected
+
+
+# ------------------------------------------------------------------- router
+
+
+def test_the_longest_cached_prefix_wins_until_load_makes_another_cheaper():
+    a, b = worker("a"), worker("b")
+    matches = {"a": 8, "b": 0}          # a holds 32 of the 40 prompt tokens: 8 to compute against 40
+    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+    a.load.running = 1                  # 20 tokens of load: 28 against 40, still a
+    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+    a.load.running = 3                  # 60: 68 against 40
+    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is b
+    a.ended_since_report = 2            # two of those ended since the report: 28 again
+    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+
+
+def test_no_worker_with_room_means_the_queue():
+    a = worker("a", waiting=2)          # --worker-queue-depth 2 reached
+    b = worker("b", free=3)             # a 40-token prompt needs 10 pages
+    c = worker("c", state=NOT_SERVING)
+    assert choose([a, b, c], {}, 40, POLICY, b"k") is None
+    assert choose([a, b, c], {"b": 8}, 40, POLICY, b"k").worker is b   # 2 pages left to compute
+
+
+def test_a_burst_of_misses_spreads_instead_of_melting_the_emptiest_worker():
+    workers = [worker(n) for n in "abcd"]
+    picked = []
+    for i in range(8):
+        choice = choose(workers, {}, 40, POLICY, f"req{i}".encode(), mean_request_tokens=40)
+        picked.append(choice.worker.address)
+        choice.worker.routed(40, 0)     # pending until the worker's next report
+    assert sorted(picked) == sorted("abcd" * 2), picked
+
+
+def test_ties_go_the_same_way_for_one_conversation_and_spread_across_conversations():
+    def pick(key: bytes) -> str:
+        workers = [worker(n) for n in "abcd"]   # all equal: same load, same last use
+        return choose(workers, {}, 40, POLICY, key).worker.address
+
+    assert len({pick(b"conversation-1") for _ in range(5)}) == 1
+    assert len({pick(f"conversation-{i}".encode()) for i in range(40)}) == 4
+
+
+def test_a_cold_worker_then_the_least_recently_used_takes_a_miss():
+    warm, cold = worker("warm", tree=50, last=1.0), worker("cold", tree=0, last=5.0)
+    assert choose([warm, cold], {}, 40, POLICY, b"k").worker is cold
+    older, newer = worker("older", last=1.0), worker("newer", last=2.0)
+    assert choose([newer, older], {}, 40, POLICY, b"k").worker is older
+
+
+def test_a_session_sticks_to_its_worker_while_it_has_room():
+    a, b = worker("a"), worker("b")
+    assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is a
+    a.load.waiting = 2
+    assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is b
