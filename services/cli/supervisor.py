@@ -47,12 +47,16 @@ class Child:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

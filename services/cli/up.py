@@ -1,4 +1,5 @@
-"""`kvserve up`: the KV-cache manager and the model service as two processes, kept running.
+"""`kvserve up`: the KV-cache manager and the model service as two processes, kept running;
+with --workers N, a gateway on --listen in front of N such pairs.
 
 The model service starts first: it loads the model and sizes its page pool
 (on CUDA that takes a profile run), writes the size to a file, and waits for
@@ -10,8 +11,8 @@ A child that exits is started again (supervisor.py), with a backoff, up to
 service re-admits what it held (its requests pause, then go on); a restarted
 model service keeps the first pool size, so the running manager still fits it,
 and registers a new epoch, which resets the manager. Ctrl-C or SIGTERM stops
-both: the model service first, which drains its requests while the manager
-still serves them, then the manager.
+everything: the gateway first, then each model service, which drains its
+requests while its manager still serves them, then the managers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class UpConfig:
                                       flag="--startup-timeout")
     max_restarts: int = option(5, "times one child may exit within a minute and be started again; one "
                                   "more stops the stack")
+    workers: int = option(0, "run a gateway on --listen in front of this many workers, each a model service "
+                             "with its own manager on private sockets (0: one model service on --listen)")
 
     def __post_init__(self) -> None:
         if self.max_seqs is not None and self.max_seqs <= 0:
@@ -52,6 +55,8 @@ class UpConfig:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must not be negative, got {self.workers}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +65,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_arguments(p, UpConfig)
     add_arguments(p, ModelServiceConfig, exclude=("kvcache", "sizing_file"))   # up wires those itself
     p.set_defaults(func=run)
+
+
+@dataclass
+class Pair:
+    """One worker: a model service and its manager, linked by a private Unix socket."""
+    model: Child
+    manager: Child
+    config: ModelServiceConfig
+    sizing: Path
+    kv_listen: tuple[str, ...]
+
+    @classmethod
+    def make(cls, name: str, cli: list[str], config: ModelServiceConfig, tmp: Path, kv_listen: str | None) -> Pair:
+        sizing = tmp / f"{name}-sizing.json"
+        # The engine reaches the manager over a private Unix socket; a --kvcache-listen TCP
+        # address stays open beside it for everyone else (grpcurl).
+        link = kv_listen if kv_listen and kv_listen.startswith("unix:") else f"unix://{tmp}/{name}-kv.sock"
+        config = replace(config, kvcache=link, sizing_file=str(sizing))
+        listen = tuple(dict.fromkeys((kv_listen, link))) if kv_listen else (link,)
+        suffix = f" of {name}" if name != "worker" else ""
+        return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)]),
+                   Child(f"the KV-cache manager{suffix}", []), config, sizing, listen)
+
+    def start_manager(self, cli: list[str], size: dict, max_seqs: int | None) -> None:
+        server = KVCacheServerConfig(listen=self.kv_listen)
+        sized = self.config.manager_config(size["num_pages"], size["page_size"], max_seqs)
+        self.manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
+        self.manager.start()
+        # A restarted model service takes the pool size the manager was started with.
+        self.model.argv = cli + ["model", *to_argv(replace(self.config, num_pages=size["num_pages"],
+                                                           page_size=size["page_size"]))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,29 +110,31 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
-        sizing = Path(tmp) / "sizing.json"
-        # Both run on this host: the engine reaches the manager over a private Unix socket;
-        # --kvcache-listen stays open for everyone else (grpcurl, a gateway's WatchEvents).
-        link = up.kvcache_listen if up.kvcache_listen.startswith("unix:") else f"unix://{tmp}/kv.sock"
-        model_config = replace(model_config, kvcache=link, sizing_file=str(sizing))
-        model = Child("the model service", cli + ["model", *to_argv(model_config)])
-        manager = Child("the KV-cache manager", [])
+        if up.workers:
+            pairs = [Pair.make(f"worker-{i}", cli, replace(model_config, listen=f"unix://{tmp}/worker-{i}.sock"),
+                               Path(tmp), None) for i in range(up.workers)]
+            gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
+                                                  "--model", model_config.model,
+                                                  "--cache-salt", model_config.cache_salt,
+                                                  *[a for p in pairs for a in ("--worker", p.config.listen)]])
+        else:
+            pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen)]
+            gateway = None
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
+        children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:
-            model.start()
-            size = _wait_for_sizing(sizing, model, up.startup_timeout_s, stop)
-            if size is None:
-                return 1 if stop["signal"] is None else 0
-            server = KVCacheServerConfig(listen=tuple(dict.fromkeys((up.kvcache_listen, link))))
-            sized = model_config.manager_config(size["num_pages"], size["page_size"], up.max_seqs)
-            manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
-            manager.start()
-            # A restarted model service takes the pool size the manager was started with.
-            model.argv = cli + ["model", *to_argv(replace(model_config, num_pages=size["num_pages"],
-                                                          page_size=size["page_size"]))]
+            for pair in pairs:
+                pair.model.start()
+            for pair in pairs:
+                size = _wait_for_sizing(pair.sizing, pair.model, up.startup_timeout_s, stop)
+                if size is None:
+                    return 1 if stop["signal"] is None else 0
+                pair.start_manager(cli, size, up.max_seqs)
+            if gateway is not None:
+                gateway.start()
             while stop["signal"] is None:
                 time.sleep(0.1)
-                for child in (manager, model):
+                for child in children:
                     if child.exited():
                         supervisor.restart(child)
             return 0
@@ -104,8 +142,14 @@ def run(args: argparse.Namespace) -> int:
             log.error("%s", exc)
             return 1
         finally:
-            model.stop(model_config.grace_s + 10)   # it drains while the manager still serves it
-            manager.stop(10)
+            if gateway is not None:
+                gateway.stop(model_config.grace_s + 10)
+            for pair in pairs:   # they drain at once, each while its manager still serves it
+                pair.model.terminate()
+            for pair in pairs:
+                pair.model.stop(model_config.grace_s + 10)
+            for pair in pairs:
+                pair.manager.stop(10)
 
 
 def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict) -> dict | None:

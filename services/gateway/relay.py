@@ -84,11 +84,13 @@ class Relay:
         avoid: Worker | None = None
         while True:
             choice = None
+            # A moved stream waits at the head of the queue, and its client is not told: to it the
+            # stream only pauses.
             async for item in self._acquire(lambda: fleet.choose(self.ids, hashes_for(), self.request.session_id,
-                                                                 avoid)):
+                                                                 avoid), front=prefill_sent):
                 if isinstance(item, Choice):
                     choice = item
-                else:
+                elif not prefill_sent:
                     yield item
             if choice is None:   # cancelled while it waited
                 yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
@@ -139,15 +141,15 @@ class Relay:
             log.warning("request %s: worker %s failed (%s); going on elsewhere from %d streamed tokens (move %d)",
                         self.request_id, worker.address, why, len(sent), moves)
 
-    async def _acquire(self, route) -> AsyncIterator[Choice | pb.GenerateResponse]:
+    async def _acquire(self, route, front: bool = False) -> AsyncIterator[Choice | pb.GenerateResponse]:
         """A worker now, or a place in the queue until one has room (queued events meanwhile).
         Yields nothing more when the request is cancelled while it waits."""
         queue = self.fleet.queue
-        if not len(queue) and (choice := route()) is not None:
+        if (front or not len(queue)) and (choice := route()) is not None:
             yield choice
             return
         try:
-            waiter = queue.enter(self.request_id)
+            waiter = queue.enter(self.request_id, front)
         except QueueFull as exc:
             eta = queue.eta_ms(len(queue) + 1)
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again later",

@@ -1,8 +1,9 @@
 """Which worker a request goes to. Policy only: it reads the workers' last reports, the index's
 matches and the gateway's own routings since those reports, and changes nothing.
 
-A worker with room (serving, fewer than --worker-queue-depth requests waiting there or sent since
-its last report, pages enough for what it must compute) costs
+A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
+plus --worker-queue-depth, counting those sent since its last report, pages enough for what it
+must compute) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
@@ -42,8 +43,8 @@ class Policy:
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
     ld = w.load
-    waiting = max(0, ld.waiting - w.ended_since_report) + w.pending
-    return (w.state == SERVING and waiting < policy.worker_queue_depth
+    batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
+    return (w.state == SERVING and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed)
 
 

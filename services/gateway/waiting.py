@@ -37,11 +37,16 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def enter(self, request_id: str) -> Waiter:
-        if len(self._waiters) >= self.max_queued:
+    def enter(self, request_id: str, front: bool = False) -> Waiter:
+        """A new waiter at the back; at the front for a stream moving off a failed worker (it was
+        admitted before everyone waiting)."""
+        if len(self._waiters) >= self.max_queued and not front:
             raise QueueFull(f"{self.max_queued} requests are already waiting for a worker (--max-queued)")
         waiter = Waiter(request_id)
-        self._waiters.append(waiter)
+        if front:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         return waiter
 
     def leave(self, waiter: Waiter) -> None:

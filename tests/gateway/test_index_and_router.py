@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Policy, choose
 from kvserve.services.gateway.worker import NOT_SERVING, SERVING, Load, Worker
@@ -15,7 +16,7 @@ POLICY = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2)
 
 def worker(name: str, used: int = 0, waiting: int = 0, free: int = 100, tree: int = 10, state: str = SERVING,
            last: float = 0.0) -> Worker:
-    w = Worker(name, channel=None, state=state)
+    w = Worker(name, channel=None, state=state, info=pb.ModelInfo(max_num_seqs=1))
     w.load = Load(running=0, waiting=waiting, free_pages=free, cached_pages=0, used_pages=used, tree_pages=tree)
     w.last_routed = last
     return w
@@ -82,7 +83,7 @@ def test_the_longest_cached_prefix_wins_until_load_makes_another_cheaper():
 
 
 def test_no_worker_with_room_means_the_queue():
-    a = worker("a", waiting=2)          # --worker-queue-depth 2 reached
+    a = worker("a", waiting=3)          # --max-num-seqs 1 + --worker-queue-depth 2 reached
     b = worker("b", free=3)             # a 40-token prompt needs 10 pages
     c = worker("c", state=NOT_SERVING)
     assert choose([a, b, c], {}, 40, POLICY, b"k") is None
@@ -118,5 +119,5 @@ def test_a_cold_worker_then_the_least_recently_used_takes_a_miss():
 def test_a_session_sticks_to_its_worker_while_it_has_room():
     a, b = worker("a"), worker("b")
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is a
-    a.load.waiting = 2
+    a.load.waiting = 3
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is b

@@ -1,0 +1,102 @@
+"""A worker killed -9 under `kvserve up --workers 2` while greedy streams run through the
+gateway: every stream finishes with the tokens of an undisturbed run, none repeated or missing,
+the streams of the dead worker going on on the other one."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.service.processes import alive, children, free_port, kvserve, stop_pids, terminate, wait_serving
+from tests.service.util import greedy, request, wait_until
+
+pytestmark = pytest.mark.slow
+
+_rng = random.Random(5)
+PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (9, 17, 23, 31, 38, 44, 52, 61)]
+NEW_TOKENS = 200
+
+
+class Recorded:
+    def __init__(self, address: str, prompt: list[int]) -> None:
+        self.events: list[pb.GenerateResponse] = []
+        self.code = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(address, prompt), daemon=True).start()
+
+    def _run(self, address: str, prompt: list[int]) -> None:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                for e in pb_grpc.InferenceStub(ch).Generate(request(token_ids=prompt, **greedy(NEW_TOKENS)),
+                                                            timeout=120):
+                    self.events.append(e)
+                self.code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                self.code = exc.code(), exc.details()
+        self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if e.HasField("chunk") for t in e.chunk.token_ids]
+
+    def kinds(self) -> list[str]:
+        return [e.WhichOneof("event") for e in self.events]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_dirs):
+    address = f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--workers", "2", "--listen", address,
+                   "--device", "cpu", "--dtype", "float32", "--page-size", "4", "--num-pages", "2048",
+                   "--log-level", "warning")
+    kids: list[int] = []
+    try:
+        wait_serving(address, proc)
+        with grpc.insecure_channel(address) as ch:   # both workers seen serving
+            stub = pb_grpc.InferenceStub(ch)
+            wait_until(lambda: sum(w.state == "serving" for w in stub.GetServerStats(
+                pb.GetServerStatsRequest(), timeout=5).workers) == 2, timeout=60, what="two workers serving")
+        kids = children(proc.pid)
+        yield proc, address
+    finally:
+        kids += children(proc.pid)
+        terminate(proc)
+        stop_pids(kids)
+
+
+def model_services(up_pid: int) -> list[int]:
+    out = []
+    for pid in children(up_pid):
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        if b"model" in argv and alive(pid):
+            out.append(pid)
+    return out
+
+
+def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fleet):
+    proc, address = fleet
+    quiet = [Recorded(address, p) for p in PROMPTS]
+    for r in quiet:
+        assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
+    hurt = [Recorded(address, p) for p in PROMPTS]
+    wait_until(lambda: all(len(r.tokens) >= 20 for r in hurt), timeout=60, what="every stream under way")
+    victim = model_services(proc.pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    for r in hurt:
+        assert r.done.wait(120), "a stream hung"
+    for q, h in zip(quiet, hurt):
+        assert h.code == grpc.StatusCode.OK, h.code
+        assert h.tokens == q.tokens   # nothing repeated, nothing missing
+        kinds = h.kinds()
+        assert kinds.count("prefill_done") == 1 and kinds.count("finished") == 1 and "queued" not in kinds
+        assert h.events[-1].finished.usage.completion_tokens == NEW_TOKENS
+    with grpc.insecure_channel(address) as ch:
+        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    assert sum(w.migrated_away for w in stats.workers) >= 1, stats
