@@ -46,6 +46,48 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate)
 
 
+def register_stats(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "stats", help="a model service's or a gateway's counters (a gateway's: one row per worker)",
+        description="Print GetServerStats: queues, tokens, cache hits; from a gateway, its queue and a "
+                    "table of its workers (state, load, pages, requests routed, cache hits).")
+    p.add_argument("--address", default=DEFAULT_ADDRESS,
+                   help=f"the model service or gateway: host:port or unix:///path (default {DEFAULT_ADDRESS})")
+    p.set_defaults(func=run_stats)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvserve.clients.inference_client import InferenceClient, KVServeError
+
+    console = Console(width=None if sys.stdout.isatty() else 200)   # piped: never fold a row
+    try:
+        with InferenceClient(args.address) as client:
+            s = client.server_stats()
+    except KVServeError as exc:
+        print(f"kvserve stats: {exc}", file=sys.stderr)
+        return 1
+    hit = f"{s.cached_tokens / s.prompt_tokens:.0%}" if s.prompt_tokens else "-"
+    console.print(f"running {s.running}, waiting {s.waiting}, prompt tokens {s.prompt_tokens:,} "
+                  f"({hit} from cache)" + (f", queued at the gateway {s.queued}" if s.workers else ""))
+    if not s.workers:
+        console.print(f"requests finished {s.requests_finished:,}, aborted {s.requests_aborted:,}, failed "
+                      f"{s.requests_failed:,}; manager {'reachable' if s.manager_reachable else 'UNREACHABLE'}")
+        return 0
+    table = Table("worker", "state", "running", "waiting", "pages used / free / cached", "routed",
+                  "cache hits", "index pages", "events", "moved off")
+    for w in s.workers:
+        hits = f"{w.hit_tokens / w.prompt_tokens:.0%}" if w.prompt_tokens else "-"
+        table.add_row(w.address, w.state, str(w.running), str(w.waiting),
+                      f"{w.used_pages} / {w.free_pages} / {w.cached_pages}", str(w.requests_routed), hits,
+                      str(w.index_pages), f"epoch {w.epoch}" if w.events_live else "not followed",
+                      str(w.migrated_away))
+    console.print(table)
+    return 0
+
+
 def register_chat(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "chat", help="a multi-turn chat with a model service (reads turns from stdin)",

@@ -34,6 +34,7 @@ from kvserve.clients.results import (
     PrefillDone,
     Queued,
     ServerStats,
+    WorkerStats,
     Tokenized,
     TokenLogprob,
     TopLogprob,
@@ -44,7 +45,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
 __all__ = [
     "Chunk", "Completion", "Event", "Finished", "GenerateStream", "InferenceClient", "KVCacheStats",
-    "KVServeError", "Message", "ModelInfo", "PrefillDone", "Queued", "ServerStats", "Tokenized",
+    "KVServeError", "Message", "ModelInfo", "PrefillDone", "Queued", "ServerStats", "Tokenized", "WorkerStats",
     "TokenLogprob", "TopLogprob",
 ]
 
@@ -289,7 +290,7 @@ class InferenceClient:
     def server_stats(self) -> ServerStats:
         r = self._unary("GetServerStats", pb.GetServerStatsRequest())
         kv = stats_from_pb(r.kvcache) if r.HasField("kvcache") else None
-        return _scalars(ServerStats, r, kvcache=kv)
+        return _scalars(ServerStats, r, kvcache=kv, workers=tuple(_scalars(WorkerStats, w) for w in r.workers))
 
     def _unary(self, method: str, request: Any) -> Any:
         try:

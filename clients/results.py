@@ -117,10 +117,31 @@ class ModelInfo:
     num_pages: int
     eos_token_ids: tuple[int, ...]
     cpu_gemm: str = ""     # native | onednn | torch; empty from a server older than the field
+    extra_key_digest: str = ""  # names the extra_key (--cache-salt) the worker hashes pages with
+    max_num_seqs: int = 0
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
 KVCacheStats = Stats
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker as a gateway sees it."""
+    address: str
+    state: str                # starting | serving | not serving | down
+    running: int
+    waiting: int
+    used_pages: int
+    free_pages: int
+    cached_pages: int
+    requests_routed: int
+    hit_tokens: int           # prompt tokens of routed requests found in its cache
+    prompt_tokens: int
+    epoch: int
+    events_live: bool
+    index_pages: int
+    migrated_away: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +166,8 @@ class ServerStats:
     requests_failed: int = 0       # ended with an error status (UNAVAILABLE, INTERNAL)
     manager_losses: int = 0        # times the KV-cache manager went away and requests were re-admitted
     manager_reachable: bool = True  # false while the engine waits for its manager (kvcache is then None)
+    workers: tuple[WorkerStats, ...] = ()  # a gateway's workers (empty from a model service)
+    queued: int = 0                # requests waiting in a gateway's queue
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "make-tiny-model": "kvserve.model_service.model_cli:register",
     "generate": "kvserve.clients.cli:register_generate",
     "chat": "kvserve.clients.cli:register_chat",
+    "stats": "kvserve.clients.cli:register_stats",
 }
 
 

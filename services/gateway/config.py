@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvserve.services.plumbing.config_flags import option
 
 DEFAULT_LISTEN = "127.0.0.1:50050"
+ROUTINGS = ("cache", "round-robin", "random")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class GatewayConfig:
     model: str = option("tiny", "the workers' checkpoint directory (or built-in model): the gateway tokenizes "
                                 "with its tokenizer, as the workers do")
     cache_salt: str = option("", "the workers' --cache-salt: the extra_key the gateway hashes prompts with")
+    routing: str = option("cache", "how a worker is chosen: cache (its cached prefix and its load), or, for "
+                                   "comparison, round-robin or random among workers with room",
+                          choices=ROUTINGS)
     overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
                                         "its decode load")
     worker_queue_depth: int = option(2, "requests waiting at one worker before the gateway keeps new ones in "
@@ -42,6 +46,8 @@ class GatewayConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be an integer >= 0, got {self.migration_limit!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be cache, round-robin or random, got {self.routing!r}")
         if self.overlap_weight < 0:
             raise ValueError(f"--overlap-weight must not be negative, got {self.overlap_weight}")
         if self.grace_s < 0:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import OrderedDict
 
 from kvserve.kvcache_service.contract.hashing import page_hashes
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
-from kvserve.services.gateway.router import Choice, Policy, choose
+from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import SERVING, Worker
 
@@ -22,8 +23,11 @@ MAX_SESSIONS = 100_000
 
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
-                 queue: WaitQueue) -> None:
+                 queue: WaitQueue, routing: str = "cache") -> None:
         self.cache_salt = cache_salt
+        self.routing = routing
+        self._turn = 0
+        self._rng = random.Random()
         self.overlap_weight = overlap_weight
         self.worker_queue_depth = worker_queue_depth
         self.poll_s = poll_s
@@ -95,7 +99,13 @@ class Fleet:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth)
-        choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
+        if self.routing == "cache":
+            choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
+        else:
+            choice = choose_blind(candidates, len(ids), policy, self.routing, self._turn, self._rng)
+            self._turn += choice is not None
+        if choice is not None and self.routing != "cache":   # what it finds there, for the stats
+            choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
         if choice is not None:
             w = choice.worker
             choice = Choice(w, choice.matched_pages, w.routed(len(ids), choice.matched_pages * ps))

@@ -78,5 +78,16 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
     return Choice(pick, matches.get(pick.address, 0))
 
 
+def choose_blind(workers: Iterable[Worker], prompt_tokens: int, policy: Policy, how: str, turn: int,
+                 rng) -> Choice | None:
+    """The peers cache-aware routing is measured against: round-robin (the `turn`-th worker with
+    room, in address order) or random among workers with room; neither looks at any cache."""
+    room = sorted((w for w in workers if has_room(w, policy, -(-prompt_tokens // policy.page_size))),
+                  key=lambda w: w.address)
+    if not room:
+        return None
+    return Choice(room[turn % len(room)] if how == "round-robin" else rng.choice(room), 0)
+
+
 def _rendezvous(key: bytes, address: str) -> bytes:
     return hashlib.blake2b(key + address.encode(), digest_size=8).digest()

@@ -210,3 +210,18 @@ def test_a_dropped_client_frees_the_workers_pages(two_workers):
     for w in fleet.workers:
         wait_until(lambda: w.manager.manager.stats().used_pages == 0, timeout=max(0.1, deadline - time.monotonic()),
                    what="the worker's pages freed")
+
+
+def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
+    from kvserve.clients.inference_client import InferenceClient
+    from kvserve.services.cli.main import main
+
+    fleet = two_workers
+    generate(fleet.stub, request(token_ids=SYSTEM, **greedy(2)))
+    with InferenceClient(fleet.gateway.address) as client:
+        stats = client.server_stats()
+    assert {w.address for w in stats.workers} == {w.address for w in fleet.workers}
+    assert sum(w.requests_routed for w in stats.workers) == 1
+    assert main(["stats", "--address", fleet.gateway.address]) == 0
+    out = capsys.readouterr().out
+    assert all(w.address in out for w in fleet.workers) and "serving" in out and "epoch" in out

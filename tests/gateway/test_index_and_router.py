@@ -121,3 +121,17 @@ def test_a_session_sticks_to_its_worker_while_it_has_room():
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is a
     a.load.waiting = 3
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is b
+
+
+def test_the_blind_peers_ignore_every_cache():
+    import random
+
+    from kvserve.services.gateway.router import choose_blind
+
+    workers = [worker(n) for n in "cab"]
+    assert [choose_blind(workers, 40, POLICY, "round-robin", t, None).worker.address for t in range(4)] == \
+        ["a", "b", "c", "a"]
+    picked = {choose_blind(workers, 40, POLICY, "random", 0, random.Random(i)).worker.address for i in range(30)}
+    assert picked == {"a", "b", "c"}
+    full = [worker("x", waiting=3)]
+    assert choose_blind(full, 40, POLICY, "random", 0, random.Random(0)) is None

@@ -1,0 +1,57 @@
+"""--workers-dns: workers come and go as the name's addresses do."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvserve.services.gateway import discovery
+
+
+class FakeFleet:
+    def __init__(self) -> None:
+        self.workers: set[str] = set()
+        self.log: list[str] = []
+
+    def add(self, address: str) -> None:
+        self.workers.add(address)
+        self.log.append(f"+{address}")
+
+    async def remove(self, address: str) -> None:
+        self.workers.discard(address)
+        self.log.append(f"-{address}")
+
+
+def test_workers_follow_the_names_addresses(monkeypatch):
+    answers = iter([{"10.0.0.1:50051", "10.0.0.2:50051"}, OSError("no such name"),
+                    {"10.0.0.2:50051", "10.0.0.3:50051"}])
+    seen = asyncio.Event()
+
+    def resolve(host, port):
+        assert (host, port) == ("workers.kvserve.svc", 50051)
+        try:
+            answer = next(answers)
+        except StopIteration:
+            seen.set()
+            return {"10.0.0.2:50051", "10.0.0.3:50051"}
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(discovery, "_resolve", resolve)
+    fleet = FakeFleet()
+
+    async def run() -> None:
+        task = asyncio.create_task(discovery.follow_dns(fleet, "workers.kvserve.svc:50051", 0.01))
+        await asyncio.wait_for(seen.wait(), 10)
+        task.cancel()
+
+    asyncio.run(run())
+    # a failed resolution keeps the workers known; then 1 goes, 3 comes
+    assert fleet.log == ["+10.0.0.1:50051", "+10.0.0.2:50051", "+10.0.0.3:50051", "-10.0.0.1:50051"]
+    assert fleet.workers == {"10.0.0.2:50051", "10.0.0.3:50051"}
+
+
+def test_resolving_a_real_name_gives_host_port_addresses():
+    found = discovery._resolve("localhost", 50051)
+    assert "127.0.0.1:50051" in found
+    assert all(a.endswith(":50051") for a in found)
