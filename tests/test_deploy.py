@@ -46,6 +46,30 @@ def test_every_container_runs_flags_kvserve_accepts(path):
                 parsed(container)   # argparse exits on an unknown flag
 
 
+def test_the_gateway_follows_the_workers_headless_service_with_their_checkpoint_and_salt():
+    services = {d["metadata"]["name"]: d for d in documents(DEPLOY / "model-service.yaml") if d["kind"] == "Service"}
+    [model] = pod_spec("model-service.yaml")["containers"]
+    [gateway] = pod_spec("gateway.yaml")["containers"]
+    from kvserve.model_service.config import ModelServiceConfig
+    from kvserve.services.gateway.config import GatewayConfig
+    from kvserve.services.plumbing.config_flags import from_args
+
+    gw = from_args(GatewayConfig, parsed(gateway), "gateway")
+    worker = from_args(ModelServiceConfig, parsed(model), "model")
+    name, port = gw.workers_dns.split(":")
+    headless = services[name]["spec"]
+    assert headless["clusterIP"] == "None"
+    assert headless["selector"] == pod_template_labels("model-service.yaml")
+    assert int(port) == int(worker.listen.rsplit(":", 1)[1]) == headless["ports"][0]["port"]
+    assert (gw.model, gw.cache_salt) == (worker.model, worker.cache_salt)
+    assert gateway["livenessProbe"]["grpc"]["service"] == "liveness"
+
+
+def pod_template_labels(name: str) -> dict:
+    [deployment] = [d for d in documents(DEPLOY / name) if d["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
 def test_the_manager_is_a_sidecar_that_outlives_the_model_services_drain():
     spec = pod_spec("model-service.yaml")
     [manager] = spec["initContainers"]

@@ -58,6 +58,9 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
 
 
 async def _report_health(running: RunningServer, fleet: Fleet, servicer: GatewayServicer) -> None:
+    """The default service (and Inference's name): SERVING while a worker is; `liveness`: SERVING
+    while this loop runs (no serving worker is not cured by restarting the gateway)."""
+    await running.health.set("liveness", SERVING)
     told = None
     while True:
         status = SERVING if fleet.serving() and not servicer.draining else NOT_SERVING
