@@ -25,6 +25,8 @@ class GatewayConfig:
                           choices=ROUTINGS)
     overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
                                         "its decode load")
+    balance_slack: int = option(2, "requests a worker may have beyond the least busy one and still be chosen "
+                                   "for what its cache holds")
     worker_queue_depth: int = option(2, "requests waiting at one worker before the gateway keeps new ones in "
                                         "its own queue")
     max_queued: int = option(1024, "requests in the gateway's queue before RESOURCE_EXHAUSTED")
@@ -44,6 +46,8 @@ class GatewayConfig:
         for name in ("worker_queue_depth", "max_queued", "tokenizer_threads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.balance_slack, int) or self.balance_slack < 0:
+            raise ValueError(f"--balance-slack must be an integer >= 0, got {self.balance_slack!r}")
         if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be an integer >= 0, got {self.migration_limit!r}")
         if self.routing not in ROUTINGS:

@@ -23,7 +23,8 @@ MAX_SESSIONS = 100_000
 
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
-                 queue: WaitQueue, routing: str = "cache") -> None:
+                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 2) -> None:
+        self.balance_slack = balance_slack
         self.cache_salt = cache_salt
         self.routing = routing
         self._turn = 0
@@ -98,7 +99,7 @@ class Fleet:
         else:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
-        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth)
+        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack)
         if self.routing == "cache":
             choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
         else:

@@ -3,7 +3,8 @@ matches and the gateway's own routings since those reports, and changes nothing.
 
 A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
 plus --worker-queue-depth, counting those sent since its last report, pages enough for what it
-must compute) costs
+must compute) and no more than --balance-slack requests busier than the least busy such worker
+(so that no cache, however warm, draws everything to one worker while others idle) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
@@ -39,6 +40,7 @@ class Policy:
     page_size: int
     overlap_weight: float = 1.0
     worker_queue_depth: int = 2
+    balance_slack: int = 2
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
@@ -58,6 +60,8 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
     room = [w for w in workers if has_room(w, policy, total_pages - matches.get(w.address, 0))]
     if not room:
         return None
+    least = min(w.active for w in room)
+    room = [w for w in room if w.active <= least + policy.balance_slack]
     if sticky is not None and sticky in room:
         return Choice(sticky, matches.get(sticky.address, 0))
 

@@ -43,7 +43,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
     queue = WaitQueue(config.max_queued)
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
-                  config.routing)
+                  config.routing, config.balance_slack)
     for address in config.worker:
         fleet.add(address)
     servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit)

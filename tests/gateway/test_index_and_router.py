@@ -135,3 +135,13 @@ def test_the_blind_peers_ignore_every_cache():
     assert picked == {"a", "b", "c"}
     full = [worker("x", waiting=3)]
     assert choose_blind(full, 40, POLICY, "random", 0, random.Random(0)) is None
+
+
+def test_no_cache_draws_everything_to_one_worker_while_others_idle():
+    a, b = worker("a"), worker("b")
+    policy = Policy(page_size=4, overlap_weight=100.0, worker_queue_depth=10, balance_slack=2)
+    for running in range(3):            # a's cache outweighs any load, up to the slack
+        a.load.running = running
+        assert choose([a, b], {"a": 10}, 40, policy, b"k").worker is a
+    a.load.running = 3                  # three more than b: b, whatever a holds
+    assert choose([a, b], {"a": 10}, 40, policy, b"k").worker is b

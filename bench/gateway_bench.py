@@ -1,0 +1,222 @@
+"""The gateway with real processes on this machine: cache-aware routing against round-robin and
+random, on a multi-turn workload, and what the gateway adds to a request.
+
+    .venv/bin/python bench/gateway_bench.py                  # 2 and 4 workers, the bench model (minutes)
+    .venv/bin/python bench/gateway_bench.py --quick          # 2 workers, tiny model, 8 conversations x 3 turns
+
+Workers: `kvserve up` each (a model service and its manager; `--cpu-threads 1`, as N workers share
+this machine's cores), started once per fleet size. For each routing (cache, round-robin,
+random, in that order) every worker's manager is reset (empty caches) and a fresh
+`kvserve gateway --routing R` is started in front of them.
+
+Workload: `--conversations` conversations of `--turns` turns, all running at once, each turn
+sent when the previous reply is in: a shared system prompt (`--system` tokens), then per turn a
+user message of 24-48 random tokens, and a greedy reply of `--reply` tokens (EOS ignored).
+Printed per routing: time to first token (mean, p90) as the client sees it, the prefix-hit rate
+(cached / prompt tokens, from each PrefillDone), the prompt tokens actually computed, and
+output tokens per second over the run.
+
+Overhead: 200 sequential one-token requests of 16 tokens, to a worker directly and through the
+gateway (cache routing), p50 and p90 of the whole call; the difference is what the gateway adds
+(tokenizing, hashing, routing, one more hop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb  # noqa: E402
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc  # noqa: E402
+from kvserve.model_service.prompt_tokens import resolve_model_path  # noqa: E402
+from bench.throughput import free_port  # noqa: E402
+
+ROUTINGS = ("cache", "round-robin", "random")
+CLI = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", "warning"]
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+class Workers:
+    def __init__(self, n: int, model: str, extra: list[str]) -> None:
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.kv = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.procs = [subprocess.Popen(CLI + ["up", "--model", model, "--listen", a, "--kvcache-listen", k,
+                                              "--device", "cpu", "--cpu-threads", "1", *extra], cwd=ROOT)
+                      for a, k in zip(self.addresses, self.kv)]
+        for a in self.addresses:
+            with grpc.insecure_channel(a) as ch:
+                stub = pb_grpc.InferenceStub(ch)
+                wait_for(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2), 600, f"worker {a}")
+
+    def reset(self) -> None:
+        for k in self.kv:
+            with grpc.insecure_channel(k) as ch:
+                kv_pb_grpc.KVCacheManagerStub(ch).Reset(kv_pb.ResetRequest(), timeout=10)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(60)
+
+
+class Gateway:
+    def __init__(self, workers: Workers, model: str, routing: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(CLI + ["gateway", "--listen", self.address, "--model", model,
+                                            "--routing", routing, *[x for a in workers.addresses
+                                                                     for x in ("--worker", a)]], cwd=ROOT)
+        n = len(workers.addresses)
+        with grpc.insecure_channel(self.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            wait_for(lambda: sum(w.state == "serving" and w.events_live for w in stub.GetServerStats(
+                pb.GetServerStatsRequest(), timeout=2).workers) == n, 120, "the gateway's workers")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+# ----------------------------------------------------------------------------- workload
+
+def request(ids: list[int], reply: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True))
+
+
+async def one_turn(stub, ids: list[int], reply: int) -> tuple[float, int, int, list[int]]:
+    """(time to first token, prompt tokens, cached tokens, the reply)."""
+    start = time.perf_counter()
+    ttft, prompt, cached, out = 0.0, 0, 0, []
+    async for r in stub.Generate(request(ids, reply), timeout=600):
+        if r.HasField("prefill_done"):
+            prompt, cached = r.prefill_done.prompt_tokens, r.prefill_done.cached_tokens
+        elif r.HasField("chunk"):
+            if not out:
+                ttft = time.perf_counter() - start
+            out.extend(r.chunk.token_ids)
+    return ttft, prompt, cached, out
+
+
+async def conversations(address: str, args, vocab: int) -> dict:
+    rng = random.Random(11)
+    system = [rng.randrange(3, vocab) for _ in range(args.system)]
+    users = [[[rng.randrange(3, vocab) for _ in range(rng.randrange(24, 49))] for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    ttfts, prompt, cached = [], 0, 0
+    generated = 0
+
+    async def talk(stub, c: int) -> None:
+        nonlocal prompt, cached, generated
+        history = list(system)
+        for t in range(args.turns):
+            history += users[c][t]
+            ttft, p, h, out = await one_turn(stub, history, args.reply)
+            ttfts.append(ttft)
+            prompt, cached, generated = prompt + p, cached + h, generated + len(out)
+            history += out
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        start = time.perf_counter()
+        await asyncio.gather(*(talk(stub, c) for c in range(args.conversations)))
+        wall = time.perf_counter() - start
+    ttfts.sort()
+    return dict(ttft_mean=statistics.mean(ttfts), ttft_p90=ttfts[int(0.9 * (len(ttfts) - 1))],
+                hit=cached / prompt, computed=prompt - cached, prompt=prompt, tok_s=generated / wall, wall=wall)
+
+
+def latencies(address: str, n: int = 200) -> tuple[float, float]:
+    rng = random.Random(3)
+    out = []
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        for i in range(n + 10):
+            ids = [rng.randrange(3, 1000) for _ in range(16)]
+            start = time.perf_counter()
+            for _ in stub.Generate(request(ids, 1), timeout=60):
+                pass
+            if i >= 10:   # warm-up
+                out.append(time.perf_counter() - start)
+    out.sort()
+    return out[n // 2], out[int(0.9 * (n - 1))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system", type=int, default=256, help="shared system prompt, in tokens")
+    ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.workers, args.conversations, args.turns, args.reply = "tiny", [2], 8, 3, 8
+    model = str(resolve_model_path(args.model))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    print(f"model {Path(model).name}; {args.conversations} conversations x {args.turns} turns, system prompt "
+          f"{args.system} tokens, replies of {args.reply}")
+    for n in args.workers:
+        workers = Workers(n, model, args.server_arg)
+        try:
+            results = {}
+            for routing in ROUTINGS:
+                workers.reset()
+                gateway = Gateway(workers, model, routing)
+                try:
+                    results[routing] = asyncio.run(conversations(gateway.address, args, vocab))
+                    if routing == "cache":
+                        workers.reset()
+                        direct, via = latencies(workers.addresses[0]), latencies(gateway.address)
+                finally:
+                    gateway.close()
+            print(f"\n{n} workers:")
+            print(f"  {'routing':<12} {'TTFT mean':>10} {'TTFT p90':>10} {'hit rate':>9} {'computed':>9} "
+                  f"{'tok/s':>7}")
+            for routing, r in results.items():
+                print(f"  {routing:<12} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>9.3f}s {r['hit']:>8.1%} "
+                      f"{r['computed']:>9,} {r['tok_s']:>7.1f}")
+            c = results["cache"]
+            for peer in ("round-robin", "random"):
+                r = results[peer]
+                print(f"  cache-aware against {peer}: p90 TTFT {c['ttft_p90'] / r['ttft_p90']:.2f}x, "
+                      f"prompt tokens computed {c['computed'] / r['computed']:.2f}x, tok/s "
+                      f"{c['tok_s'] / r['tok_s']:.2f}x")
+            print(f"  one 16-token request, 1 token out: direct p50 {direct[0] * 1e3:.2f} ms (p90 "
+                  f"{direct[1] * 1e3:.2f}), through the gateway p50 {via[0] * 1e3:.2f} ms (p90 {via[1] * 1e3:.2f}): "
+                  f"the gateway adds {(via[0] - direct[0]) * 1e3:.2f} ms at p50")
+        finally:
+            workers.close()
+
+
+if __name__ == "__main__":
+    main()
