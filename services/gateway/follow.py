@@ -33,6 +33,39 @@ RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
 
 
+class EventCursor:
+    """Where one subscription to a worker's events stands (its epoch, the last number): applies
+    each event to the index, or says why the subscription must start over."""
+
+    def __init__(self, index: PrefixIndex, worker: str) -> None:
+        self.index = index
+        self.worker = worker
+        self.began = False
+        self.epoch = self.last = 0
+
+    def apply(self, event: kv_pb.Event) -> str | None:
+        """None when applied; else why the worker's entries were dropped (resubscribe)."""
+        index, w = self.index, self.worker
+        kind = event.WhichOneof("kind")
+        if kind == "snapshot":
+            index.replace(w, [p.hash for p in event.snapshot.pages])
+            self.epoch, self.last, self.began = event.epoch, event.number, True
+            return None
+        if not self.began or event.epoch != self.epoch or event.number != self.last + 1:
+            index.drop(w)
+            if not self.began:
+                return "an event before the snapshot"
+            return "a new epoch" if event.epoch != self.epoch else f"a gap after event {self.last}"
+        self.last = event.number
+        if kind == "stored":
+            index.add(w, event.stored.hashes)
+        elif kind == "evicted":
+            index.remove(w, event.evicted.hashes)
+        elif kind == "reset":
+            index.drop(w)
+        return None
+
+
 class Follower:
     def __init__(self, worker: Worker, index: PrefixIndex, cache_salt: str, poll_s: float,
                  on_change: Callable[[], None], on_down: Callable[[Worker], None]) -> None:
@@ -79,33 +112,21 @@ class Follower:
 
     async def _subscribe(self) -> bool:
         """One subscription, until it must start over. True when it had begun (a snapshot came)."""
-        w, index = self.worker, self.index
+        w = self.worker
+        cursor = EventCursor(self.index, w.address)
         call = w.cache_events.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True))
-        began = False
-        epoch = last = 0
         try:
             async for event in call:
-                kind = event.WhichOneof("kind")
-                if kind == "snapshot":
-                    index.replace(w.address, [p.hash for p in event.snapshot.pages])
-                    epoch, last, began = event.epoch, event.number, True
-                    w.epoch, w.events_live = epoch, True
-                    continue
-                if not began or event.epoch != epoch or event.number != last + 1:
-                    why = ("a new epoch" if event.epoch != epoch else f"a gap after event {last}")
+                why = cursor.apply(event)
+                if why is not None:
                     log.info("worker %s: %s; rebuilding its entries from a snapshot", w.address, why)
                     self._forget()
-                    return began
-                last = event.number
-                if kind == "stored":
-                    index.add(w.address, event.stored.hashes)
-                elif kind == "evicted":
-                    index.remove(w.address, event.evicted.hashes)
-                elif kind == "reset":
-                    index.drop(w.address)
+                    return cursor.began
+                if event.HasField("snapshot"):
+                    w.epoch, w.events_live = cursor.epoch, True
         finally:
             call.cancel()
-        return began
+        return cursor.began
 
     def _forget(self) -> None:
         self.index.drop(self.worker.address)

@@ -145,3 +145,23 @@ def test_no_cache_draws_everything_to_one_worker_while_others_idle():
         assert choose([a, b], {"a": 10}, 40, policy, b"k").worker is a
     a.load.running = 3                  # three more than b: b, whatever a holds
     assert choose([a, b], {"a": 10}, 40, policy, b"k").worker is b
+
+
+def test_the_cursor_drops_a_worker_on_a_new_epoch_or_a_gap_and_follows_otherwise():
+    from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+    from kvserve.services.gateway.follow import EventCursor
+
+    def stored(n, epoch, *hashes):
+        return kv_pb.Event(number=n, epoch=epoch, stored=kv_pb.PagesStored(hashes=hashes))
+
+    index = PrefixIndex()
+    cursor = EventCursor(index, "w")
+    assert cursor.apply(stored(1, 7, 1)) == "an event before the snapshot"
+    snapshot = kv_pb.Event(number=4, epoch=7, snapshot=kv_pb.Snapshot(pages=[kv_pb.StoredPage(hash=1)]))
+    assert cursor.apply(snapshot) is None and index.pages_of("w") == 1
+    assert cursor.apply(stored(5, 7, 2, 3)) is None and index.pages_of("w") == 3
+    assert cursor.apply(kv_pb.Event(number=6, epoch=7, evicted=kv_pb.PagesEvicted(hashes=[3]))) is None
+    assert index.pages_of("w") == 2
+    assert cursor.apply(stored(8, 7, 4)) == "a gap after event 6" and index.pages_of("w") == 0
+    cursor.apply(snapshot)
+    assert cursor.apply(stored(1, 8, 9)) == "a new epoch" and index.pages_of("w") == 0

@@ -1,0 +1,212 @@
+"""The gateway's routing and index at fleet scale, simulated: 64-256 workers, 10,000 conversations.
+
+    .venv/bin/python bench/gateway_sim.py                      # 64, 128 and 256 workers
+    .venv/bin/python bench/gateway_sim.py --workers 64 --conversations 2000
+
+What is real: each worker's KV-cache manager (the core, `KVCacheManager`: its prefix tree, its
+evictions), its events in the wire format (converted to protobuf, read by the gateway's own
+`EventCursor`), the gateway's `PrefixIndex`, `Worker` load bookkeeping and `router.choose`.
+What is simulated: time. A worker computes a request in (uncached prompt tokens × --prefill-us +
+reply tokens × --decode-us) of simulated time, several at once up to --max-num-seqs, and reports
+its load every --report-ms, and the gateway's index receives its events at those reports too
+(a pessimistic lag: over gRPC they arrive within milliseconds); conversations arrive at --rate per simulated second, each a shared
+system prompt (one of --systems) and --turns turns of user tokens and replies.
+
+Printed per fleet size: the hit rate (cached / prompt tokens, as the managers counted it)
+against an oracle that knows every cache at the moment of each request (fed every event at
+once) and counts the longest prefix any worker holds (ignoring load: an upper bound on hits),
+and against random routing on the same trace; the routing decision time per request (p50, p99: index lookups and
+the choice, measured with perf_counter); the index's memory (tracemalloc, the allocations of
+index.py) and its pages; the load spread (requests per worker: min, max, coefficient of
+variation). Workers' caches are small (--pages) so that evictions happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
+from kvserve.kvcache_service.contract.convert import event_to_pb  # noqa: E402
+from kvserve.kvcache_service.contract.hashing import page_hashes  # noqa: E402
+from kvserve.kvcache_service.contract.types import Admit, Commit, StepRequest  # noqa: E402
+from kvserve.kvcache_service.core import ManagerConfig  # noqa: E402
+from kvserve.kvcache_service.core.manager import KVCacheManager  # noqa: E402
+from kvserve.services.gateway.follow import EventCursor  # noqa: E402
+from kvserve.services.gateway.index import PrefixIndex  # noqa: E402
+from kvserve.services.gateway.router import Policy, choose  # noqa: E402
+from kvserve.services.gateway.worker import SERVING, Load, Worker  # noqa: E402
+
+PAGE = 16
+
+
+class SimWorker:
+    def __init__(self, i: int, pages: int, max_num_seqs: int, index: PrefixIndex, oracle: PrefixIndex) -> None:
+        self.address = f"10.0.{i // 256}.{i % 256}:50051"
+        self.manager = KVCacheManager(ManagerConfig(num_pages=pages, page_size=PAGE, max_seqs=4 * max_num_seqs))
+        self.manager.register(1, PAGE, pages)
+        self.reader = self.manager.events.open()
+        # The gateway's view gets the events at each report; the oracle's at once.
+        self.cursor, self.exact = EventCursor(index, self.address), EventCursor(oracle, self.address)
+        self.pending_events: list = []
+        snap = event_to_pb(self.manager.snapshot())
+        self.cursor.apply(snap)
+        self.exact.apply(snap)
+        self.requests = 0
+        self.view = Worker(self.address, channel=None, state=SERVING,
+                           info=pb.ModelInfo(page_size=PAGE, max_num_seqs=max_num_seqs))
+        self.view.load = Load(free_pages=pages, tree_pages=0)
+        self.busy_until: list[float] = []   # completion times of its requests in flight
+        self.served = 0
+
+    def run(self, ids: list[int], reply: list[int], now: float, prefill_us: float, decode_us: float) -> tuple[int, float]:
+        """Admits, computes and releases one request in the manager; (cached tokens, when it ends)."""
+        m = self.manager
+        self.requests += 1
+        plan = m.step(StepRequest(epoch=1, needs=[Admit(f"{self.address}/{self.requests}", ids)]))
+        result = plan.results[0]
+        if not result.granted:   # no room for the prompt: count it as computed in full, elsewhere
+            return 0, now + len(ids) * prefill_us / 1e6
+        seq = result.seq_id
+        m.step(StepRequest(epoch=1, commits=[Commit(seq, len(ids), ())]))
+        m.step(StepRequest(epoch=1, releases=[seq]))
+        self.served += 1
+        start = max(now, min(self.busy_until) if len(self.busy_until) >= self.view.info.max_num_seqs else now)
+        end = start + ((len(ids) - result.cached_tokens) * prefill_us + len(reply) * decode_us) / 1e6
+        self.busy_until.append(end)
+        return result.cached_tokens, end
+
+    def take_events(self) -> None:
+        for e in self.manager.events.read(self.reader):
+            msg = event_to_pb(e)
+            self.exact.apply(msg)
+            self.pending_events.append(msg)
+
+    def report(self, now: float) -> None:
+        for msg in self.pending_events:
+            self.cursor.apply(msg)
+        self.pending_events.clear()
+        self.busy_until = [t for t in self.busy_until if t > now]
+        s = self.manager.stats()
+        n = len(self.busy_until)
+        cap = self.view.info.max_num_seqs
+        self.view.loaded(Load(running=min(n, cap), waiting=max(0, n - cap), free_pages=s.free_pages,
+                              cached_pages=s.cached_pages, used_pages=s.used_pages, tree_pages=s.tree_pages,
+                              asked_at=now))
+        self.view.routed_at.clear()   # a simulated report counts every request routed before it
+
+
+def trace(args, rng: random.Random) -> list[tuple[float, int, int]]:
+    """(arrival time, conversation, turn), conversations arriving at --rate, turns --think-s apart."""
+    out = []
+    t = 0.0
+    for c in range(args.conversations):
+        t += rng.expovariate(args.rate)
+        for turn in range(args.turns):
+            out.append((t + turn * args.think_s, c, turn))
+    out.sort()
+    return out
+
+
+def simulate(n: int, args, routing: str) -> dict:
+    rng, route_rng = random.Random(args.seed), random.Random(args.seed + 1)
+    vocab = 32000
+    systems = [[rng.randrange(3, vocab) for _ in range(args.system)] for _ in range(args.systems)]
+    conv_system = [rng.randrange(args.systems) for _ in range(args.conversations)]
+    users = {}
+    history: dict[int, list[int]] = {}
+    tracemalloc.start()
+    index, oracle = PrefixIndex(), PrefixIndex()
+    workers = [SimWorker(i, args.pages, args.max_num_seqs, index, oracle) for i in range(n)]
+    by_address = {w.address: w for w in workers}
+    policy = Policy(PAGE, 1.0, worker_queue_depth=2, balance_slack=args.balance_slack)
+    decisions, prompt_total, cached_total, oracle_total = [], 0, 0, 0
+    next_report = 0.0
+    mean = 0.0
+    seen = 0
+    for now, c, turn in trace(args, rng):
+        if now >= next_report:
+            for w in workers:
+                w.report(now)
+            next_report = now + args.report_ms / 1e3
+        if turn == 0:
+            history[c] = list(systems[conv_system[c]])
+        users[c] = [rng.randrange(3, vocab) for _ in range(rng.randrange(24, 49))]
+        ids = history[c] + users[c]
+        reply = [rng.randrange(3, vocab) for _ in range(args.reply)]
+        hashes = page_hashes(ids, PAGE)
+        # the oracle: the longest prefix any worker holds right now (never the last prompt token's page)
+        best = max(oracle.matches(hashes, by_address).values())
+        oracle_total += min(best * PAGE, (len(ids) - 1) // PAGE * PAGE)
+        t0 = time.perf_counter()
+        if routing == "cache":
+            hashes = page_hashes(ids, PAGE)   # the gateway hashes each request itself: timed
+            matches = index.matches(hashes, by_address)
+            choice = choose([w.view for w in workers], matches, len(ids), policy, hashes[0].to_bytes(8, "little"),
+                            mean_request_tokens=mean)
+        else:
+            choice = None
+        decisions.append(time.perf_counter() - t0)
+        w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
+        w.view.routed(len(ids), 0)
+        cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)
+        w.take_events()
+        seen += 1
+        mean += (len(ids) - mean) / seen
+        prompt_total += len(ids)
+        cached_total += cached
+        history[c] = ids + reply
+    # both indexes allocate in index.py and hold the same pages: half is the gateway's
+    memory = sum(s.size for s in tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*gateway/index.py")]).statistics("filename")) / 2
+    tracemalloc.stop()
+    served = [w.served for w in workers]
+    decisions.sort()
+    return dict(hit=cached_total / prompt_total, oracle=oracle_total / prompt_total,
+                p50_us=decisions[len(decisions) // 2] * 1e6, p99_us=decisions[int(0.99 * (len(decisions) - 1))] * 1e6,
+                memory_mib=memory / 2**20, index_pages=len(index),
+                spread=(min(served), max(served), statistics.pstdev(served) / statistics.mean(served)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--conversations", type=int, default=10_000)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--systems", type=int, default=32, help="distinct system prompts")
+    ap.add_argument("--system", type=int, default=512, help="system prompt tokens")
+    ap.add_argument("--reply", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=200.0, help="conversations starting per simulated second")
+    ap.add_argument("--think-s", type=float, default=2.0, help="simulated seconds between a conversation's turns")
+    ap.add_argument("--pages", type=int, default=1024, help="each worker's KV pages (16 tokens each)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--prefill-us", type=float, default=100.0)
+    ap.add_argument("--decode-us", type=float, default=20_000.0)
+    ap.add_argument("--report-ms", type=float, default=100.0)
+    ap.add_argument("--balance-slack", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"{args.conversations:,} conversations x {args.turns} turns, {args.systems} system prompts of "
+          f"{args.system} tokens, {args.pages} pages of {PAGE} per worker")
+    print(f"{'workers':>8} {'hit':>7} {'oracle':>7} {'random':>7} {'decide p50':>11} {'p99':>9} "
+          f"{'index MiB':>10} {'index pages':>12} {'requests/worker min-max (cv)':>30}")
+    for n in args.workers:
+        t0 = time.perf_counter()
+        r = simulate(n, args, "cache")
+        rnd = simulate(n, args, "random")
+        lo, hi, cv = r["spread"]
+        print(f"{n:>8} {r['hit']:>6.1%} {r['oracle']:>6.1%} {rnd['hit']:>6.1%} {r['p50_us']:>9.0f}us "
+              f"{r['p99_us']:>7.0f}us {r['memory_mib']:>10.1f} {r['index_pages']:>12,} "
+              f"{f'{lo}-{hi} ({cv:.2f})':>30}   [{time.perf_counter() - t0:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()
