@@ -4,7 +4,8 @@ matches and the gateway's own routings since those reports, and changes nothing.
 A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
 plus --worker-queue-depth, counting those sent since its last report, pages enough for what it
 must compute) and no more than --balance-slack requests busier than the least busy such worker
-(so that no cache, however warm, draws everything to one worker while others idle) costs
+(so that no cache, however warm, draws everything to one worker while others idle; the default,
+0, keeps the choice among the least busy, which measured best, docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
@@ -40,7 +41,7 @@ class Policy:
     page_size: int
     overlap_weight: float = 1.0
     worker_queue_depth: int = 2
-    balance_slack: int = 2
+    balance_slack: int = 0
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:

@@ -12,6 +12,7 @@ from kvserve.services.gateway.router import Policy, choose
 from kvserve.services.gateway.worker import NOT_SERVING, SERVING, Load, Worker
 
 POLICY = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2)
+COSTED = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=10, balance_slack=10)
 
 
 def worker(name: str, used: int = 0, waiting: int = 0, free: int = 100, tree: int = 10, state: str = SERVING,
@@ -71,15 +72,16 @@ def test_the_index_agrees_with_a_plain_model_of_it(ops, query):
 
 
 def test_the_longest_cached_prefix_wins_until_load_makes_another_cheaper():
+    # within the balance slack, the cost decides
     a, b = worker("a"), worker("b")
     matches = {"a": 8, "b": 0}          # a holds 32 of the 40 prompt tokens: 8 to compute against 40
-    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+    assert choose([a, b], matches, 40, COSTED, b"k", mean_request_tokens=20).worker is a
     a.load.running = 1                  # 20 tokens of load: 28 against 40, still a
-    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+    assert choose([a, b], matches, 40, COSTED, b"k", mean_request_tokens=20).worker is a
     a.load.running = 3                  # 60: 68 against 40
-    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is b
+    assert choose([a, b], matches, 40, COSTED, b"k", mean_request_tokens=20).worker is b
     a.ended_since_report = 2            # two of those ended since the report: 28 again
-    assert choose([a, b], matches, 40, POLICY, b"k", mean_request_tokens=20).worker is a
+    assert choose([a, b], matches, 40, COSTED, b"k", mean_request_tokens=20).worker is a
 
 
 def test_no_worker_with_room_means_the_queue():
