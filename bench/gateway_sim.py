@@ -42,7 +42,7 @@ from kvserve.kvcache_service.core import ManagerConfig  # noqa: E402
 from kvserve.kvcache_service.core.manager import KVCacheManager  # noqa: E402
 from kvserve.services.gateway.follow import EventCursor  # noqa: E402
 from kvserve.services.gateway.index import PrefixIndex  # noqa: E402
-from kvserve.services.gateway.router import Policy, choose  # noqa: E402
+from kvserve.services.gateway.router import Choice, Policy, choose  # noqa: E402
 from kvserve.services.gateway.worker import SERVING, Load, Worker  # noqa: E402
 
 PAGE = 16
@@ -128,7 +128,7 @@ def simulate(n: int, args, routing: str) -> dict:
     workers = [SimWorker(i, args.pages, args.max_num_seqs, index, oracle) for i in range(n)]
     by_address = {w.address: w for w in workers}
     policy = Policy(PAGE, 1.0, worker_queue_depth=2, balance_slack=args.balance_slack)
-    decisions, prompt_total, cached_total, oracle_total = [], 0, 0, 0
+    decisions, prompt_total, cached_total, oracle_total, queued = [], 0, 0, 0, 0
     next_report = 0.0
     mean = 0.0
     seen = 0
@@ -155,6 +155,9 @@ def simulate(n: int, args, routing: str) -> dict:
         else:
             choice = None
         decisions.append(time.perf_counter() - t0)
+        if routing == "cache" and choice is None:   # no room anywhere: the queue would hand it to the
+            queued += 1                              # first worker to free room, the least busy one
+            choice = Choice(min((w.view for w in workers), key=lambda v: v.active), 0)
         w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
         w.view.routed(len(ids), 0)
         cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)
@@ -170,7 +173,7 @@ def simulate(n: int, args, routing: str) -> dict:
     tracemalloc.stop()
     served = [w.served for w in workers]
     decisions.sort()
-    return dict(hit=cached_total / prompt_total, oracle=oracle_total / prompt_total,
+    return dict(hit=cached_total / prompt_total, queued=queued / len(decisions), oracle=oracle_total / prompt_total,
                 p50_us=decisions[len(decisions) // 2] * 1e6, p99_us=decisions[int(0.99 * (len(decisions) - 1))] * 1e6,
                 memory_mib=memory / 2**20, index_pages=len(index),
                 spread=(min(served), max(served), statistics.pstdev(served) / statistics.mean(served)))
@@ -191,19 +194,19 @@ def main() -> None:
     ap.add_argument("--prefill-us", type=float, default=100.0)
     ap.add_argument("--decode-us", type=float, default=20_000.0)
     ap.add_argument("--report-ms", type=float, default=100.0)
-    ap.add_argument("--balance-slack", type=int, default=0)
+    ap.add_argument("--balance-slack", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"{args.conversations:,} conversations x {args.turns} turns, {args.systems} system prompts of "
           f"{args.system} tokens, {args.pages} pages of {PAGE} per worker")
-    print(f"{'workers':>8} {'hit':>7} {'oracle':>7} {'random':>7} {'decide p50':>11} {'p99':>9} "
+    print(f"{'workers':>8} {'hit':>7} {'oracle':>7} {'random':>7} {'queued':>7} {'decide p50':>11} {'p99':>9} "
           f"{'index MiB':>10} {'index pages':>12} {'requests/worker min-max (cv)':>30}")
     for n in args.workers:
         t0 = time.perf_counter()
         r = simulate(n, args, "cache")
         rnd = simulate(n, args, "random")
         lo, hi, cv = r["spread"]
-        print(f"{n:>8} {r['hit']:>6.1%} {r['oracle']:>6.1%} {rnd['hit']:>6.1%} {r['p50_us']:>9.0f}us "
+        print(f"{n:>8} {r['hit']:>6.1%} {r['oracle']:>6.1%} {rnd['hit']:>6.1%} {r['queued']:>6.1%} {r['p50_us']:>9.0f}us "
               f"{r['p99_us']:>7.0f}us {r['memory_mib']:>10.1f} {r['index_pages']:>12,} "
               f"{f'{lo}-{hi} ({cv:.2f})':>30}   [{time.perf_counter() - t0:.0f} s]")
 

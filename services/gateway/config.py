@@ -25,13 +25,15 @@ class GatewayConfig:
                           choices=ROUTINGS)
     overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
                                         "its decode load")
-    balance_slack: int = option(0, "requests a worker may have beyond the least busy one and still be chosen "
+    balance_slack: int = option(2, "requests a worker may have beyond the least busy one and still be chosen "
                                    "for what its cache holds")
     worker_queue_depth: int = option(2, "requests waiting at one worker before the gateway keeps new ones in "
                                         "its own queue")
     max_queued: int = option(1024, "requests in the gateway's queue before RESOURCE_EXHAUSTED")
     migration_limit: int = option(3, "times one request may move to another worker when its worker fails "
                                      "mid-stream (0: never; it then ends UNAVAILABLE)")
+    no_worker_timeout_s: float = option(30.0, "seconds a request may wait while no worker is serving before it "
+                                              "ends UNAVAILABLE", flag="--no-worker-timeout")
     poll_interval_s: float = option(0.1, "seconds between reads of each worker's load and health",
                                     flag="--poll-interval")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
@@ -40,7 +42,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
             raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
-        for name in ("dns_interval_s", "poll_interval_s"):
+        for name in ("dns_interval_s", "poll_interval_s", "no_worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
         for name in ("worker_queue_depth", "max_queued", "tokenizer_threads"):

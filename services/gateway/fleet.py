@@ -23,7 +23,7 @@ MAX_SESSIONS = 100_000
 
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
-                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 0) -> None:
+                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 2) -> None:
         self.balance_slack = balance_slack
         self.cache_salt = cache_salt
         self.routing = routing

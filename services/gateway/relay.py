@@ -38,7 +38,8 @@ class Refused(Exception):
 
 class Relay:
     def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
-                 migration_limit: int) -> None:
+                 migration_limit: int, no_worker_timeout_s: float = 30.0) -> None:
+        self.no_worker_timeout_s = no_worker_timeout_s
         self.fleet = fleet
         self.request = request
         self.request_id = request_id
@@ -156,7 +157,16 @@ class Relay:
                           (("retry-after-ms", str(max(eta, 1000))),)) from None
         try:
             told = None
+            loop = asyncio.get_running_loop()
+            alone_since = None   # when it last saw no worker serving
             while not self.cancelled:
+                if self.fleet.serving():
+                    alone_since = None
+                elif alone_since is None:
+                    alone_since = loop.time()
+                elif loop.time() - alone_since > self.no_worker_timeout_s:
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, f"no worker has been serving for "
+                                  f"{self.no_worker_timeout_s:g} s (--no-worker-timeout); try again later")
                 position = queue.position(waiter)
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)

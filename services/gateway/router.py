@@ -4,15 +4,17 @@ matches and the gateway's own routings since those reports, and changes nothing.
 A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
 plus --worker-queue-depth, counting those sent since its last report, pages enough for what it
 must compute) and no more than --balance-slack requests busier than the least busy such worker
-(so that no cache, however warm, draws everything to one worker while others idle; the default,
-0, keeps the choice among the least busy, which measured best, docs/benchmarks.md) costs
+(so that no cache, however warm, draws everything to one worker while others idle; what the
+default, 2, costs and gains against 0 and 4 is in docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
-where the decode load is an average request's tokens for each request running or waiting
-there: its last report's count, less this gateway's streams that ended there since, plus those
-it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
-before its next report, and a finished conversation's worker is not thought busy. Among workers within one page's compute
+where the decode load counts the requests there (its last report's count, less this gateway's
+streams that ended there since, plus those it sent there since, so a burst of misses spreads
+instead of all landing on the emptiest worker before its next report, and a finished
+conversation's worker is not thought busy): a page of compute for each one its batch runs
+(decodes share each step), an average request's prompt for each one queued beyond its batch
+(it is prefilled first). Among workers within one page's compute
 of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
 recently used; then a hash of the request's first page (or session) and the worker's address,
 so that one conversation keeps choosing the same worker among equals while different ones, and
@@ -41,7 +43,7 @@ class Policy:
     page_size: int
     overlap_weight: float = 1.0
     worker_queue_depth: int = 2
-    balance_slack: int = 0
+    balance_slack: int = 2
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
@@ -68,7 +70,9 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
 
     def cost(w: Worker) -> float:
         uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
-        load = w.active * mean_request_tokens
+        batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
+        ahead = max(0, w.active - batch)   # queued there: each must be prefilled before this one
+        load = ahead * mean_request_tokens + min(w.active, batch) * ps
         return policy.overlap_weight * uncached + load
 
     costs = {w.address: cost(w) for w in room}

@@ -46,7 +46,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                   config.routing, config.balance_slack)
     for address in config.worker:
         fleet.add(address)
-    servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit)
+    servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit,
+                               config.no_worker_timeout_s)
     running = await _create(config.listen, [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
                                                         SERVICE_NAME)], options={
         "grpc.max_receive_message_length": 64 << 20})

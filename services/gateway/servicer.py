@@ -23,7 +23,8 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
-    def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int) -> None:
+    def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int, no_worker_timeout_s: float = 30.0) -> None:
+        self.no_worker_timeout_s = no_worker_timeout_s
         self.fleet = fleet
         self.inputs = inputs
         self.migration_limit = migration_limit
@@ -46,7 +47,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except Refused as exc:
             await context.abort(exc.code, exc.message)
-        relay = Relay(self.fleet, request, request_id, ids, self.migration_limit)
+        relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s)
         self.relays[request_id] = relay
         try:
             async for response in relay.run(context.time_remaining):

@@ -34,7 +34,8 @@ class WorkerThreads:
 
     def stop(self) -> None:
         try:
-            self.model.stop()
+            if self.model.thread.is_alive():   # a test may have stopped it
+                self.model.stop()
         finally:
             if self.manager.thread.is_alive():
                 self.manager.stop()

@@ -225,3 +225,12 @@ def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
     assert main(["stats", "--address", fleet.gateway.address]) == 0
     out = capsys.readouterr().out
     assert all(w.address in out for w in fleet.workers) and "serving" in out and "epoch" in out
+
+
+def test_with_no_worker_serving_a_request_waits_then_ends_unavailable(tiny_dirs):
+    for fleet in make_fleet(tiny_dirs["tiny"], 1, no_worker_timeout_s=1.0):
+        fleet.workers[0].model.stop()   # the only worker is gone
+        wait_until(lambda: not fleet.gateway.fleet.serving(), what="the gateway to see it down")
+        s = Streamed(fleet.stub, request(token_ids=SYSTEM, **greedy(2)))
+        assert s.done.wait(30), "the request hung"
+        assert s.code == grpc.StatusCode.UNAVAILABLE and s.positions == [1]
