@@ -43,8 +43,9 @@ def test_reflection_lists_and_describes_the_manager(kv: KV) -> None:
     files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in described.file_descriptor_response.file_descriptor_proto]
     (proto,) = [f for f in files if f.package == "kvserve.kvcache.v1"]
-    (service,) = proto.service
-    assert service.name == "KVCacheManager"
+    # kvcache.proto also holds KVCacheEvents, the read-only face the model service serves
+    assert {s.name for s in proto.service} == {"KVCacheManager", "KVCacheEvents"}
+    (service,) = [s for s in proto.service if s.name == "KVCacheManager"]
     methods = {m.name: m for m in service.method}
     assert set(methods) == set(pb.DESCRIPTOR.services_by_name["KVCacheManager"].methods_by_name)
     assert (methods["Step"].input_type, methods["Step"].output_type) == (
