@@ -144,12 +144,12 @@ def simulate(n: int, args, routing: str) -> dict:
         reply = [rng.randrange(3, vocab) for _ in range(args.reply)]
         hashes = page_hashes(ids, PAGE)
         # the oracle: the longest prefix any worker holds right now (never the last prompt token's page)
-        best = max(oracle.matches(hashes, by_address).values())
+        best = max(oracle.holders(hashes).values(), default=0)
         oracle_total += min(best * PAGE, (len(ids) - 1) // PAGE * PAGE)
         t0 = time.perf_counter()
         if routing == "cache":
             hashes = page_hashes(ids, PAGE)   # the gateway hashes each request itself: timed
-            matches = index.matches(hashes, by_address)
+            matches = index.holders(hashes)
             choice = choose([w.view for w in workers], matches, len(ids), policy, hashes[0].to_bytes(8, "little"),
                             mean_request_tokens=mean)
         else:

@@ -91,8 +91,8 @@ class Fleet:
                       if w.info is not None and w.info.page_size == ps and w is not avoid]
         if avoid is not None and not candidates and avoid.address in self.workers:
             candidates = [avoid]
-        matchable = [w.address for w in candidates if w.hashes_match and w.events_live]
-        matches = self.index.matches(hashes, matchable)
+        matches = {a: n for a, n in self.index.holders(hashes).items()
+                   if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live}
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
         if session_id:
             key = session_id.encode()

@@ -42,6 +42,12 @@ class PrefixIndex:
         self.drop(worker)
         self.add(worker, hashes)
 
+    def holders(self, hashes: Sequence[int]) -> dict[str, int]:
+        """The workers holding at least the first page of `hashes`, each with how many of the
+        leading pages it holds: as many entries as holders, whatever the fleet's size."""
+        first = self._holders.get(hashes[0]) if hashes else None
+        return self.matches(hashes, first) if first else {}
+
     def matches(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many of the leading pages of `hashes` it holds."""
         out = dict.fromkeys(workers, 0)

@@ -25,6 +25,7 @@ A session sticks to its last worker while that worker has room.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
     its session) for the last tie-break."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
+    workers = shortlist(workers, matches, sticky)
     room = [w for w in workers if has_room(w, policy, total_pages - matches.get(w.address, 0))]
     if not room:
         return None
@@ -85,6 +87,25 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
 
     pick = min(near, key=preference)
     return Choice(pick, matches.get(pick.address, 0))
+
+
+SHORTLIST_LEAST_BUSY = 8
+
+
+def shortlist(workers: Iterable[Worker], matches: Mapping[str, int], sticky: Worker | None) -> list[Worker]:
+    """The workers worth weighing: those holding part of the prompt, the session's, and the
+    least busy few. A large fleet's choice then costs a pass over the workers' request counts,
+    not a full evaluation of each."""
+    workers = list(workers)
+    if len(workers) <= 2 * SHORTLIST_LEAST_BUSY:
+        return workers
+    picked = {id(w): w for w in heapq.nsmallest(SHORTLIST_LEAST_BUSY, workers, key=lambda w: w.active)}
+    for w in workers:
+        if matches.get(w.address):
+            picked[id(w)] = w
+    if sticky is not None:
+        picked[id(sticky)] = sticky
+    return list(picked.values())
 
 
 def choose_blind(workers: Iterable[Worker], prompt_tokens: int, policy: Policy, how: str, turn: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from kvserve.services.gateway import discovery
 
@@ -24,7 +25,7 @@ class FakeFleet:
 def test_workers_follow_the_names_addresses(monkeypatch):
     answers = iter([{"10.0.0.1:50051", "10.0.0.2:50051"}, OSError("no such name"),
                     {"10.0.0.2:50051", "10.0.0.3:50051"}])
-    seen = asyncio.Event()
+    seen = threading.Event()   # set on the resolver's thread
 
     def resolve(host, port):
         assert (host, port) == ("workers.kvserve.svc", 50051)
@@ -42,7 +43,7 @@ def test_workers_follow_the_names_addresses(monkeypatch):
 
     async def run() -> None:
         task = asyncio.create_task(discovery.follow_dns(fleet, "workers.kvserve.svc:50051", 0.01))
-        await asyncio.wait_for(seen.wait(), 10)
+        assert await asyncio.to_thread(seen.wait, 10), "the names were not resolved again"
         task.cancel()
 
     asyncio.run(run())

@@ -167,3 +167,19 @@ def test_the_cursor_drops_a_worker_on_a_new_epoch_or_a_gap_and_follows_otherwise
     assert cursor.apply(stored(8, 7, 4)) == "a gap after event 6" and index.pages_of("w") == 0
     cursor.apply(snapshot)
     assert cursor.apply(stored(1, 8, 9)) == "a new epoch" and index.pages_of("w") == 0
+
+
+def test_a_large_fleet_weighs_only_the_holders_the_session_and_the_least_busy():
+    from kvserve.services.gateway.router import SHORTLIST_LEAST_BUSY, shortlist
+
+    index = PrefixIndex()
+    index.add("w40", [1, 2])
+    index.add("w41", [1])
+    assert index.holders([1, 2, 3]) == {"w40": 2, "w41": 1} and index.holders([9]) == {} and index.holders([]) == {}
+    fleet = [worker(f"w{i}") for i in range(50)]
+    for i, w in enumerate(fleet):
+        w.load.running = 50 - i        # the last ones are the least busy
+    picked = {w.address for w in shortlist(fleet, index.holders([1, 2, 3]), sticky=fleet[0])}
+    assert picked == {"w0", "w40", "w41"} | {f"w{i}" for i in range(50 - SHORTLIST_LEAST_BUSY, 50)}
+    small = fleet[:10]
+    assert shortlist(small, {}, None) == small
