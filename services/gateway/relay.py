@@ -47,6 +47,7 @@ class Relay:
         self.migration_limit = migration_limit
         self.worker: Worker | None = None     # the worker streaming it now
         self.cancelled = False                # Cancel(request_id) while it waited
+        self.ended: str | None = None         # the gateway is stopping: end with this, UNAVAILABLE
         self._call = None
         self._moved = False
 
@@ -54,6 +55,13 @@ class Relay:
         """`worker` stopped answering: end the call to it; run() goes on elsewhere."""
         if self.worker is worker and self._call is not None:
             self._moved = True
+            self._call.cancel()
+
+    def end(self, why: str) -> None:
+        """The gateway stops: the stream ends UNAVAILABLE with `why`, wherever it is."""
+        self.ended = why
+        self.fleet.queue.wake()
+        if self._call is not None:
             self._call.cancel()
 
     async def cancel(self) -> bool:
@@ -124,7 +132,11 @@ class Relay:
                 why = f"{exc.code().name}: {exc.details()}"
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if not self._moved or (task is not None and task.cancelling()):
+                if task is not None and task.cancelling():
+                    raise
+                if self.ended is not None:
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended) from None
+                if not self._moved:
                     raise
                 why = "it stopped answering"
             finally:
@@ -160,6 +172,8 @@ class Relay:
             loop = asyncio.get_running_loop()
             alone_since = None   # when it last saw no worker serving
             while not self.cancelled:
+                if self.ended is not None:
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended)
                 if self.fleet.serving():
                     alone_since = None
                 elif alone_since is None:

@@ -63,8 +63,8 @@ async def _report_health(running: RunningServer, fleet: Fleet, servicer: Gateway
     while this loop runs (no serving worker is not cured by restarting the gateway)."""
     await running.health.set("liveness", SERVING)
     told = None
-    while True:
-        status = SERVING if fleet.serving() and not servicer.draining else NOT_SERVING
+    while not servicer.draining:
+        status = SERVING if fleet.serving() else NOT_SERVING
         if status != told:
             for name in ("", SERVICE_NAME):
                 await running.health.set(name, status)
@@ -80,10 +80,24 @@ async def serve(config: GatewayConfig) -> None:
              f", following {config.workers_dns}" if config.workers_dns else "")
     try:
         await wait_for_signal(gateway.running.server, config.grace_s)
-        gateway.servicer.draining = True
-        deadline = asyncio.get_running_loop().time() + config.grace_s
-        while gateway.servicer.relays and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        await gateway.running.server.stop(1.0)
+        await drain(gateway, config.grace_s)
     finally:
         await gateway.close()
+
+
+async def drain(gateway: Gateway, grace_s: float) -> None:
+    """NOT_SERVING and no new requests; streams get `grace_s` to finish, then end UNAVAILABLE
+    (their workers' pages are freed as the upstream calls are cancelled)."""
+    loop, servicer = asyncio.get_running_loop(), gateway.servicer
+    servicer.draining = True
+    for name in ("", SERVICE_NAME):
+        await gateway.running.health.set(name, NOT_SERVING)
+    deadline = loop.time() + grace_s
+    while servicer.relays and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for relay in list(servicer.relays.values()):
+        relay.end(f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")
+    stop_at = loop.time() + 2.0
+    while servicer.relays and loop.time() < stop_at:
+        await asyncio.sleep(0.02)
+    await gateway.running.server.stop(1.0)

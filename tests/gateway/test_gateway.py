@@ -234,3 +234,25 @@ def test_with_no_worker_serving_a_request_waits_then_ends_unavailable(tiny_dirs)
         s = Streamed(fleet.stub, request(token_ids=SYSTEM, **greedy(2)))
         assert s.done.wait(30), "the request hung"
         assert s.code == grpc.StatusCode.UNAVAILABLE and s.positions == [1]
+
+
+def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavailable(two_workers):
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvserve.services.gateway.server import drain
+
+    fleet = two_workers
+    long = Streamed(fleet.stub, request(token_ids=SYSTEM, **greedy(1800)))
+    short = Streamed(fleet.stub, request(token_ids=SYSTEM[:20], **greedy(6)))
+    wait_until(lambda: long.started() and short.started(), what="both streams under way")
+    draining = asyncio.run_coroutine_threadsafe(drain(fleet.gateway.gateway, 1.0), fleet.gateway.loop)
+    health = health_pb2_grpc.HealthStub(fleet.channel)
+    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+               == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
+    assert short.done.wait(30) and short.code == grpc.StatusCode.OK
+    assert long.done.wait(30) and long.code == grpc.StatusCode.UNAVAILABLE
+    draining.result(15)
+    for w in fleet.workers:
+        wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
