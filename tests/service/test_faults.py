@@ -6,6 +6,7 @@ is left behind. Every wait is for a condition, with a deadline; nothing sleeps t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -189,15 +190,25 @@ def test_kill_9_the_model_service_and_up_starts_it_again(up, undisturbed):
     wait_until(lambda: kv_stats(kv_address).used_pages == 0, what="used_pages == 0")
 
 
-def test_sigterm_to_up_drains_the_model_service_while_the_manager_still_serves(tiny_dirs):
+@contextlib.contextmanager
+def own_up(tiny_dirs, *flags: str):
+    """A `kvserve up` of the test's own, stderr captured: (process, address, its children)."""
     address = f"127.0.0.1:{free_port()}"
     proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address,
-                   "--kvcache-listen", f"127.0.0.1:{free_port()}", "--grace-period", "1", *MODEL_FLAGS,
+                   "--kvcache-listen", f"127.0.0.1:{free_port()}", *flags, *MODEL_FLAGS,
                    "--log-level", "warning", stderr=subprocess.PIPE, text=True)
     kids: list[int] = []
     try:
         wait_serving(address, proc)
-        kids = children(proc.pid)
+        kids += children(proc.pid)
+        yield proc, address, kids
+    finally:
+        terminate(proc)
+        stop_pids(kids + children(proc.pid))
+
+
+def test_sigterm_to_up_drains_the_model_service_while_the_manager_still_serves(tiny_dirs):
+    with own_up(tiny_dirs, "--grace-period", "1") as (proc, address, kids):
         recorded = streams(address, max_tokens=1800)
         wait_until(lambda: all(r.tokens for r in recorded), timeout=60, what="every stream's first token")
         proc.send_signal(signal.SIGTERM)
@@ -210,20 +221,10 @@ def test_sigterm_to_up_drains_the_model_service_while_the_manager_still_serves(t
         stderr = proc.stderr.read()
         assert "lost the KV-cache manager" not in stderr, stderr
         wait_until(lambda: not any(alive(p) for p in kids), what="the children to stop")
-    finally:
-        terminate(proc)
-        stop_pids(kids + children(proc.pid))
 
 
 def test_up_stops_the_stack_when_a_child_exits_too_often(tiny_dirs):
-    address = f"127.0.0.1:{free_port()}"
-    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address,
-                   "--kvcache-listen", f"127.0.0.1:{free_port()}", "--max-restarts", "1", *MODEL_FLAGS,
-                   "--log-level", "warning", stderr=subprocess.PIPE, text=True)
-    kids: list[int] = []
-    try:
-        wait_serving(address, proc)
-        kids = children(proc.pid)
+    with own_up(tiny_dirs, "--max-restarts", "1") as (proc, address, kids):
         for _ in range(2):
             manager = pid_of(proc.pid, "kvcache")
             os.kill(manager, signal.SIGKILL)
@@ -236,9 +237,6 @@ def test_up_stops_the_stack_when_a_child_exits_too_often(tiny_dirs):
         assert "the KV-cache manager was killed by SIGKILL; starting it again" in stderr, stderr
         assert "2 exits within a minute, more than --max-restarts 1 allows" in stderr, stderr
         wait_until(lambda: not any(alive(p) for p in kids), what="the children to stop")
-    finally:
-        terminate(proc)
-        stop_pids(kids + children(proc.pid))
 
 
 def _kvcache_pids(up_pid: int) -> list[int]:
