@@ -36,6 +36,7 @@ class Fleet:
         self.index = PrefixIndex()
         self.workers: dict[str, Worker] = {}
         self._followers: dict[str, Follower] = {}
+        self._closing: set[asyncio.Task] = set()   # channels of removed workers, closed once idle
         self._sessions: OrderedDict[str, str] = OrderedDict()   # session id -> worker address
         self._prompt_tokens_seen = 0
         self._requests_seen = 0
@@ -52,21 +53,35 @@ class Fleet:
         follower.start()
         log.info("worker %s added", address)
 
-    async def remove(self, address: str) -> None:
-        """No new requests go there; streams running on it go on until they end."""
+    async def remove(self, address: str, let_streams_finish: bool = True) -> None:
+        """No new requests go there; streams running on it go on until they end (their channel
+        is closed after them, in the background), unless the gateway itself is closing."""
         follower = self._followers.pop(address, None)
         worker = self.workers.pop(address, None)
         if follower is not None:
             await follower.stop()
             log.info("worker %s removed", address)
-        if worker is not None:
-            while worker.relays:   # its streams finish on the open channel
-                await asyncio.sleep(0.5)
+        if worker is None:
+            return
+        if worker.relays and let_streams_finish:
+            task = asyncio.create_task(self._close_when_idle(worker), name=f"close {address}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        else:
             await worker.channel.close()
+
+    @staticmethod
+    async def _close_when_idle(worker: Worker) -> None:
+        while worker.relays:
+            await asyncio.sleep(0.5)
+        await worker.channel.close()
 
     async def close(self) -> None:
         for address in list(self.workers):
-            await self.remove(address)
+            await self.remove(address, let_streams_finish=False)
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _moved_off(self, worker: Worker) -> None:
         for relay in list(worker.relays):

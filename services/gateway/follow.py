@@ -91,7 +91,7 @@ class Follower:
     # ------------------------------------------------------------ events
 
     async def _follow_events(self) -> None:
-        w, wait_s = self.worker, 0.2
+        w, wait_s, told_no_events = self.worker, 0.2, False
         while True:
             try:
                 if await self._subscribe():
@@ -99,9 +99,10 @@ class Follower:
                     continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    if w.events_live or wait_s == 0.2:
+                    if not told_no_events:
                         log.warning("worker %s publishes no cache events (%s); routing to it by load only",
                                     w.address, exc.details())
+                        told_no_events = True
                     self._forget()
                     await asyncio.sleep(NO_EVENTS_RETRY_S)
                     continue

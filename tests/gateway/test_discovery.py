@@ -56,3 +56,21 @@ def test_resolving_a_real_name_gives_host_port_addresses():
     found = discovery._resolve("localhost", 50051)
     assert "127.0.0.1:50051" in found
     assert all(a.endswith(":50051") for a in found)
+
+
+def test_removing_a_worker_does_not_wait_for_its_streams():
+    from kvserve.services.gateway.fleet import Fleet
+    from kvserve.services.gateway.waiting import WaitQueue
+
+    async def run() -> None:
+        fleet = Fleet("", 1.0, 2, 10.0, WaitQueue(8))
+        fleet.add("127.0.0.1:1")
+        worker = fleet.workers["127.0.0.1:1"]
+        worker.relays.add(object())            # a stream still running on it
+        await asyncio.wait_for(fleet.remove("127.0.0.1:1"), 5)   # returns at once
+        assert "127.0.0.1:1" not in fleet.workers and len(fleet._closing) == 1
+        worker.relays.clear()                  # the stream ends: its channel is closed after it
+        await asyncio.wait_for(asyncio.gather(*fleet._closing), 5)
+        await fleet.close()
+
+    asyncio.run(run())
