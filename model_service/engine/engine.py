@@ -51,7 +51,6 @@ from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.sampler import seeded_for
 
 log = logging.getLogger(__name__)
-WAITING_FOR_MANAGER = "waiting for the KV-cache manager"
 
 
 @dataclass
@@ -181,7 +180,7 @@ class Engine:
     def stalled(self) -> str | None:
         """Why the engine is stuck on its own, not waiting for its manager (for liveness: a
         restart may help), or None. A wait for the manager is bounded by --manager-timeout."""
-        if self.link.lost_since is not None or self.progress.phase.startswith(WAITING_FOR_MANAGER):
+        if self.link.lost_since is not None or self.progress.on_manager:
             return None
         return self._stall()
 
@@ -221,7 +220,7 @@ class Engine:
                     self._internal_error("the engine step failed")
             else:
                 self.progress.advanced()
-                self.progress.phase = "idle"
+                self.progress.enter("idle")
             self.on_step_end()
             if not self._has_work():
                 self._idle.set()
@@ -262,7 +261,7 @@ class Engine:
         log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
 
     def _while_lost(self) -> None:
-        self.progress.phase = WAITING_FOR_MANAGER
+        self.progress.enter("waiting for the KV-cache manager", on_manager=True)
         self._take_inbox(block=False)   # cancels, and new requests while the loss is short
         if self.link.superseded_by is None and self.link.reconnect():
             self.scheduler.epoch = self.link.epoch
@@ -319,11 +318,11 @@ class Engine:
         if self._in_flight is None:  # nothing sent ahead: the first step after idling
             self._propose_next_step()
         (proposal, plan_of), self._in_flight = self._in_flight, None
-        progress.phase = f"{WAITING_FOR_MANAGER}'s plan"
+        progress.enter("waiting for the KV-cache manager's plan", on_manager=True)
         t1 = clock()
         plan = self.link.wait_for_plan(plan_of)
         t2 = clock()
-        progress.phase = "copying pages"
+        progress.enter("copying pages")
         self.runner.kv_cache.execute(plan)   # the plan's page copies, in the manager's order
         t3 = clock()
         work = sched.apply(proposal, plan)
@@ -339,7 +338,7 @@ class Engine:
         if not work:
             progress.advanced()
             return
-        progress.phase = f"running the model ({len(work)} sequences)"
+        progress.enter(f"running the model ({len(work)} sequences)")
         t4 = clock()
         logits = self.runner.execute(work)
         sampled = [w for w in work if w.samples]
@@ -348,14 +347,14 @@ class Engine:
         if not sampled:
             progress.advanced()
             return
-        progress.phase = "sampling"
+        progress.enter("sampling")
         requests = [w.request for w in sampled]
         generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
                       for r in requests]
         out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
                            [r.output_ids for r in requests], generators)
         t6 = clock()
-        progress.phase = "streaming"
+        progress.enter("streaming")
         for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
             self._emit(r, token, logprobs)
         c.sample_s += t6 - t5

@@ -21,8 +21,12 @@ class Progress:
     """Written by the engine thread only; plain attributes, so reading them from another thread
     is safe (at worst one write old)."""
     phase: str = "starting"
+    on_manager: bool = False   # the phase is a wait for the KV-cache manager (its own timeout bounds it)
     step: int = 0
     since: float = field(default_factory=time.monotonic)   # the last completed step, or idle moment
+
+    def enter(self, phase: str, on_manager: bool = False) -> None:
+        self.phase, self.on_manager = phase, on_manager
 
     def advanced(self) -> None:
         self.since = time.monotonic()
