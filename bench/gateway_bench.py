@@ -43,7 +43,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb  # noqa: E402
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc  # noqa: E402
 from kvserve.model_service.prompt_tokens import resolve_model_path  # noqa: E402
-from bench.throughput import free_port  # noqa: E402
+from bench.throughput import Stack, free_port  # noqa: E402
 
 ROUTINGS = ("cache", "round-robin", "random")
 CLI = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", "warning"]
@@ -63,27 +63,27 @@ def wait_for(check, timeout: float, what: str) -> None:
 
 
 class Workers:
+    """`kvserve up` per worker (bench/throughput.py's Stack), each with --cpu-threads 1."""
+
     def __init__(self, n: int, model: str, extra: list[str]) -> None:
-        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.kv = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.procs = [subprocess.Popen(CLI + ["up", "--model", model, "--listen", a, "--kvcache-listen", k,
-                                              "--device", "cpu", "--cpu-threads", "1", *extra], cwd=ROOT)
-                      for a, k in zip(self.addresses, self.kv)]
-        for a in self.addresses:
-            with grpc.insecure_channel(a) as ch:
-                stub = pb_grpc.InferenceStub(ch)
-                wait_for(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2), 600, f"worker {a}")
+        self.stacks: list[Stack] = []
+        try:
+            for _ in range(n):
+                self.stacks.append(Stack(Path(model), ["--device", "cpu", "--cpu-threads", "1", *extra]))
+        except BaseException:
+            self.close()
+            raise
+        self.addresses = [s.address for s in self.stacks]
 
     def reset(self) -> None:
-        for k in self.kv:
-            with grpc.insecure_channel(k) as ch:
+        """Every worker's prefix cache emptied (the managers' admin Reset)."""
+        for s in self.stacks:
+            with grpc.insecure_channel(s.kv_address) as ch:
                 kv_pb_grpc.KVCacheManagerStub(ch).Reset(kv_pb.ResetRequest(), timeout=10)
 
     def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            p.wait(60)
+        for s in self.stacks:
+            s.close()
 
 
 class Gateway:
