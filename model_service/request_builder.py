@@ -28,13 +28,19 @@ RequestError = InvalidRequest   # the name this module's callers know
 
 def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
     """At most the prompt's UTF-8 length, from encoded sizes, without decoding it (a few times
-    cheaper): the message, less its other fields with at most 6 bytes of tag and length each."""
-    if isinstance(msg, pb.GenerateRequest):
-        other = (msg.sampling.ByteSize() + msg.continuation.ByteSize() + len(msg.request_id.encode())
-                 + len(msg.session_id.encode()) + 24)
-    else:
-        other = 2   # add_special_tokens
-    return max(0, msg.ByteSize() - other - 6)
+    cheaper): the message less every other field, each with up to 6 bytes of tag and length
+    (a scalar: up to 11), whatever fields the message gains."""
+    other = 6   # the prompt's own tag and length
+    for f in msg.DESCRIPTOR.fields:
+        if f.name == "prompt":
+            continue
+        if f.type == f.TYPE_MESSAGE and not f.is_repeated:
+            other += getattr(msg, f.name).ByteSize() + 6 if msg.HasField(f.name) else 0
+        elif f.type == f.TYPE_STRING and not f.is_repeated:
+            other += len(getattr(msg, f.name).encode()) + 6
+        else:
+            other += 11 if not f.is_repeated else msg.ByteSize()   # none today; never over-count
+    return max(0, msg.ByteSize() - other)
 
 
 MAX_REQUEST_ID_CHARS = 256
