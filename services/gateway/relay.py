@@ -105,10 +105,10 @@ class Relay:
                 yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
                 return
             worker = choice.worker
-            msg = pb.GenerateRequest()
-            msg.CopyFrom(self.request)
+            msg = self.request   # the client's own message, forwarded as it is but for these two
             msg.request_id = self.request_id
             if sent:
+                del msg.continuation.ids[:]
                 msg.continuation.ids.extend(sent)
             self.worker, self._moved = worker, False
             worker.relays.add(self)
