@@ -39,12 +39,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             if len(request_id) > MAX_REQUEST_ID_CHARS:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the request id has {len(request_id)} characters; "
                               f"at most {MAX_REQUEST_ID_CHARS} are allowed")
-            if request_id in self.relays:
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
             try:
                 ids = await self.inputs.ids(request)
             except InputError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if request_id in self.relays:   # checked after the await, where another could have come
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
             await context.abort(exc.code, exc.message)
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s)

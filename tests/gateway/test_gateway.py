@@ -256,3 +256,13 @@ def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavaila
     draining.result(15)
     for w in fleet.workers:
         wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
+
+
+def test_a_request_id_in_flight_is_refused_through_the_gateway(two_workers):
+    fleet = two_workers
+    first = Streamed(fleet.stub, request(request_id="twice", token_ids=SYSTEM, **greedy(1500)))
+    wait_until(first.started, what="the first stream under way")
+    second = Streamed(fleet.stub, request(request_id="twice", token_ids=SYSTEM, **greedy(2)))
+    assert second.done.wait(30) and second.code == grpc.StatusCode.ALREADY_EXISTS
+    fleet.stub.Cancel(pb.CancelRequest(request_id="twice"), timeout=10)
+    assert first.done.wait(30) and first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
