@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 _rng = random.Random(99)
 PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (5, 12, 20, 33, 40, 51, 60, 70)]
-NEW_TOKENS = 200
+NEW_TOKENS = 800   # long enough that every stream is still running at the third kill
 MODEL_FLAGS = ("--device", "cpu", "--dtype", "float32", "--page-size", "4", "--num-pages", "2048")
 
 
@@ -74,16 +74,30 @@ def all_advanced(recorded: list[Recorded], since: list[int], by: int) -> bool:
     return all(len(r.tokens) >= min(n + by, NEW_TOKENS) for r, n in zip(recorded, since))
 
 
-def pid_of(up_pid: int, command: str) -> int:
-    """The child of `kvserve up` running `kvserve <command>`."""
+def running(up_pid: int, command: str) -> list[int]:
+    """The live children of `kvserve up` running `kvserve <command>`."""
+    out = []
     for pid in children(up_pid):
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
         if command.encode() in argv and alive(pid):
-            return pid
-    raise AssertionError(f"no `kvserve {command}` under pid {up_pid}")
+            out.append(pid)
+    return out
+
+
+def pid_of(up_pid: int, command: str, other_than: int | None = None, timeout: float = 60) -> int:
+    """The child of `kvserve up` running `kvserve <command>`, waiting for the supervisor to have
+    started one (a new one, when `other_than` names the one just killed)."""
+    found: list[int] = []
+
+    def started() -> bool:
+        found[:] = [p for p in running(up_pid, command) if p != other_than]
+        return bool(found)
+
+    wait_until(started, timeout=timeout, what=f"`kvserve {command}` under pid {up_pid}")
+    return found[0]
 
 
 def health_of(address: str, service: str = "") -> int:
@@ -145,10 +159,15 @@ def undisturbed(up):
 def test_kill_9_the_manager_three_times_changes_no_token(up, undisturbed):
     proc, address, kv_address = up
     recorded = streams(address)
-    for _ in range(3):
+    manager = None
+    for kill in range(1, 4):
+        # the client's count lags what the server sent, so a stream can seem to advance while the
+        # manager is down: wait for the restarted manager itself before counting
+        manager = pid_of(proc.pid, "kvcache", other_than=manager)
+        wait_serving(kv_address, proc)
         since = [len(r.tokens) for r in recorded]
         wait_until(lambda: all_advanced(recorded, since, 5), timeout=60, what="every stream to advance")
-        manager = pid_of(proc.pid, "kvcache")
+        assert not all(r.done.is_set() for r in recorded), f"every stream ended before kill {kill}"
         os.kill(manager, signal.SIGKILL)
         wait_until(lambda: not alive(manager), what="the manager to die")
     finish(recorded)
@@ -176,7 +195,7 @@ def test_a_stale_epochs_register_is_refused_and_the_live_state_is_intact(up, und
 def test_kill_9_the_model_service_and_up_starts_it_again(up, undisturbed):
     proc, address, kv_address = up
     old_epoch = kv_stats(kv_address).epoch
-    recorded = streams(address)
+    recorded = streams(address, max_tokens=1800)   # long enough to be in flight at the kill
     wait_until(lambda: all(r.tokens for r in recorded), timeout=60, what="every stream's first token")
     model = pid_of(proc.pid, "model")
     os.kill(model, signal.SIGKILL)
@@ -231,19 +250,12 @@ def test_up_stops_the_stack_when_a_child_exits_too_often(tiny_dirs):
             wait_until(lambda: not alive(manager), what="the manager to die")
             if proc.poll() is None:
                 wait_until(lambda: proc.poll() is not None or any(
-                    p != manager for p in _kvcache_pids(proc.pid)), timeout=30, what="a restart or an exit")
+                    p != manager for p in running(proc.pid, "kvcache")), timeout=30, what="a restart or an exit")
         assert proc.wait(30) == 1
         stderr = proc.stderr.read()
         assert "the KV-cache manager was killed by SIGKILL; starting it again" in stderr, stderr
         assert "2 exits within a minute, more than --max-restarts 1 allows" in stderr, stderr
         wait_until(lambda: not any(alive(p) for p in kids), what="the children to stop")
-
-
-def _kvcache_pids(up_pid: int) -> list[int]:
-    try:
-        return [pid_of(up_pid, "kvcache")]
-    except AssertionError:
-        return []
 
 
 # ------------------------------------------------------------------- started apart
