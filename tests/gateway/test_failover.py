@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (9, 17, 23, 31, 38, 44, 52, 61)]
-NEW_TOKENS = 200
+NEW_TOKENS = 600   # long enough that the victim's streams are still running at the kill
 
 
 class Recorded:
@@ -87,6 +87,7 @@ def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fl
         assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
     hurt = [Recorded(address, p) for p in PROMPTS]
     wait_until(lambda: all(len(r.tokens) >= 20 for r in hurt), timeout=60, what="every stream under way")
+    assert not all(r.done.is_set() for r in hurt), "every stream ended before the kill"
     victim = model_services(proc.pid)[0]
     os.kill(victim, signal.SIGKILL)
     for r in hurt:
