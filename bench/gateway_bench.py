@@ -3,15 +3,20 @@ random, on a multi-turn workload, and what the gateway adds to a request.
 
     .venv/bin/python bench/gateway_bench.py                  # 2 and 4 workers, the bench model (minutes)
     .venv/bin/python bench/gateway_bench.py --quick          # 2 workers, tiny model, 8 conversations x 3 turns
+    .venv/bin/python bench/gateway_bench.py --context 1024 --stagger 0.25 --server-arg=--num-pages=2048
+                                                             # under cache pressure (minutes)
 
 Workers: `kvserve up` each (a model service and its manager; `--cpu-threads 1`, as N workers share
 this machine's cores), started once per fleet size. For each routing (cache, round-robin,
 random, in that order) every worker's manager is reset (empty caches) and a fresh
 `kvserve gateway --routing R` is started in front of them.
 
-Workload: `--conversations` conversations of `--turns` turns, all running at once, each turn
-sent when the previous reply is in: a shared system prompt (`--system` tokens), then per turn a
-user message of 24-48 random tokens, and a greedy reply of `--reply` tokens (EOS ignored).
+Workload: `--conversations` conversations of `--turns` turns, running at once (the n-th starts
+n x `--stagger` seconds in), each turn sent when the previous reply is in: a shared system prompt
+(`--system` tokens), a document of the conversation's own (`--context` tokens, default none),
+then per turn a user message of 24-48 random tokens, and a greedy reply of `--reply` tokens (EOS
+ignored). Cache pressure comes from `--server-arg=--num-pages=N`: a fleet whose caches together
+hold every conversation, but no single worker's does.
 Printed per routing: time to first token (mean, p90) as the client sees it, the prefix-hit rate
 (cached / prompt tokens, from each PrefillDone), the prompt tokens actually computed, and
 output tokens per second over the run.
@@ -129,12 +134,14 @@ async def conversations(address: str, args, vocab: int) -> dict:
     system = [rng.randrange(3, vocab) for _ in range(args.system)]
     users = [[[rng.randrange(3, vocab) for _ in range(rng.randrange(24, 49))] for _ in range(args.turns)]
              for _ in range(args.conversations)]
+    documents = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(args.conversations)]
     ttfts, prompt, cached = [], 0, 0
     generated = 0
 
     async def talk(stub, c: int) -> None:
         nonlocal prompt, cached, generated
-        history = list(system)
+        await asyncio.sleep(c * args.stagger)
+        history = system + documents[c]
         for t in range(args.turns):
             history += users[c][t]
             ttft, p, h, out = await one_turn(stub, history, args.reply)
@@ -176,6 +183,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system", type=int, default=256, help="shared system prompt, in tokens")
     ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
+    ap.add_argument("--context", type=int, default=0, help="a document per conversation, in tokens")
+    ap.add_argument("--stagger", type=float, default=0.0, help="seconds between conversation starts")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
     ap.add_argument("--gateway-arg", action="append", default=[],
@@ -187,7 +196,8 @@ def main() -> None:
     model = str(resolve_model_path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     print(f"model {Path(model).name}; {args.conversations} conversations x {args.turns} turns, system prompt "
-          f"{args.system} tokens, replies of {args.reply}")
+          f"{args.system} tokens, documents of {args.context}, replies of {args.reply}, starts "
+          f"{args.stagger} s apart; worker flags {args.server_arg}")
     for n in args.workers:
         workers = Workers(n, model, args.server_arg)
         try:

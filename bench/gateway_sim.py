@@ -159,7 +159,7 @@ def simulate(n: int, args, routing: str) -> dict:
             queued += 1                              # first worker to free room, the least busy one
             choice = Choice(min((w.view for w in workers), key=lambda v: v.active), 0)
         w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
-        w.view.routed(len(ids), 0)
+        w.view.routed(len(ids))
         cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)
         w.take_events()
         seen += 1

@@ -23,5 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
     server = from_args(KVCacheServerConfig, args, "kvserve kvcache")
     manager = from_args(ManagerConfig, args, "kvserve kvcache")
-    asyncio.run(serve(list(server.listen), manager, grace_s=server.grace_s))
+    try:
+        asyncio.run(serve(manager, server))
+    except ValueError as exc:   # an address it cannot serve on
+        raise SystemExit(f"kvserve kvcache: {exc}") from None
     return 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.services.plumbing.auth import read_token
 from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.tls import ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 
@@ -15,9 +17,23 @@ class KVCacheServerConfig:
     listen: tuple[str, ...] = option((DEFAULT_LISTEN,), f"host:port or unix:///path; repeat to listen on "
                                                         f"several (default {DEFAULT_LISTEN})", metavar="ADDR")
     grace_s: float = option(5.0, "seconds in-flight calls get on SIGTERM", flag="--grace-period")
+    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+                                 metavar="HOST:PORT")
+    tls_cert: str = option("", "PEM certificate to serve TLS with on TCP addresses (Unix sockets stay "
+                               "plaintext; default: plaintext)", metavar="FILE")
+    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+    admin_token_file: str = option("", "file holding a token that lets a caller beyond this pod use the write "
+                                       "RPCs (`authorization: Bearer TOKEN`); without it only a Unix socket or "
+                                       "loopback may", metavar="FILE")
 
     def __post_init__(self) -> None:
         if not self.listen:
             raise ValueError("--listen: give at least one address")
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        self.server_tls()
+        read_token(self.admin_token_file)
+
+    def server_tls(self) -> ServerTLS | None:
+        return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)

@@ -8,10 +8,12 @@ status codes here, by the one table both sides read (contract/status.py).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
+from prometheus_client import Histogram
 
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -27,8 +29,9 @@ T = TypeVar("T")
 
 
 class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, step_seconds: Histogram) -> None:
         self.m = manager
+        self.step_seconds = step_seconds
         self._events = manager.events
         self._wake = asyncio.Event()  # replaced after each set: a broadcast to event watchers
         self._last_event = self._events.last
@@ -69,13 +72,18 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
                                    cpu_pages=c.cpu_pages, max_seqs=c.max_seqs)
 
     async def Step(self, request, context):
-        plan = await self._run(context, lambda: self.m.step(convert.step_request_from_pb(request)))
-        return convert.step_plan_to_pb(plan)
+        return await self._step(request, context)
 
     async def StepStream(self, request_iterator, context):
         async for request in request_iterator:
-            plan = await self._run(context, lambda: self.m.step(convert.step_request_from_pb(request)))
-            yield convert.step_plan_to_pb(plan)
+            yield await self._step(request, context)
+
+    async def _step(self, request, context) -> pb.StepResponse:
+        start = time.perf_counter()
+        plan = await self._run(context, lambda: self.m.step(convert.step_request_from_pb(request)))
+        out = convert.step_plan_to_pb(plan)
+        self.step_seconds.observe(time.perf_counter() - start)
+        return out
 
     async def CanAllocate(self, request, context):
         check = await self._run(context, lambda: self.m.can_allocate(convert.need_from_pb(request.need)))

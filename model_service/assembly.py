@@ -26,6 +26,7 @@ from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
+from kvserve.services.plumbing.auth import read_token
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,8 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[
 def _connect(cfg: ModelServiceConfig, num_pages: int, page_size: int) -> KVClient:
     if cfg.kvcache == "inprocess":
         return InProcessKVClient(KVCacheManager(cfg.manager_config(num_pages, page_size)))
-    client = RemoteKVClient(cfg.kvcache, timeout_s=cfg.manager_timeout_s)
+    client = RemoteKVClient(cfg.kvcache, timeout_s=cfg.manager_timeout_s, tls=cfg.kvcache_tls(),
+                            token=read_token(cfg.kvcache_token_file))
     client.wait_ready(cfg.kvcache_timeout_s)
     return client
 

@@ -13,14 +13,15 @@ import grpc
 
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVCacheEvents"].full_name
 
 
 class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
-    def __init__(self, kvcache: str) -> None:
+    def __init__(self, kvcache: str, tls: ClientTLS | None = None) -> None:
         """`kvcache`: the manager's address, or "inprocess" (then there is nothing to relay)."""
-        self._channel = None if kvcache == "inprocess" else grpc.aio.insecure_channel(kvcache)
+        self._channel = None if kvcache == "inprocess" else aio_channel(kvcache, tls)
 
     async def WatchEvents(self, request, context):
         if self._channel is None:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
+from kvserve.services.plumbing.auth import ApiKeys, read_token
 from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_KVCACHE = "127.0.0.1:50061"
@@ -75,6 +77,23 @@ class ModelServiceConfig:
                                           "flight, before health says NOT_SERVING", flag="--stall-timeout")
     grace_s: float = option(5.0, "seconds to drain on SIGTERM: in-flight requests finish, then end "
                                  "with UNAVAILABLE", flag="--grace-period")
+    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+                                 metavar="HOST:PORT")
+    # Security: TLS on TCP addresses, API keys, and the link to the manager.
+    tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
+    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+    api_keys: str = option("", "file of `KEY TENANT` lines: every Inference call needs `authorization: Bearer "
+                               "KEY`; each tenant's prefix cache is its own; re-read on SIGHUP", metavar="FILE")
+    trust_tenant_metadata: bool = option(False, "take the tenant from `kvserve-tenant` metadata (a worker "
+                                                "behind a gateway that checks keys; guard it with mutual TLS "
+                                                "or a private address)")
+    kvcache_tls_ca: str = option("", "PEM CA that signed the manager's certificate: reach it over TLS",
+                                 metavar="FILE")
+    kvcache_tls_cert: str = option("", "PEM client certificate for the manager (mutual TLS)", metavar="FILE")
+    kvcache_tls_key: str = option("", "PEM private key of --kvcache-tls-cert", metavar="FILE")
+    kvcache_token_file: str = option("", "file holding the manager's admin token, for a manager beyond this "
+                                         "pod (its write RPCs refuse other callers)", metavar="FILE")
     # Limits on each request, checked before any work is done for it.
     max_request_bytes: int = option(8 << 20, "largest request message, e.g. 8MiB", parse=parse_bytes)
     max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
@@ -126,6 +145,21 @@ class ModelServiceConfig:
         one_of("preemption_mode", PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
+        if self.api_keys and self.trust_tenant_metadata:
+            raise ValueError("--api-keys and --trust-tenant-metadata: a front service checks keys, a worker "
+                             "behind a gateway trusts its metadata; give one")
+        # Read the files now: a wrong path fails here, before the model loads.
+        self.server_tls()
+        self.kvcache_tls()
+        if self.api_keys:
+            ApiKeys(self.api_keys)
+        read_token(self.kvcache_token_file)
+
+    def server_tls(self) -> ServerTLS | None:
+        return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def kvcache_tls(self) -> ClientTLS | None:
+        return ClientTLS.of(self.kvcache_tls_ca, self.kvcache_tls_cert, self.kvcache_tls_key, prefix="--kvcache-tls")
 
     def manager_config(self, num_pages: int, page_size: int, max_seqs: int | None = None) -> ManagerConfig:
         """The manager this model service needs, once its page pool is sized: the same pages,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvserve.kvcache_service.contract.hashing import tenant_extra_key
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import InvalidRequest
 from kvserve.model_service import prompt_tokens
@@ -56,7 +57,7 @@ class RequestBuilder:
         self.lanes = lanes or TokenizerLanes(stack.config.tokenizer_threads)
         self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
 
-    async def build(self, msg, request_id: str) -> Request:
+    async def build(self, msg, request_id: str, tenant: str = "") -> Request:
         self.check_limits(msg, request_id)
         params = self._params(msg.sampling)
         prompt = await self._input_ids(msg)
@@ -68,7 +69,7 @@ class RequestBuilder:
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                                f"{len(prompt) + max_tokens} exceeds the model length {limit}")
-        salt = self.config.cache_salt
+        salt = tenant_extra_key(self.config.cache_salt, tenant)
         if not self.config.prefix_caching:
             salt = f"{salt}\x00{request_id}"  # pages of one request only: nothing is ever shared
         request = Request(request_id, prompt, max_tokens, params, extra_key=salt)

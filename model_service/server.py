@@ -14,6 +14,9 @@ from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import HealthReporter
+from kvserve.model_service.metrics import ServiceMetrics
+from kvserve.services.plumbing.auth import ApiKeys, RequireApiKey
+from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -25,19 +28,26 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     relay = EventRelay(asyncio.get_running_loop())
     # The executor's thread only waits; torch runs on one that ends.
     stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
+    servicer = None
     try:
         await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
-        servicer = InferenceServicer(stack, relay)
-        servicer.cache_events = CacheEventsServicer(config.kvcache)
+        keys = ApiKeys(config.api_keys) if config.api_keys else None
+        servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats), keys)
+        if config.metrics_listen:
+            servicer.metrics_endpoint = serve_metrics(config.metrics_listen, servicer.metrics.registry)
+        servicer.cache_events = CacheEventsServicer(config.kvcache, config.kvcache_tls())
         specs = [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME),
                  ServiceSpec(kv_pb_grpc.add_KVCacheEventsServicer_to_server, servicer.cache_events,
                              EVENTS_SERVICE_NAME)]
+        guards = [RequireApiKey(keys, {SERVICE_NAME, EVENTS_SERVICE_NAME})] if keys else []
         running = await _create(config.listen, specs, options={
-            "grpc.max_receive_message_length": config.max_request_bytes})
+            "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards)
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
         servicer.health.start()
         return running, servicer
     except Exception:
+        if servicer is not None:
+            servicer.close()
         stack.engine.stop()
         stack.kv.close()
         raise
@@ -66,7 +76,9 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
 
 async def serve(config: ModelServiceConfig) -> None:
     running, servicer = await create_server(config)
-    log.info("model service on %s", running.address)
+    log.info("model service on %s%s", running.address, " (TLS)" if config.tls_cert else "")
+    if servicer.keys is not None:
+        servicer.keys.reload_on_sighup()
     try:
         await wait_for_signal(running.server, config.grace_s)
         await drain(running, servicer, config.grace_s)

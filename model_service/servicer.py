@@ -17,30 +17,37 @@ import grpc
 from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import KVCacheError
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import Unavailable
+from kvserve.model_service.engine.errors import InvalidRequest, RequestFailed, Unauthenticated, Unavailable
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
+from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
+from kvserve.services.plumbing.auth import TENANT_METADATA, ApiKeys, bearer_token, metadata_value
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
+MAX_TENANT_CHARS = 256
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, stack, relay: EventRelay) -> None:
+    def __init__(self, stack, relay: EventRelay, metrics: ServiceMetrics, keys: ApiKeys | None = None) -> None:
         self.stack = stack
+        self.metrics = metrics
+        self.keys = keys   # --api-keys: a key's tenant keeps its own prefix cache
+        self._tenants: dict[str, str] = {}   # request id -> tenant, for the requests in flight
         self.engine = stack.engine
         self.lanes = TokenizerLanes(stack.config.tokenizer_threads)
         self.builder = RequestBuilder(stack, self.lanes)
         self.draining = False
         self.health = None   # the HealthReporter, once the server runs (server.py)
         self.cache_events = None   # the CacheEventsServicer served beside this one (server.py)
+        self.metrics_endpoint = None   # where Prometheus scrapes self.metrics, when asked (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
 
     def drain(self) -> None:
@@ -49,6 +56,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def close(self) -> None:
         self.lanes.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
 
     async def Generate(self, request, context):
         events: asyncio.Queue = asyncio.Queue()
@@ -56,27 +65,57 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if self.draining:
                 raise Unavailable("the server is draining: it takes no new requests (another worker, "
                                   "or this one once restarted, will)")
-            req = await self.builder.build(request, request.request_id or uuid.uuid4().hex)
+            tenant = self._tenant(context)
+            req = await self.builder.build(request, request.request_id or uuid.uuid4().hex, tenant)
             self.engine.submit(req, self._relay.sink(events))
+            self._tenants[req.request_id] = tenant
         except Exception as exc:
             await abort(context, as_request_failed(exc, "building the request failed"))
         finished = False
+        clock = self.metrics.stream()
         try:
             while not finished:
                 event = await events.get()
                 batch = [event]
                 while not events.empty():  # coalesce what piled up while the client was slow
                     batch.append(events.get_nowait())
+                for event in batch:
+                    if isinstance(event, Tokens):
+                        clock.tokens(len(event.token_ids))
+                    elif isinstance(event, Finished):
+                        clock.finished(event)
                 for message, finished, failure in _to_messages(req.request_id, batch):
                     if failure is not None:
                         await abort(context, failure)
                     yield message
         finally:
+            self._tenants.pop(req.request_id, None)
             if not finished:  # cancelled, deadline, client gone: free the pages now
                 self.engine.cancel(req.request_id)
 
+    def _tenant(self, context) -> str:
+        """Whose prefix cache the request uses: its key's tenant, a trusted front's metadata, or
+        the deployment's ("")."""
+        metadata = context.invocation_metadata()
+        if self.keys is not None:
+            tenant = self.keys.tenant(bearer_token(metadata))
+            if tenant is None:   # the key left the file since the interceptor saw it (SIGHUP)
+                raise Unauthenticated("unknown API key")
+            return tenant
+        if self.stack.config.trust_tenant_metadata:
+            tenant = metadata_value(metadata, TENANT_METADATA) or ""
+            if len(tenant) > MAX_TENANT_CHARS:
+                raise InvalidRequest(f"{TENANT_METADATA} metadata is longer than {MAX_TENANT_CHARS} characters")
+            return tenant
+        return ""
+
     async def Cancel(self, request, context):
-        if not self.engine.cancel(request.request_id):
+        try:
+            tenant = self._tenant(context)
+        except RequestFailed as exc:
+            await abort(context, exc)
+        # another tenant's request is, to this caller, no request at all
+        if self._tenants.get(request.request_id, tenant) != tenant or not self.engine.cancel(request.request_id):
             shown = request.request_id if len(request.request_id) <= 64 else request.request_id[:64] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()

@@ -17,6 +17,7 @@ from kvserve.model_service.engine.errors import (
     InvalidRequest,
     QueueFull,
     RequestFailed,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -27,6 +28,7 @@ STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     InternalError: grpc.StatusCode.INTERNAL,
 }
 

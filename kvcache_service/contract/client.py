@@ -21,6 +21,7 @@ from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import InvalidArgument
 from kvserve.kvcache_service.contract.status import error_from_rpc
 from kvserve.kvcache_service.contract.types import Stats, StepPlan, StepRequest
+from kvserve.services.plumbing.tls import ClientTLS, channel as tls_channel
 
 # gRPC's default reconnect backoff grows to two minutes; a restarted manager is found sooner.
 _CHANNEL_OPTIONS = [
@@ -89,9 +90,12 @@ class InProcessKVClient:
 class RemoteKVClient:
     """A KVCacheManager service at `address` (host:port or unix:///path)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout_s: float = 30.0, tls: ClientTLS | None = None, token: str = "") -> None:
+        """`tls`: reach a TCP address over TLS; `token`: the manager's admin token, for one beyond
+        this pod (its write RPCs refuse other callers: services/plumbing/auth.py)."""
+        self._channel = tls_channel(address, tls, _CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVCacheManagerStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout_s
         self._stream: _StepStream | None = None
         self.address = address
@@ -107,7 +111,8 @@ class RemoteKVClient:
         """Waits for the channel up to `timeout_s` (default: the client's timeout)."""
         try:
             self._stub.Register(pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
-                                timeout=self._timeout if timeout_s is None else timeout_s, wait_for_ready=True)
+                                timeout=self._timeout if timeout_s is None else timeout_s, wait_for_ready=True,
+                                metadata=self._metadata)
         except grpc.RpcError as exc:
             error = error_from_rpc(exc, self.address)
             if isinstance(error, InvalidArgument):
@@ -120,7 +125,7 @@ class RemoteKVClient:
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         """One Step over the long-lived StepStream (opened on first use, reopened after an error)."""
         if self._stream is None:
-            self._stream = _StepStream(self._stub)
+            self._stream = _StepStream(self._stub, self._metadata)
         stream = self._stream
         stream.send(convert.step_request_to_pb(request))
 
@@ -160,9 +165,9 @@ class RemoteKVClient:
 class _StepStream:
     """Request in, response out, over one bidirectional stream: no per-call setup."""
 
-    def __init__(self, stub) -> None:
+    def __init__(self, stub, metadata: tuple = ()) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._responses = stub.StepStream(iter(self._requests.get, None))
+        self._responses = stub.StepStream(iter(self._requests.get, None), metadata=metadata)
 
     def send(self, request) -> None:
         self._requests.put(request)

@@ -106,3 +106,10 @@ def extra_key_digest(extra_key: str) -> str:
     """16 hex digits naming an extra_key without showing it: a gateway compares its own with a
     worker's (ModelInfo.extra_key_digest) before trusting its hashes to match the worker's."""
     return sha256(extra_key.encode("utf-8")).digest()[:8].hex()
+
+
+def tenant_extra_key(salt: str, tenant: str) -> str:
+    """The extra_key of a tenant's requests: the deployment's salt and the tenant together, so two
+    tenants never share a page (a shared page would tell one, through its time to first token,
+    what the other sent). The gateway and the worker both call this: their hashes agree."""
+    return f"{salt}\x00tenant:{tenant}" if tenant else salt

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kvcache_service.contract.client import KVClient
 from kvserve.kvcache_service.contract.errors import FailedPrecondition, ManagerUnavailable
@@ -63,6 +63,7 @@ class EngineCounters:
     aborted: int = 0
     failed: int = 0            # ended with an error (the manager lost too long, shutdown, a bug)
     manager_losses: int = 0    # times the manager went away and the engine re-admitted its requests
+    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
     # seconds per phase of the step, since start
     schedule_s: float = 0.0
     manager_s: float = 0.0
@@ -99,8 +100,8 @@ class Engine:
         self.stall_timeout_s = stall_timeout_s
         # A new epoch on every start and every reconnection: the manager drops stale tables.
         self.link = ManagerLink(kv, scheduler_config.page_size, num_pages, manager_timeout_s)
-        self.scheduler = Scheduler(scheduler_config)
         self.counters = EngineCounters()
+        self.scheduler = Scheduler(scheduler_config, preemptions=self.counters.preemptions)
         self.progress = Progress()
         self._watchdog = Watchdog(self.progress, self.link, lambda: bool(self._live), stall_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -291,7 +292,7 @@ class Engine:
         log.exception("%s (incident %s); ending the %d requests in flight", what, error.incident, len(self._live))
         self._fail_all(error)
         self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
-        self.scheduler = Scheduler(self.scheduler.config)
+        self.scheduler = Scheduler(self.scheduler.config, preemptions=self.counters.preemptions)
         try:
             self.link.register(self.link.timeout_s)
             self.scheduler.epoch = self.link.epoch
@@ -398,9 +399,10 @@ class Engine:
             self._live.pop(r.request_id, None)
         if r.unsent:
             self._send_tokens(r)
+        queued = ((r.scheduled_at or now) - r.arrival) * 1e3
         r.sink(Finished(reason, r.num_prompt, r.num_output, r.cached_tokens or 0, ttft,
                         (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
-                        stop if isinstance(stop, int) else None))
+                        stop if isinstance(stop, int) else None, queued))
 
     def _fail_all(self, error: RequestFailed) -> None:
         """Ends every live request with `error`; pages they hold go back in the next step."""

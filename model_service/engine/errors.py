@@ -24,6 +24,10 @@ class DuplicateRequest(RequestFailed):
     """A request with this id is already in flight."""
 
 
+class Unauthenticated(RequestFailed):
+    """No API key, or one the server does not know."""
+
+
 class Unavailable(RequestFailed):
     """This worker cannot serve now (its KV-cache manager is unreachable, it is draining or
     shutting down); another worker, or this one later, can."""

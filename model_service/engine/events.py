@@ -34,6 +34,7 @@ class Finished:
     total_ms: float
     stop: str = ""                     # the stop string that ended it
     stop_token_id: int | None = None   # or the stop token / EOS
+    queue_ms: float = 0.0              # arrival to first admitted
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class Request:
     cached_tokens: int | None = None  # prefix-cache hit at the first admission
     aborted: bool = False
     finish_reason: str | None = None
+    scheduled_at: float | None = None   # first admitted: the end of its time in the queue
     first_token_at: float | None = None
     unsent: list = field(default_factory=list)  # (token, text, logprobs) sampled, not yet streamed
     sink: Any = None                 # Callable[[Event], None], set by the engine's submit

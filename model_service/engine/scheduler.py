@@ -22,6 +22,7 @@ each request asked for); the manager answers with its *plan* (StepPlan).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,9 +82,11 @@ class Proposal:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, epoch: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, epoch: int = 0, preemptions: dict[str, int] | None = None) -> None:
         self.config = config
         self.epoch = epoch
+        # requests preempted, by mode; the engine's counters hold the dict, so it outlives a scheduler
+        self.preemptions = preemptions if preemptions is not None else {m.name.lower(): 0 for m in PreemptionMode}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # running order: admitted or resumed, oldest first
         self.swapped: deque[Request] = deque()
@@ -214,6 +217,7 @@ class Scheduler:
                 r.told_tokens = len(r.tokens)
                 if r.cached_tokens is None:
                     r.cached_tokens = result.cached_tokens
+                    r.scheduled_at = time.monotonic()
                 self.waiting.remove(r)
                 self.by_seq[r.seq_id] = r
                 self._start(r)
@@ -241,6 +245,7 @@ class Scheduler:
             if r is None:  # admitted and preempted within this step: it never left waiting
                 continue
             gone.add(r)
+            self.preemptions[p.mode.name.lower()] += 1
             (self.running if r.status is Status.RUNNING else self.swapped).remove(r)
             if p.mode is PreemptionMode.SWAP:
                 r.status = Status.SWAPPED

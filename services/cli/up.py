@@ -30,7 +30,12 @@ from pathlib import Path
 from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
+from prometheus_client import CollectorRegistry
+
+from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
+from kvserve.services.plumbing.address import free_local_port
+from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
 log = logging.getLogger("kvserve.up")
@@ -75,10 +80,18 @@ class Pair:
     config: ModelServiceConfig
     sizing: Path
     kv_listen: tuple[str, ...]
+    manager_metrics: str = ""   # the manager's private metrics address, when the stack serves metrics
 
     @classmethod
-    def make(cls, name: str, cli: list[str], config: ModelServiceConfig, tmp: Path, kv_listen: str | None) -> Pair:
+    def make(cls, name: str, cli: list[str], config: ModelServiceConfig, tmp: Path, kv_listen: str | None,
+             metrics: StackMetrics | None) -> Pair:
         sizing = tmp / f"{name}-sizing.json"
+        labels = {"worker": name} if name != "worker" else {}
+        manager_metrics = ""
+        if metrics is not None:   # each process serves its own series privately; `up` serves them together
+            config, manager_metrics = replace(config, metrics_listen=free_local_port()), free_local_port()
+            metrics.add(config.metrics_listen, **labels)
+            metrics.add(manager_metrics, **labels)
         # The engine reaches the manager over a private Unix socket; a --kvcache-listen TCP
         # address stays open beside it for everyone else (grpcurl).
         link = kv_listen if kv_listen and kv_listen.startswith("unix:") else f"unix://{tmp}/{name}-kv.sock"
@@ -86,10 +99,13 @@ class Pair:
         listen = tuple(dict.fromkeys((kv_listen, link))) if kv_listen else (link,)
         suffix = f" of {name}" if name != "worker" else ""
         return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)]),
-                   Child(f"the KV-cache manager{suffix}", []), config, sizing, listen)
+                   Child(f"the KV-cache manager{suffix}", []), config, sizing, listen, manager_metrics)
 
     def start_manager(self, cli: list[str], size: dict, max_seqs: int | None) -> None:
-        server = KVCacheServerConfig(listen=self.kv_listen)
+        # TLS for a TCP --kvcache-listen; the model service's link is a Unix socket
+        server = KVCacheServerConfig(listen=self.kv_listen, metrics_listen=self.manager_metrics,
+                                     tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
+                                     tls_client_ca=self.config.tls_client_ca)
         sized = self.config.manager_config(size["num_pages"], size["page_size"], max_seqs)
         self.manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
         self.manager.start()
@@ -109,17 +125,37 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    metrics = StackMetrics() if model_config.metrics_listen else None
+    endpoint = None
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
         if up.workers:
-            pairs = [Pair.make(f"worker-{i}", cli, replace(model_config, listen=f"unix://{tmp}/worker-{i}.sock"),
-                               Path(tmp), None) for i in range(up.workers)]
+            # The gateway is the front: it serves TLS and checks keys; the workers, on private
+            # sockets, take each request's tenant from it.
+            worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="",
+                                    trust_tenant_metadata=bool(model_config.api_keys))
+            pairs = [Pair.make(f"worker-{i}", cli, replace(worker_config, listen=f"unix://{tmp}/worker-{i}.sock"),
+                               Path(tmp), None, metrics) for i in range(up.workers)]
+            gateway_metrics = []
+            if metrics is not None:
+                gateway_metrics = ["--metrics-listen", free_local_port()]
+                metrics.add(gateway_metrics[1])
+            front = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
+                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys") if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,
-                                                  "--cache-salt", model_config.cache_salt,
+                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics, *front,
                                                   *[a for p in pairs for a in ("--worker", p.config.listen)]])
         else:
-            pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen)]
+            pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics)]
             gateway = None
+        if metrics is not None:
+            registry = CollectorRegistry()
+            registry.register(metrics)
+            try:
+                endpoint = serve_metrics(model_config.metrics_listen, registry)
+            except ValueError as exc:
+                log.error("%s", exc)
+                return 2
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:
@@ -150,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
                 pair.model.stop(model_config.grace_s + 10)
             for pair in pairs:
                 pair.manager.stop(10)
+            if endpoint is not None:
+                endpoint.close()
 
 
 def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict) -> dict | None:

@@ -24,5 +24,8 @@ def run(args: argparse.Namespace) -> int:
     config = from_args(GatewayConfig, args, "kvserve gateway")
     if not config.worker and not config.workers_dns:
         raise SystemExit("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:   # an address it cannot serve on
+        raise SystemExit(f"kvserve gateway: {exc}") from None
     return 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.services.plumbing.auth import ApiKeys
 from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50050"
 ROUTINGS = ("cache", "round-robin", "random")
@@ -38,6 +40,18 @@ class GatewayConfig:
                                     flag="--poll-interval")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
+    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+                                 metavar="HOST:PORT")
+    tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
+    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+    api_keys: str = option("", "file of `KEY TENANT` lines: every Inference call needs `authorization: Bearer "
+                               "KEY`; each tenant's prefix cache is its own at every worker; re-read on SIGHUP "
+                               "(the workers run with --trust-tenant-metadata)", metavar="FILE")
+    worker_tls_ca: str = option("", "PEM CA that signed the workers' certificates: reach them over TLS",
+                                metavar="FILE")
+    worker_tls_cert: str = option("", "PEM client certificate for the workers (mutual TLS)", metavar="FILE")
+    worker_tls_key: str = option("", "PEM private key of --worker-tls-cert", metavar="FILE")
 
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
@@ -58,3 +72,13 @@ class GatewayConfig:
             raise ValueError(f"--overlap-weight must not be negative, got {self.overlap_weight}")
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        self.server_tls()
+        self.worker_tls()
+        if self.api_keys:
+            ApiKeys(self.api_keys)
+
+    def server_tls(self) -> ServerTLS | None:
+        return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def worker_tls(self) -> ClientTLS | None:
+        return ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key, prefix="--worker-tls")

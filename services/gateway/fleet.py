@@ -9,12 +9,13 @@ import logging
 import random
 from collections import OrderedDict
 
-from kvserve.kvcache_service.contract.hashing import page_hashes
+from kvserve.kvcache_service.contract.hashing import page_hashes, tenant_extra_key
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import SERVING, Worker
+from kvserve.services.plumbing.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,9 @@ MAX_SESSIONS = 100_000
 
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
-                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 2) -> None:
+                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 2,
+                 worker_tls: ClientTLS | None = None) -> None:
+        self.worker_tls = worker_tls
         self.balance_slack = balance_slack
         self.cache_salt = cache_salt
         self.routing = routing
@@ -39,6 +42,7 @@ class Fleet:
         self._closing: set[asyncio.Task] = set()   # channels of removed workers, closed once idle
         self._sessions: OrderedDict[str, str] = OrderedDict()   # session id -> worker address
         self._prompt_tokens_seen = 0
+        self.migrations = 0   # streams moved off a failed worker
         self._requests_seen = 0
 
     # ------------------------------------------------------------ membership
@@ -46,7 +50,7 @@ class Fleet:
     def add(self, address: str) -> None:
         if address in self.workers:
             return
-        worker = Worker.connect(address)
+        worker = Worker.connect(address, self.worker_tls)
         self.workers[address] = worker
         follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off)
         self._followers[address] = follower
@@ -94,9 +98,10 @@ class Fleet:
         sizes = {w.info.page_size for w in self.workers.values() if w.info is not None}
         return min(sizes) if sizes else None
 
-    def hashes(self, ids: list[int]) -> list[int]:
+    def hashes(self, ids: list[int], tenant: str = "") -> list[int]:
+        """The pages' hashes as the worker computes them: the same salt, the same tenant."""
         ps = self.page_size
-        return page_hashes(ids, ps, extra_key=self.cache_salt) if ps and ids else []
+        return page_hashes(ids, ps, extra_key=tenant_extra_key(self.cache_salt, tenant)) if ps and ids else []
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None) -> Choice | None:
         ps = self.page_size
@@ -124,7 +129,7 @@ class Fleet:
             choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
         if choice is not None:
             w = choice.worker
-            choice = Choice(w, choice.matched_pages, w.routed(len(ids), choice.matched_pages * ps))
+            choice = Choice(w, choice.matched_pages, w.routed(len(ids)))
             self._prompt_tokens_seen += len(ids)
             self._requests_seen += 1
             if session_id:

@@ -22,6 +22,7 @@ from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
 from kvserve.services.gateway.worker import Worker
+from kvserve.services.plumbing.auth import TENANT_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class Refused(Exception):
 
 class Relay:
     def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
-                 migration_limit: int, no_worker_timeout_s: float = 30.0) -> None:
+                 migration_limit: int, no_worker_timeout_s: float = 30.0, tenant: str = "") -> None:
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.tenant = tenant   # whose prefix cache: in the hashes here, in metadata to the worker
+        self._metadata = ((TENANT_METADATA, tenant),) if tenant else ()
         self.fleet = fleet
         self.request = request
         self.request_id = request_id
@@ -84,7 +87,7 @@ class Relay:
         def hashes_for() -> list[int]:   # once per page size (known once a worker has answered)
             ps = fleet.page_size
             if ps not in hashes:
-                hashes[ps] = fleet.hashes(self.ids)
+                hashes[ps] = fleet.hashes(self.ids, self.tenant)
             return hashes[ps]
 
         sent: list[int] = []
@@ -112,11 +115,12 @@ class Relay:
                 msg.continuation.ids.extend(sent)
             self.worker, self._moved = worker, False
             worker.relays.add(self)
-            self._call = call = worker.inference.Generate(msg, timeout=time_left())
+            self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
             try:
                 async for response in call:
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
+                        worker.hit_tokens += response.prefill_done.cached_tokens
                         if prefill_sent:
                             continue
                         prefill_sent = True
@@ -150,6 +154,7 @@ class Relay:
                               f"{moves} times, as many as --migration-limit allows")
             moves += 1
             worker.migrated_away += 1
+            self.fleet.migrations += 1
             avoid = worker
             log.warning("request %s: worker %s failed (%s); going on elsewhere from %d streamed tokens (move %d)",
                         self.request_id, worker.address, why, len(sent), moves)

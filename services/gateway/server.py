@@ -15,8 +15,11 @@ from kvserve.services.gateway.config import GatewayConfig
 from kvserve.services.gateway.discovery import follow_dns
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.inputs import Inputs
+from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from kvserve.services.gateway.waiting import WaitQueue
+from kvserve.services.plumbing.auth import ApiKeys, RequireApiKey
+from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ class Gateway:
     servicer: GatewayServicer
     fleet: Fleet
     tasks: list[asyncio.Task]
+    metrics_endpoint: MetricsEndpoint | None = None
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -37,25 +41,32 @@ class Gateway:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.fleet.close()
         self.servicer.inputs.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
 
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
-    queue = WaitQueue(config.max_queued)
+    metrics = GatewayMetrics()
+    queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
-                  config.routing, config.balance_slack)
+                  config.routing, config.balance_slack, config.worker_tls())
     for address in config.worker:
         fleet.add(address)
+    keys = ApiKeys(config.api_keys) if config.api_keys else None
     servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit,
-                               config.no_worker_timeout_s)
+                               config.no_worker_timeout_s, keys)
+    metrics.follow(fleet, asyncio.get_running_loop())
+    endpoint = serve_metrics(config.metrics_listen, metrics.registry) if config.metrics_listen else None
     running = await _create(config.listen, [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
                                                         SERVICE_NAME)], options={
-        "grpc.max_receive_message_length": 64 << 20})
+        "grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
+        interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [])
     tasks = [asyncio.create_task(_report_health(running, fleet, servicer), name="gateway health")]
     if config.workers_dns:
         tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
                                          name="gateway dns"))
-    return Gateway(running, servicer, fleet, tasks)
+    return Gateway(running, servicer, fleet, tasks, endpoint)
 
 
 async def _report_health(running: RunningServer, fleet: Fleet, servicer: GatewayServicer) -> None:
@@ -76,6 +87,8 @@ async def _report_health(running: RunningServer, fleet: Fleet, servicer: Gateway
 
 async def serve(config: GatewayConfig) -> None:
     gateway = await create_gateway(config)
+    if gateway.servicer.keys is not None:
+        gateway.servicer.keys.reload_on_sighup()
     log.info("gateway on %s, %d workers given%s", gateway.running.address, len(config.worker),
              f", following {config.workers_dns}" if config.workers_dns else "")
     try:

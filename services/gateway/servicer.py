@@ -15,6 +15,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
+from kvserve.services.plumbing.auth import ApiKeys, bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,10 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
-    def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int, no_worker_timeout_s: float = 30.0) -> None:
+    def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int, no_worker_timeout_s: float = 30.0,
+                 keys: ApiKeys | None = None) -> None:
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.keys = keys   # --api-keys: each key's tenant has its own prefix cache at the workers
         self.fleet = fleet
         self.inputs = inputs
         self.migration_limit = migration_limit
@@ -34,6 +37,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            tenant = self._tenant(context)
             if self.draining:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
             if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -47,7 +51,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
             await context.abort(exc.code, exc.message)
-        relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s)
+        relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[request_id] = relay
         try:
             async for response in relay.run(context.time_remaining):
@@ -60,8 +64,19 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             del self.relays[request_id]
             self.fleet.queue.stream_ended()
 
+    def _tenant(self, context) -> str:
+        if self.keys is None:
+            return ""
+        tenant = self.keys.tenant(bearer_token(context.invocation_metadata()))
+        if tenant is None:   # the key left the file since the interceptor saw it (SIGHUP)
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        return tenant
+
     async def Cancel(self, request, context):
         relay = self.relays.get(request.request_id)
+        if relay is not None and self.keys is not None and relay.tenant != self.keys.tenant(
+                bearer_token(context.invocation_metadata())):
+            relay = None   # another tenant's request: as if there were none
         if relay is None or not await relay.cancel():
             shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 
 class QueueFull(Exception):
@@ -19,17 +20,19 @@ class QueueFull(Exception):
 
 
 class Waiter:
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "since")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self.since = time.monotonic()
 
 
 class WaitQueue:
     WINDOW_S = 60.0
 
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, on_leave: Callable[[float], None] | None = None) -> None:
         self.max_queued = max_queued
+        self.on_leave = on_leave   # given the seconds each waiter waited
         self._waiters: deque[Waiter] = deque()
         self._changed = asyncio.Event()
         self._ends: deque[float] = deque()   # when streams ended, within WINDOW_S
@@ -54,6 +57,8 @@ class WaitQueue:
             self._waiters.remove(waiter)
         except ValueError:
             return
+        if self.on_leave is not None:
+            self.on_leave(time.monotonic() - waiter.since)
         self.wake()   # everyone behind moved up
 
     def position(self, waiter: Waiter) -> int:

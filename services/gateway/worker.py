@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2_grpc
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
 
@@ -42,14 +43,14 @@ class Worker:
     events_live: bool = False
     hashes_match: bool = True   # its extra_key is ours: the index may route to its cache
     requests_routed: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0       # prompt tokens its cache held, as its PrefillDone events said
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
 
     @classmethod
-    def connect(cls, address: str) -> Worker:
-        return cls(address, grpc.aio.insecure_channel(address, options=[
+    def connect(cls, address: str, tls: ClientTLS | None = None) -> Worker:
+        return cls(address, aio_channel(address, tls, [
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]))
 
@@ -81,14 +82,13 @@ class Worker:
         self.routed_at = [t for t in self.routed_at if t >= load.asked_at]
         self.ended_since_report = 0
 
-    def routed(self, prompt_tokens: int, hit_tokens: int) -> float:
+    def routed(self, prompt_tokens: int) -> float:
         """Counts a request sent here; returns its mark for ended()."""
         now = time.monotonic()
         self.routed_at.append(now)
         self.last_routed = now
         self.requests_routed += 1
         self.prompt_tokens += prompt_tokens
-        self.hit_tokens += hit_tokens
         return now
 
     def ended(self, mark: float) -> None:

@@ -147,3 +147,11 @@ def _parse_port(text: str, port_text: str) -> int:
 
 def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_local_port() -> str:
+    """127.0.0.1:PORT with a port free right now, for a child process to listen on (a private
+    endpoint its parent reads; another process could take it first, which the child reports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvserve.services.plumbing.address import ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,16 @@ async def create_server(
     *,
     max_workers: int | None = None,
     options: Mapping[str, Any] | None = None,
+    tls: ServerTLS | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Build, bind and start a server for ``services`` on ``address`` (or on each of
     several addresses, e.g. TCP for the world and a Unix socket for a sidecar).
 
     ``max_workers`` sizes the thread pool that runs non-async handlers (None:
-    gRPC's default); ``options`` override DEFAULT_OPTIONS key by key. Raises
+    gRPC's default); ``options`` override DEFAULT_OPTIONS key by key; ``tls``
+    serves every TCP address over TLS (Unix sockets stay plaintext: tls.py);
+    ``interceptors`` see every call first (auth.py). Raises
     ValueError for a malformed address or service list, BindError when the
     address cannot be bound.
     """
@@ -94,6 +99,7 @@ async def create_server(
     server = grpc.aio.server(
         migration_thread_pool=pool,
         options=list({**DEFAULT_OPTIONS, **(options or {})}.items()),
+        interceptors=list(interceptors),
     )
     for spec in specs:
         spec.add_to_server(spec.servicer, server)
@@ -103,7 +109,7 @@ async def create_server(
     )
     bound = []
     for listen, text in zip(listens, wanted):
-        bound.append(listen.with_port(await _bind(server, listen, text)))
+        bound.append(listen.with_port(await _bind(server, listen, text, tls)))
     await server.start()
     log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
     return RunningServer(server, bound[0], health, tuple(bound))
@@ -191,11 +197,14 @@ async def _add_health(server: grpc.aio.Server, names: list[str]) -> health_aio.H
     return health
 
 
-async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str) -> int:
+async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str, tls: ServerTLS | None) -> int:
     if listen.is_unix:
         remove_stale_socket(listen.unix_path)
     try:
-        port = server.add_insecure_port(listen.grpc_target())
+        if tls is not None and not listen.is_unix:
+            port = server.add_secure_port(listen.grpc_target(), tls.credentials())
+        else:
+            port = server.add_insecure_port(listen.grpc_target())
     except RuntimeError as exc:  # grpcio raises here; older versions returned 0
         port, cause = 0, exc
     else:

@@ -1,0 +1,113 @@
+"""The model service's Prometheus series, named as vLLM names them under a `kvserve:` prefix.
+
+State (requests running / waiting / swapped, cache usage) and the engine's running totals are read
+when Prometheus scrapes, so the engine's step pays nothing for them. Per-request histograms are
+observed where a stream's events reach the server's loop (servicer.py): what a client sees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.model_service.engine.events import Finished
+from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS,
+                                                      TOKEN_LATENCY_BUCKETS)
+
+
+class ServiceMetrics:
+    def __init__(self, engine, kv_stats: Callable[[], object]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token, per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvserve:inter_token_latency_seconds", "Time between a request's tokens, per token",
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to the last token, per request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvserve:request_queue_time_seconds", "Arrival to first scheduled, per request",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt = Histogram("kvserve:request_prompt_tokens", "Prompt tokens per request",
+                                buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.generation = Histogram("kvserve:request_generation_tokens", "Generated tokens per request",
+                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.success = Counter("kvserve:request_success", "Requests finished, by why they finished",
+                               ["finished_reason"], registry=r)
+        r.register(_EngineState(engine, kv_stats))
+
+    def stream(self) -> StreamClock:
+        return StreamClock(self)
+
+
+class StreamClock:
+    """One Generate call's timings: the gaps between its tokens, and its Finished."""
+
+    __slots__ = ("metrics", "last")
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        now = time.monotonic()
+        if self.last is not None and n:
+            gap = (now - self.last) / n   # tokens that came together share the wait
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last = now
+
+    def finished(self, f: Finished) -> None:
+        m = self.metrics
+        if f.completion_tokens:
+            m.ttft.observe(f.ttft_ms / 1e3)
+        m.e2e.observe(f.total_ms / 1e3)
+        m.queue.observe(f.queue_ms / 1e3)
+        m.prompt.observe(f.prompt_tokens)
+        m.generation.observe(f.completion_tokens)
+        m.success.labels(f.reason).inc()
+
+
+class _EngineState:
+    """Read at each scrape: the engine's counts and totals, and the manager's page use."""
+
+    def __init__(self, engine, kv_stats: Callable[[], object]) -> None:
+        self.engine = engine
+        self.kv_stats = kv_stats
+
+    def describe(self):
+        return []   # names known only at collect(); nothing to check at registration
+
+    def collect(self):
+        e, c = self.engine, self.engine.counters
+        yield GaugeMetricFamily("kvserve:num_requests_running", "Requests in the running batch", value=e.num_running)
+        yield GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting for pages", value=e.num_waiting)
+        yield GaugeMetricFamily("kvserve:num_requests_swapped", "Requests swapped to CPU pages", value=e.num_swapped)
+        reachable = GaugeMetricFamily("kvserve:manager_reachable", "1 while the KV-cache manager answers")
+        try:
+            stats = self.kv_stats()
+        except Exception:   # the manager is away: its series are left out of this scrape
+            reachable.add_metric([], 0)
+        else:
+            reachable.add_metric([], 0 if e.link.lost else 1)
+            yield GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Share of KV pages held by live requests "
+                                    "(0 to 1)", value=stats.used_pages / max(1, stats.total_pages))
+        yield reachable
+        yield CounterMetricFamily("kvserve:prompt_tokens", "Prompt tokens admitted", value=c.prompt_tokens)
+        yield CounterMetricFamily("kvserve:generation_tokens", "Tokens generated", value=c.generated_tokens)
+        yield CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=c.prompt_tokens)
+        yield CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=c.cached_tokens)
+        preemptions = CounterMetricFamily("kvserve:num_preemptions", "Requests preempted, by what they lost",
+                                          labels=["mode"])
+        for mode, n in c.preemptions.items():
+            preemptions.add_metric([mode], n)
+        yield preemptions
+        yield CounterMetricFamily("kvserve:request_failures", "Requests ended by an error (the manager lost "
+                                  "too long, shutdown)", value=c.failed)
+        yield CounterMetricFamily("kvserve:manager_losses", "Times the KV-cache manager went away and its "
+                                  "requests were re-admitted", value=c.manager_losses)
+        yield CounterMetricFamily("kvserve:engine_steps", "Engine iterations", value=c.steps)

@@ -1,0 +1,72 @@
+"""The gateway's Prometheus series: per worker what it was sent and what its cache saved, its
+state and load as last reported; the queue's length and waits; migrations. Read on the gateway's
+loop, where the fleet lives, when Prometheus scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, STARTING
+from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS
+
+SCRAPE_TIMEOUT_S = 2.0
+STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_wait = Histogram("kvserve:gateway_queue_wait_seconds", "Time a request waited in the gateway's "
+                                    "queue for a worker with room", buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def follow(self, fleet: Fleet, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry.register(_FleetState(fleet, loop))
+
+
+class _FleetState:
+    def __init__(self, fleet: Fleet, loop: asyncio.AbstractEventLoop) -> None:
+        self.fleet = fleet
+        self.loop = loop
+
+    def describe(self):
+        return []
+
+    async def _snapshot(self):
+        index = self.fleet.index
+        return len(self.fleet.queue), self.fleet.migrations, [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
+                                        w.prompt_tokens, w.hit_tokens, index.pages_of(w.address))
+                                       for w in self.fleet.workers.values()]
+
+    def collect(self):
+        queued, migrations, workers = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(SCRAPE_TIMEOUT_S)
+        yield GaugeMetricFamily("kvserve:gateway_queue_length", "Requests waiting in the gateway's queue",
+                                value=queued)
+        state = GaugeMetricFamily("kvserve:gateway_worker_state", "1 for each worker's state", labels=["worker", "state"])
+        running = GaugeMetricFamily("kvserve:gateway_worker_requests_running", "Requests running at the worker, "
+                                    "as it last reported", labels=["worker"])
+        waiting = GaugeMetricFamily("kvserve:gateway_worker_requests_waiting", "Requests waiting at the worker, "
+                                    "as it last reported", labels=["worker"])
+        pages = GaugeMetricFamily("kvserve:gateway_worker_indexed_pages", "The worker's pages in the gateway's "
+                                  "prefix index", labels=["worker"])
+        routed = CounterMetricFamily("kvserve:gateway_routed_requests", "Requests sent to the worker",
+                                     labels=["worker"])
+        prompt = CounterMetricFamily("kvserve:gateway_prompt_tokens", "Prompt tokens of the requests sent to the "
+                                     "worker", labels=["worker"])
+        hits = CounterMetricFamily("kvserve:gateway_hit_tokens", "Prompt tokens the worker found in its cache",
+                                   labels=["worker"])
+        for address, st, run, wait, n, p, h, indexed in workers:
+            for s in STATES:
+                state.add_metric([address, s], 1 if s == st else 0)
+            running.add_metric([address], run)
+            waiting.add_metric([address], wait)
+            pages.add_metric([address], indexed)
+            routed.add_metric([address], n)
+            prompt.add_metric([address], p)
+            hits.add_metric([address], h)
+        yield from (state, running, waiting, pages, routed, prompt, hits)
+        yield CounterMetricFamily("kvserve:gateway_migrations", "Streams moved to another worker after theirs "
+                                  "failed mid-stream", value=migrations)

@@ -1,0 +1,58 @@
+"""Prometheus text over HTTP (`--metrics-listen HOST:PORT`, path /metrics), one registry per
+process: only kvserve's own series, so `kvserve up` can serve several processes' series at one
+address without two of them claiming the same name.
+
+    registry = CollectorRegistry()
+    endpoint = serve_metrics("127.0.0.1:0", registry)
+    endpoint.address   # "127.0.0.1:41234"
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+
+from kvserve.services.plumbing.address import parse_address
+
+log = logging.getLogger(__name__)
+
+disable_created_metrics()   # no `_created` series beside every counter and histogram
+
+# Seconds: from a millisecond (a cached one-token reply) to ten minutes (a long generation).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# Per token, finer: decode steps take milliseconds.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass
+class MetricsEndpoint:
+    server: WSGIServer
+    thread: threading.Thread
+    address: str
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(listen: str, registry: CollectorRegistry, tls_cert: str = "", tls_key: str = "") -> MetricsEndpoint:
+    """Serves `registry` on `listen` (host:port; port 0 picks one) from a daemon thread; HTTPS when
+    a certificate and key are given. Raises ValueError for an address it cannot serve on."""
+    address = parse_address(listen)
+    if address.is_unix:
+        raise ValueError(f"--metrics-listen must be host:port (Prometheus scrapes over TCP), got {listen!r}")
+    try:
+        server, thread = start_http_server(address.port, addr=address.host, registry=registry,
+                                           certfile=tls_cert or None, keyfile=tls_key or None)
+    except OSError as exc:
+        raise ValueError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
+    endpoint = MetricsEndpoint(server, thread, address.with_port(server.server_port))
+    log.info("metrics on http%s://%s/metrics", "s" if tls_cert else "", endpoint.address)
+    return endpoint

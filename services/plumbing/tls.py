@@ -1,0 +1,92 @@
+"""TLS for kvserve's servers and channels: certificates from PEM files, checked when read, so a
+wrong path or a key without its certificate fails at start with a sentence, not at the first
+connection.
+
+TLS covers TCP addresses. A Unix socket is reachable only on its host (in Kubernetes, inside the
+pod) and its file permissions guard it, so servers serve it in plaintext beside their TLS ports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{what} {path!r} is not PEM (no -----BEGIN line)")
+    return data
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    cert: str
+    key: str
+    client_ca: str = ""   # require client certificates signed by this CA (mutual TLS)
+
+    @classmethod
+    def of(cls, cert: str, key: str, client_ca: str = "", prefix: str = "--tls") -> ServerTLS | None:
+        """None when no certificate is given (plaintext); ValueError for half a pair."""
+        if not cert and not key:
+            if client_ca:
+                raise ValueError(f"{prefix}-client-ca needs {prefix}-cert and {prefix}-key")
+            return None
+        if not (cert and key):
+            raise ValueError(f"give both {prefix}-cert and {prefix}-key")
+        tls = cls(cert, key, client_ca)
+        tls.credentials()   # read now: a bad file fails the start
+        return tls
+
+    def credentials(self) -> grpc.ServerCredentials:
+        pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
+        ca = _read(self.client_ca, "client CA") if self.client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    ca: str = ""            # the CA that signed the server's certificate ("": the system's roots)
+    cert: str = ""          # this client's certificate and key, for mutual TLS
+    key: str = ""
+    server_name: str = ""   # the name to check the server's certificate against, when not the address's
+
+    @classmethod
+    def of(cls, ca: str = "", cert: str = "", key: str = "", enabled: bool = False, server_name: str = "",
+           prefix: str = "--tls") -> ClientTLS | None:
+        """None for plaintext: no file given and TLS not asked for."""
+        if bool(cert) != bool(key):
+            raise ValueError(f"give both {prefix}-cert and {prefix}-key, or neither")
+        if not (ca or cert or enabled):
+            return None
+        tls = cls(ca, cert, key, server_name)
+        tls.credentials()
+        return tls
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "CA certificate") if self.ca else None,
+            private_key=_read(self.key, "TLS key") if self.key else None,
+            certificate_chain=_read(self.cert, "TLS certificate") if self.cert else None)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.Channel:
+    """A blocking channel: TLS when `tls` is given and the address is TCP."""
+    if tls is None or address.startswith("unix:"):
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
+def aio_channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.aio.Channel:
+    """An asyncio channel: TLS when `tls` is given and the address is TCP."""
+    if tls is None or address.startswith("unix:"):
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])

@@ -1,0 +1,31 @@
+"""The gateway's /metrics: per worker what it was sent and what its cache saved, worker states,
+the queue."""
+
+from __future__ import annotations
+
+import random
+
+from tests.gateway.conftest import make_fleet
+from tests.metrics.scrape import scrape, value
+from tests.service.util import generate, greedy, request
+
+
+def test_routed_requests_and_hit_tokens_per_worker(tiny_dirs):
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, metrics_listen="127.0.0.1:0"):
+        address = fleet.gateway.gateway.metrics_endpoint.address
+        rng = random.Random(8)
+        prompt = [rng.randrange(3, 1024) for _ in range(48)]
+        outs = [generate(fleet.stub, request(token_ids=prompt, **greedy(4))) for _ in range(3)]
+        samples = scrape(address)
+        workers = [w.address for w in fleet.workers]
+        routed = {w: value(samples, "kvserve:gateway_routed_requests_total", worker=w) for w in workers}
+        hits = {w: value(samples, "kvserve:gateway_hit_tokens_total", worker=w) for w in workers}
+        assert sum(routed.values()) == 3
+        assert sum(hits.values()) == sum(o.prefill.cached_tokens for o in outs) > 0
+        assert sum(value(samples, "kvserve:gateway_prompt_tokens_total", worker=w) for w in workers) == 3 * 48
+        for w in workers:
+            assert value(samples, "kvserve:gateway_worker_state", worker=w, state="serving") == 1
+            assert value(samples, "kvserve:gateway_worker_state", worker=w, state="down") == 0
+        assert value(samples, "kvserve:gateway_queue_length") == 0
+        assert value(samples, "kvserve:gateway_migrations_total") == 0
+        assert value(samples, "kvserve:gateway_queue_wait_seconds_count") == 0

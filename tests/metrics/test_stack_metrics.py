@@ -1,0 +1,65 @@
+"""`kvserve up --metrics-listen`: the manager's series and the model service's at one address;
+with several workers, each worker's series carry its name."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.cli.stack_metrics import StackMetrics
+from kvserve.services.plumbing.metrics_server import serve_metrics
+from tests.metrics.scrape import scrape, value
+from tests.service.processes import free_port, kvserve, terminate, wait_serving
+from tests.service.util import generate, greedy, request, wait_until
+
+
+def test_children_series_are_served_together_with_their_worker_label():
+    endpoints = []
+    try:
+        stack = StackMetrics()
+        for name in ("worker-0", "worker-1"):
+            registry = CollectorRegistry()
+            Counter("kvserve:prompt_tokens", "x", registry=registry).inc(len(name) + int(name[-1]))
+            endpoints.append(serve_metrics("127.0.0.1:0", registry))
+            stack.add(endpoints[-1].address, worker=name)
+        stack.add(f"127.0.0.1:{free_port()}", worker="gone")   # a child restarting: left out, no error
+        registry = CollectorRegistry()
+        registry.register(stack)
+        endpoints.append(serve_metrics("127.0.0.1:0", registry))
+        samples = scrape(endpoints[-1].address)
+        assert value(samples, "kvserve:prompt_tokens_total", worker="worker-0") == 8
+        assert value(samples, "kvserve:prompt_tokens_total", worker="worker-1") == 9
+        assert not any(dict(labels).get("worker") == "gone" for _, labels in samples)
+    finally:
+        for e in endpoints:
+            e.close()
+
+
+@pytest.mark.slow
+def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
+    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                   f"127.0.0.1:{free_port()}", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
+                   "--metrics-listen", metrics, "--log-level", "warning")
+    try:
+        wait_serving(address, proc)
+        rng = random.Random(2)
+        prompt = [rng.randrange(3, 1024) for _ in range(30)]
+        with grpc.insecure_channel(address) as ch:
+            for _ in range(2):
+                generate(pb_grpc.InferenceStub(ch), request(token_ids=prompt, **greedy(5)))
+        wait_until(lambda: value(scrape(metrics), "kvserve:kv_pages_used") == 0, what="the pages released")
+        samples = scrape(metrics)
+        assert value(samples, "kvserve:kv_pages_total") == 256
+        assert value(samples, "kvserve:kv_pages_cached") > 0
+        assert value(samples, "kvserve:kv_step_seconds_count") > 0
+        assert value(samples, "kvserve:kv_prefix_hit_tokens_total") > 0
+        assert value(samples, "kvserve:prefix_cache_hits_total") == value(samples, "kvserve:kv_prefix_hit_tokens_total")
+        assert value(samples, "kvserve:time_to_first_token_seconds_count") == 2
+        assert value(samples, "kvserve:num_requests_running") == 0
+    finally:
+        terminate(proc)
