@@ -25,6 +25,6 @@ def run(args: argparse.Namespace) -> int:
     manager = from_args(ManagerConfig, args, "kvserve kvcache")
     try:
         asyncio.run(serve(manager, server))
-    except ValueError as exc:   # an address it cannot serve on
+    except ValueError as exc:   # an address it cannot serve on, a certificate or key file it cannot read
         raise SystemExit(f"kvserve kvcache: {exc}") from None
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.services.plumbing.auth import read_token
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -33,7 +32,6 @@ class KVCacheServerConfig:
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
         self.server_tls()
-        read_token(self.admin_token_file)
 
     def server_tls(self) -> ServerTLS | None:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)

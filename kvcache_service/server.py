@@ -11,7 +11,8 @@ from kvserve.kvcache_service.core.manager import KVCacheManager
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.kvcache_service.metrics import ManagerMetrics
 from kvserve.kvcache_service.servicer import SERVICE_NAME, KVCacheServicer
-from kvserve.services.plumbing.auth import LocalOrAdmin, read_token
+from kvserve.services.plumbing.api_keys import read_token
+from kvserve.services.plumbing.auth import LocalOrAdmin
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, serve_until_signal

@@ -26,7 +26,7 @@ from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
-from kvserve.services.plumbing.auth import read_token
+from kvserve.services.plumbing.api_keys import read_token
 
 log = logging.getLogger(__name__)
 

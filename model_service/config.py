@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.auth import ApiKeys, read_token
+from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -79,6 +79,8 @@ class ModelServiceConfig:
                                  "with UNAVAILABLE", flag="--grace-period")
     metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
                                  metavar="HOST:PORT")
+    http_listen: str = option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                  "/v1/models, /health) on HOST:PORT (default: off)", metavar="HOST:PORT")
     # Security: TLS on TCP addresses, API keys, and the link to the manager.
     tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
     tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
@@ -148,9 +150,14 @@ class ModelServiceConfig:
         if self.api_keys and self.trust_tenant_metadata:
             raise ValueError("--api-keys and --trust-tenant-metadata: a front service checks keys, a worker "
                              "behind a gateway trusts its metadata; give one")
-        # Read the files now: a wrong path fails here, before the model loads.
         self.server_tls()
         self.kvcache_tls()
+
+    def check_files(self) -> None:
+        """Read every file the flags name: a wrong path fails here, before the model loads."""
+        for tls in (self.server_tls(), self.kvcache_tls()):
+            if tls is not None:
+                tls.credentials()
         if self.api_keys:
             ApiKeys(self.api_keys)
         read_token(self.kvcache_token_file)

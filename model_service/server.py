@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.model_service.assembly import build_on_a_thread_that_ends
@@ -15,7 +16,9 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import HealthReporter
 from kvserve.model_service.metrics import ServiceMetrics
-from kvserve.services.plumbing.auth import ApiKeys, RequireApiKey
+from kvserve.services.plumbing.api_keys import ApiKeys
+from kvserve.services.plumbing.auth import RequireApiKey
+from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, InferenceServicer]:
     """A started server (the engine running) on config.listen; port 0 picks a free port."""
     # The engine hands each step's events to this loop at once, through the relay.
+    config.check_files()
     relay = EventRelay(asyncio.get_running_loop())
     # The executor's thread only waits; torch runs on one that ends.
     stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
@@ -40,10 +44,16 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
                  ServiceSpec(kv_pb_grpc.add_KVCacheEventsServicer_to_server, servicer.cache_events,
                              EVENTS_SERVICE_NAME)]
         guards = [RequireApiKey(keys, {SERVICE_NAME, EVENTS_SERVICE_NAME})] if keys else []
-        running = await _create(config.listen, specs, options={
+        # The HTTP front calls this server over a private socket: plaintext (TLS is on the HTTP
+        # side), with the caller's key as metadata.
+        private = _private_socket() if config.http_listen else None
+        running = await _create([config.listen, *([private] if private else [])], specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards)
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
         servicer.health.start()
+        if private:
+            servicer.http_front = await HttpFront.start(config.http_listen, private, config.server_tls(),
+                                                        config.max_request_bytes)
         return running, servicer
     except Exception:
         if servicer is not None:
@@ -83,7 +93,13 @@ async def serve(config: ModelServiceConfig) -> None:
         await wait_for_signal(running.server, config.grace_s)
         await drain(running, servicer, config.grace_s)
         await servicer.cache_events.close()
+        if servicer.http_front is not None:
+            await servicer.http_front.stop()
     finally:
         servicer.engine.stop()
         servicer.close()
         servicer.stack.kv.close()
+
+
+def _private_socket() -> str:
+    return f"unix://{tempfile.mkdtemp(prefix='kvserve-http-')}/grpc.sock"

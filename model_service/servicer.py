@@ -25,7 +25,7 @@ from kvserve.model_service.request_builder import RequestBuilder
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
-from kvserve.services.plumbing.auth import TENANT_METADATA, ApiKeys, bearer_token, metadata_value
+from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token, metadata_value
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -48,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.health = None   # the HealthReporter, once the server runs (server.py)
         self.cache_events = None   # the CacheEventsServicer served beside this one (server.py)
         self.metrics_endpoint = None   # where Prometheus scrapes self.metrics, when asked (server.py)
+        self.http_front = None   # the OpenAI-compatible HTTP front, when asked (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
 
     def drain(self) -> None:

@@ -48,6 +48,8 @@ class ModelServerThread(LoopThread):
             self.call(self.running.server.stop(None))
             self.call(self.servicer.health.stop())
             self.call(self.servicer.cache_events.close())
+            if self.servicer.http_front is not None:
+                self.call(self.servicer.http_front.stop())
         finally:
             self.servicer.engine.stop()
             self.servicer.close()

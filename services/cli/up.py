@@ -117,6 +117,10 @@ class Pair:
 def run(args: argparse.Namespace) -> int:
     up = from_args(UpConfig, args, "kvserve up")
     model_config = from_args(ModelServiceConfig, args, "kvserve up")   # refused here, before anything starts
+    try:
+        model_config.check_files()
+    except ValueError as exc:
+        raise SystemExit(f"kvserve up: {exc}") from None
     cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
     stop = {"signal": None}
 
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if up.workers:
             # The gateway is the front: it serves TLS and checks keys; the workers, on private
             # sockets, take each request's tenant from it.
-            worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="",
+            worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="", http_listen="",
                                     trust_tenant_metadata=bool(model_config.api_keys))
             pairs = [Pair.make(f"worker-{i}", cli, replace(worker_config, listen=f"unix://{tmp}/worker-{i}.sock"),
                                Path(tmp), None, metrics) for i in range(up.workers)]
@@ -140,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
                 gateway_metrics = ["--metrics-listen", free_local_port()]
                 metrics.add(gateway_metrics[1])
             front = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
-                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys") if getattr(model_config, name)]
+                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen")
+                     if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,
                                                   "--cache-salt", model_config.cache_salt, *gateway_metrics, *front,

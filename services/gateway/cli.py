@@ -26,6 +26,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
     try:
         asyncio.run(serve(config))
-    except ValueError as exc:   # an address it cannot serve on
+    except ValueError as exc:   # an address it cannot serve on, a certificate or key file it cannot read
         raise SystemExit(f"kvserve gateway: {exc}") from None
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.services.plumbing.auth import ApiKeys
+from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -42,6 +42,8 @@ class GatewayConfig:
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
                                  metavar="HOST:PORT")
+    http_listen: str = option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                  "/v1/models, /health) on HOST:PORT (default: off)", metavar="HOST:PORT")
     tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
     tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
     tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
@@ -74,6 +76,12 @@ class GatewayConfig:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
         self.server_tls()
         self.worker_tls()
+
+    def check_files(self) -> None:
+        """Read every file the flags name: a wrong path fails at start, with a sentence."""
+        for tls in (self.server_tls(), self.worker_tls()):
+            if tls is not None:
+                tls.credentials()
         if self.api_keys:
             ApiKeys(self.api_keys)
 

@@ -22,7 +22,7 @@ from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
 from kvserve.services.gateway.worker import Worker
-from kvserve.services.plumbing.auth import TENANT_METADATA
+from kvserve.services.plumbing.api_keys import TENANT_METADATA
 
 log = logging.getLogger(__name__)
 

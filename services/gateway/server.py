@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
@@ -18,7 +19,9 @@ from kvserve.services.gateway.inputs import Inputs
 from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.plumbing.auth import ApiKeys, RequireApiKey
+from kvserve.services.http.server import HttpFront
+from kvserve.services.plumbing.api_keys import ApiKeys
+from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
@@ -34,6 +37,7 @@ class Gateway:
     fleet: Fleet
     tasks: list[asyncio.Task]
     metrics_endpoint: MetricsEndpoint | None = None
+    http_front: HttpFront | None = None
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -43,9 +47,12 @@ class Gateway:
         self.servicer.inputs.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+        if self.http_front is not None:
+            await self.http_front.stop()
 
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
+    config.check_files()
     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
     metrics = GatewayMetrics()
     queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
@@ -58,7 +65,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                                config.no_worker_timeout_s, keys)
     metrics.follow(fleet, asyncio.get_running_loop())
     endpoint = serve_metrics(config.metrics_listen, metrics.registry) if config.metrics_listen else None
-    running = await _create(config.listen, [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
+    private = f"unix://{tempfile.mkdtemp(prefix='kvserve-http-')}/grpc.sock" if config.http_listen else None
+    running = await _create([config.listen, *([private] if private else [])], [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
                                                         SERVICE_NAME)], options={
         "grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
         interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [])
@@ -66,7 +74,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     if config.workers_dns:
         tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
                                          name="gateway dns"))
-    return Gateway(running, servicer, fleet, tasks, endpoint)
+    http = await HttpFront.start(config.http_listen, private, config.server_tls()) if private else None
+    return Gateway(running, servicer, fleet, tasks, endpoint, http)
 
 
 async def _report_health(running: RunningServer, fleet: Fleet, servicer: GatewayServicer) -> None:

@@ -15,7 +15,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
-from kvserve.services.plumbing.auth import ApiKeys, bearer_token
+from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
-"""TLS for kvserve's servers and channels: certificates from PEM files, checked when read, so a
-wrong path or a key without its certificate fails at start with a sentence, not at the first
-connection.
+"""TLS for kvserve's servers and channels: certificates from PEM files. A key without its
+certificate is refused when the config is made; the files are read (and a wrong path or a file
+that is not PEM refused, with a sentence) when a server starts or, for a client, when it first
+connects: a config's check_files() reads them all up front.
 
 TLS covers TCP addresses. A Unix socket is reachable only on its host (in Kubernetes, inside the
 pod) and its file permissions guard it, so servers serve it in plaintext beside their TLS ports.
@@ -9,8 +10,11 @@ pod) and its file permissions guard it, so servers serve it in plaintext beside 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
+
 
 
 def _read(path: str, what: str) -> bytes:
@@ -39,11 +43,10 @@ class ServerTLS:
             return None
         if not (cert and key):
             raise ValueError(f"give both {prefix}-cert and {prefix}-key")
-        tls = cls(cert, key, client_ca)
-        tls.credentials()   # read now: a bad file fails the start
-        return tls
+        return cls(cert, key, client_ca)
 
     def credentials(self) -> grpc.ServerCredentials:
+        import grpc   # here, not at the top: configs import this module, and `kvserve --help` loads no gRPC
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         ca = _read(self.client_ca, "client CA") if self.client_ca else None
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
@@ -64,11 +67,10 @@ class ClientTLS:
             raise ValueError(f"give both {prefix}-cert and {prefix}-key, or neither")
         if not (ca or cert or enabled):
             return None
-        tls = cls(ca, cert, key, server_name)
-        tls.credentials()
-        return tls
+        return cls(ca, cert, key, server_name)
 
     def credentials(self) -> grpc.ChannelCredentials:
+        import grpc
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca, "CA certificate") if self.ca else None,
             private_key=_read(self.key, "TLS key") if self.key else None,
@@ -80,6 +82,7 @@ class ClientTLS:
 
 def channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.Channel:
     """A blocking channel: TLS when `tls` is given and the address is TCP."""
+    import grpc
     if tls is None or address.startswith("unix:"):
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
@@ -87,6 +90,7 @@ def channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> 
 
 def aio_channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.aio.Channel:
     """An asyncio channel: TLS when `tls` is given and the address is TCP."""
+    import grpc
     if tls is None or address.startswith("unix:"):
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])

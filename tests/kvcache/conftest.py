@@ -30,10 +30,11 @@ RPC_TIMEOUT_S = 5.0
 class ServerThread(LoopThread):
     """The manager's create_server(...) on a private event loop in a daemon thread."""
 
-    def __init__(self, address: str, config: ManagerConfig) -> None:
+    def __init__(self, address: str, config: ManagerConfig, server=None) -> None:
+        """`server`: a KVCacheServerConfig (TLS, the admin token); its listen is ignored."""
         super().__init__("kvcache-grpc-server")
         try:
-            running, manager = self.call(create_server(address, config), timeout=10)
+            running, manager = self.call(create_server(address, config, server), timeout=10)
         except BaseException:
             self.close()
             raise

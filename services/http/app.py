@@ -1,0 +1,193 @@
+"""The ASGI app (Starlette): each route a call to the Inference service this front stands beside,
+over its private channel. The client's `Authorization: Bearer KEY` goes along as gRPC metadata,
+so keys, tenants and their caches work exactly as over gRPC; gRPC status codes come back as
+OpenAI's error shapes. A client that disconnects cancels its call, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.http.translate import HttpError, Reply, chat_request, completion_request
+
+log = logging.getLogger(__name__)
+
+HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+           grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+           grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+           grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+           grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+           grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+           grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+           grpc.StatusCode.CANCELLED: (499, "cancelled"),
+           grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+           grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout")}
+
+
+def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
+    status, kind = HTTP_OF.get(exc.code(), (500, "server_error"))
+    return HttpError(status, exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+
+
+def error_response(err: HttpError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+class Front:
+    """What the routes share: the channel to the Inference service and the limits."""
+
+    def __init__(self, channel: grpc.aio.Channel, max_body_bytes: int) -> None:
+        self.stub = pb_grpc.InferenceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.max_body_bytes = max_body_bytes
+        self.model_name: str | None = None
+
+    @staticmethod
+    def metadata(request: Request) -> tuple:
+        auth = request.headers.get("authorization")
+        return (("authorization", auth),) if auth else ()
+
+    async def body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise HttpError(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise HttpError(413, f"the request body is larger than {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HttpError(499, "the client went away", "cancelled") from None
+        try:
+            body = json.loads(b"".join(chunks) or b"null")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(400, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        return body
+
+    async def model(self, request: Request) -> str:
+        if self.model_name is None:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata(request), timeout=30)
+            self.model_name = info.name
+        return self.model_name
+
+    # ------------------------------------------------------------ routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata(request), timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(from_rpc(exc))
+        self.model_name = info.name
+        return JSONResponse({"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
+                                                         "owned_by": "kvserve", "max_model_len": info.max_model_len}]})
+
+    async def health_check(self, request: Request) -> Response:
+        try:
+            answer = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            serving = False
+        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        try:
+            body = await self.body(request)
+            msg = completion_request(body) if kind == "completion" else chat_request(body)
+            model = await self.model(request)
+            asked = body.get("model")
+            if asked not in (None, "", model):
+                raise HttpError(404, f"the model `{asked}` does not exist; this server serves `{model}`",
+                                "not_found_error", "model", "model_not_found")
+            if "user" in body and isinstance(body["user"], str):
+                msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
+            call = self.stub.Generate(msg, metadata=self.metadata(request))
+            reply = Reply(kind, model)
+            stream = body.get("stream") is True
+            options = body.get("stream_options") or {}
+            events = self._events(call)
+            first = await anext(events, None)   # errors before the first event get their HTTP status
+        except HttpError as err:
+            return error_response(err)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(from_rpc(exc))
+        if not stream:
+            return await self._whole(events, first, reply)
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        return StreamingResponse(self._stream(call, events, first, reply, usage), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    @staticmethod
+    async def _events(call) -> AsyncIterator[pb.GenerateResponse]:
+        async for event in call:
+            if event.HasField("chunk") or event.HasField("finished"):
+                yield event
+
+    async def _whole(self, events, first, reply: Reply) -> Response:
+        try:
+            event = first
+            while event is not None:
+                if event.HasField("chunk"):
+                    reply.text.append(event.chunk.text)
+                else:
+                    reply.finished(event.finished)
+                event = await anext(events, None)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(from_rpc(exc))
+        return JSONResponse(reply.whole())
+
+    async def _stream(self, call, events, first, reply: Reply, usage: bool) -> AsyncIterator[bytes]:
+        try:
+            if reply.kind == "chat":
+                yield sse(reply.choice_chunk(role=True))
+            event = first
+            while event is not None:
+                if event.HasField("chunk"):
+                    if event.chunk.text:
+                        yield sse(reply.choice_chunk(event.chunk.text))
+                else:
+                    reply.finished(event.finished)
+                    yield sse(reply.choice_chunk(None if reply.kind == "chat" else "", reply.finish_reason))
+                    if usage:
+                        yield sse(reply.usage_chunk())
+                event = await anext(events, None)
+            yield sse("[DONE]")
+        except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
+            yield sse(from_rpc(exc).body())
+            yield sse("[DONE]")
+        finally:
+            call.cancel()   # the client went away (or the stream ended): nothing left running upstream
+
+
+def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20) -> Starlette:
+    front = Front(channel, max_body_bytes)
+    return Starlette(routes=[
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/health", front.health_check, methods=["GET"]),
+    ])

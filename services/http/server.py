@@ -1,0 +1,81 @@
+"""Serving the HTTP front with uvicorn inside the server's own asyncio loop, on a socket bound
+here (a busy port is a sentence, not uvicorn's exit), over TLS when the server has a certificate.
+
+    front = await HttpFront.start("127.0.0.1:8000", "unix:///tmp/.../grpc.sock")
+    ...
+    await front.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+
+import uvicorn
+
+from kvserve.services.http.app import make_app
+from kvserve.services.plumbing.address import parse_address
+from kvserve.services.plumbing.tls import ServerTLS, aio_channel
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield   # the process's own signal handling drains it (wait_for_signal), not uvicorn's
+
+
+class HttpFront:
+    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str) -> None:
+        self.server, self.task, self.channel, self.address = server, task, channel, address
+
+    @classmethod
+    async def start(cls, listen: str, target: str, tls: ServerTLS | None = None,
+                    max_body_bytes: int = 8 << 20) -> HttpFront:
+        """Serves on `listen` (host:port; 0 picks a port), calling the Inference service at `target`
+        (a private plaintext address of this process's gRPC server)."""
+        address = parse_address(listen)
+        if address.is_unix:
+            raise ValueError(f"--http-listen must be host:port, got {listen!r}")
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address.host, address.port))
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        channel = aio_channel(target, None, [("grpc.max_receive_message_length", 64 << 20)])
+        config = uvicorn.Config(make_app(channel, max_body_bytes), log_level="warning", lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=5,
+                                **(_tls_options(tls) if tls is not None else {}))
+        server = _Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]), name="http front")
+        while not server.started:
+            if task.done():
+                sock.close()
+                await channel.close()
+                raise ValueError(f"the HTTP front on {listen} did not start")
+            await asyncio.sleep(0.01)
+        bound = address.with_port(sock.getsockname()[1])
+        log.info("OpenAI-compatible HTTP on http%s://%s", "s" if tls else "", bound)
+        return cls(server, task, channel, bound)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10)
+        await self.channel.close()
+
+
+def _tls_options(tls: ServerTLS) -> dict:
+    options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if tls.client_ca:
+        options.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options

@@ -1,0 +1,182 @@
+"""OpenAI request bodies to GenerateRequests, and Inference events back to OpenAI's JSON shapes.
+Plain functions on dicts and protobuf messages; HttpError carries the status and the message a
+client reads, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from kvserve.inference.v1 import inference_pb2 as pb
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+# Fields of the OpenAI API kvserve does not do: refused by name rather than silently ignored.
+UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+               "response_format", "n_best")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise HttpError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise HttpError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def sampling(body: dict) -> pb.SamplingParams:
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise HttpError(400, f"'{name}' is not supported by this server", param=name)
+    n = _number(body, "n", int, 1, 1)
+    del n   # one choice per request: more would need several sequences (not yet)
+    out = pb.SamplingParams()
+    temperature = _number(body, "temperature", float, 0, 2)
+    if temperature is not None:
+        out.temperature = temperature
+    top_p = _number(body, "top_p", float, 0, 1)
+    if top_p is not None:
+        if top_p == 0:
+            raise HttpError(400, "'top_p' must be greater than 0", param="top_p")
+        out.top_p = top_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, float, -2, 2)
+        if value is not None:
+            setattr(out, name, value)
+    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    if max_tokens is not None:
+        out.max_tokens = max_tokens
+    seed = _number(body, "seed", int, 0, 2**63 - 1)
+    if seed is not None:
+        out.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        out.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        out.stop.extend(stop)
+    elif stop is not None:
+        raise HttpError(400, "'stop' must be a string or a list of strings", param="stop")
+    for name, field in (("top_k", "top_k"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
+        value = _number(body, name, float)   # vLLM's extensions, accepted as it accepts them
+        if value is not None:
+            setattr(out, field, int(value) if field == "top_k" else value)
+    if body.get("ignore_eos") is True:
+        out.ignore_eos = True
+    return out
+
+
+def completion_request(body: dict) -> pb.GenerateRequest:
+    prompt = body.get("prompt")
+    msg = pb.GenerateRequest(sampling=sampling(body))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # one prompt in a list, as the openai client sends
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        msg.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
+    else:
+        raise HttpError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+    if body.get("logprobs") is not None:
+        logprobs = _number(body, "logprobs", int, 0, 20)
+        msg.sampling.logprobs = logprobs
+    return msg
+
+
+def chat_request(body: dict) -> pb.GenerateRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "'messages' must be a non-empty list", param="messages")
+    msg = pb.GenerateRequest(sampling=sampling(body))
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):   # content parts: only text
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        msg.messages.messages.add(role=m["role"], content=content)
+    if body.get("logprobs") is True:
+        top = _number(body, "top_logprobs", int, 0, 20)
+        msg.sampling.logprobs = top or 0
+    return msg
+
+
+def usage(u: pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class Reply:
+    """One response being built: the id, the model, the text so far, how it finished."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind   # "completion" | "chat"
+        self.model = model
+        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "completion":
+            return "text_completion"
+        return "chat.completion.chunk" if chunk else "chat.completion"
+
+    def head(self, choices: list, chunk: bool) -> dict:
+        return {"id": self.id, "object": self._object(chunk), "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def choice_chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        if self.kind == "completion":
+            return self.head([{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}], True)
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return self.head([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], True)
+
+    def usage_chunk(self) -> dict:
+        out = self.head([], True)
+        out["usage"] = self.usage
+        return out
+
+    def whole(self) -> dict:
+        text = "".join(self.text)
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+        out = self.head([choice], False)
+        out["usage"] = self.usage
+        return out
+
+    def finished(self, f: pb.Finished) -> None:
+        self.finish_reason = FINISH.get(f.finish_reason, "stop")
+        self.usage = usage(f.usage)

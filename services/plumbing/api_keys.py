@@ -1,0 +1,105 @@
+"""API keys and tokens, read from files; no gRPC here (configs import it, and `kvserve --help`
+loads no gRPC).
+
+- ApiKeys: `--api-keys FILE`, one `KEY TENANT` per line (# comments), read again on SIGHUP; a
+  file that no longer parses leaves the keys in force as they were, and says why in the log.
+- read_token: an admin token from its file (a Kubernetes Secret mounted as a file).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AUTHORIZATION = "authorization"
+TENANT_METADATA = "kvserve-tenant"   # set by a trusted front (the gateway) for the worker behind it
+MAX_KEY_FILE_BYTES = 16 << 20
+
+
+def bearer_token(metadata) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` entry, if there is one."""
+    for key, value in metadata or ():
+        if key == AUTHORIZATION and isinstance(value, str):
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def metadata_value(metadata, name: str) -> str | None:
+    for key, value in metadata or ():
+        if key == name and isinstance(value, str):
+            return value
+    return None
+
+
+class ApiKeys:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._tenants = self._load()
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def _load(self) -> dict[str, str]:
+        try:
+            if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
+                raise ValueError(f"API key file {self.path!r} is larger than {MAX_KEY_FILE_BYTES >> 20} MiB")
+            text = Path(self.path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the API key file {self.path!r}: {exc.strerror or exc}") from None
+        tenants: dict[str, str] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) != 2:
+                raise ValueError(f"{self.path}:{number}: expected `KEY TENANT`, got {len(fields)} fields")
+            key, tenant = fields
+            if key in tenants:
+                raise ValueError(f"{self.path}:{number}: a key listed twice")
+            tenants[key] = tenant
+        if not tenants:
+            raise ValueError(f"the API key file {self.path!r} lists no key")
+        return tenants
+
+    def reload(self) -> None:
+        """Read the file again; keep the keys in force if it no longer parses."""
+        try:
+            tenants = self._load()
+        except ValueError as exc:
+            log.error("API keys not reloaded, the %d in force stay: %s", len(self._tenants), exc)
+            return
+        self._tenants = tenants
+        log.info("API keys reloaded from %s: %d keys", self.path, len(tenants))
+
+    def reload_on_sighup(self) -> None:
+        """From the main thread's running loop (the servers' serve())."""
+        import asyncio
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+
+    def tenant(self, key: str | None) -> str | None:
+        """The key's tenant; None for a missing or unknown key."""
+        if not key:
+            return None
+        tenant = self._tenants.get(key)
+        if tenant is None:
+            return None
+        return tenant
+
+
+
+def read_token(path: str, what: str = "admin token") -> str:
+    """A token from its file (a Kubernetes Secret mounted as a file), surrounding space removed."""
+    if not path:
+        return ""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"the {what} file {path!r} is empty")
+    return token

@@ -1,0 +1,171 @@
+"""The OpenAI-compatible HTTP front, driven by the real `openai` client: completions and chat,
+streamed and not, the same greedy tokens as over gRPC, usage with cached tokens, errors in
+OpenAI's shapes, keys as Bearer tokens, concurrent clients."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.gateway.conftest import make_fleet
+from tests.service.conftest import ModelServerThread
+from tests.service.util import generate, request
+
+PROMPT = "The quick brown fox jumps over"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def front(tiny_dirs):
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    with openai.OpenAI(base_url=f"http://{front.servicer.http_front.address}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_text(front, **input_) -> str:
+    with grpc.insecure_channel(front.address) as ch:
+        msg = request(temperature=0, max_tokens=12, **input_)
+        return generate(pb_grpc.InferenceStub(ch), msg).text
+
+
+def test_models_lists_the_served_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_completions_give_the_grpc_text_streamed_or_not(front, client, model):
+    expected = grpc_text(front, prompt=PROMPT)
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0   # the same prompt a third time
+
+
+def test_chat_gives_the_grpc_text_and_cached_tokens(front, client, model):
+    expected = grpc_text(front, messages=[(m["role"], m["content"]) for m in MESSAGES])
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_errors_come_in_openais_shapes(client, model):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=5)
+    assert "'temperature' must be in [0, 2]" in str(bad.value)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-5", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="model length"):   # the server's own check, as 400
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {}}}])
+
+
+def test_raw_http_edges(front):
+    base = f"http://{front.servicer.http_front.address}"
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    for body, status in ((b"{not json", 400), (b"[1, 2]", 400)):
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == status
+        assert "message" in json.loads(err.value.read())["error"]
+    # a body declared larger than the limit is refused before it is read
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(9 << 20))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and "larger than" in json.loads(response.read())["error"]["message"]
+    conn.close()
+
+
+def test_concurrent_clients_each_get_their_own_answer(front, client, model):
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+    expected = [grpc_text(front, prompt=p) for p in prompts]
+    got: list[str | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        chunks = client.completions.create(model=model, prompt=prompts[i], max_tokens=12, temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == expected
+
+
+def test_keys_are_bearer_tokens_over_http(tiny_dirs, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-a alpha\nkey-b beta\n")
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0", api_keys=str(keys))
+    try:
+        base = f"http://{server.servicer.http_front.address}/v1"
+        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+                c.models.list()
+        with openai.OpenAI(base_url=base, api_key="key-a", max_retries=0) as a, \
+                openai.OpenAI(base_url=base, api_key="key-b", max_retries=0) as b:
+            model = a.models.list().data[0].id
+            prompt = PROMPT * 4
+            first = a.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+            again = a.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+            other = b.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert other.usage.prompt_tokens_details.cached_tokens == 0   # beta never sees alpha's pages
+    finally:
+        server.stop()
+
+
+def test_the_gateway_serves_the_same_http_api(tiny_dirs):
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, http_listen="127.0.0.1:0"):
+        base = f"http://{fleet.gateway.gateway.http_front.address}/v1"
+        with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60) as c:
+            model = c.models.list().data[0].id
+            whole = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+            again = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+            chunks = list(again)
+        direct = generate(fleet.stub, request(messages=[(m["role"], m["content"]) for m in MESSAGES],
+                                              temperature=0, max_tokens=12)).text
+        assert whole.choices[0].message.content == direct
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == direct
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0   # routed to the worker holding it

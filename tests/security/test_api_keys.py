@@ -1,0 +1,152 @@
+"""API keys and tenants: no key or an unknown one is refused before any work; health stays open;
+each tenant's prefix cache is its own, at a lone model service and through the gateway, whose
+hashes are the worker's for every tenant; keys are re-read on SIGHUP."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.plumbing.api_keys import ApiKeys
+from tests.gateway.conftest import make_fleet
+from tests.gateway.test_gateway import tree_hashes
+from tests.service.conftest import ModelServerThread
+from tests.service.util import generate, greedy, request, rpc_error, wait_until
+
+KEYS = "key-a alpha\nkey-a2 alpha   # a second key of the same tenant\n\nkey-b beta\n"
+
+
+def bearer(key: str) -> tuple:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def run(stub, ids: list[int], key: str, n: int = 4, **extra):
+    out = []
+    for event in stub.Generate(request(token_ids=ids, **greedy(n), **extra), metadata=bearer(key), timeout=30):
+        out.append(event)
+    prefill = next(e.prefill_done for e in out if e.HasField("prefill_done"))
+    return prefill.cached_tokens, [t for e in out if e.HasField("chunk") for t in e.chunk.token_ids]
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text(KEYS)
+    server = ModelServerThread(tiny_dirs["tiny"], api_keys=str(path))
+    try:
+        yield server, path
+    finally:
+        server.stop()
+
+
+def test_no_key_or_an_unknown_one_is_refused_and_health_stays_open(keyed):
+    server, _ = keyed
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        err = rpc_error(lambda: generate(stub, request(token_ids=[5, 6, 7], **greedy(2))))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer KEY" in err.details()
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5, 6, 7], **greedy(2)),
+                                                   metadata=bearer("nope"), timeout=10)))
+        assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        err = rpc_error(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer("key-b"), timeout=10).vocab_size == 1024
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tenants_never_share_a_page(keyed):
+    server, _ = keyed
+    ids = [random.Random(1).randrange(3, 1024) for _ in range(40)]
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        first, tokens = run(stub, ids, "key-a")
+        assert first == 0
+        again, same = run(stub, ids, "key-a2")   # another key of the same tenant shares its cache
+        assert again > 0 and same == tokens
+        other, theirs = run(stub, ids, "key-b")
+        assert other == 0 and theirs == tokens   # the same tokens, none of alpha's pages
+        assert run(stub, ids, "key-a")[0] == again
+
+
+def test_another_tenants_request_cannot_be_cancelled(keyed):
+    server, _ = keyed
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        call = stub.Generate(request(token_ids=[9] * 10, request_id="alpha-1", **greedy(1500)),
+                             metadata=bearer("key-a"), timeout=60)
+        next(call)
+        err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="alpha-1"), metadata=bearer("key-b"),
+                                            timeout=10))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        stub.Cancel(pb.CancelRequest(request_id="alpha-1"), metadata=bearer("key-a2"), timeout=10)
+        events = list(call)
+        assert events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+
+
+def test_keys_are_read_again_and_a_broken_file_keeps_those_in_force(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    keys = ApiKeys(str(path))
+    assert (keys.tenant("key-a"), keys.tenant("key-b"), keys.tenant("key-c"), keys.tenant(None)) == \
+        ("alpha", "beta", None, None)
+    path.write_text("key-c gamma\n")
+    keys.reload()
+    assert (keys.tenant("key-a"), keys.tenant("key-c")) == (None, "gamma")
+    path.write_text("key-d\n")   # no tenant: refused, the keys in force stay
+    keys.reload()
+    assert keys.tenant("key-c") == "gamma"
+    for text, message in (("a b c\n", "expected `KEY TENANT`"), ("a x\na y\n", "a key listed twice"),
+                          ("# nothing\n", "lists no key")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            ApiKeys(str(path))
+
+
+def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(tiny_dirs, tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, worker_config={"trust_tenant_metadata": True},
+                            api_keys=str(path)):
+        ids = [random.Random(2).randrange(3, 1024) for _ in range(40)]
+        err = rpc_error(lambda: generate(fleet.stub, request(token_ids=ids, **greedy(2))))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        first, tokens = run(fleet.stub, ids, "key-a")
+        gw = fleet.gateway.fleet
+        alpha, beta = gw.hashes(ids, "alpha"), gw.hashes(ids, "beta")
+        assert set(alpha).isdisjoint(beta)
+        holder = next(w for w in fleet.workers if set(alpha) <= tree_hashes(w))   # the worker's own hashes
+        assert not any(set(beta) & tree_hashes(w) for w in fleet.workers)
+        wait_until(lambda: gw.index.matches(alpha, [holder.address])[holder.address] == len(alpha),
+                   what="alpha's pages in the gateway's index")
+        again, _ = run(fleet.stub, ids, "key-a2")
+        assert first == 0 and again > 0   # routed to the worker that holds alpha's pages
+        other, theirs = run(fleet.stub, ids, "key-b")
+        assert other == 0 and theirs == tokens
+
+
+def test_a_request_in_flight_survives_a_key_reload(keyed):
+    """A key removed by SIGHUP stops new calls; one already streaming finishes."""
+    server, path = keyed
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        call = stub.Generate(request(token_ids=[11] * 8, **greedy(300)), metadata=bearer("key-b"), timeout=60)
+        next(call)
+        path.write_text("key-a alpha\n")
+        done = threading.Event()
+        server.loop.call_soon_threadsafe(lambda: (server.servicer.keys.reload(), done.set()))
+        assert done.wait(10)
+        try:
+            assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+            err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5], **greedy(2)), metadata=bearer("key-b"),
+                                                       timeout=10)))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            path.write_text(KEYS)
+            server.loop.call_soon_threadsafe(server.servicer.keys.reload)

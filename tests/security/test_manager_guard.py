@@ -1,0 +1,69 @@
+"""The manager's write RPCs answer only its own pod (a Unix socket, loopback) or the admin token;
+its read-only ones answer anyone."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.kvcache_service.config import KVCacheServerConfig
+from kvserve.kvcache_service.core import ManagerConfig
+from kvserve.services.plumbing.auth import is_local_peer
+from tests.kvcache.conftest import ServerThread
+from tests.service.util import rpc_error
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("unix:/tmp/kv.sock", True), ("unix:", True), ("ipv4:127.0.0.1:5555", True), ("ipv4:127.8.9.1:1", True),
+    ("ipv6:[::1]:5555", True), ("ipv4:10.0.0.7:5555", False), ("ipv6:[fd00::2]:5555", False),
+    ("ipv4:128.0.0.1:1", False), ("", False)])
+def test_local_peers(peer, local):
+    assert is_local_peer(peer) is local
+
+
+def outside_address() -> str | None:
+    """This machine's address on its network (not loopback), if it has one."""
+    for target in ("10.255.255.255", "192.0.2.1", "198.51.100.1"):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((target, 9))   # no packet is sent; this only picks the route's source address
+            except OSError:
+                continue
+            ip = s.getsockname()[0]
+        if not ip.startswith("127.") and ip != "0.0.0.0":
+            return ip
+    return None
+
+
+def test_write_rpcs_from_beyond_the_pod_need_the_admin_token(tmp_path):
+    ip = outside_address()
+    if ip is None:
+        pytest.skip("this machine has no address but loopback to call from")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    manager = ServerThread("0.0.0.0:0", ManagerConfig(num_pages=16, page_size=4, max_seqs=8),
+                           KVCacheServerConfig(admin_token_file=str(token)))
+    try:
+        port = manager.address.rsplit(":", 1)[1]
+        register = kv_pb.RegisterRequest(epoch=7, page_size=4, num_pages=16)
+        with grpc.insecure_channel(f"{ip}:{port}") as ch:
+            stub = kv_pb_grpc.KVCacheManagerStub(ch)
+            assert stub.GetStats(kv_pb.GetStatsRequest(), timeout=10).total_pages == 16   # read-only: open
+            err = rpc_error(lambda: stub.Register(register, timeout=10))
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()
+            err = rpc_error(lambda: stub.Register(register, metadata=(("authorization", "Bearer wrong"),),
+                                                  timeout=10))
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            stream = stub.StepStream(iter([kv_pb.StepRequest(epoch=7)]), timeout=10)
+            assert rpc_error(lambda: list(stream)).code() == grpc.StatusCode.PERMISSION_DENIED
+            stub.Register(register, metadata=(("authorization", "Bearer s3cret"),), timeout=10)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:   # from the pod itself: no token needed
+            kv_pb_grpc.KVCacheManagerStub(ch).Register(kv_pb.RegisterRequest(epoch=8, page_size=4, num_pages=16),
+                                                       timeout=10)
+        assert manager.manager.stats().epoch == 8
+    finally:
+        manager.stop()

@@ -1,0 +1,137 @@
+"""TLS on the model service, the manager and the gateway, and mutual TLS where both ends are
+kvserve's: a client that does not trust the server's CA, or has no certificate when one is
+required, gets nothing; one that does gets the same tokens as over plaintext."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.kvcache_service.config import KVCacheServerConfig
+from kvserve.kvcache_service.core import ManagerConfig
+from kvserve.services.plumbing.tls import ClientTLS, ServerTLS, channel
+from tests.gateway.conftest import GatewayThread
+from tests.kvcache.conftest import ServerThread
+from tests.service.conftest import ModelServerThread
+from tests.service.util import generate, greedy, request, rpc_error
+
+PROMPT = [random.Random(6).randrange(3, 1024) for _ in range(20)]
+
+
+def tokens(address: str, tls: ClientTLS | None) -> list[int]:
+    with channel(address, tls) as ch:
+        return generate(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(8)), timeout=30).tokens
+
+
+def refused(address: str, tls: ClientTLS | None) -> grpc.RpcError:
+    with channel(address, tls) as ch:
+        return rpc_error(lambda: generate(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(2)),
+                                          timeout=5))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dirs):
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        yield tokens(server.address, None)
+    finally:
+        server.stop()
+
+
+def test_the_model_service_over_tls(tiny_dirs, certs, plain):
+    server = ModelServerThread(tiny_dirs["tiny"], tls_cert=certs.server.cert, tls_key=certs.server.key)
+    try:
+        assert tokens(server.address, ClientTLS(ca=certs.ca)) == plain
+        assert refused(server.address, None).code() == grpc.StatusCode.UNAVAILABLE            # plaintext
+        assert refused(server.address, ClientTLS(ca=certs.other_ca)).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_mutual_tls_wants_a_client_certificate_the_ca_signed(tiny_dirs, certs, plain):
+    server = ModelServerThread(tiny_dirs["tiny"], tls_cert=certs.server.cert, tls_key=certs.server.key,
+                               tls_client_ca=certs.ca)
+    try:
+        assert tokens(server.address, ClientTLS(certs.ca, certs.client.cert, certs.client.key)) == plain
+        assert refused(server.address, ClientTLS(ca=certs.ca)).code() == grpc.StatusCode.UNAVAILABLE
+        stranger = ClientTLS(certs.ca, certs.stranger.cert, certs.stranger.key)
+        assert refused(server.address, stranger).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_the_model_service_reaches_its_manager_over_mutual_tls(tiny_dirs, certs, plain):
+    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64),
+                           KVCacheServerConfig(tls_cert=certs.server.cert, tls_key=certs.server.key,
+                                               tls_client_ca=certs.ca))
+    try:
+        with channel(manager.address, None) as ch:   # plaintext is refused
+            err = rpc_error(lambda: kv_pb_grpc.KVCacheManagerStub(ch).GetStats(kv_pb.GetStatsRequest(), timeout=5))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        server = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, kvcache_tls_ca=certs.ca,
+                                   kvcache_tls_cert=certs.client.cert, kvcache_tls_key=certs.client.key)
+        try:
+            assert tokens(server.address, None) == plain
+        finally:
+            server.stop()
+    finally:
+        manager.stop()
+
+
+def test_the_gateway_serves_tls_and_reaches_its_workers_over_mutual_tls(tiny_dirs, certs, plain):
+    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
+    worker = gateway = None
+    try:
+        worker = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, tls_cert=certs.server.cert,
+                                   tls_key=certs.server.key, tls_client_ca=certs.ca)
+        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), tls_cert=certs.server.cert,
+                                tls_key=certs.server.key, worker_tls_ca=certs.ca, worker_tls_cert=certs.client.cert,
+                                worker_tls_key=certs.client.key)
+        gateway.wait_serving(1)
+        assert tokens(gateway.address, ClientTLS(ca=certs.ca)) == plain
+        assert refused(gateway.address, None).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if worker is not None:
+            worker.stop()
+        manager.stop()
+
+
+def test_a_gateway_without_the_workers_ca_never_sees_them_serving(tiny_dirs, certs):
+    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
+    worker = gateway = None
+    try:
+        worker = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, tls_cert=certs.server.cert,
+                                   tls_key=certs.server.key, tls_client_ca=certs.ca)
+        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=1.0)
+        err = refused(gateway.address, None)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "no worker has been serving" in err.details()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if worker is not None:
+            worker.stop()
+        manager.stop()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cert="x.pem", key=""), "give both --tls-cert and --tls-key"),
+    (dict(cert="", key="", client_ca="ca.pem"), "--tls-client-ca needs --tls-cert and --tls-key"),
+    (dict(cert="/nonexistent/cert.pem", key="/nonexistent/key.pem"), "cannot read TLS"),
+])
+def test_half_a_configuration_fails_with_a_sentence(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerTLS.of(**kwargs)
+
+
+def test_a_file_that_is_not_pem_is_named(tmp_path):
+    bad = tmp_path / "cert.pem"
+    bad.write_text("hello")
+    with pytest.raises(ValueError, match="is not PEM"):
+        ServerTLS.of(str(bad), str(bad))
