@@ -85,6 +85,8 @@ class ModelServiceConfig:
     tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
     tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
     tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+    health_listen: str = option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes "
+                                    "probes, which cannot speak TLS (default: off)", metavar="HOST:PORT")
     api_keys: str = option("", "file of `KEY TENANT` lines: every Inference call needs `authorization: Bearer "
                                "KEY`; each tenant's prefix cache is its own; re-read on SIGHUP", metavar="FILE")
     trust_tenant_metadata: bool = option(False, "take the tenant from `kvserve-tenant` metadata (a worker "

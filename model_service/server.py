@@ -48,7 +48,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         # side), with the caller's key as metadata.
         private = _private_socket() if config.http_listen else None
         running = await _create([config.listen, *([private] if private else [])], specs, options={
-            "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards)
+            "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards,
+            health_listen=config.health_listen)
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
         servicer.health.start()
         if private:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "generate": "kvserve.clients.cli:register_generate",
     "chat": "kvserve.clients.cli:register_chat",
     "stats": "kvserve.clients.cli:register_stats",
+    "top": "kvserve.clients.top:register",
 }
 
 

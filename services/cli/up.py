@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             # The gateway is the front: it serves TLS and checks keys; the workers, on private
             # sockets, take each request's tenant from it.
             worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="", http_listen="",
+                                    health_listen="",
                                     trust_tenant_metadata=bool(model_config.api_keys))
             pairs = [Pair.make(f"worker-{i}", cli, replace(worker_config, listen=f"unix://{tmp}/worker-{i}.sock"),
                                Path(tmp), None, metrics) for i in range(up.workers)]
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 gateway_metrics = ["--metrics-listen", free_local_port()]
                 metrics.add(gateway_metrics[1])
             front = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
-                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen")
+                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "health_listen")
                      if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,

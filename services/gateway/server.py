@@ -69,7 +69,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     running = await _create([config.listen, *([private] if private else [])], [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
                                                         SERVICE_NAME)], options={
         "grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
-        interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [])
+        interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [], health_listen=config.health_listen)
     tasks = [asyncio.create_task(_report_health(running, fleet, servicer), name="gateway health")]
     if config.workers_dns:
         tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),

@@ -79,6 +79,7 @@ async def create_server(
     options: Mapping[str, Any] | None = None,
     tls: ServerTLS | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    health_listen: str = "",
 ) -> RunningServer:
     """Build, bind and start a server for ``services`` on ``address`` (or on each of
     several addresses, e.g. TCP for the world and a Unix socket for a sidecar).
@@ -86,7 +87,9 @@ async def create_server(
     ``max_workers`` sizes the thread pool that runs non-async handlers (None:
     gRPC's default); ``options`` override DEFAULT_OPTIONS key by key; ``tls``
     serves every TCP address over TLS (Unix sockets stay plaintext: tls.py);
-    ``interceptors`` see every call first (auth.py). Raises
+    ``interceptors`` see every call first (auth.py); ``health_listen`` adds a
+    plaintext port serving grpc.health.v1 alone, for Kubernetes probes (which
+    cannot speak TLS), stopped with the server. Raises
     ValueError for a malformed address or service list, BindError when the
     address cannot be bound.
     """
@@ -111,6 +114,8 @@ async def create_server(
     for listen, text in zip(listens, wanted):
         bound.append(listen.with_port(await _bind(server, listen, text, tls)))
     await server.start()
+    if health_listen:
+        await _serve_health_alone(server, health, health_listen)
     log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
     return RunningServer(server, bound[0], health, tuple(bound))
 
@@ -187,6 +192,30 @@ def _check_services(services: Iterable[Any]) -> list[ServiceSpec]:
                 "and import its _pb2 module first"
             ) from None
     return specs
+
+
+_probe_watchers: set[asyncio.Task] = set()
+
+
+async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthServicer, address: str) -> None:
+    """The same health servicer (so the same statuses) on a plaintext port of its own."""
+    probe = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, probe)
+    try:
+        await _bind(probe, parse_address(address), address, None)
+    except BindError:
+        await main.stop(None)
+        raise
+    await probe.start()
+
+    async def stop_with_main() -> None:
+        await main.wait_for_termination()
+        await probe.stop(None)
+
+    task = asyncio.create_task(stop_with_main(), name="health port")
+    _probe_watchers.add(task)
+    task.add_done_callback(_probe_watchers.discard)
+    log.info("grpc.health.v1 alone, plaintext, on %s", address)
 
 
 async def _add_health(server: grpc.aio.Server, names: list[str]) -> health_aio.HealthServicer:

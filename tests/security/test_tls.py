@@ -135,3 +135,23 @@ def test_a_file_that_is_not_pem_is_named(tmp_path):
     bad.write_text("hello")
     with pytest.raises(ValueError, match="is not PEM"):
         ServerTLS.of(str(bad), str(bad))
+
+
+def test_probes_reach_health_in_plaintext_on_a_port_of_its_own(tiny_dirs, certs):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tests.service.processes import free_port
+
+    health = f"127.0.0.1:{free_port()}"
+    server = ModelServerThread(tiny_dirs["tiny"], tls_cert=certs.server.cert, tls_key=certs.server.key,
+                               health_listen=health)
+    try:
+        with grpc.insecure_channel(health) as ch:
+            for service in ("", "liveness", "kvserve.inference.v1.Inference"):
+                answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+            assert refused(health, None).code() == grpc.StatusCode.UNIMPLEMENTED   # health, nothing else
+    finally:
+        server.stop()
+    with grpc.insecure_channel(health) as ch:   # stopped with the server
+        err = rpc_error(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
