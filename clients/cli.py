@@ -1,7 +1,8 @@
-"""`kvserve generate` and `kvserve chat`: command-line clients of the Inference service.
+"""`kvserve generate`, `kvserve chat` and `kvserve stats`: command-line clients of the Inference service.
 
     kvserve generate "Once upon a time" --max-tokens 64 --temperature 0
     printf 'hi\\nand then?\\n' | kvserve chat --system "You are terse."
+    kvserve stats --address gateway.example:443 --tls-ca ca.pem --api-key KEY
 
 The text streams to stdout; summaries and errors go to stderr, so stdout holds
 only model output. Imports of grpc and the SDK happen inside the commands, to
@@ -14,8 +15,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from kvserve.clients.cli_options import add_connection_flags, make_client
+
 if TYPE_CHECKING:
-    from kvserve.clients.inference_client import Finished, GenerateStream, PrefillDone
+    from kvserve.clients.inference_client import Finished, GenerateStream, InferenceClient, PrefillDone
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -53,6 +56,7 @@ def register_stats(subparsers: argparse._SubParsersAction) -> None:
                     "table of its workers (state, load, pages, requests routed, cache hits).")
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help=f"the model service or gateway: host:port or unix:///path (default {DEFAULT_ADDRESS})")
+    add_connection_flags(p)
     p.set_defaults(func=run_stats)
 
 
@@ -60,11 +64,14 @@ def run_stats(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvserve.clients.inference_client import InferenceClient, KVServeError
+    from kvserve.clients.inference_client import KVServeError
 
     console = Console(width=None if sys.stdout.isatty() else 200)   # piped: never fold a row
+    client = _client(args, "stats")
+    if client is None:
+        return 2
     try:
-        with InferenceClient(args.address) as client:
+        with client:
             s = client.server_stats()
     except KVServeError as exc:
         print(f"kvserve stats: {exc}", file=sys.stderr)
@@ -107,12 +114,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each request, in seconds")
+    add_connection_flags(p)
+
+
+def _client(args: argparse.Namespace, command: str, timeout: float | None = None) -> InferenceClient | None:
+    """The SDK client the flags describe; None (after saying why) for a bad TLS file or key."""
+    try:
+        return make_client(args, timeout)
+    except ValueError as exc:
+        print(f"kvserve {command}: {exc}", file=sys.stderr)
+        return None
 
 
 # --------------------------------------------------------------------------- generate
 
 def run_generate(args: argparse.Namespace) -> int:
-    from kvserve.clients.inference_client import InferenceClient, KVServeError
+    from kvserve.clients.inference_client import KVServeError
 
     _tolerant_stdout()
     text = sys.stdin.read() if args.text == "-" else args.text
@@ -123,9 +140,12 @@ def run_generate(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"kvserve generate: --token-ids wants integers, got {text!r}", file=sys.stderr)
             return 2
+    client = _client(args, "generate", args.timeout)
+    if client is None:
+        return 2
     out = _Output(sys.stdout)
     stream = None
-    with InferenceClient(args.address, timeout=args.timeout) as client:
+    with client:
         try:
             stream = client.generate(
                 **inputs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -162,15 +182,18 @@ def _generate_summary(f: Finished) -> str:
 # --------------------------------------------------------------------------- chat
 
 def run_chat(args: argparse.Namespace) -> int:
-    from kvserve.clients.inference_client import InferenceClient, KVServeError
+    from kvserve.clients.inference_client import KVServeError
 
     _tolerant_stdout()
+    client = _client(args, "chat", args.timeout)
+    if client is None:
+        return 2
     interactive = sys.stdin.isatty()
     out = _Output(sys.stdout)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     turn, failed = 0, False
-    with InferenceClient(args.address, timeout=args.timeout) as client:
+    with client:
         while True:
             try:
                 line = _read_turn(interactive)

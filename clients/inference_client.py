@@ -8,20 +8,24 @@
                 print(event.text, end="", flush=True)
         print(client.complete(messages=[{"role": "user", "content": "hi"}]).text)
 
-Everything returned is a plain frozen dataclass converted from protobuf here,
-at the edge, so callers never touch generated messages. Every failed call
+    # over TLS (mutual TLS with cert= and key=) to a server that wants an API key
+    InferenceClient("kvserve.example:443", tls=ClientTLS(ca="ca.pem"), api_key="KEY")
+
+Everything returned is a plain frozen dataclass converted from protobuf at the
+edge (convert.py), so callers never touch generated messages. Every failed call
 raises KVServeError(code, message), code being the gRPC status name
 ("INVALID_ARGUMENT", "NOT_FOUND", ...); the grpc.RpcError is its __cause__.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
+from kvserve.clients import convert
+from kvserve.clients.connection import auth_metadata, client_tls
 from kvserve.clients.results import (
     Chunk,
     Completion,
@@ -40,72 +44,14 @@ from kvserve.clients.results import (
     TopLogprob,
 )
 from kvserve.inference.v1 import inference_pb2 as pb
-from kvserve.kvcache_service.contract.convert import stats_from_pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.plumbing.tls import ClientTLS, channel
 
 __all__ = [
-    "Chunk", "Completion", "Event", "Finished", "GenerateStream", "InferenceClient", "KVCacheStats",
+    "Chunk", "ClientTLS", "Completion", "Event", "Finished", "GenerateStream", "InferenceClient", "KVCacheStats",
     "KVServeError", "Message", "ModelInfo", "PrefillDone", "Queued", "ServerStats", "Tokenized", "WorkerStats",
     "TokenLogprob", "TopLogprob",
 ]
-
-
-_T = TypeVar("_T")
-
-
-# --------------------------------------------------------------------------- conversion (the edge)
-
-def _scalars(cls: type[_T], msg: Any, **extra: Any) -> _T:
-    """cls(**{field: msg.field}) for every dataclass field not given in extra."""
-    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name not in extra}
-    return cls(**values, **extra)
-
-
-def _token_logprobs(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
-                 for lp in items)
-
-
-def _finish_reason(value: int) -> str:
-    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
-
-
-def _event(msg: pb.GenerateResponse) -> Event | None:
-    kind = msg.WhichOneof("event")
-    if kind == "chunk":
-        c = msg.chunk
-        return Chunk(tuple(c.token_ids), c.text, _token_logprobs(c.logprobs))
-    if kind == "prefill_done":
-        p = msg.prefill_done
-        return PrefillDone(p.request_id, p.prompt_tokens, p.cached_tokens)
-    if kind == "finished":
-        f = msg.finished
-        return Finished(_finish_reason(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
-                        f.usage.cached_tokens, f.ttft_ms, f.total_ms, f.stop,
-                        f.stop_token_id if f.HasField("stop_token_id") else None)
-    if kind == "queued":
-        return Queued(msg.queued.position, msg.queued.eta_ms)
-    return None  # an event this client does not know (a newer server): skipped
-
-
-def _chat(messages: Sequence[Message]) -> pb.ChatMessages:
-    out = pb.ChatMessages()
-    for m in messages:
-        if isinstance(m, Mapping):
-            role, content = m["role"], m["content"]
-        elif isinstance(m, tuple):
-            role, content = m
-        else:
-            role, content = m.role, m.content
-        out.messages.append(pb.ChatMessage(role=role, content=content))
-    return out
-
-
-def _one_input(**inputs: Any) -> dict[str, Any]:
-    given = {k: v for k, v in inputs.items() if v is not None}
-    if len(given) > 1:
-        raise ValueError(f"give one input, not {' and '.join(given)}")
-    return given  # none given: the server answers INVALID_ARGUMENT
 
 
 # --------------------------------------------------------------------------- the stream
@@ -129,7 +75,7 @@ class GenerateStream(Iterator[Event]):
                 msg = next(self._call)
             except grpc.RpcError as exc:
                 raise KVServeError.from_rpc_error(exc) from exc
-            event = _event(msg)
+            event = convert.event(msg)
             if isinstance(event, PrefillDone):
                 self.request_id = event.request_id or self.request_id
             elif isinstance(event, Finished):
@@ -165,13 +111,22 @@ class InferenceClient:
 
     address: host:port or unix:///path. timeout: the deadline in seconds of
     every call (for generate, of the whole stream); None: no deadline.
+    tls: None (plaintext), True (TLS trusting the system's roots) or
+    ClientTLS(ca=, cert=, key=, server_name=): the CA that signed the server's
+    certificate, this client's certificate and key for mutual TLS, and the name
+    to check the server's certificate against when it is not the address's host.
+    Unix sockets stay plaintext. api_key: sent as `authorization: Bearer KEY`
+    with every call.
     """
 
     def __init__(self, address: str, timeout: float | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), *, tls: ClientTLS | bool | None = None,
+                 api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=list(options))
+        self.tls = client_tls(tls)
+        self._metadata = auth_metadata(api_key)
+        self._channel = channel(address, self.tls, list(options))
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     def close(self) -> None:
@@ -211,29 +166,14 @@ class InferenceClient:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
         (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
         Unset (None) parameters take the server's defaults."""
-        if isinstance(stop, str):
-            stop = (stop,)
-        sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
-                                     frequency_penalty=frequency_penalty, stop=list(stop),
-                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-        optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
-                        logprobs=logprobs, repetition_penalty=repetition_penalty,
-                        skip_special_tokens=skip_special_tokens)
-        for name, value in optional.items():
-            if value is not None:
-                setattr(sampling, name, value)
-        request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
-        inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
-        if "prompt" in inputs:
-            request.prompt = prompt
-        elif "token_ids" in inputs:
-            request.token_ids.SetInParent()  # set even when empty, so the server says what is wrong
-            request.token_ids.ids.extend(token_ids)
-        elif "messages" in inputs:
-            request.messages.SetInParent()
-            request.messages.MergeFrom(_chat(messages))
+        request = convert.generate_request(
+            prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
+            request_id=request_id, session_id=session_id)
         try:
-            call = self._stub.Generate(request, timeout=self.timeout)
+            call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating
             raise KVServeError.from_rpc_error(exc) from exc
         return GenerateStream(call, request_id)
@@ -241,24 +181,11 @@ class InferenceClient:
     def complete(self, prompt: str | None = None, token_ids: Sequence[int] | None = None,
                  messages: Sequence[Message] | None = None, **kwargs: Any) -> Completion:
         """generate(...) collected: the whole text and token ids, with the final usage."""
-        text: list[str] = []
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        prefill: PrefillDone | None = None
-        finished: Finished | None = None
+        collected = convert.Collector()
         with self.generate(prompt, token_ids, messages, **kwargs) as stream:
             for event in stream:
-                if isinstance(event, Chunk):
-                    text.append(event.text)
-                    ids.extend(event.token_ids)
-                    logprobs.extend(event.logprobs)
-                elif isinstance(event, PrefillDone):
-                    prefill = event
-                elif isinstance(event, Finished):
-                    finished = event
-        if finished is None:
-            raise KVServeError("INTERNAL", "the stream ended without a finished event")
-        return Completion("".join(text), tuple(ids), finished, prefill, tuple(logprobs))
+                collected.add(event)
+        return collected.completion()
 
     # ---------------------------------------------------------------- unary calls
 
@@ -271,29 +198,17 @@ class InferenceClient:
                  add_special_tokens: bool | None = None) -> Tokenized:
         """The token ids the server would feed the model for this prompt, or for these
         messages rendered with the chat template (with the generation prompt)."""
-        request = pb.TokenizeRequest()
-        inputs = _one_input(prompt=prompt, messages=messages)
-        if "prompt" in inputs:
-            request.prompt = prompt
-        elif "messages" in inputs:
-            request.messages.SetInParent()
-            request.messages.MergeFrom(_chat(messages))
-        if add_special_tokens is not None:
-            request.add_special_tokens = add_special_tokens
-        r = self._unary("Tokenize", request)
-        return Tokenized(tuple(r.token_ids), tuple(r.tokens))
+        return convert.tokenized(self._unary("Tokenize", convert.tokenize_request(prompt, messages,
+                                                                                  add_special_tokens)))
 
     def model_info(self) -> ModelInfo:
-        r = self._unary("GetModelInfo", pb.GetModelInfoRequest())
-        return _scalars(ModelInfo, r, eos_token_ids=tuple(r.eos_token_ids))
+        return convert.model_info(self._unary("GetModelInfo", pb.GetModelInfoRequest()))
 
     def server_stats(self) -> ServerStats:
-        r = self._unary("GetServerStats", pb.GetServerStatsRequest())
-        kv = stats_from_pb(r.kvcache) if r.HasField("kvcache") else None
-        return _scalars(ServerStats, r, kvcache=kv, workers=tuple(_scalars(WorkerStats, w) for w in r.workers))
+        return convert.server_stats(self._unary("GetServerStats", pb.GetServerStatsRequest()))
 
     def _unary(self, method: str, request: Any) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise KVServeError.from_rpc_error(exc) from exc

@@ -3,7 +3,9 @@ with several workers, each worker's series carry its name."""
 
 from __future__ import annotations
 
+import json
 import random
+import urllib.request
 
 import grpc
 import pytest
@@ -41,10 +43,11 @@ def test_children_series_are_served_together_with_their_worker_label():
 
 @pytest.mark.slow
 def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
-    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    """...and puts the HTTP front on its front service."""
+    address, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(3))
     proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
                    f"127.0.0.1:{free_port()}", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
-                   "--metrics-listen", metrics, "--log-level", "warning")
+                   "--metrics-listen", metrics, "--http-listen", http, "--log-level", "warning")
     try:
         wait_serving(address, proc)
         rng = random.Random(2)
@@ -61,5 +64,7 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
         assert value(samples, "kvserve:prefix_cache_hits_total") == value(samples, "kvserve:kv_prefix_hit_tokens_total")
         assert value(samples, "kvserve:time_to_first_token_seconds_count") == 2
         assert value(samples, "kvserve:num_requests_running") == 0
+        with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as response:
+            assert json.loads(response.read())["data"][0]["max_model_len"] > 0
     finally:
         terminate(proc)

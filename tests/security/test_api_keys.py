@@ -10,6 +10,7 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -59,6 +60,8 @@ def test_no_key_or_an_unknown_one_is_refused_and_health_stays_open(keyed):
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer("key-b"), timeout=10).vocab_size == 1024
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = ProtoReflectionDescriptorDatabase(ch)   # grpcurl's listing needs no key either
+        assert "kvserve.inference.v1.Inference" in reflection.get_services()
 
 
 def test_tenants_never_share_a_page(keyed):

@@ -1,0 +1,188 @@
+"""Protobuf <-> the SDK's plain results (results.py), in one place: the sync client
+(inference_client.py) and the asyncio one (async_client.py) build the same requests and read
+the same answers, so both return equal results for equal calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvserve.clients.results import (
+    Chunk,
+    Completion,
+    Event,
+    Finished,
+    KVServeError,
+    Message,
+    ModelInfo,
+    PrefillDone,
+    Queued,
+    ServerStats,
+    Tokenized,
+    TokenLogprob,
+    TopLogprob,
+    WorkerStats,
+)
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.kvcache_service.contract.convert import stats_from_pb
+
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------- answers
+
+def scalars(cls: type[_T], msg: Any, **extra: Any) -> _T:
+    """cls(**{field: msg.field}) for every dataclass field not given in extra."""
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name not in extra}
+    return cls(**values, **extra)
+
+
+def _token_logprobs(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
+                 for lp in items)
+
+
+def _finish_reason(value: int) -> str:
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def event(msg: pb.GenerateResponse) -> Event | None:
+    kind = msg.WhichOneof("event")
+    if kind == "chunk":
+        c = msg.chunk
+        return Chunk(tuple(c.token_ids), c.text, _token_logprobs(c.logprobs))
+    if kind == "prefill_done":
+        p = msg.prefill_done
+        return PrefillDone(p.request_id, p.prompt_tokens, p.cached_tokens)
+    if kind == "finished":
+        f = msg.finished
+        return Finished(_finish_reason(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
+                        f.usage.cached_tokens, f.ttft_ms, f.total_ms, f.stop,
+                        f.stop_token_id if f.HasField("stop_token_id") else None)
+    if kind == "queued":
+        return Queued(msg.queued.position, msg.queued.eta_ms)
+    return None  # an event this client does not know (a newer server): skipped
+
+
+def tokenized(r: pb.TokenizeResponse) -> Tokenized:
+    return Tokenized(tuple(r.token_ids), tuple(r.tokens))
+
+
+def model_info(r: pb.ModelInfo) -> ModelInfo:
+    return scalars(ModelInfo, r, eos_token_ids=tuple(r.eos_token_ids))
+
+
+def server_stats(r: pb.ServerStats) -> ServerStats:
+    kv = stats_from_pb(r.kvcache) if r.HasField("kvcache") else None
+    return scalars(ServerStats, r, kvcache=kv, workers=tuple(scalars(WorkerStats, w) for w in r.workers))
+
+
+class Collector:
+    """A stream's events gathered into one Completion (what complete() returns)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prefill: PrefillDone | None = None
+        self.finished: Finished | None = None
+
+    def add(self, e: Event) -> None:
+        if isinstance(e, Chunk):
+            self.text.append(e.text)
+            self.ids.extend(e.token_ids)
+            self.logprobs.extend(e.logprobs)
+        elif isinstance(e, PrefillDone):
+            self.prefill = e
+        elif isinstance(e, Finished):
+            self.finished = e
+
+    def completion(self) -> Completion:
+        if self.finished is None:
+            raise KVServeError("INTERNAL", "the stream ended without a finished event")
+        return Completion("".join(self.text), tuple(self.ids), self.finished, self.prefill, tuple(self.logprobs))
+
+
+# --------------------------------------------------------------------------- requests
+
+def _chat(messages: Sequence[Message]) -> pb.ChatMessages:
+    out = pb.ChatMessages()
+    for m in messages:
+        if isinstance(m, Mapping):
+            role, content = m["role"], m["content"]
+        elif isinstance(m, tuple):
+            role, content = m
+        else:
+            role, content = m.role, m.content
+        out.messages.append(pb.ChatMessage(role=role, content=content))
+    return out
+
+
+def _one_input(**inputs: Any) -> dict[str, Any]:
+    given = {k: v for k, v in inputs.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"give one input, not {' and '.join(given)}")
+    return given  # none given: the server answers INVALID_ARGUMENT
+
+
+def generate_request(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[Message] | None = None,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    skip_special_tokens: bool | None = None,
+    request_id: str = "",
+    session_id: str = "",
+) -> pb.GenerateRequest:
+    """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
+    (the server's default)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                                 frequency_penalty=frequency_penalty, stop=list(stop),
+                                 stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
+                    logprobs=logprobs, repetition_penalty=repetition_penalty,
+                    skip_special_tokens=skip_special_tokens)
+    for name, value in optional.items():
+        if value is not None:
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
+    inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
+    if "prompt" in inputs:
+        request.prompt = prompt
+    elif "token_ids" in inputs:
+        request.token_ids.SetInParent()  # set even when empty, so the server says what is wrong
+        request.token_ids.ids.extend(token_ids)
+    elif "messages" in inputs:
+        request.messages.SetInParent()
+        request.messages.MergeFrom(_chat(messages))
+    return request
+
+
+def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | None = None,
+                     add_special_tokens: bool | None = None) -> pb.TokenizeRequest:
+    request = pb.TokenizeRequest()
+    inputs = _one_input(prompt=prompt, messages=messages)
+    if "prompt" in inputs:
+        request.prompt = prompt
+    elif "messages" in inputs:
+        request.messages.SetInParent()
+        request.messages.MergeFrom(_chat(messages))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    return request
