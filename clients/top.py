@@ -4,9 +4,8 @@
     kvserve top --address gateway.example:443 --tls-ca ca.pem --api-key KEY --once
 
 Rates (tokens per second) come from the change in the server's counters between two polls.
-A gateway reports no generated tokens of its own (ServerStats.generated_tokens stays 0 there),
-so its generation rate shows "n/a"; its KV-cache figures are the sums of its workers' last
-reports. --once polls twice, --interval apart, prints that one frame and exits (1 if the
+On a gateway the generated tokens are those it streamed, and its KV-cache figures are the sums
+of its workers' last reports. --once polls twice, --interval apart, prints that one frame and exits (1 if the
 server cannot be reached). Imports of grpc and rich happen inside the command.
 """
 
@@ -76,9 +75,6 @@ def _per_second(value: float | None, pending: str) -> str:
 
 
 def generated_rate(prev: Sample | None, cur: Sample) -> str:
-    s = cur.stats
-    if is_gateway(s) and s.generated_tokens == 0 and (prev is None or prev.stats.generated_tokens == 0):
-        return "n/a (a gateway does not count generated tokens)"
     return _per_second(rate(prev, cur, "generated_tokens"), "n/a (needs a second poll)")
 
 

@@ -43,6 +43,7 @@ class Fleet:
         self._sessions: OrderedDict[str, str] = OrderedDict()   # session id -> worker address
         self._prompt_tokens_seen = 0
         self.migrations = 0   # streams moved off a failed worker
+        self.generated_tokens = 0   # streamed to this gateway's clients
         self._requests_seen = 0
 
     # ------------------------------------------------------------ membership

@@ -37,12 +37,12 @@ class _FleetState:
 
     async def _snapshot(self):
         index = self.fleet.index
-        return len(self.fleet.queue), self.fleet.migrations, [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
+        return len(self.fleet.queue), (self.fleet.migrations, self.fleet.generated_tokens), [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
                                         w.prompt_tokens, w.hit_tokens, index.pages_of(w.address))
                                        for w in self.fleet.workers.values()]
 
     def collect(self):
-        queued, migrations, workers = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(SCRAPE_TIMEOUT_S)
+        queued, (migrations, generated), workers = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(SCRAPE_TIMEOUT_S)
         yield GaugeMetricFamily("kvserve:gateway_queue_length", "Requests waiting in the gateway's queue",
                                 value=queued)
         state = GaugeMetricFamily("kvserve:gateway_worker_state", "1 for each worker's state", labels=["worker", "state"])
@@ -70,3 +70,5 @@ class _FleetState:
         yield from (state, running, waiting, pages, routed, prompt, hits)
         yield CounterMetricFamily("kvserve:gateway_migrations", "Streams moved to another worker after theirs "
                                   "failed mid-stream", value=migrations)
+        yield CounterMetricFamily("kvserve:gateway_generation_tokens", "Tokens streamed to the gateway's clients",
+                                  value=generated)

@@ -126,6 +126,7 @@ class Relay:
                         prefill_sent = True
                     elif kind == "chunk":
                         sent.extend(response.chunk.token_ids)
+                        fleet.generated_tokens += len(response.chunk.token_ids)
                     yield response
                     if kind == "finished":
                         return

@@ -98,7 +98,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
 
     async def GetServerStats(self, request, context):
         workers = list(self.fleet.workers.values())
-        out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()))
+        out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()),
+                             generated_tokens=self.fleet.generated_tokens)
         for w in workers:
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running

@@ -60,12 +60,11 @@ def test_rates_come_from_the_change_between_two_polls() -> None:
     assert generated_rate(a, b) == "25.0"
 
 
-def test_a_gateway_without_generated_tokens_says_n_a() -> None:
+def test_a_gateways_rates_are_of_what_it_streamed() -> None:
     worker = WorkerStats("w:1", "serving", 1, 0, 10, 20, 2, 5, 8, 16, 1, True, 3, 0)
-    a = Sample(1.0, stats(workers=(worker,), prompt_tokens=16))
-    b = Sample(2.0, stats(workers=(worker,), prompt_tokens=48))
-    assert generated_rate(a, b).startswith("n/a")
-    assert rate(a, b, "prompt_tokens") == 32.0   # what a gateway does count
+    a = Sample(1.0, stats(workers=(worker,), prompt_tokens=16, generated_tokens=4))
+    b = Sample(2.0, stats(workers=(worker,), prompt_tokens=48, generated_tokens=12))
+    assert generated_rate(a, b) == "8.0" and rate(a, b, "prompt_tokens") == 32.0
 
 
 # ---------------------------------------------------------------- a model service
@@ -128,8 +127,7 @@ def test_once_against_a_gateway(fleet, capsys) -> None:
     assert rc == 0, err
     assert f"{fleet.gateway.address} (gateway, 2 workers)" in out
     assert line_of(out, "requests").split(None, 1)[1] == "running 0, waiting 0, queued at the gateway 0"
-    assert line_of(out, "tokens/s").split(None, 1)[1] == \
-        "generated n/a (a gateway does not count generated tokens), prompt 0.0"
+    assert line_of(out, "tokens/s").split(None, 1)[1] == "generated 0.0, prompt 0.0"
     cached = sum(w.cached_pages for w in s.workers)
     assert line_of(out, "KV cache").split(None, 2)[2] == (
         f"0 / {2 * NUM_PAGES} pages used (0%), cached {cached}, free {2 * NUM_PAGES - cached}, "

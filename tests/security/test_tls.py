@@ -127,14 +127,14 @@ def test_a_gateway_without_the_workers_ca_never_sees_them_serving(tiny_dirs, cer
 ])
 def test_half_a_configuration_fails_with_a_sentence(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ServerTLS.of(**kwargs)
+        ServerTLS.of(**kwargs).credentials()   # half a pair when made; a missing file when read
 
 
 def test_a_file_that_is_not_pem_is_named(tmp_path):
     bad = tmp_path / "cert.pem"
     bad.write_text("hello")
     with pytest.raises(ValueError, match="is not PEM"):
-        ServerTLS.of(str(bad), str(bad))
+        ServerTLS.of(str(bad), str(bad)).credentials()
 
 
 def test_probes_reach_health_in_plaintext_on_a_port_of_its_own(tiny_dirs, certs):

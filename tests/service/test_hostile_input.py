@@ -25,12 +25,13 @@ from tests.service.util import greedy, request, wait_until
 
 pytestmark = pytest.mark.slow
 
-# The bound: half a second for both time to first token and the largest gap. Before tokenizing
-# left the event loop, requests arriving during such a burst waited tens of seconds; a quiet server
+# The bound: two seconds for both time to first token and the largest gap. Before tokenizing
+# left the event loop, requests arriving during such a burst waited 19-27 s; a quiet server
 # answers in well under a tenth of one. The server runs with --cpu-threads 1, leaving one of the
-# 2 cores to its front, as a CPU deployment on a small machine should; the margin over what this
-# machine shows (docs/benchmarks.md, "Faults and hostile input") is for a slower one.
-BOUND_S = 0.5
+# 2 cores to its front, as a CPU deployment on a small machine should. What machines show lies
+# far below the bound (docs/benchmarks.md, "Faults and hostile input": 0.2-0.7 s from Zen 5 to
+# Zen 3), which is set to catch the loop being blocked again, not to time a machine.
+BOUND_S = 2.0
 BURST = 100
 ORDINARY = 16
 
