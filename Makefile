@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 PIP_INSTALL := $(BIN)/python -m pip install $(if $(CI),--progress-bar off)
 
-.PHONY: serve test protos bench-kvcache bench-throughput install clean distclean
+.PHONY: serve test protos bench-kvcache bench-throughput bench-front bench-gateway install clean distclean
 
 # The whole stack on the built-in tiny model: manager on 127.0.0.1:50061, model service on :50051.
 serve: $(STAMP)
@@ -31,6 +31,14 @@ bench-kvcache: $(STAMP)
 
 bench-throughput: $(STAMP)
 	$(BIN)/python bench/throughput.py $(BENCH_ARGS)
+
+# What TLS, mutual TLS, API keys and the HTTP front cost a request, against plaintext gRPC.
+bench-front: $(STAMP)
+	$(BIN)/python bench/front_bench.py $(BENCH_ARGS)
+
+# The gateway's routing against round-robin and random, with real workers.
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/gateway_bench.py $(BENCH_ARGS)
 
 install: $(STAMP)
 

@@ -1,16 +1,20 @@
 """What the production front costs a request: TLS, mutual TLS, API keys, and the OpenAI-compatible
 HTTP API against gRPC, each against plaintext gRPC on the same stack, in one run.
 
-    .venv/bin/python bench/front_bench.py                 # the bench model (a few minutes)
+    .venv/bin/python bench/front_bench.py                 # the bench model, 3 rounds (~10 minutes)
     .venv/bin/python bench/front_bench.py --model tiny    # where the model costs least, the front shows most
 
 For each mode a fresh `kvserve up` (the model service and its manager, real processes) serves the
 same two workloads:
   - time to first token of one stream: `--sequential` requests one after another, a 64-token
     prompt, 1 token out (the whole call, as the client sees it), p50 and p90;
+  - the front alone: `--sequential` GetModelInfo calls (HTTP: GET /v1/models), which the engine
+    never sees, p50: what TLS, a key check or the HTTP translation add to a call, without the
+    forward's noise;
   - throughput: `--streams` streams at once, each a 64-token prompt and `--new-tokens` greedy
     tokens (EOS ignored), streamed token by token; output tokens per second.
-Modes: plain gRPC; TLS; mutual TLS; API key (plaintext); TLS and API key; HTTP (/v1/completions,
+Every mode runs --rounds times, the modes interleaved, and the medians are compared. Modes:
+plain gRPC; TLS; mutual TLS; API key (plaintext); TLS and API key; HTTP (/v1/completions,
 streamed as server-sent events, plaintext). Certificates are made for the run (cryptography).
 """
 
@@ -100,6 +104,9 @@ class GrpcClient:
             n += len(r.chunk.token_ids)
         return n
 
+    async def info(self) -> None:
+        await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=60)
+
     async def close(self) -> None:
         await self.channel.close()
 
@@ -121,6 +128,9 @@ class HttpClient:
                     n = usage["completion_tokens"] if usage else n
         return n
 
+    async def info(self) -> None:
+        (await self.client.get("/v1/models")).raise_for_status()
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -135,11 +145,16 @@ async def measure(make_client, args, vocab: int) -> dict:
         await client.run(ids, 1)
         first.append(time.perf_counter() - start)
     first.sort()
+    calls = []
+    for _ in range(args.sequential):   # the front alone: a call the engine never sees
+        start = time.perf_counter()
+        await client.info()
+        calls.append(time.perf_counter() - start)
     start = time.perf_counter()
     done = await asyncio.gather(*(client.run(ids, args.new_tokens) for ids in prompts(args.streams, vocab, 3)))
     wall = time.perf_counter() - start
     await client.close()
-    return dict(p50=statistics.median(first), p90=first[int(0.9 * (len(first) - 1))],
+    return dict(p50=statistics.median(first), p90=first[int(0.9 * (len(first) - 1))], info=statistics.median(calls),
                 tok_s=args.streams * args.new_tokens / wall, streamed=sum(done))
 
 
@@ -149,6 +164,7 @@ def main() -> None:
     ap.add_argument("--sequential", type=int, default=200)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="every mode this many times, interleaved; medians")
     args = ap.parse_args()
     model = str(resolve_model_path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -166,19 +182,27 @@ def main() -> None:
              ("HTTP, plaintext", [], None, "", True)]
     print(f"model {Path(model).name}; {args.sequential} sequential 64-token requests (1 token out); "
           f"{args.streams} streams x {args.new_tokens} tokens at once")
-    results = {}
-    for name, flags, tls, key, http in modes:
-        up = Up(model, flags, http)
-        try:
-            make = (lambda: HttpClient(up.http)) if http else (lambda: GrpcClient(up.address, tls, key))
-            results[name] = r = asyncio.run(measure(make, args, vocab))
-        finally:
-            up.close()
-        assert r["streamed"] == args.streams * args.new_tokens, (name, r["streamed"])
-        base = results["gRPC, plaintext"]
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
+    for round_ in range(args.rounds):   # modes interleaved: a drift of the machine spreads over all
+        for name, flags, tls, key, http in modes:
+            up = Up(model, flags, http)
+            try:
+                make = (lambda: HttpClient(up.http)) if http else (lambda: GrpcClient(up.address, tls, key))
+                r = asyncio.run(measure(make, args, vocab))
+            finally:
+                up.close()
+            assert r["streamed"] == args.streams * args.new_tokens, (name, r["streamed"])
+            runs[name].append(r)
+            print(f"  round {round_ + 1}: {name:<22} p50 {r['p50'] * 1e3:7.2f} ms  model info {r['info'] * 1e3:6.2f} ms  "
+                  f"{r['tok_s']:8.1f} tok/s", flush=True)
+    median = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p90", "info", "tok_s")}
+              for name, rs in runs.items()}
+    base = median["gRPC, plaintext"]
+    print(f"\nmedians of {args.rounds} rounds:")
+    for name, r in median.items():
         print(f"  {name:<22} one request p50 {r['p50'] * 1e3:7.2f} ms (p90 {r['p90'] * 1e3:7.2f}; "
-              f"{(r['p50'] - base['p50']) * 1e3:+.2f} ms)   {r['tok_s']:8.1f} tok/s ({r['tok_s'] / base['tok_s']:.3f}x)",
-              flush=True)
+              f"{(r['p50'] - base['p50']) * 1e3:+.2f} ms)   model info p50 {r['info'] * 1e3:6.3f} ms "
+              f"({(r['info'] - base['info']) * 1e3:+.3f})   {r['tok_s']:8.1f} tok/s ({r['tok_s'] / base['tok_s']:.3f}x)")
 
 
 if __name__ == "__main__":
