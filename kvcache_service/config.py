@@ -22,6 +22,8 @@ class KVCacheServerConfig:
                                "plaintext; default: plaintext)", metavar="FILE")
     tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
     tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+    health_listen: str = option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes "
+                                    "probes, which cannot speak TLS (default: off)", metavar="HOST:PORT")
     admin_token_file: str = option("", "file holding a token that lets a caller beyond this pod use the write "
                                        "RPCs (`authorization: Bearer TOKEN`); without it only a Unix socket or "
                                        "loopback may", metavar="FILE")

@@ -20,8 +20,10 @@ from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, cr
 log = logging.getLogger(__name__)
 
 
-# What any caller may use; every other RPC changes state and is kept to the pod (auth.py).
-READ_ONLY = {"GetStats", "GetSequence", "MatchPrefix", "WatchEvents"}
+# What any caller may use. Every other RPC changes state or shows what the cache holds (page
+# hashes, a prefix's presence, a sequence's extra_key: enough to test a guess at what another
+# tenant sent) and is kept to the pod (auth.py).
+OPEN = {"GetStats"}
 
 
 async def create_server(address: str | list[str], config: ManagerConfig | None = None,
@@ -38,8 +40,10 @@ async def _create_with_servicer(address: str | list[str], config: ManagerConfig 
     metrics = ManagerMetrics(manager, asyncio.get_running_loop())
     servicer = KVCacheServicer(manager, metrics.step_seconds)
     spec = ServiceSpec(pb_grpc.add_KVCacheManagerServicer_to_server, servicer, SERVICE_NAME)
-    guard = LocalOrAdmin(SERVICE_NAME, READ_ONLY, read_token(server.admin_token_file))
-    return await _create(address, [spec], tls=server.server_tls(), interceptors=[guard]), servicer, metrics
+    guard = LocalOrAdmin(SERVICE_NAME, OPEN, read_token(server.admin_token_file))
+    running = await _create(address, [spec], tls=server.server_tls(), interceptors=[guard],
+                            health_listen=server.health_listen)
+    return running, servicer, metrics
 
 
 async def serve(config: ManagerConfig, server: KVCacheServerConfig) -> None:

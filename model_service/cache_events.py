@@ -19,16 +19,18 @@ SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVCacheEvents"].full_name
 
 
 class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
-    def __init__(self, kvcache: str, tls: ClientTLS | None = None) -> None:
-        """`kvcache`: the manager's address, or "inprocess" (then there is nothing to relay)."""
+    def __init__(self, kvcache: str, tls: ClientTLS | None = None, token: str = "") -> None:
+        """`kvcache`: the manager's address, or "inprocess" (then there is nothing to relay);
+        `token`: its admin token, for a manager beyond this pod (WatchEvents shows its pages)."""
         self._channel = None if kvcache == "inprocess" else aio_channel(kvcache, tls)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     async def WatchEvents(self, request, context):
         if self._channel is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker's KV-cache manager runs in-process (--kvcache inprocess) and "
                                 "publishes no events; run it as its own process for a gateway to follow its cache")
-        call = kv_pb_grpc.KVCacheManagerStub(self._channel).WatchEvents(request)
+        call = kv_pb_grpc.KVCacheManagerStub(self._channel).WatchEvents(request, metadata=self._metadata)
         try:
             async for event in call:
                 yield event

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
+from kvserve.services.plumbing.address import is_private
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -96,6 +97,8 @@ class ModelServiceConfig:
                                  metavar="FILE")
     kvcache_tls_cert: str = option("", "PEM client certificate for the manager (mutual TLS)", metavar="FILE")
     kvcache_tls_key: str = option("", "PEM private key of --kvcache-tls-cert", metavar="FILE")
+    kvcache_tls_server_name: str = option("", "the name the manager's certificate carries, when not its "
+                                              "address's", metavar="NAME")
     kvcache_token_file: str = option("", "file holding the manager's admin token, for a manager beyond this "
                                          "pod (its write RPCs refuse other callers)", metavar="FILE")
     # Limits on each request, checked before any work is done for it.
@@ -149,6 +152,14 @@ class ModelServiceConfig:
         one_of("preemption_mode", PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
+        if self.trust_tenant_metadata and not self.tls_client_ca and not is_private(self.listen):
+            raise ValueError(f"--trust-tenant-metadata on {self.listen}: anyone who reaches it could name any "
+                             "tenant; listen on a Unix socket or loopback, or accept only the gateway's "
+                             "certificate (--tls-client-ca)")
+        if (self.kvcache_token_file and not self.kvcache_tls_ca and self.kvcache != "inprocess"
+                and not self.kvcache.startswith("unix:")):
+            raise ValueError("--kvcache-token-file: the admin token would cross the network in plaintext; "
+                             "reach the manager over TLS (--kvcache-tls-ca)")
         if self.api_keys and self.trust_tenant_metadata:
             raise ValueError("--api-keys and --trust-tenant-metadata: a front service checks keys, a worker "
                              "behind a gateway trusts its metadata; give one")
@@ -168,7 +179,8 @@ class ModelServiceConfig:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def kvcache_tls(self) -> ClientTLS | None:
-        return ClientTLS.of(self.kvcache_tls_ca, self.kvcache_tls_cert, self.kvcache_tls_key, prefix="--kvcache-tls")
+        return ClientTLS.of(self.kvcache_tls_ca, self.kvcache_tls_cert, self.kvcache_tls_key,
+                            server_name=self.kvcache_tls_server_name, prefix="--kvcache-tls")
 
     def manager_config(self, num_pages: int, page_size: int, max_seqs: int | None = None) -> ManagerConfig:
         """The manager this model service needs, once its page pool is sized: the same pages,

@@ -18,6 +18,9 @@ from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, TOKEN_COU
                                                       TOKEN_LATENCY_BUCKETS)
 
 
+SCRAPE_TIMEOUT_S = 2.0
+
+
 class ServiceMetrics:
     def __init__(self, engine, kv_stats: Callable[[], object]) -> None:
         self.registry = CollectorRegistry()
@@ -52,8 +55,10 @@ class StreamClock:
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
+        if not n:
+            return
         now = time.monotonic()
-        if self.last is not None and n:
+        if self.last is not None:
             gap = (now - self.last) / n   # tokens that came together share the wait
             for _ in range(n):
                 self.metrics.itl.observe(gap)
@@ -87,11 +92,13 @@ class _EngineState:
         yield GaugeMetricFamily("kvserve:num_requests_swapped", "Requests swapped to CPU pages", value=e.num_swapped)
         reachable = GaugeMetricFamily("kvserve:manager_reachable", "1 while the KV-cache manager answers")
         try:
-            stats = self.kv_stats()
+            if e.link.lost:
+                raise ConnectionError("the engine lost its manager")
+            stats = self.kv_stats(timeout_s=SCRAPE_TIMEOUT_S)   # within Prometheus's scrape timeout
         except Exception:   # the manager is away: its series are left out of this scrape
             reachable.add_metric([], 0)
         else:
-            reachable.add_metric([], 0 if e.link.lost else 1)
+            reachable.add_metric([], 1)
             yield GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Share of KV pages held by live requests "
                                     "(0 to 1)", value=stats.used_pages / max(1, stats.total_pages))
         yield reachable

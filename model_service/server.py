@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.model_service.assembly import build_on_a_thread_that_ends
@@ -16,13 +15,16 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import HealthReporter
 from kvserve.model_service.metrics import ServiceMetrics
-from kvserve.services.plumbing.api_keys import ApiKeys
-from kvserve.services.plumbing.auth import RequireApiKey
-from kvserve.services.http.server import HttpFront
+from kvserve.services.plumbing.api_keys import ApiKeys, read_token
+from kvserve.services.plumbing.auth import Refuse, RequireApiKey
+from kvserve.services.http.server import HttpFront, PrivateSocket
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
 
 log = logging.getLogger(__name__)
+
+EVENTS_REFUSED = ("this model service checks API keys (--api-keys): it serves clients, not gateways, and does not "
+                  "publish its cache's page hashes; a gateway follows workers started with --trust-tenant-metadata")
 
 
 async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, InferenceServicer]:
@@ -32,22 +34,25 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     relay = EventRelay(asyncio.get_running_loop())
     # The executor's thread only waits; torch runs on one that ends.
     stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
-    servicer = None
+    servicer = running = private = None
     try:
         await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
         keys = ApiKeys(config.api_keys) if config.api_keys else None
         servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats), keys)
         if config.metrics_listen:
             servicer.metrics_endpoint = serve_metrics(config.metrics_listen, servicer.metrics.registry)
-        servicer.cache_events = CacheEventsServicer(config.kvcache, config.kvcache_tls())
+        servicer.cache_events = CacheEventsServicer(config.kvcache, config.kvcache_tls(),
+                                                    read_token(config.kvcache_token_file))
         specs = [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME),
                  ServiceSpec(kv_pb_grpc.add_KVCacheEventsServicer_to_server, servicer.cache_events,
                              EVENTS_SERVICE_NAME)]
-        guards = [RequireApiKey(keys, {SERVICE_NAME, EVENTS_SERVICE_NAME})] if keys else []
+        # A front that checks keys serves no cache events: their page hashes would let one tenant
+        # test a guess at another's prompts. A gateway follows workers, which check no keys.
+        guards = [RequireApiKey(keys, {SERVICE_NAME}), Refuse(EVENTS_SERVICE_NAME, EVENTS_REFUSED)] if keys else []
         # The HTTP front calls this server over a private socket: plaintext (TLS is on the HTTP
         # side), with the caller's key as metadata.
-        private = _private_socket() if config.http_listen else None
-        running = await _create([config.listen, *([private] if private else [])], specs, options={
+        private = PrivateSocket() if config.http_listen else None
+        running = await _create([config.listen, *([private.address] if private else [])], specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards,
             health_listen=config.health_listen)
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
@@ -56,9 +61,17 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
             servicer.http_front = await HttpFront.start(config.http_listen, private, config.server_tls(),
                                                         config.max_request_bytes)
         return running, servicer
-    except Exception:
+    except Exception:   # nothing half-started outlives the failure
+        if running is not None:
+            await running.server.stop(None)
         if servicer is not None:
+            if servicer.health is not None:
+                await servicer.health.stop()
+            if servicer.cache_events is not None:
+                await servicer.cache_events.close()
             servicer.close()
+        if private is not None and (servicer is None or servicer.http_front is None):
+            private.close()
         stack.engine.stop()
         stack.kv.close()
         raise
@@ -101,6 +114,3 @@ async def serve(config: ModelServiceConfig) -> None:
         servicer.close()
         servicer.stack.kv.close()
 
-
-def _private_socket() -> str:
-    return f"unix://{tempfile.mkdtemp(prefix='kvserve-http-')}/grpc.sock"

@@ -40,7 +40,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.stack = stack
         self.metrics = metrics
         self.keys = keys   # --api-keys: a key's tenant keeps its own prefix cache
-        self._tenants: dict[str, str] = {}   # request id -> tenant, for the requests in flight
+        self._tenants: dict[str, tuple[str, object]] = {}   # request id -> (tenant, its call), in flight
         self.engine = stack.engine
         self.lanes = TokenizerLanes(stack.config.tokenizer_threads)
         self.builder = RequestBuilder(stack, self.lanes)
@@ -62,6 +62,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         events: asyncio.Queue = asyncio.Queue()
+        clock = self.metrics.stream()   # also this call's mark in self._tenants
         try:
             if self.draining:
                 raise Unavailable("the server is draining: it takes no new requests (another worker, "
@@ -69,28 +70,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             tenant = self._tenant(context)
             req = await self.builder.build(request, request.request_id or uuid.uuid4().hex, tenant)
             self.engine.submit(req, self._relay.sink(events))
-            self._tenants[req.request_id] = tenant
+            self._tenants[req.request_id] = (tenant, clock)
         except Exception as exc:
             await abort(context, as_request_failed(exc, "building the request failed"))
         finished = False
-        clock = self.metrics.stream()
         try:
             while not finished:
                 event = await events.get()
                 batch = [event]
                 while not events.empty():  # coalesce what piled up while the client was slow
                     batch.append(events.get_nowait())
-                for event in batch:
-                    if isinstance(event, Tokens):
-                        clock.tokens(len(event.token_ids))
-                    elif isinstance(event, Finished):
-                        clock.finished(event)
+                # tokens that piled up came together: they share the wait since the last batch
+                clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
+                if isinstance(batch[-1], Finished):
+                    clock.finished(batch[-1])
                 for message, finished, failure in _to_messages(req.request_id, batch):
                     if failure is not None:
                         await abort(context, failure)
                     yield message
         finally:
-            self._tenants.pop(req.request_id, None)
+            if self._tenants.get(req.request_id, (None, None))[1] is clock:   # not a later call's, same id
+                del self._tenants[req.request_id]
             if not finished:  # cancelled, deadline, client gone: free the pages now
                 self.engine.cancel(req.request_id)
 
@@ -116,7 +116,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except RequestFailed as exc:
             await abort(context, exc)
         # another tenant's request is, to this caller, no request at all
-        if self._tenants.get(request.request_id, tenant) != tenant or not self.engine.cancel(request.request_id):
+        owner = self._tenants.get(request.request_id)
+        if (owner is not None and owner[0] != tenant) or not self.engine.cancel(request.request_id):
             shown = request.request_id if len(request.request_id) <= 64 else request.request_id[:64] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()

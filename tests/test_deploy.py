@@ -120,7 +120,7 @@ def test_ports_probes_and_scrape_annotations_match_the_flags(name):
         assert kv_ports["metrics-kv"] == port_of(parsed(manager).metrics_listen)
 
 
-@pytest.mark.parametrize("name", ["gateway.yaml", "model-service.yaml"])
+@pytest.mark.parametrize("name", ["gateway.yaml", "model-service.yaml", "kvcache.yaml"])
 def test_every_file_a_flag_names_is_a_key_of_a_mounted_secret(name):
     secrets = {d["metadata"]["name"]: d for d in documents(DEPLOY / "secrets.yaml") if d["kind"] == "Secret"}
     spec = pod_spec(name)

@@ -50,7 +50,7 @@ class KVClient(Protocol):
         """From another thread: a wait for an answer ends now, with ManagerUnavailable."""
         ...
 
-    def stats(self) -> Stats: ...
+    def stats(self, timeout_s: float | None = None) -> Stats: ...
     def close(self) -> None: ...
 
 
@@ -80,7 +80,7 @@ class InProcessKVClient:
     def interrupt(self) -> None:
         pass   # an in-process Step is answered before send_step returns
 
-    def stats(self) -> Stats:
+    def stats(self, timeout_s: float | None = None) -> Stats:
         return self.manager.stats()
 
     def close(self) -> None:
@@ -150,9 +150,10 @@ class RemoteKVClient:
         if self._stream is stream:
             self._stream = None
 
-    def stats(self) -> Stats:
+    def stats(self, timeout_s: float | None = None) -> Stats:
+        """`timeout_s`: the wait for an answer (default: the client's)."""
         try:
-            return convert.stats_from_pb(self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout))
+            return convert.stats_from_pb(self._stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s or self._timeout))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
 

@@ -17,9 +17,14 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 2.0
 
 
+# The children listen on 127.0.0.1: never through a proxy the environment names.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class StackMetrics:
     def __init__(self) -> None:
         self.sources: list[tuple[dict[str, str], str]] = []   # (labels to add, the child's metrics URL)
+        self._failing: set[str] = set()   # URLs whose last fetch failed: said once, at warning
 
     def add(self, address: str, **labels: str) -> None:
         self.sources.append((labels, f"http://{address}/metrics"))
@@ -31,11 +36,14 @@ class StackMetrics:
         families: dict[str, Metric] = {}
         for labels, url in self.sources:
             try:
-                with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+                with _OPENER.open(url, timeout=FETCH_TIMEOUT_S) as response:
                     text = response.read().decode()
             except OSError as exc:   # a child restarting: its series sit this scrape out
-                log.debug("metrics from %s: %s", url, exc)
+                if url not in self._failing:
+                    log.warning("metrics from %s left out: %s", url, exc)
+                self._failing.add(url)
                 continue
+            self._failing.discard(url)
             for family in text_string_to_metric_families(text):
                 merged = families.get(family.name)
                 if merged is None:

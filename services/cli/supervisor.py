@@ -47,6 +47,11 @@ class Child:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
+    def signal(self, signum: int) -> None:
+        """Passes a signal on (SIGHUP: re-read the API keys), if the child runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
     def terminate(self) -> None:
         """SIGTERM, without waiting."""
         if self.proc is not None and self.proc.poll() is None:

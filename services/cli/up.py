@@ -129,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    front: list[Child] = []   # the child that checks API keys: SIGHUP goes on to it
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: [child.signal(signal.SIGHUP) for child in front])
     metrics = StackMetrics() if model_config.metrics_listen else None
     endpoint = None
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 log.error("%s", exc)
                 return 2
+        front.append(gateway if gateway is not None else pairs[0].model)
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:

@@ -56,6 +56,9 @@ class GatewayConfig:
                                 metavar="FILE")
     worker_tls_cert: str = option("", "PEM client certificate for the workers (mutual TLS)", metavar="FILE")
     worker_tls_key: str = option("", "PEM private key of --worker-tls-cert", metavar="FILE")
+    worker_tls_server_name: str = option("", "the name the workers' certificates carry (default: the "
+                                             "--workers-dns name): the gateway dials each worker's own "
+                                             "address, which no certificate can list", metavar="NAME")
 
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
@@ -91,4 +94,6 @@ class GatewayConfig:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def worker_tls(self) -> ClientTLS | None:
-        return ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key, prefix="--worker-tls")
+        name = self.worker_tls_server_name or self.workers_dns.rsplit(":", 1)[0]
+        return ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key, server_name=name,
+                            prefix="--worker-tls")

@@ -21,7 +21,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.queue_wait = Histogram("kvserve:gateway_queue_wait_seconds", "Time a request waited in the gateway's "
-                                    "queue for a worker with room", buckets=LATENCY_BUCKETS, registry=self.registry)
+                                    "queue for a worker with room (0 for one that found room at once)", buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def follow(self, fleet: Fleet, loop: asyncio.AbstractEventLoop) -> None:
         self.registry.register(_FleetState(fleet, loop))

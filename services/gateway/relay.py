@@ -75,7 +75,8 @@ class Relay:
             self.fleet.queue.wake()
             return True
         try:
-            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=5)
+            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=5,
+                                          metadata=self._metadata)   # the worker checks the tenant
             return True
         except grpc.aio.AioRpcError:
             return False
@@ -165,6 +166,8 @@ class Relay:
         Yields nothing more when the request is cancelled while it waits."""
         queue = self.fleet.queue
         if (front or not len(queue)) and (choice := route()) is not None:
+            if queue.on_leave is not None and not front:
+                queue.on_leave(0.0)   # a request that found room at once waited 0 s: every request counts
             yield choice
             return
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
@@ -19,7 +18,7 @@ from kvserve.services.gateway.inputs import Inputs
 from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.http.server import HttpFront
+from kvserve.services.http.server import HttpFront, PrivateSocket
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
@@ -32,7 +31,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @dataclass
 class Gateway:
-    running: RunningServer
+    running: RunningServer | None   # None only while create_gateway builds it
     servicer: GatewayServicer
     fleet: Fleet
     tasks: list[asyncio.Task]
@@ -56,26 +55,40 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
     metrics = GatewayMetrics()
     queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
+    keys = ApiKeys(config.api_keys) if config.api_keys else None
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
                   config.routing, config.balance_slack, config.worker_tls())
-    for address in config.worker:
-        fleet.add(address)
-    keys = ApiKeys(config.api_keys) if config.api_keys else None
     servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit,
                                config.no_worker_timeout_s, keys)
-    metrics.follow(fleet, asyncio.get_running_loop())
-    endpoint = serve_metrics(config.metrics_listen, metrics.registry) if config.metrics_listen else None
-    private = f"unix://{tempfile.mkdtemp(prefix='kvserve-http-')}/grpc.sock" if config.http_listen else None
-    running = await _create([config.listen, *([private] if private else [])], [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer,
-                                                        SERVICE_NAME)], options={
-        "grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
-        interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [], health_listen=config.health_listen)
-    tasks = [asyncio.create_task(_report_health(running, fleet, servicer), name="gateway health")]
-    if config.workers_dns:
-        tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
-                                         name="gateway dns"))
-    http = await HttpFront.start(config.http_listen, private, config.server_tls()) if private else None
-    return Gateway(running, servicer, fleet, tasks, endpoint, http)
+    gateway = Gateway(None, servicer, fleet, [])
+    private = None
+    try:   # what started is stopped again if a later part cannot start
+        for address in config.worker:
+            fleet.add(address)
+        metrics.follow(fleet, asyncio.get_running_loop())
+        if config.metrics_listen:
+            gateway.metrics_endpoint = serve_metrics(config.metrics_listen, metrics.registry)
+        private = PrivateSocket() if config.http_listen else None
+        gateway.running = await _create(
+            [config.listen, *([private.address] if private else [])],
+            [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)],
+            options={"grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
+            interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [], health_listen=config.health_listen)
+        gateway.tasks.append(asyncio.create_task(_report_health(gateway.running, fleet, servicer),
+                                                 name="gateway health"))
+        if config.workers_dns:
+            gateway.tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
+                                                     name="gateway dns"))
+        if private:
+            gateway.http_front = await HttpFront.start(config.http_listen, private, config.server_tls())
+        return gateway
+    except BaseException:
+        if gateway.running is not None:
+            await gateway.running.server.stop(None)
+        if private is not None and gateway.http_front is None:
+            private.close()
+        await gateway.close()
+        raise
 
 
 async def _report_health(running: RunningServer, fleet: Fleet, servicer: GatewayServicer) -> None:

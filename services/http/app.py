@@ -6,6 +6,7 @@ OpenAI's error shapes. A client that disconnects cancels its call, which frees i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -136,7 +137,7 @@ class Front:
         except grpc.aio.AioRpcError as exc:
             return error_response(from_rpc(exc))
         if not stream:
-            return await self._whole(events, first, reply)
+            return await self._whole(request, call, events, first, reply)
         usage = isinstance(options, dict) and options.get("include_usage") is True
         return StreamingResponse(self._stream(call, events, first, reply, usage), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
@@ -147,18 +148,35 @@ class Front:
             if event.HasField("chunk") or event.HasField("finished"):
                 yield event
 
-    async def _whole(self, events, first, reply: Reply) -> Response:
+    async def _whole(self, request: Request, call, events, first, reply: Reply) -> Response:
+        """The whole answer at once; a client that leaves before it is ready cancels the call."""
+        async def collect() -> Response:
+            try:
+                event = first
+                while event is not None:
+                    if event.HasField("chunk"):
+                        reply.text.append(event.chunk.text)
+                    else:
+                        reply.finished(event.finished)
+                    event = await anext(events, None)
+            except grpc.aio.AioRpcError as exc:
+                return error_response(from_rpc(exc))
+            return JSONResponse(reply.whole())
+
+        async def gone() -> None:   # the body is read: what comes next is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
         try:
-            event = first
-            while event is not None:
-                if event.HasField("chunk"):
-                    reply.text.append(event.chunk.text)
-                else:
-                    reply.finished(event.finished)
-                event = await anext(events, None)
-        except grpc.aio.AioRpcError as exc:
-            return error_response(from_rpc(exc))
-        return JSONResponse(reply.whole())
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            return Response(status_code=499)   # nobody reads it
+        finally:
+            watch.cancel()
+            work.cancel()
+            call.cancel()   # a finished call ignores it; a running one frees its pages
 
     async def _stream(self, call, events, first, reply: Reply, usage: bool) -> AsyncIterator[bytes]:
         try:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import tempfile
 
 import uvicorn
 
@@ -29,15 +30,28 @@ class _Server(uvicorn.Server):
         yield   # the process's own signal handling drains it (wait_for_signal), not uvicorn's
 
 
+class PrivateSocket:
+    """Where the HTTP front reaches its own process's gRPC server: a Unix socket in a folder of
+    its own (plaintext: TLS is on the HTTP side), removed with the front."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="kvserve-http-")
+        self.address = f"unix://{self._folder.name}/grpc.sock"
+
+    def close(self) -> None:
+        self._folder.cleanup()
+
+
 class HttpFront:
-    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str) -> None:
-        self.server, self.task, self.channel, self.address = server, task, channel, address
+    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str, private: PrivateSocket) -> None:
+        self.server, self.task, self.channel, self.address, self.private = server, task, channel, address, private
 
     @classmethod
-    async def start(cls, listen: str, target: str, tls: ServerTLS | None = None,
+    async def start(cls, listen: str, private: PrivateSocket, tls: ServerTLS | None = None,
                     max_body_bytes: int = 8 << 20) -> HttpFront:
-        """Serves on `listen` (host:port; 0 picks a port), calling the Inference service at `target`
-        (a private plaintext address of this process's gRPC server)."""
+        """Serves on `listen` (host:port; 0 picks a port), calling the Inference service at
+        `private` (this process's gRPC server listens there too); stop() removes it."""
+        target = private.address
         address = parse_address(listen)
         if address.is_unix:
             raise ValueError(f"--http-listen must be host:port, got {listen!r}")
@@ -69,13 +83,14 @@ class HttpFront:
             await asyncio.sleep(0.01)
         bound = address.with_port(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http%s://%s", "s" if tls else "", bound)
-        return cls(server, task, channel, bound)
+        return cls(server, task, channel, bound, private)
 
     async def stop(self) -> None:
         self.server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.task, 10)
         await self.channel.close()
+        self.private.close()
 
 
 def _tls_options(tls: ServerTLS) -> dict:

@@ -4,6 +4,7 @@ client reads, in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -13,7 +14,8 @@ from kvserve.inference.v1 import inference_pb2 as pb
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 # Fields of the OpenAI API kvserve does not do: refused by name rather than silently ignored.
 UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-               "response_format", "n_best")
+               "response_format", "n_best", "logprobs", "top_logprobs")
+UINT32, INT32 = 2**32 - 1, 2**31 - 1
 
 
 class HttpError(Exception):
@@ -32,6 +34,8 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise HttpError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
+    if not math.isfinite(value):   # Python's json reads NaN and Infinity
+        raise HttpError(400, f"'{name}' must be a finite number", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise HttpError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
     return value
@@ -56,7 +60,7 @@ def sampling(body: dict) -> pb.SamplingParams:
         value = _number(body, name, float, -2, 2)
         if value is not None:
             setattr(out, name, value)
-    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    max_tokens = _number(body, "max_completion_tokens", int, 1, UINT32) or _number(body, "max_tokens", int, 1, UINT32)
     if max_tokens is not None:
         out.max_tokens = max_tokens
     seed = _number(body, "seed", int, 0, 2**63 - 1)
@@ -69,10 +73,15 @@ def sampling(body: dict) -> pb.SamplingParams:
         out.stop.extend(stop)
     elif stop is not None:
         raise HttpError(400, "'stop' must be a string or a list of strings", param="stop")
-    for name, field in (("top_k", "top_k"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
-        value = _number(body, name, float)   # vLLM's extensions, accepted as it accepts them
-        if value is not None:
-            setattr(out, field, int(value) if field == "top_k" else value)
+    top_k = _number(body, "top_k", int, -1, INT32)   # vLLM's extensions, accepted as it accepts them
+    if top_k is not None:
+        out.top_k = max(top_k, 0)   # -1 is vLLM's "off", as 0 is here
+    min_p = _number(body, "min_p", float, 0, 1)
+    if min_p is not None:
+        out.min_p = min_p
+    repetition = _number(body, "repetition_penalty", float, 0)
+    if repetition is not None:
+        out.repetition_penalty = repetition
     if body.get("ignore_eos") is True:
         out.ignore_eos = True
     return out
@@ -85,15 +94,13 @@ def completion_request(body: dict) -> pb.GenerateRequest:
         prompt = prompt[0]   # one prompt in a list, as the openai client sends
     if isinstance(prompt, str):
         msg.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     and 0 <= t <= INT32 for t in prompt):
         msg.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:
-        raise HttpError(400, "'prompt' must be a string or a list of token ids", param="prompt")
-    if body.get("logprobs") is not None:
-        logprobs = _number(body, "logprobs", int, 0, 20)
-        msg.sampling.logprobs = logprobs
+        raise HttpError(400, "'prompt' must be a string or a list of token ids (0 to 2^31-1)", param="prompt")
     return msg
 
 
@@ -118,9 +125,6 @@ def chat_request(body: dict) -> pb.GenerateRequest:
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         msg.messages.messages.add(role=m["role"], content=content)
-    if body.get("logprobs") is True:
-        top = _number(body, "top_logprobs", int, 0, 20)
-        msg.sampling.logprobs = top or 0
     return msg
 
 

@@ -155,3 +155,16 @@ def free_local_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def is_private(address: str) -> bool:
+    """A Unix socket or a loopback host: reachable from this host (this pod) alone."""
+    if address.startswith("unix:"):
+        return True
+    host = parse_address(address).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

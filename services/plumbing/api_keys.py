@@ -41,9 +41,6 @@ class ApiKeys:
         self.path = path
         self._tenants = self._load()
 
-    def __len__(self) -> int:
-        return len(self._tenants)
-
     def _load(self) -> dict[str, str]:
         try:
             if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
@@ -85,10 +82,7 @@ class ApiKeys:
         """The key's tenant; None for a missing or unknown key."""
         if not key:
             return None
-        tenant = self._tenants.get(key)
-        if tenant is None:
-            return None
-        return tenant
+        return self._tenants.get(key)
 
 
 

@@ -1,12 +1,13 @@
 """Who may call what, as gRPC interceptors: API keys on the front services (api_keys.py), and
-the manager's write RPCs kept to its pod.
+the manager's state kept to its pod.
 
-- RequireApiKey: an interceptor refusing, with UNAUTHENTICATED and before any work, every call to
-  the named services without `authorization: Bearer KEY` metadata naming a known key. Health and
+- RequireApiKey: refuses, with UNAUTHENTICATED and before any work, every call to the named
+  services without `authorization: Bearer KEY` metadata naming a known key. Health and
   reflection are never named, so probes and grpcurl's listing stay open.
-- LocalOrAdmin: an interceptor letting a call to any but the read-only methods through only from
-  a Unix socket or a loopback address (the manager's own pod) or with the admin token; others
-  get PERMISSION_DENIED.
+- Refuse: a service this server has but will not serve in its configuration, PERMISSION_DENIED.
+- LocalOrAdmin: lets a call to any but the open methods through only from a Unix socket or a
+  loopback address (the manager's own pod) or with the admin token; others get
+  PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ import grpc
 
 from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+
+_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _like(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind (streaming or not, each way) running `behaviour`."""
+    return _MAKE[(handler.request_streaming, handler.response_streaming)](
+        behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
 def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `code`."""
     async def unary(request, context):
@@ -27,11 +40,7 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
         await context.abort(code, message)
         yield  # pragma: no cover  (makes this an async generator, as a streaming handler must be)
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(streaming if handler.response_streaming else unary,
-                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return _like(handler, streaming if handler.response_streaming else unary)
 
 
 def _service_of(method: str) -> str:
@@ -43,7 +52,7 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
         self.keys = keys
         self.services = services
 
-    async def intercept_service(self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler]],
+    async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or _service_of(details.method) not in self.services:
@@ -57,8 +66,23 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
         return handler
 
 
+class Refuse(grpc.aio.ServerInterceptor):
+    def __init__(self, service: str, why: str) -> None:
+        self.service = service
+        self.why = why
+
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or _service_of(details.method) != self.service:
+            return handler
+        return _deny(handler, grpc.StatusCode.PERMISSION_DENIED, self.why)
+
+
 def is_local_peer(peer: str) -> bool:
-    """A Unix socket or a loopback address: in Kubernetes, a container of the same pod."""
+    """A Unix socket or a loopback address: in Kubernetes, a container of the same pod. (Behind a
+    service mesh whose sidecar forwards from loopback, listen on a Unix socket only, as
+    deploy/model-service.yaml does.)"""
     if peer.startswith("unix:"):
         return True
     if peer.startswith("ipv4:"):
@@ -75,7 +99,8 @@ class LocalOrAdmin(grpc.aio.ServerInterceptor):
         self.open_methods = open_methods
         self.admin_token = admin_token
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method = details.method.lstrip("/")
         if handler is None or _service_of(method) != self.service or method.split("/", 1)[1] in self.open_methods:
@@ -88,8 +113,8 @@ class LocalOrAdmin(grpc.aio.ServerInterceptor):
 
 def _guard_peer(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
     """The handler, behind a check of the caller's address (known only inside the call)."""
-    message = (f"{name} changes the manager's state: only its own pod (a Unix socket or loopback) or a "
-               "caller with the admin token (--admin-token-file) may call it")
+    message = (f"{name} shows or changes the manager's state: only its own pod (a Unix socket or loopback) "
+               "or a caller with the admin token (--admin-token-file) may call it")
 
     if handler.response_streaming:
         inner = handler.unary_stream or handler.stream_stream
@@ -107,7 +132,4 @@ def _guard_peer(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHand
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
             return await inner(request, context)
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return kinds[(handler.request_streaming, handler.response_streaming)](
-        behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return _like(handler, behaviour)

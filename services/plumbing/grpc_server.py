@@ -97,6 +97,7 @@ async def create_server(
     if not wanted:
         raise ValueError("no address to listen on")
     listens = [parse_address(a) for a in wanted]
+    probe_listen = parse_address(health_listen) if health_listen else None
     specs = _check_services(services)
     pool = futures.ThreadPoolExecutor(max_workers) if max_workers else None
     server = grpc.aio.server(
@@ -114,8 +115,8 @@ async def create_server(
     for listen, text in zip(listens, wanted):
         bound.append(listen.with_port(await _bind(server, listen, text, tls)))
     await server.start()
-    if health_listen:
-        await _serve_health_alone(server, health, health_listen)
+    if probe_listen is not None:
+        await _serve_health_alone(server, health, probe_listen, health_listen)
     log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
     return RunningServer(server, bound[0], health, tuple(bound))
 
@@ -197,12 +198,13 @@ def _check_services(services: Iterable[Any]) -> list[ServiceSpec]:
 _probe_watchers: set[asyncio.Task] = set()
 
 
-async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthServicer, address: str) -> None:
+async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthServicer, listen: ListenAddress,
+                              address: str) -> None:
     """The same health servicer (so the same statuses) on a plaintext port of its own."""
-    probe = grpc.aio.server()
+    probe = grpc.aio.server(options=list(DEFAULT_OPTIONS.items()))   # no port sharing, as for the main one
     health_pb2_grpc.add_HealthServicer_to_server(health, probe)
     try:
-        await _bind(probe, parse_address(address), address, None)
+        await _bind(probe, listen, address, None)
     except BindError:
         await main.stop(None)
         raise

@@ -42,17 +42,16 @@ class MetricsEndpoint:
         self.server.server_close()
 
 
-def serve_metrics(listen: str, registry: CollectorRegistry, tls_cert: str = "", tls_key: str = "") -> MetricsEndpoint:
-    """Serves `registry` on `listen` (host:port; port 0 picks one) from a daemon thread; HTTPS when
-    a certificate and key are given. Raises ValueError for an address it cannot serve on."""
+def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsEndpoint:
+    """Serves `registry` on `listen` (host:port; port 0 picks one) from a daemon thread, in plain
+    HTTP (counts, never a prompt or a key). Raises ValueError for an address it cannot serve on."""
     address = parse_address(listen)
     if address.is_unix:
         raise ValueError(f"--metrics-listen must be host:port (Prometheus scrapes over TCP), got {listen!r}")
     try:
-        server, thread = start_http_server(address.port, addr=address.host, registry=registry,
-                                           certfile=tls_cert or None, keyfile=tls_key or None)
+        server, thread = start_http_server(address.port, addr=address.host, registry=registry)
     except OSError as exc:
         raise ValueError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
     endpoint = MetricsEndpoint(server, thread, address.with_port(server.server_port))
-    log.info("metrics on http%s://%s/metrics", "s" if tls_cert else "", endpoint.address)
+    log.info("metrics on http://%s/metrics", endpoint.address)
     return endpoint

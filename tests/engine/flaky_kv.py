@@ -75,7 +75,7 @@ class FlakyKV:
     def interrupt(self) -> None:
         self._interrupted.set()
 
-    def stats(self):
+    def stats(self, timeout_s=None):
         if self.down.is_set():
             raise self._unavailable()
         return self.inner.stats()

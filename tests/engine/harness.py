@@ -69,7 +69,7 @@ class EngineHarness:
         wait(outcomes)
         return outcomes
 
-    def stats(self):
+    def stats(self, timeout_s=None):
         assert self.engine.wait_idle(30), "the engine did not go idle"
         return self.stack.kv.stats()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -17,7 +18,7 @@ import pytest
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.gateway.conftest import make_fleet
 from tests.service.conftest import ModelServerThread
-from tests.service.util import generate, request
+from tests.service.util import generate, request, wait_until
 
 PROMPT = "The quick brown fox jumps over"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
@@ -169,3 +170,37 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
         assert whole.choices[0].message.content == direct
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == direct
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0   # routed to the worker holding it
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"prompt": "x", "temperature": 1e400}', "finite"),
+    ('{"prompt": "x", "temperature": NaN}', "finite"),
+    ('{"prompt": "x", "max_tokens": 5000000000}', "max_tokens"),
+    ('{"prompt": [1, 99999999999]}', "token ids"),
+    ('{"prompt": "x", "top_k": 1e300}', "top_k"),
+    ('{"prompt": "x", "logprobs": 2}', "not supported"),
+])
+def test_numbers_out_of_range_are_a_400_in_openais_shape(front, body, message):
+    req = urllib.request.Request(f"http://{front.servicer.http_front.address}/v1/completions", data=body.encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    assert message in json.loads(err.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_cancels_its_request(front, stream):
+    engine = front.servicer.engine
+    aborted = engine.counters.aborted
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": stream})
+    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+    wait_until(lambda: engine.num_live() == 1, what="the request running")
+    if stream:
+        conn.getresponse().readline()   # its first event
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_until(lambda: engine.num_live() == 0, timeout=30, what="the request gone")
+    assert engine.counters.aborted == aborted + 1   # cancelled, not run to its 1,900 tokens

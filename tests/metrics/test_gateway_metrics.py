@@ -29,4 +29,5 @@ def test_routed_requests_and_hit_tokens_per_worker(tiny_dirs):
         assert value(samples, "kvserve:gateway_queue_length") == 0
         assert value(samples, "kvserve:gateway_migrations_total") == 0
         assert value(samples, "kvserve:gateway_generation_tokens_total") == sum(len(o.tokens) for o in outs) == 12
-        assert value(samples, "kvserve:gateway_queue_wait_seconds_count") == 0
+        assert value(samples, "kvserve:gateway_queue_wait_seconds_count") == 3   # each found room at once
+        assert value(samples, "kvserve:gateway_queue_wait_seconds_sum") == 0

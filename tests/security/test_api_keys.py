@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.api_keys import ApiKeys
 from tests.gateway.conftest import make_fleet
 from tests.gateway.test_gateway import tree_hashes
@@ -62,6 +64,11 @@ def test_no_key_or_an_unknown_one_is_refused_and_health_stays_open(keyed):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         reflection = ProtoReflectionDescriptorDatabase(ch)   # grpcurl's listing needs no key either
         assert "kvserve.inference.v1.Inference" in reflection.get_services()
+        # page hashes would let one tenant test a guess at another's prompt: a keyed front has none to give
+        events = kv_pb_grpc.KVCacheEventsStub(ch).WatchEvents(kv_pb.WatchEventsRequest(snapshot=True),
+                                                               metadata=bearer("key-a"), timeout=10)
+        err = rpc_error(lambda: list(events))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "page hashes" in err.details()
 
 
 def test_tenants_never_share_a_page(keyed):
@@ -132,6 +139,15 @@ def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(ti
         assert first == 0 and again > 0   # routed to the worker that holds alpha's pages
         other, theirs = run(fleet.stub, ids, "key-b")
         assert other == 0 and theirs == tokens
+        # Cancel goes to the worker with the tenant: its owner's key cancels, another's cannot
+        call = fleet.stub.Generate(request(token_ids=[9] * 10, request_id="alpha-2", **greedy(1500)),
+                                   metadata=bearer("key-a"), timeout=60)
+        next(call)
+        err = rpc_error(lambda: fleet.stub.Cancel(pb.CancelRequest(request_id="alpha-2"), metadata=bearer("key-b"),
+                                                  timeout=10))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        fleet.stub.Cancel(pb.CancelRequest(request_id="alpha-2"), metadata=bearer("key-a"), timeout=10)
+        assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
 
 
 def test_a_request_in_flight_survives_a_key_reload(keyed):
@@ -153,3 +169,37 @@ def test_a_request_in_flight_survives_a_key_reload(keyed):
         finally:
             path.write_text(KEYS)
             server.loop.call_soon_threadsafe(server.servicer.keys.reload)
+
+
+@pytest.mark.slow
+def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path):
+    import signal
+
+    from tests.service.processes import free_port, kvserve, terminate, wait_serving
+
+    path = tmp_path / "keys"
+    path.write_text("old-key alpha\n")
+    address = f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                   f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
+                   "--api-keys", str(path), "--log-level", "warning")
+    try:
+        wait_serving(address, proc)
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+
+            def works(key: str) -> bool:
+                try:
+                    stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(key), timeout=10)
+                    return True
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    return False
+
+            assert works("old-key") and not works("new-key")
+            path.write_text("new-key alpha\n")
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: works("new-key"), what="the new key in force")
+            assert not works("old-key") and proc.poll() is None   # up passed it on and runs on
+    finally:
+        terminate(proc)

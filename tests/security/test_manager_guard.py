@@ -60,6 +60,9 @@ def test_write_rpcs_from_beyond_the_pod_need_the_admin_token(tmp_path):
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
             stream = stub.StepStream(iter([kv_pb.StepRequest(epoch=7)]), timeout=10)
             assert rpc_error(lambda: list(stream)).code() == grpc.StatusCode.PERMISSION_DENIED
+            for what in (lambda: list(stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=10)),
+                         lambda: stub.MatchPrefix(kv_pb.MatchPrefixRequest(token_ids=[1, 2, 3, 4]), timeout=10)):
+                assert rpc_error(what).code() == grpc.StatusCode.PERMISSION_DENIED   # they show what it holds
             stub.Register(register, metadata=(("authorization", "Bearer s3cret"),), timeout=10)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:   # from the pod itself: no token needed
             kv_pb_grpc.KVCacheManagerStub(ch).Register(kv_pb.RegisterRequest(epoch=8, page_size=4, num_pages=16),

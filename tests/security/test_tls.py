@@ -155,3 +155,14 @@ def test_probes_reach_health_in_plaintext_on_a_port_of_its_own(tiny_dirs, certs)
     with grpc.insecure_channel(health) as ch:   # stopped with the server
         err = rpc_error(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_gateway_checks_workers_certificates_against_their_service_name(certs):
+    from kvserve.services.gateway.config import GatewayConfig
+
+    found = GatewayConfig(workers_dns="kvserve-workers:50051", worker_tls_ca=certs.ca)
+    assert found.worker_tls().server_name == "kvserve-workers"   # the pods' own addresses are in no certificate
+    named = GatewayConfig(worker=("10.0.0.7:50051",), worker_tls_ca=certs.ca, worker_tls_server_name="w.example")
+    assert named.worker_tls().server_name == "w.example" and named.worker_tls().options() == [
+        ("grpc.ssl_target_name_override", "w.example")]
+    assert GatewayConfig(workers_dns="kvserve-workers:50051").worker_tls() is None   # plaintext stays plaintext

@@ -1,0 +1,33 @@
+"""Configurations that would leak are refused at start, with a sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.model_service.config import ModelServiceConfig
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:50051", "10.1.2.3:50051", "[::]:50051"])
+def test_a_worker_trusting_tenant_metadata_must_be_reachable_by_its_gateway_alone(listen):
+    with pytest.raises(ValueError, match="anyone who reaches it could name any tenant"):
+        ModelServiceConfig(listen=listen, trust_tenant_metadata=True)
+    ModelServiceConfig(listen=listen, trust_tenant_metadata=True, tls_cert="c.pem", tls_key="k.pem",
+                       tls_client_ca="ca.pem")   # mutual TLS: only the gateway's certificate gets in
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:50051", "localhost:0", "[::1]:0", "unix:///tmp/w.sock"])
+def test_a_private_worker_may_trust_tenant_metadata(listen):
+    ModelServiceConfig(listen=listen, trust_tenant_metadata=True)
+
+
+def test_the_admin_token_never_crosses_the_network_in_plaintext():
+    with pytest.raises(ValueError, match="in plaintext"):
+        ModelServiceConfig(kvcache="10.0.0.5:50061", kvcache_token_file="/etc/kvserve/admin/token")
+    ModelServiceConfig(kvcache="10.0.0.5:50061", kvcache_token_file="/etc/kvserve/admin/token",
+                       kvcache_tls_ca="/etc/kvserve/tls/ca.crt")
+    ModelServiceConfig(kvcache="unix:///run/kv.sock", kvcache_token_file="/etc/kvserve/admin/token")
+
+
+def test_keys_and_trusted_metadata_are_two_roles():
+    with pytest.raises(ValueError, match="give one"):
+        ModelServiceConfig(api_keys="keys", trust_tenant_metadata=True)
