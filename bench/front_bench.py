@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="every mode this many times, interleaved; medians")
+    ap.add_argument("--modes", nargs="+", default=None, metavar="PREFIX",
+                    help='only the modes whose name starts so, e.g. --modes "gRPC, plaintext" HTTP')
     args = ap.parse_args()
     model = str(resolve_model_path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -180,6 +182,8 @@ def main() -> None:
              ("gRPC, API key", ["--api-keys", str(keys)], None, KEY, False),
              ("gRPC, TLS + API key", [*server_tls, "--api-keys", str(keys)], ClientTLS(ca=certs.ca), KEY, False),
              ("HTTP, plaintext", [], None, "", True)]
+    if args.modes:
+        modes = [m for m in modes if any(m[0].startswith(prefix) for prefix in args.modes)]
     print(f"model {Path(model).name}; {args.sequential} sequential 64-token requests (1 token out); "
           f"{args.streams} streams x {args.new_tokens} tokens at once")
     runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
