@@ -27,6 +27,12 @@ from kvserve.model_service.tokenizing import TokenizerLanes
 RequestError = InvalidRequest   # the name this module's callers know
 
 
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id the engine and the manager know a request by: each tenant's ids are its own, so one
+    tenant can neither cancel another's request nor learn, from ALREADY_EXISTS, which ids it uses."""
+    return f"{tenant}\x00{request_id}" if tenant else request_id
+
+
 def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
     """At most the prompt's UTF-8 length, from encoded sizes, without decoding it (a few times
     cheaper): the message less every other field, each with up to 6 bytes of tag and length
@@ -72,7 +78,7 @@ class RequestBuilder:
         salt = tenant_extra_key(self.config.cache_salt, tenant)
         if not self.config.prefix_caching:
             salt = f"{salt}\x00{request_id}"  # pages of one request only: nothing is ever shared
-        request = Request(request_id, prompt, max_tokens, params, extra_key=salt)
+        request = Request(scoped_request_id(tenant, request_id), prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
         if msg.continuation.ids:

@@ -17,11 +17,12 @@ import grpc
 from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import KVCacheError
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import InvalidRequest, RequestFailed, Unauthenticated, Unavailable
+from kvserve.model_service.engine.errors import (DuplicateRequest, InvalidRequest, RequestFailed, Unauthenticated,
+                                                 Unavailable)
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
-from kvserve.model_service.request_builder import RequestBuilder
+from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
@@ -40,7 +41,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.stack = stack
         self.metrics = metrics
         self.keys = keys   # --api-keys: a key's tenant keeps its own prefix cache
-        self._tenants: dict[str, tuple[str, object]] = {}   # request id -> (tenant, its call), in flight
         self.engine = stack.engine
         self.lanes = TokenizerLanes(stack.config.tokenizer_threads)
         self.builder = RequestBuilder(stack, self.lanes)
@@ -62,15 +62,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         events: asyncio.Queue = asyncio.Queue()
-        clock = self.metrics.stream()   # also this call's mark in self._tenants
+        clock = self.metrics.stream()
         try:
             if self.draining:
                 raise Unavailable("the server is draining: it takes no new requests (another worker, "
                                   "or this one once restarted, will)")
             tenant = self._tenant(context)
-            req = await self.builder.build(request, request.request_id or uuid.uuid4().hex, tenant)
-            self.engine.submit(req, self._relay.sink(events))
-            self._tenants[req.request_id] = (tenant, clock)
+            request_id = request.request_id or uuid.uuid4().hex
+            req = await self.builder.build(request, request_id, tenant)
+            try:
+                self.engine.submit(req, self._relay.sink(events))
+            except DuplicateRequest:   # said with the id the client knows, not the engine's
+                raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
         except Exception as exc:
             await abort(context, as_request_failed(exc, "building the request failed"))
         finished = False
@@ -84,13 +87,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
                 if isinstance(batch[-1], Finished):
                     clock.finished(batch[-1])
-                for message, finished, failure in _to_messages(req.request_id, batch):
+                for message, finished, failure in _to_messages(request_id, batch):
                     if failure is not None:
                         await abort(context, failure)
                     yield message
         finally:
-            if self._tenants.get(req.request_id, (None, None))[1] is clock:   # not a later call's, same id
-                del self._tenants[req.request_id]
             if not finished:  # cancelled, deadline, client gone: free the pages now
                 self.engine.cancel(req.request_id)
 
@@ -116,8 +117,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except RequestFailed as exc:
             await abort(context, exc)
         # another tenant's request is, to this caller, no request at all
-        owner = self._tenants.get(request.request_id)
-        if (owner is not None and owner[0] != tenant) or not self.engine.cancel(request.request_id):
+        if not self.engine.cancel(scoped_request_id(tenant, request.request_id)):
             shown = request.request_id if len(request.request_id) <= 64 else request.request_id[:64] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()

@@ -31,7 +31,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self.fleet = fleet
         self.inputs = inputs
         self.migration_limit = migration_limit
-        self.relays: dict[str, Relay] = {}
+        self.relays: dict[tuple[str, str], Relay] = {}   # (tenant, request id): each tenant's ids are its own
         self.draining = False
 
     async def Generate(self, request, context):
@@ -47,12 +47,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 ids = await self.inputs.ids(request)
             except InputError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            if request_id in self.relays:   # checked after the await, where another could have come
+            if (tenant, request_id) in self.relays:   # checked after the await, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
             await context.abort(exc.code, exc.message)
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
-        self.relays[request_id] = relay
+        self.relays[tenant, request_id] = relay
         try:
             async for response in relay.run(context.time_remaining):
                 yield response
@@ -61,7 +61,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)
         finally:
-            del self.relays[request_id]
+            del self.relays[tenant, request_id]
             self.fleet.queue.stream_ended()
 
     def _tenant(self, context) -> str:
@@ -73,10 +73,11 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         return tenant
 
     async def Cancel(self, request, context):
-        relay = self.relays.get(request.request_id)
-        if relay is not None and self.keys is not None and relay.tenant != self.keys.tenant(
-                bearer_token(context.invocation_metadata())):
-            relay = None   # another tenant's request: as if there were none
+        try:
+            tenant = self._tenant(context)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        relay = self.relays.get((tenant, request.request_id))   # another tenant's is not there for this one
         if relay is None or not await relay.cancel():
             shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")

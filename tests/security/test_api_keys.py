@@ -92,6 +92,14 @@ def test_another_tenants_request_cannot_be_cancelled(keyed):
         call = stub.Generate(request(token_ids=[9] * 10, request_id="alpha-1", **greedy(1500)),
                              metadata=bearer("key-a"), timeout=60)
         next(call)
+        # each tenant's ids are its own: beta may use alpha's id in flight, and hears nothing of it
+        beta = list(stub.Generate(request(token_ids=[9] * 10, request_id="alpha-1", **greedy(3)),
+                                  metadata=bearer("key-b"), timeout=60))
+        assert beta[0].prefill_done.request_id == "alpha-1" and beta[-1].finished.usage.completion_tokens == 3
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[9] * 10, request_id="alpha-1", **greedy(3)),
+                                                   metadata=bearer("key-a2"), timeout=60)))
+        assert (err.code(), err.details()) == (grpc.StatusCode.ALREADY_EXISTS,
+                                               "request id 'alpha-1' is already in flight")
         err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="alpha-1"), metadata=bearer("key-b"),
                                             timeout=10))
         assert err.code() == grpc.StatusCode.NOT_FOUND
@@ -143,6 +151,9 @@ def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(ti
         call = fleet.stub.Generate(request(token_ids=[9] * 10, request_id="alpha-2", **greedy(1500)),
                                    metadata=bearer("key-a"), timeout=60)
         next(call)
+        beta = list(fleet.stub.Generate(request(token_ids=[9] * 10, request_id="alpha-2", **greedy(3)),
+                                        metadata=bearer("key-b"), timeout=60))   # its own id space
+        assert beta[-1].finished.usage.completion_tokens == 3
         err = rpc_error(lambda: fleet.stub.Cancel(pb.CancelRequest(request_id="alpha-2"), metadata=bearer("key-b"),
                                                   timeout=10))
         assert err.code() == grpc.StatusCode.NOT_FOUND
