@@ -169,9 +169,7 @@ def test_a_request_in_flight_survives_a_key_reload(keyed):
         call = stub.Generate(request(token_ids=[11] * 8, **greedy(300)), metadata=bearer("key-b"), timeout=60)
         next(call)
         path.write_text("key-a alpha\n")
-        done = threading.Event()
-        server.loop.call_soon_threadsafe(lambda: (server.servicer.keys.reload(), done.set()))
-        assert done.wait(10)
+        reload_now(server)
         try:
             assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
             err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5], **greedy(2)), metadata=bearer("key-b"),
@@ -179,7 +177,14 @@ def test_a_request_in_flight_survives_a_key_reload(keyed):
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             path.write_text(KEYS)
-            server.loop.call_soon_threadsafe(server.servicer.keys.reload)
+            reload_now(server)   # before the test ends: its log line then has somewhere to go
+
+
+def reload_now(server) -> None:
+    """SIGHUP's reload, on the server's loop, waited for."""
+    done = threading.Event()
+    server.loop.call_soon_threadsafe(lambda: (server.servicer.keys.reload(), done.set()))
+    assert done.wait(10)
 
 
 @pytest.mark.slow
