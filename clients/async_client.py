@@ -78,11 +78,7 @@ class AsyncGenerateStream(AsyncIterator[Event]):
                 raise
             if msg is grpc.aio.EOF:
                 raise StopAsyncIteration
-            event = convert.event(msg)
-            if isinstance(event, PrefillDone):
-                self.request_id = event.request_id or self.request_id
-            elif isinstance(event, Finished):
-                self.finished = event
+            event = convert.stream_event(self, msg)
             if event is not None:
                 return event
 

@@ -186,3 +186,14 @@ def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | No
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request
+
+
+def stream_event(stream: Any, msg: pb.GenerateResponse) -> Event | None:
+    """`msg` as an Event for a Generate stream (the sync or the asyncio one), which keeps the
+    request id the server assigned and the Finished; None for a message it does not know."""
+    out = event(msg)
+    if isinstance(out, PrefillDone):
+        stream.request_id = out.request_id or stream.request_id
+    elif isinstance(out, Finished):
+        stream.finished = out
+    return out

@@ -75,11 +75,7 @@ class GenerateStream(Iterator[Event]):
                 msg = next(self._call)
             except grpc.RpcError as exc:
                 raise KVServeError.from_rpc_error(exc) from exc
-            event = convert.event(msg)
-            if isinstance(event, PrefillDone):
-                self.request_id = event.request_id or self.request_id
-            elif isinstance(event, Finished):
-                self.finished = event
+            event = convert.stream_event(self, msg)
             if event is not None:
                 return event
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -16,14 +17,11 @@ class KVCacheServerConfig:
     listen: tuple[str, ...] = option((DEFAULT_LISTEN,), f"host:port or unix:///path; repeat to listen on "
                                                         f"several (default {DEFAULT_LISTEN})", metavar="ADDR")
     grace_s: float = option(5.0, "seconds in-flight calls get on SIGTERM", flag="--grace-period")
-    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
-                                 metavar="HOST:PORT")
-    tls_cert: str = option("", "PEM certificate to serve TLS with on TCP addresses (Unix sockets stay "
-                               "plaintext; default: plaintext)", metavar="FILE")
-    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
-    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
-    health_listen: str = option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes "
-                                    "probes, which cannot speak TLS (default: off)", metavar="HOST:PORT")
+    metrics_listen: str = server_flags.metrics_listen()
+    tls_cert: str = server_flags.tls_cert()
+    tls_key: str = server_flags.tls_key()
+    tls_client_ca: str = server_flags.tls_client_ca()
+    health_listen: str = server_flags.health_listen()
     admin_token_file: str = option("", "file holding a token that lets a caller beyond this pod use the write "
                                        "RPCs (`authorization: Bearer TOKEN`); without it only a Unix socket or "
                                        "loopback may", metavar="FILE")

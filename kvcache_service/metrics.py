@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.kvcache_service.core.manager import KVCacheManager
+from kvserve.services.plumbing.metrics_server import read_on_loop
 
 # Seconds: a Step is tens of microseconds idle, milliseconds for a large batch.
 STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-SCRAPE_TIMEOUT_S = 2.0
 
 
 class ManagerMetrics:
@@ -32,11 +32,8 @@ class _PoolState:
     def describe(self):
         return []
 
-    async def _stats(self):
-        return self.manager.stats()
-
     def collect(self):
-        s = asyncio.run_coroutine_threadsafe(self._stats(), self.loop).result(SCRAPE_TIMEOUT_S)
+        s = read_on_loop(self.loop, self.manager.stats)
         gauges = (("kv_pages_total", "Device KV pages", s.total_pages),
                   ("kv_pages_free", "Device KV pages holding nothing", s.free_pages),
                   ("kv_pages_used", "Device KV pages held by live sequences", s.used_pages),

@@ -14,6 +14,7 @@ from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
 from kvserve.services.plumbing.address import is_private
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
+from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -78,25 +79,21 @@ class ModelServiceConfig:
                                           "flight, before health says NOT_SERVING", flag="--stall-timeout")
     grace_s: float = option(5.0, "seconds to drain on SIGTERM: in-flight requests finish, then end "
                                  "with UNAVAILABLE", flag="--grace-period")
-    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
-                                 metavar="HOST:PORT")
-    http_listen: str = option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                                  "/v1/models, /health) on HOST:PORT (default: off)", metavar="HOST:PORT")
+    metrics_listen: str = server_flags.metrics_listen()
+    http_listen: str = server_flags.http_listen()
     # Security: TLS on TCP addresses, API keys, and the link to the manager.
-    tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
-    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
-    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
-    health_listen: str = option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes "
-                                    "probes, which cannot speak TLS (default: off)", metavar="HOST:PORT")
+    tls_cert: str = server_flags.tls_cert()
+    tls_key: str = server_flags.tls_key()
+    tls_client_ca: str = server_flags.tls_client_ca()
+    health_listen: str = server_flags.health_listen()
     api_keys: str = option("", "file of `KEY TENANT` lines: every Inference call needs `authorization: Bearer "
                                "KEY`; each tenant's prefix cache is its own; re-read on SIGHUP", metavar="FILE")
     trust_tenant_metadata: bool = option(False, "take the tenant from `kvserve-tenant` metadata (a worker "
                                                 "behind a gateway that checks keys; guard it with mutual TLS "
                                                 "or a private address)")
-    kvcache_tls_ca: str = option("", "PEM CA that signed the manager's certificate: reach it over TLS",
-                                 metavar="FILE")
-    kvcache_tls_cert: str = option("", "PEM client certificate for the manager (mutual TLS)", metavar="FILE")
-    kvcache_tls_key: str = option("", "PEM private key of --kvcache-tls-cert", metavar="FILE")
+    kvcache_tls_ca: str = server_flags.peer_tls_ca("the manager")
+    kvcache_tls_cert: str = server_flags.peer_tls_cert("the manager")
+    kvcache_tls_key: str = server_flags.peer_tls_key("--kvcache-tls-cert")
     kvcache_tls_server_name: str = option("", "the name the manager's certificate carries, when not its "
                                               "address's", metavar="NAME")
     kvcache_token_file: str = option("", "file holding the manager's admin token, for a manager beyond this "

@@ -14,15 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.model_service.engine.events import Finished
-from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS,
+from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, SCRAPE_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
                                                       TOKEN_LATENCY_BUCKETS)
 
 
-SCRAPE_TIMEOUT_S = 2.0
-
-
 class ServiceMetrics:
-    def __init__(self, engine, kv_stats: Callable[[], object]) -> None:
+    def __init__(self, engine, kv_stats: Callable[..., object]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token, per request",
@@ -78,7 +75,7 @@ class StreamClock:
 class _EngineState:
     """Read at each scrape: the engine's counts and totals, and the manager's page use."""
 
-    def __init__(self, engine, kv_stats: Callable[[], object]) -> None:
+    def __init__(self, engine, kv_stats: Callable[..., object]) -> None:
         self.engine = engine
         self.kv_stats = kv_stats
 

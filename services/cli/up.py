@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
-from prometheus_client import CollectorRegistry
-
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.address import free_local_port
@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    front: list[Child] = []   # the child that checks API keys: SIGHUP goes on to it
-    signal.signal(signal.SIGHUP, lambda _signum, _frame: [child.signal(signal.SIGHUP) for child in front])
+    reloads: list[Child] = []   # the child that checks API keys: SIGHUP goes on to it
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: [child.signal(signal.SIGHUP) for child in reloads])
     metrics = StackMetrics() if model_config.metrics_listen else None
     endpoint = None
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
@@ -146,12 +146,12 @@ def run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 gateway_metrics = ["--metrics-listen", free_local_port()]
                 metrics.add(gateway_metrics[1])
-            front = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
-                     for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "health_listen")
-                     if getattr(model_config, name)]
+            front_flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
+                           for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen",
+                                        "health_listen") if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,
-                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics, *front,
+                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics, *front_flags,
                                                   *[a for p in pairs for a in ("--worker", p.config.listen)]])
         else:
             pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics)]
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 log.error("%s", exc)
                 return 2
-        front.append(gateway if gateway is not None else pairs[0].model)
+        reloads.append(gateway if gateway is not None else pairs[0].model)
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:

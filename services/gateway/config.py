@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.services.plumbing.api_keys import ApiKeys
+from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -40,22 +41,18 @@ class GatewayConfig:
                                     flag="--poll-interval")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
-    metrics_listen: str = option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
-                                 metavar="HOST:PORT")
-    http_listen: str = option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                                  "/v1/models, /health) on HOST:PORT (default: off)", metavar="HOST:PORT")
-    tls_cert: str = option("", "PEM certificate to serve TLS with (TCP addresses; default: plaintext)", metavar="FILE")
-    tls_key: str = option("", "PEM private key of --tls-cert", metavar="FILE")
-    tls_client_ca: str = option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
-    health_listen: str = option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes "
-                                    "probes, which cannot speak TLS (default: off)", metavar="HOST:PORT")
+    metrics_listen: str = server_flags.metrics_listen()
+    http_listen: str = server_flags.http_listen()
+    tls_cert: str = server_flags.tls_cert()
+    tls_key: str = server_flags.tls_key()
+    tls_client_ca: str = server_flags.tls_client_ca()
+    health_listen: str = server_flags.health_listen()
     api_keys: str = option("", "file of `KEY TENANT` lines: every Inference call needs `authorization: Bearer "
                                "KEY`; each tenant's prefix cache is its own at every worker; re-read on SIGHUP "
                                "(the workers run with --trust-tenant-metadata)", metavar="FILE")
-    worker_tls_ca: str = option("", "PEM CA that signed the workers' certificates: reach them over TLS",
-                                metavar="FILE")
-    worker_tls_cert: str = option("", "PEM client certificate for the workers (mutual TLS)", metavar="FILE")
-    worker_tls_key: str = option("", "PEM private key of --worker-tls-cert", metavar="FILE")
+    worker_tls_ca: str = server_flags.peer_tls_ca("the workers")
+    worker_tls_cert: str = server_flags.peer_tls_cert("the workers")
+    worker_tls_key: str = server_flags.peer_tls_key("--worker-tls-cert")
     worker_tls_server_name: str = option("", "the name the workers' certificates carry (default: the "
                                              "--workers-dns name): the gateway dials each worker's own "
                                              "address, which no certificate can list", metavar="NAME")

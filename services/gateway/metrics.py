@@ -11,9 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, STARTING
-from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS
+from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS, read_on_loop
 
-SCRAPE_TIMEOUT_S = 2.0
 STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
 
 
@@ -35,14 +34,14 @@ class _FleetState:
     def describe(self):
         return []
 
-    async def _snapshot(self):
+    def _snapshot(self):
         index = self.fleet.index
         return len(self.fleet.queue), (self.fleet.migrations, self.fleet.generated_tokens), [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
                                         w.prompt_tokens, w.hit_tokens, index.pages_of(w.address))
                                        for w in self.fleet.workers.values()]
 
     def collect(self):
-        queued, (migrations, generated), workers = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(SCRAPE_TIMEOUT_S)
+        queued, (migrations, generated), workers = read_on_loop(self.loop, self._snapshot)
         yield GaugeMetricFamily("kvserve:gateway_queue_length", "Requests waiting in the gateway's queue",
                                 value=queued)
         state = GaugeMetricFamily("kvserve:gateway_worker_state", "1 for each worker's state", labels=["worker", "state"])

@@ -166,8 +166,8 @@ class Relay:
         Yields nothing more when the request is cancelled while it waits."""
         queue = self.fleet.queue
         if (front or not len(queue)) and (choice := route()) is not None:
-            if queue.on_leave is not None and not front:
-                queue.on_leave(0.0)   # a request that found room at once waited 0 s: every request counts
+            if not front:
+                queue.passed()
             yield choice
             return
         try:

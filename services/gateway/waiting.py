@@ -61,6 +61,11 @@ class WaitQueue:
             self.on_leave(time.monotonic() - waiter.since)
         self.wake()   # everyone behind moved up
 
+    def passed(self) -> None:
+        """A request found room without waiting: it counts as a wait of 0 s."""
+        if self.on_leave is not None:
+            self.on_leave(0.0)
+
     def position(self, waiter: Waiter) -> int:
         """1 = next."""
         return self._waiters.index(waiter) + 1

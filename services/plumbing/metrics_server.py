@@ -9,16 +9,22 @@ address without two of them claiming the same name.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
+
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from kvserve.services.plumbing.address import parse_address
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+SCRAPE_TIMEOUT_S = 2.0   # well inside Prometheus's default scrape timeout (10 s)
 
 disable_created_metrics()   # no `_created` series beside every counter and histogram
 
@@ -55,3 +61,11 @@ def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsEndpoint:
     endpoint = MetricsEndpoint(server, thread, address.with_port(server.server_port))
     log.info("metrics on http://%s/metrics", endpoint.address)
     return endpoint
+
+
+def read_on_loop(loop: asyncio.AbstractEventLoop, read: Callable[[], T]) -> T:
+    """read() run on `loop`'s thread, where the state it reads lives without a lock, waited for
+    from the scrape's thread (at most SCRAPE_TIMEOUT_S)."""
+    async def run() -> T:
+        return read()
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(SCRAPE_TIMEOUT_S)

@@ -8,14 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from tests.service.conftest import ModelServerThread
 from tests.service.util import generate, greedy, request
 
 PROMPT_IDS = [1, 4, 78, 79, 6, 5]
@@ -43,15 +41,6 @@ def grpcurl_bin() -> str:
     return _find_grpcurl()
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_dirs: dict[str, Path]) -> Iterator[ModelServerThread]:
-    server = ModelServerThread(tiny_dirs["tiny"])
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def grpcurl(binary: str, address: str, *args: str, data: dict | None = None) -> subprocess.CompletedProcess:
     """`grpcurl -plaintext [-d JSON] ADDRESS ARGS...`, without any .proto file."""
     cmd = [binary, "-plaintext", "-connect-timeout", "10"]
@@ -72,25 +61,25 @@ def json_objects(text: str) -> list[dict]:
         out.append(obj)
 
 
-def test_list_shows_the_services(grpcurl_bin, live_server) -> None:
-    done = grpcurl(grpcurl_bin, live_server.address, "list")
+def test_list_shows_the_services(grpcurl_bin, model_server) -> None:
+    done = grpcurl(grpcurl_bin, model_server.address, "list")
     assert done.returncode == 0, done.stderr
     services = done.stdout.split()
     assert "kvserve.inference.v1.Inference" in services
     assert "grpc.health.v1.Health" in services
 
 
-def test_describe_shows_generate(grpcurl_bin, live_server) -> None:
-    done = grpcurl(grpcurl_bin, live_server.address, "describe", "kvserve.inference.v1.Inference")
+def test_describe_shows_generate(grpcurl_bin, model_server) -> None:
+    done = grpcurl(grpcurl_bin, model_server.address, "describe", "kvserve.inference.v1.Inference")
     assert done.returncode == 0, done.stderr
     assert "rpc Generate" in done.stdout
     assert "stream .kvserve.inference.v1.GenerateResponse" in done.stdout
 
 
-def test_greedy_generate_matches_the_python_client(grpcurl_bin, live_server) -> None:
+def test_greedy_generate_matches_the_python_client(grpcurl_bin, model_server) -> None:
     data = {"tokenIds": {"ids": PROMPT_IDS},
             "sampling": {"temperature": 0, "maxTokens": MAX_TOKENS, "ignoreEos": True}}
-    done = grpcurl(grpcurl_bin, live_server.address, "kvserve.inference.v1.Inference/Generate", data=data)
+    done = grpcurl(grpcurl_bin, model_server.address, "kvserve.inference.v1.Inference/Generate", data=data)
     assert done.returncode == 0, done.stderr
     events = json_objects(done.stdout)
     # grpcurl prints proto field names and leaves out fields at their zero value.
@@ -102,15 +91,15 @@ def test_greedy_generate_matches_the_python_client(grpcurl_bin, live_server) -> 
     assert finished["usage"]["completion_tokens"] == MAX_TOKENS
     assert finished["usage"]["prompt_tokens"] == len(PROMPT_IDS)
 
-    with grpc.insecure_channel(live_server.address) as channel:
+    with grpc.insecure_channel(model_server.address) as channel:
         expected = generate(pb_grpc.InferenceStub(channel), request(token_ids=PROMPT_IDS, **greedy(MAX_TOKENS)))
     assert len(expected.tokens) == MAX_TOKENS
     assert tokens == expected.tokens
 
 
-def test_bad_request_reports_invalid_argument(grpcurl_bin, live_server) -> None:
+def test_bad_request_reports_invalid_argument(grpcurl_bin, model_server) -> None:
     data = {"tokenIds": {"ids": PROMPT_IDS}, "sampling": {"temperature": -1, "maxTokens": MAX_TOKENS}}
-    done = grpcurl(grpcurl_bin, live_server.address, "kvserve.inference.v1.Inference/Generate", data=data)
+    done = grpcurl(grpcurl_bin, model_server.address, "kvserve.inference.v1.Inference/Generate", data=data)
     assert done.returncode != 0
     assert "Code: InvalidArgument" in done.stderr, done.stderr
     assert "temperature" in done.stderr

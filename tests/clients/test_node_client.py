@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -67,15 +66,6 @@ def node_modules(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "node_modules"
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_dirs: dict[str, Path]) -> Iterator[ModelServerThread]:
-    server = ModelServerThread(tiny_dirs["tiny"])
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def run_node(node_modules: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "NODE_PATH": str(node_modules)}
     return subprocess.run(["node", str(SCRIPT), *args], capture_output=True, text=True, env=env,
@@ -104,8 +94,8 @@ GREEDY_ARGS = ("--token-ids", ",".join(map(str, PROMPT_IDS)), "--max-tokens", st
                "--temperature", "0", "--ignore-eos")
 
 
-def test_greedy_stream_matches_the_python_client(node_modules, live_server) -> None:
-    done = run_node(node_modules, live_server.address, *GREEDY_ARGS)
+def test_greedy_stream_matches_the_python_client(node_modules, model_server) -> None:
+    done = run_node(node_modules, model_server.address, *GREEDY_ARGS)
     assert done.returncode == 0, done.stderr
     evs = events(done.stdout)
     assert list(evs[0]) == ["prefillDone"] and list(evs[-1]) == ["finished"], evs
@@ -115,23 +105,23 @@ def test_greedy_stream_matches_the_python_client(node_modules, live_server) -> N
     assert finished["finishReason"] == "FINISH_REASON_LENGTH"
     assert finished["usage"]["completionTokens"] == MAX_TOKENS
 
-    with grpc.insecure_channel(live_server.address) as channel:
+    with grpc.insecure_channel(model_server.address) as channel:
         expected = generate(pb_grpc.InferenceStub(channel), request(token_ids=PROMPT_IDS, **greedy(MAX_TOKENS)))
     assert tokens_of(evs) == expected.tokens
     assert "".join(e["chunk"]["text"] for e in evs[1:-1]) == expected.text
 
 
-def test_a_prompt_in_text(node_modules, live_server) -> None:
-    done = run_node(node_modules, live_server.address, "The cache page", "--max-tokens", "4",
+def test_a_prompt_in_text(node_modules, model_server) -> None:
+    done = run_node(node_modules, model_server.address, "The cache page", "--max-tokens", "4",
                     "--temperature", "0", "--ignore-eos")
     assert done.returncode == 0, done.stderr
     evs = events(done.stdout)
     assert evs[-1]["finished"]["usage"]["completionTokens"] == 4 == len(tokens_of(evs))
 
 
-def test_cancel_after_n_tokens_aborts_the_request(node_modules, live_server) -> None:
-    engine = live_server.servicer.engine
-    done = run_node(node_modules, live_server.address, "--token-ids", ",".join(map(str, PROMPT_IDS)),
+def test_cancel_after_n_tokens_aborts_the_request(node_modules, model_server) -> None:
+    engine = model_server.servicer.engine
+    done = run_node(node_modules, model_server.address, "--token-ids", ",".join(map(str, PROMPT_IDS)),
                     "--max-tokens", str(LONG), "--temperature", "0", "--ignore-eos",
                     "--cancel-after", str(CANCEL_AFTER))
     assert done.returncode == 0, done.stderr
@@ -146,8 +136,8 @@ def test_cancel_after_n_tokens_aborts_the_request(node_modules, live_server) -> 
     wait_until(lambda: engine.num_live() == 0, timeout=30, what="the engine to drop the cancelled request")
 
 
-def test_a_bad_request_exits_with_the_status(node_modules, live_server) -> None:
-    done = run_node(node_modules, live_server.address, "--token-ids", "1,4", "--temperature=-1")
+def test_a_bad_request_exits_with_the_status(node_modules, model_server) -> None:
+    done = run_node(node_modules, model_server.address, "--token-ids", "1,4", "--temperature=-1")
     assert done.returncode == 1
     assert done.stdout == ""
     assert "INVALID_ARGUMENT: temperature" in done.stderr, done.stderr

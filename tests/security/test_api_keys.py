@@ -188,7 +188,8 @@ def reload_now(server) -> None:
 
 
 @pytest.mark.slow
-def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one model service", "a gateway and 2 workers"])
+def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path, workers):
     import signal
 
     from tests.service.processes import free_port, kvserve, terminate, wait_serving
@@ -198,7 +199,7 @@ def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
                    f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
-                   "--api-keys", str(path), "--log-level", "warning")
+                   "--api-keys", str(path), *workers, "--log-level", "warning")
     try:
         wait_serving(address, proc)
         with grpc.insecure_channel(address) as ch:

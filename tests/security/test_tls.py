@@ -15,7 +15,7 @@ from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS, channel
-from tests.gateway.conftest import GatewayThread
+from tests.gateway.conftest import GatewayThread, WorkerThreads
 from tests.kvcache.conftest import ServerThread
 from tests.service.conftest import ModelServerThread
 from tests.service.util import generate, greedy, request, rpc_error
@@ -83,41 +83,36 @@ def test_the_model_service_reaches_its_manager_over_mutual_tls(tiny_dirs, certs,
         manager.stop()
 
 
-def test_the_gateway_serves_tls_and_reaches_its_workers_over_mutual_tls(tiny_dirs, certs, plain):
-    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
-    worker = gateway = None
+@pytest.fixture
+def mtls_worker(tiny_dirs, certs):
+    """A worker (its own manager) that takes only clients with a certificate the CA signed."""
+    worker = WorkerThreads(tiny_dirs["tiny"], tls_cert=certs.server.cert, tls_key=certs.server.key,
+                           tls_client_ca=certs.ca)
     try:
-        worker = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, tls_cert=certs.server.cert,
-                                   tls_key=certs.server.key, tls_client_ca=certs.ca)
-        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), tls_cert=certs.server.cert,
-                                tls_key=certs.server.key, worker_tls_ca=certs.ca, worker_tls_cert=certs.client.cert,
-                                worker_tls_key=certs.client.key)
+        yield worker
+    finally:
+        worker.stop()
+
+
+def test_the_gateway_serves_tls_and_reaches_its_workers_over_mutual_tls(tiny_dirs, certs, plain, mtls_worker):
+    gateway = GatewayThread([mtls_worker.address], model=str(tiny_dirs["tiny"]), tls_cert=certs.server.cert,
+                            tls_key=certs.server.key, worker_tls_ca=certs.ca, worker_tls_cert=certs.client.cert,
+                            worker_tls_key=certs.client.key)
+    try:
         gateway.wait_serving(1)
         assert tokens(gateway.address, ClientTLS(ca=certs.ca)) == plain
         assert refused(gateway.address, None).code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        if gateway is not None:
-            gateway.stop()
-        if worker is not None:
-            worker.stop()
-        manager.stop()
+        gateway.stop()
 
 
-def test_a_gateway_without_the_workers_ca_never_sees_them_serving(tiny_dirs, certs):
-    manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
-    worker = gateway = None
+def test_a_gateway_without_the_workers_ca_never_sees_them_serving(tiny_dirs, mtls_worker):
+    gateway = GatewayThread([mtls_worker.address], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=1.0)
     try:
-        worker = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address, tls_cert=certs.server.cert,
-                                   tls_key=certs.server.key, tls_client_ca=certs.ca)
-        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=1.0)
         err = refused(gateway.address, None)
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "no worker has been serving" in err.details()
     finally:
-        if gateway is not None:
-            gateway.stop()
-        if worker is not None:
-            worker.stop()
-        manager.stop()
+        gateway.stop()
 
 
 @pytest.mark.parametrize("kwargs, message", [

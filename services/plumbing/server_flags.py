@@ -1,0 +1,54 @@
+"""The flags every kvserve server shares (metrics, probes, TLS), declared once: each server's
+config dataclass names its fields with these, so a flag reads the same on every server.
+
+    @dataclass(frozen=True)
+    class Config:
+        tls_cert: str = server_flags.tls_cert()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.services.plumbing.config_flags import option
+
+
+def metrics_listen() -> Any:
+    return option("", "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)", metavar="HOST:PORT")
+
+
+def health_listen() -> Any:
+    return option("", "also serve grpc.health.v1 alone, in plaintext, on HOST:PORT: for Kubernetes probes, "
+                      "which cannot speak TLS (default: off)", metavar="HOST:PORT")
+
+
+def http_listen() -> Any:
+    return option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                      "/health) on HOST:PORT (default: off)", metavar="HOST:PORT")
+
+
+def tls_cert() -> Any:
+    return option("", "PEM certificate to serve TLS with on TCP addresses (Unix sockets stay plaintext; "
+                      "default: plaintext)", metavar="FILE")
+
+
+def tls_key() -> Any:
+    return option("", "PEM private key of --tls-cert", metavar="FILE")
+
+
+def tls_client_ca() -> Any:
+    return option("", "PEM CA: require client certificates it signed (mutual TLS)", metavar="FILE")
+
+
+# The client side of mutual TLS, to a peer of kvserve's (`whom`: "the manager", "the workers").
+
+def peer_tls_ca(whom: str) -> Any:
+    return option("", f"PEM CA that signed the certificate of {whom}: reach {whom} over TLS", metavar="FILE")
+
+
+def peer_tls_cert(whom: str) -> Any:
+    return option("", f"PEM client certificate for {whom} (mutual TLS)", metavar="FILE")
+
+
+def peer_tls_key(flag: str) -> Any:
+    return option("", f"PEM private key of {flag}", metavar="FILE")
