@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
 from kvserve.services.plumbing.address import is_private
-from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -165,12 +164,8 @@ class ModelServiceConfig:
 
     def check_files(self) -> None:
         """Read every file the flags name: a wrong path fails here, before the model loads."""
-        for tls in (self.server_tls(), self.kvcache_tls()):
-            if tls is not None:
-                tls.credentials()
-        if self.api_keys:
-            ApiKeys(self.api_keys)
-        read_token(self.kvcache_token_file)
+        server_flags.read_files(self.server_tls(), self.kvcache_tls(), api_keys=self.api_keys,
+                                token_file=self.kvcache_token_file)
 
     def server_tls(self) -> ServerTLS | None:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -81,11 +80,7 @@ class GatewayConfig:
 
     def check_files(self) -> None:
         """Read every file the flags name: a wrong path fails at start, with a sentence."""
-        for tls in (self.server_tls(), self.worker_tls()):
-            if tls is not None:
-                tls.credentials()
-        if self.api_keys:
-            ApiKeys(self.api_keys)
+        server_flags.read_files(self.server_tls(), self.worker_tls(), api_keys=self.api_keys)
 
     def server_tls(self) -> ServerTLS | None:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 
 def metrics_listen() -> Any:
@@ -52,3 +54,14 @@ def peer_tls_cert(whom: str) -> Any:
 
 def peer_tls_key(flag: str) -> Any:
     return option("", f"PEM private key of {flag}", metavar="FILE")
+
+
+def read_files(*tls: ServerTLS | ClientTLS | None, api_keys: str = "", token_file: str = "") -> None:
+    """Reads every file a server's flags name (certificates, keys, tokens): a wrong path or a
+    file that does not parse fails at start with a sentence, before anything loads."""
+    for one in tls:
+        if one is not None:
+            one.credentials()
+    if api_keys:
+        ApiKeys(api_keys)
+    read_token(token_file)
