@@ -42,6 +42,8 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     p.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
+    p.add_argument("-n", "--n", type=int, default=None, metavar="N",
+                   help="sample N sequences from the prompt (computed once); each is printed when all end")
     p.add_argument("--stop", action="append", default=[], metavar="S",
                    help="stop at this string (repeatable); it is not printed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -149,8 +151,11 @@ def run_generate(args: argparse.Namespace) -> int:
         try:
             stream = client.generate(
                 **inputs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-            _, finished = _stream_text(stream, out)
+                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, n=args.n)
+            if (args.n or 1) > 1:
+                finished = _print_sequences(stream, out)
+            else:
+                _, finished = _stream_text(stream, out)
         except KVServeError as exc:
             out.end_line()
             print(f"kvserve generate: {exc.code}: {exc.message}", file=sys.stderr)
@@ -305,6 +310,20 @@ def _stream_text(stream: GenerateStream, out: _Output, collect: list[str] | None
     if finished is None:
         raise KVServeError("INTERNAL", "the stream ended without a finished event")
     return prefill, finished
+
+
+def _print_sequences(stream: GenerateStream, out: _Output) -> Finished:
+    """n > 1: each sequence's text once the call ends, under a header naming it; -> the last
+    Finished."""
+    from kvserve.clients.convert import Collector
+
+    collected = Collector()
+    for event in stream:
+        collected.add(event)
+    for choice in collected.completion().choices:
+        out.write(f"--- sequence {choice.finished.index} ({choice.finished.reason}, "
+                  f"{choice.finished.completion_tokens} tokens) ---\n{choice.text}\n")
+    return max(collected.finished.values(), key=lambda f: f.total_ms)
 
 
 def _tolerant_stdout() -> None:

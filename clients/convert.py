@@ -51,7 +51,7 @@ def event(msg: pb.GenerateResponse) -> Event | None:
     kind = msg.WhichOneof("event")
     if kind == "chunk":
         c = msg.chunk
-        return Chunk(tuple(c.token_ids), c.text, _token_logprobs(c.logprobs))
+        return Chunk(tuple(c.token_ids), c.text, _token_logprobs(c.logprobs), msg.index)
     if kind == "prefill_done":
         p = msg.prefill_done
         return PrefillDone(p.request_id, p.prompt_tokens, p.cached_tokens)
@@ -59,7 +59,7 @@ def event(msg: pb.GenerateResponse) -> Event | None:
         f = msg.finished
         return Finished(_finish_reason(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
                         f.usage.cached_tokens, f.ttft_ms, f.total_ms, f.stop,
-                        f.stop_token_id if f.HasField("stop_token_id") else None)
+                        f.stop_token_id if f.HasField("stop_token_id") else None, msg.index)
     if kind == "queued":
         return Queued(msg.queued.position, msg.queued.eta_ms)
     return None  # an event this client does not know (a newer server): skipped
@@ -79,29 +79,35 @@ def server_stats(r: pb.ServerStats) -> ServerStats:
 
 
 class Collector:
-    """A stream's events gathered into one Completion (what complete() returns)."""
+    """A stream's events gathered into one Completion (what complete() returns); with n > 1, one
+    per sequence."""
 
     def __init__(self) -> None:
-        self.text: list[str] = []
-        self.ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
+        self.text: dict[int, list[str]] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[TokenLogprob]] = {}
         self.prefill: PrefillDone | None = None
-        self.finished: Finished | None = None
+        self.finished: dict[int, Finished] = {}
 
     def add(self, e: Event) -> None:
         if isinstance(e, Chunk):
-            self.text.append(e.text)
-            self.ids.extend(e.token_ids)
-            self.logprobs.extend(e.logprobs)
+            self.text.setdefault(e.index, []).append(e.text)
+            self.ids.setdefault(e.index, []).extend(e.token_ids)
+            self.logprobs.setdefault(e.index, []).extend(e.logprobs)
         elif isinstance(e, PrefillDone):
             self.prefill = e
         elif isinstance(e, Finished):
-            self.finished = e
+            self.finished[e.index] = e
 
     def completion(self) -> Completion:
-        if self.finished is None:
+        if 0 not in self.finished:
             raise KVServeError("INTERNAL", "the stream ended without a finished event")
-        return Completion("".join(self.text), tuple(self.ids), self.finished, self.prefill, tuple(self.logprobs))
+        each = [Completion("".join(self.text.get(i, ())), tuple(self.ids.get(i, ())), self.finished[i], self.prefill,
+                           tuple(self.logprobs.get(i, ()))) for i in sorted(self.finished)]
+        if len(each) == 1:
+            return each[0]
+        return Completion(each[0].text, each[0].token_ids, each[0].finished, self.prefill, each[0].logprobs,
+                          tuple(each))
 
 
 # --------------------------------------------------------------------------- requests
@@ -147,6 +153,7 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     request_id: str = "",
     session_id: str = "",
+    n: int | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
     (the server's default)."""
@@ -157,7 +164,7 @@ def generate_request(
                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,
-                    skip_special_tokens=skip_special_tokens)
+                    skip_special_tokens=skip_special_tokens, n=n)
     for name, value in optional.items():
         if value is not None:
             setattr(sampling, name, value)

@@ -66,6 +66,7 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str  # incremental
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when asked for
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,7 @@ class Finished:
     total_ms: float
     stop: str = ""                     # the stop string that ended it
     stop_token_id: int | None = None   # or the stop token / EOS
+    index: int = 0                     # which of the request's n sequences
 
 
 Event = Union[Queued, PrefillDone, Chunk, Finished]
@@ -90,6 +92,8 @@ class Completion:
     finished: Finished
     prefill: PrefillDone | None  # None only if the server never sent prefill_done
     logprobs: tuple[TokenLogprob, ...] = ()
+    # With n > 1: every sequence's Completion, in index order (this one is the first); else ().
+    choices: tuple[Completion, ...] = ()
 
     @property
     def request_id(self) -> str:

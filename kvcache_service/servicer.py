@@ -108,7 +108,8 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
 
     async def Fork(self, request, context):
         out = await self._run(
-            context, lambda: self.m.try_allocate(Fork(self._seq_id(request.parent, "parent"), request.request_id)))
+            context, lambda: self.m.try_allocate(Fork(self._seq_id(request.parent, "parent"), request.request_id,
+                                                    request.num_tokens)))
         return pb.ForkResponse(seq_id=out.result.seq_id, page_ids=out.result.page_ids,
                                copies=convert.copies_to_pb(out.copies))
 

@@ -103,6 +103,7 @@ class ModelServiceConfig:
     max_chat_messages: int = option(1024, "most messages in one chat request")
     max_stop_strings: int = option(64, "most stop strings in one request")
     max_logprobs: int = option(20, "most top logprobs a request may ask for per token")
+    max_n: int = option(16, "most sequences one request may sample in parallel (SamplingParams.n)")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the server's "
                                        "event loop")
     # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
@@ -125,7 +126,7 @@ class ModelServiceConfig:
         for name in ("page_size", "num_pages", "kv_cache_memory", "max_model_len"):
             positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval",
-                     "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads"):
+                     "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n"):
             positive(name, allow_none=False)
         for name in ("max_stop_strings", "max_logprobs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:

@@ -34,6 +34,8 @@ class ServiceMetrics:
                                 buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.generation = Histogram("kvserve:request_generation_tokens", "Generated tokens per request",
                                     buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.params_n = Histogram("kvserve:request_params_n", "Sequences sampled per request (n)",
+                                  buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.success = Counter("kvserve:request_success", "Requests finished, by why they finished",
                                ["finished_reason"], registry=r)
         r.register(_EngineState(engine, kv_stats))
@@ -115,3 +117,5 @@ class _EngineState:
         yield CounterMetricFamily("kvserve:manager_losses", "Times the KV-cache manager went away and its "
                                   "requests were re-admitted", value=c.manager_losses)
         yield CounterMetricFamily("kvserve:engine_steps", "Engine iterations", value=c.steps)
+        yield CounterMetricFamily("kvserve:parallel_sampling_forks", "Sequences of n > 1 requests started by "
+                                  "forking the prompt's pages", value=e.scheduler.forks)

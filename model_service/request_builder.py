@@ -82,6 +82,8 @@ class RequestBuilder:
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
         if msg.continuation.ids:
+            if params.n > 1:
+                raise RequestError("a continuation goes on one sequence; it cannot be given with n > 1")
             await self._continue(request, list(msg.continuation.ids))
         return request
 
@@ -125,6 +127,8 @@ class RequestBuilder:
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError(f"the request id has {len(request_id)} characters; at most "
                                f"{MAX_REQUEST_ID_CHARS} are allowed")
+        if not request_id.isprintable():   # control characters separate the ids the engine derives
+            raise RequestError("the request id contains control characters")
         kind = msg.WhichOneof("input")
         if kind == "prompt":
             self._check_text(_prompt_bytes(msg), lambda: len(msg.prompt), "the prompt")
@@ -212,8 +216,9 @@ class RequestBuilder:
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 seed=opt("seed", None), max_tokens=opt("max_tokens", None),
                 stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-                logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True))
-            params.validate(self.vocab_size, self.config.max_logprobs)
+                logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True),
+                n=s.n or 1)
+            params.validate(self.vocab_size, self.config.max_logprobs, self.config.max_n)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         return params

@@ -76,6 +76,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
         except Exception as exc:
             await abort(context, as_request_failed(exc, "building the request failed"))
+        self.metrics.params_n.observe(req.params.n)
+        left = req.params.n   # sequences still running: the call ends after the last one's finished
         finished = False
         try:
             while not finished:
@@ -85,11 +87,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     batch.append(events.get_nowait())
                 # tokens that piled up came together: they share the wait since the last batch
                 clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
-                if isinstance(batch[-1], Finished):
-                    clock.finished(batch[-1])
-                for message, finished, failure in _to_messages(request_id, batch):
+                for e in batch:
+                    if isinstance(e, Finished):
+                        clock.finished(e)
+                for message, ended, failure in _to_messages(request_id, batch):
                     if failure is not None:
                         await abort(context, failure)
+                    left -= ended
+                    finished = not left
                     yield message
         finally:
             if not finished:  # cancelled, deadline, client gone: free the pages now
@@ -157,13 +162,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 def _to_messages(request_id: str, events: list):
-    """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens
-    merge into one chunk."""
+    """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens of
+    one sequence merge into one chunk."""
     chunk: pb.TokenChunk | None = None
+    index = 0
     for event in events:
         if isinstance(event, Tokens):
+            if chunk is not None and event.index != index:
+                yield pb.GenerateResponse(chunk=chunk, index=index), False, None
+                chunk = None
             if chunk is None:
-                chunk = pb.TokenChunk()
+                chunk, index = pb.TokenChunk(), event.index
             chunk.token_ids.extend(event.token_ids)
             chunk.text += event.text
             for lp in event.logprobs:
@@ -172,7 +181,7 @@ def _to_messages(request_id: str, events: list):
                     top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
             continue
         if chunk is not None:
-            yield pb.GenerateResponse(chunk=chunk), False, None
+            yield pb.GenerateResponse(chunk=chunk, index=index), False, None
             chunk = None
         if isinstance(event, PrefillDone):
             yield pb.GenerateResponse(prefill_done=pb.PrefillDone(
@@ -185,10 +194,9 @@ def _to_messages(request_id: str, events: list):
                                    total_ms=event.total_ms, stop=event.stop)
             if event.stop_token_id is not None:
                 finished.stop_token_id = event.stop_token_id
-            yield pb.GenerateResponse(finished=finished), True, None
-            return
+            yield pb.GenerateResponse(finished=finished, index=event.index), True, None
         elif isinstance(event, Failed):
             yield None, True, event.error
             return
     if chunk is not None:
-        yield pb.GenerateResponse(chunk=chunk), False, None
+        yield pb.GenerateResponse(chunk=chunk, index=index), False, None

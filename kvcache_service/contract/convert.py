@@ -58,7 +58,7 @@ def need_from_pb(msg: pb.Need) -> Need:
     if kind == "resume":
         return Resume(msg.resume.seq_id, msg.resume.num_tokens)
     if kind == "fork":
-        return Fork(msg.fork.parent_seq_id, msg.fork.request_id)
+        return Fork(msg.fork.parent_seq_id, msg.fork.request_id, msg.fork.num_tokens)
     raise InvalidArgument("need: set one of grow, admit, resume, fork")
 
 
@@ -91,6 +91,8 @@ def fill_need_pb(msg: pb.Need, need: Need) -> None:
         f = msg.fork
         f.parent_seq_id = need.parent_seq_id
         f.request_id = need.request_id
+        if need.num_tokens:
+            f.num_tokens = need.num_tokens
     else:
         raise TypeError(f"not a need: {need!r}")
 

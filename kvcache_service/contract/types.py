@@ -55,9 +55,11 @@ class Resume:
 
 @dataclass(slots=True)
 class Fork:
-    """A child sharing the parent's full computed pages; the partial page is copied."""
+    """A child sharing the parent's full computed pages; the partial page is copied. The child
+    has slots for num_tokens (0: the parent's computed tokens)."""
     parent_seq_id: int
     request_id: str
+    num_tokens: int = 0
 
 
 Need = Grow | Admit | Resume | Fork

@@ -25,7 +25,8 @@ def cost_of(state: ManagerState, need: Need) -> Cost:
     if isinstance(need, Resume):
         return swap.resume_cost(state, state.seqs[need.seq_id], need.num_tokens)
     parent = state.seqs[need.parent_seq_id]
-    return Cost(1 if parent.num_computed % ps else 0, 0, 1)
+    shared = parent.num_computed // ps   # full pages: shared; the partial one and any beyond: new
+    return Cost(max(-(-parent.num_computed // ps), -(-need.num_tokens // ps)) - shared, 0, 1)
 
 
 def allocate(state: ManagerState, need: Need) -> Allocation:
@@ -37,7 +38,7 @@ def allocate(state: ManagerState, need: Need) -> Allocation:
     if isinstance(need, Resume):
         result, swap_in, _ = swap.swap_in(state, state.seqs[need.seq_id], need.num_tokens)
         return Allocation(result, swap_in, [])
-    result, copies = fork(state, state.seqs[need.parent_seq_id], need.request_id)
+    result, copies = fork(state, state.seqs[need.parent_seq_id], need.request_id, need.num_tokens)
     return Allocation(result, [], copies)
 
 
@@ -46,8 +47,10 @@ def grow(state: ManagerState, seq: Sequence, num_tokens: int) -> NeedResult:
     return NeedResult(True, seq.seq_id, state.grow(seq, num_tokens))
 
 
-def fork(state: ManagerState, parent: Sequence, request_id: str) -> tuple[NeedResult, list[tuple[int, int]]]:
-    """A child sharing the parent's full computed pages; the partial one is copied."""
+def fork(state: ManagerState, parent: Sequence, request_id: str,
+         num_tokens: int = 0) -> tuple[NeedResult, list[tuple[int, int]]]:
+    """A child sharing the parent's full computed pages; the partial one is copied, and pages
+    are added so the child has slots for num_tokens."""
     ps = state.page_size
     full, partial = divmod(parent.num_computed, ps)
     seq_id = state.seq_ids.acquire()
@@ -66,5 +69,6 @@ def fork(state: ManagerState, parent: Sequence, request_id: str) -> tuple[NeedRe
     if parent.diverged_at is not None and parent.diverged_at < full:
         child.diverged_at = parent.diverged_at
     child.cached_tokens = parent.cached_tokens
+    state.grow(child, num_tokens)
     state.add(child)
     return NeedResult(True, seq_id, list(child.pages), True), copies

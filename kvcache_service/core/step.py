@@ -143,7 +143,7 @@ class _Step:
         cost = allocation.cost_of(state, need)
         if not state.fits(cost):
             return NeedResult(False, reason=state.shortage(cost))
-        result, copies = allocation.fork(state, state.seqs[parent], need.request_id)
+        result, copies = allocation.fork(state, state.seqs[parent], need.request_id, need.num_tokens)
         self.plan.copies.extend(copies)
         self.fresh.add(result.seq_id)
         return result

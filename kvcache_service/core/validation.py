@@ -73,8 +73,11 @@ def check_need(state: ManagerState, need: Need, pending: set[str] | None = None,
         if need.num_tokens < 0:
             raise InvalidArgument(f"resume seq id {need.seq_id}: num_tokens must not be negative")
     elif isinstance(need, Fork):
-        state.running_seq(need.parent_seq_id)
+        parent = state.running_seq(need.parent_seq_id)
         check_new_request_id(state, need.request_id, "fork", pending, released)
+        if need.num_tokens and need.num_tokens < parent.num_computed:
+            raise InvalidArgument(f"fork of seq id {need.parent_seq_id}: num_tokens {need.num_tokens} is fewer "
+                                  f"than the {parent.num_computed} tokens the child shares")
     else:
         raise InvalidArgument(f"unknown need {need!r}")
 

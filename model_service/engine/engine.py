@@ -42,13 +42,14 @@ from kvserve.model_service.engine.errors import (
     Unavailable,
 )
 from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
-from kvserve.model_service.sampling.sampler import seeded_for
+from kvserve.model_service.sampling.sampler import make_generator, seeded_for
 
 log = logging.getLogger(__name__)
 
@@ -237,19 +238,33 @@ class Engine:
             kind, value = item
             if kind == "submit":
                 if value.status is not Status.FINISHED:   # not ended while it sat in the inbox
-                    if value.output is None:   # a continued request brings its own, primed
-                        value.output = OutputProcessor(value, self.tokenizer, self.eos_token_ids)
-                    self.scheduler.add(value)
+                    self._admit(value)
             elif kind == "cancel":
                 request = self._live.get(value)
-                if request is not None and request.status is not Status.FINISHED:
-                    self._finish(request, "abort")
+                if request is not None:
+                    for member in _members(request):
+                        if member.status is not Status.FINISHED:
+                            self._finish(member, "abort")
             elif kind == "end_all":
                 self._fail_all(value)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _admit(self, request: Request) -> None:
+        """Into the waiting queue; with n > 1, its children wait to fork from it (family.py)."""
+        if request.output is None:   # a continued request brings its own, primed
+            request.output = OutputProcessor(request, self.tokenizer, self.eos_token_ids)
+        self.scheduler.add(request)
+        if request.params.n > 1:
+            device = self.runner.device
+            family = spawn(request, request.params.n, lambda seed: make_generator(seed, device))
+            for child in family.members[1:]:
+                child.sink = request.sink
+                child.output = OutputProcessor(child, self.tokenizer, self.eos_token_ids)
+                if child not in family.unforked:   # a one-token prompt: nothing to share
+                    self.scheduler.add(child)
 
     # ------------------------------------------------------- the manager lost
 
@@ -292,7 +307,9 @@ class Engine:
         log.exception("%s (incident %s); ending the %d requests in flight", what, error.incident, len(self._live))
         self._fail_all(error)
         self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
+        forks = self.scheduler.forks
         self.scheduler = Scheduler(self.scheduler.config, preemptions=self.counters.preemptions)
+        self.scheduler.forks = forks
         try:
             self.link.register(self.link.timeout_s)
             self.scheduler.epoch = self.link.epoch
@@ -366,9 +383,13 @@ class Engine:
         now = time.monotonic()
         if r.first_token_at is None:
             r.first_token_at = now
-            self.counters.prompt_tokens += r.num_prompt
-            self.counters.cached_tokens += r.cached_tokens or 0
-            r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0))
+            family = r.family
+            if family is None or not family.prefill_sent:   # once per request, whatever its n
+                self.counters.prompt_tokens += r.num_prompt
+                self.counters.cached_tokens += r.cached_tokens or 0
+                r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0))
+                if family is not None:
+                    family.prefill_sent = True
         r.pending = 0
         r.tokens.append(token)
         self.counters.generated_tokens += 1
@@ -385,32 +406,43 @@ class Engine:
         """One Tokens event for what the request sampled since its last one."""
         unsent, r.unsent = r.unsent, []
         r.sink(Tokens([t for t, _, _ in unsent], "".join(text for _, text, _ in unsent),
-                      [lp for _, _, lp in unsent if lp is not None]))
+                      [lp for _, _, lp in unsent if lp is not None], r.index))
 
     def _finish(self, r: Request, reason: str, stop: str | int | None = None) -> None:
         self.scheduler.finish(r)
         now = time.monotonic()
         ttft = (r.first_token_at - r.arrival) * 1e3 if r.first_token_at else 0.0
-        if reason == "abort":
-            self.counters.aborted += 1
-        else:
-            self.counters.finished += 1
-        with self._lock:
-            self._live.pop(r.request_id, None)
+        family = r.family
+        if family is not None:
+            family.live -= 1
+            family.aborted |= reason == "abort"
+        if family is None or not family.live:   # the request ends with its last sequence
+            if reason == "abort" or (family is not None and family.aborted):
+                self.counters.aborted += 1
+            else:
+                self.counters.finished += 1
+            with self._lock:
+                self._live.pop(r.request_id if family is None else family.parent.request_id, None)
         if r.unsent:
             self._send_tokens(r)
         queued = ((r.scheduled_at or now) - r.arrival) * 1e3
         r.sink(Finished(reason, r.num_prompt, r.num_output, r.cached_tokens or 0, ttft,
                         (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
-                        stop if isinstance(stop, int) else None, queued))
+                        stop if isinstance(stop, int) else None, queued, r.index))
 
     def _fail_all(self, error: RequestFailed) -> None:
         """Ends every live request with `error`; pages they hold go back in the next step."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
         for r in live:
-            if r.status is not Status.FINISHED:
-                self.scheduler.finish(r)
+            for member in _members(r):
+                if member.status is not Status.FINISHED:
+                    self.scheduler.finish(member)
             if r.sink is not None:
                 r.sink(Failed(error))
         self.counters.failed += len(live)
+
+
+def _members(request: Request) -> list[Request]:
+    """The sequences of a request: itself, and its children when it samples n > 1."""
+    return [request] if request.family is None else request.family.members

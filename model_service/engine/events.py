@@ -22,6 +22,7 @@ class Tokens:
     token_ids: list[int]
     text: str
     logprobs: list = field(default_factory=list)  # sampling TokenLogprobs, one per token when asked
+    index: int = 0                                # which of the request's n sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class Finished:
     stop: str = ""                     # the stop string that ended it
     stop_token_id: int | None = None   # or the stop token / EOS
     queue_ms: float = 0.0              # arrival to first admitted
+    index: int = 0                     # which of the request's n sequences
 
 
 @dataclass(frozen=True, slots=True)

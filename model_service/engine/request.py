@@ -42,6 +42,9 @@ class Request:
     sink: Any = None                 # Callable[[Event], None], set by the engine's submit
     output: Any = None               # OutputProcessor: detokenizing, stop conditions
     generator: Any = None            # torch.Generator of a seeded request
+    index: int = 0                   # which of its request's n sequences (family.py)
+    family: Any = None               # family.Family when n > 1
+    fork_at: int | None = None       # a parent computes no further until its children fork here
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -62,6 +65,11 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens including one being sampled: what the next step's plan must make room for."""
         return len(self.tokens) + self.pending
+
+    @property
+    def compute_end(self) -> int:
+        """Tokens it may have computed by the end of the next step."""
+        return self.num_tokens if self.fork_at is None else self.fork_at
 
     @property
     def is_decoding(self) -> bool:

@@ -4,8 +4,9 @@ One token budget per step (max_num_batched_tokens) and one cap on running
 sequences (max_num_seqs), spent in priority order:
   1. running decodes (one token each), oldest first;
   2. running prefills, the next chunk of each (chunked prefill, split-fuse);
-  3. swapped sequences resuming, oldest first (before any new admission);
-  4. waiting requests, FCFS; those preempted by recompute wait at the head.
+  3. children of parallel sampling forking from a parent at its fork point (family.py);
+  4. swapped sequences resuming, oldest first (before any new admission);
+  5. waiting requests, FCFS; those preempted by recompute wait at the head.
 The manager serves the needs in that order and, when pages run out, preempts
 from the tail of the running order; apply() turns its plan into the batch.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from kvserve.kvcache_service.contract.types import (
     Admit,
     Commit,
+    Fork,
     Grow,
     PreemptionMode,
     Resume,
@@ -70,7 +72,7 @@ class Ask:
     """One request's part of the step, and the need it sent the manager (None: none needed)."""
     request: Request
     count: int
-    need: Grow | Resume | Admit | None
+    need: Grow | Resume | Admit | Fork | None
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self._releases: list[int] = []     # seq ids to release in the next step
         self.by_seq: dict[int, Request] = {}
+        self.forks = 0                     # children of parallel sampling forked, since start
 
     # ------------------------------------------------------------ requests
 
@@ -103,6 +106,8 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         """Done (stopped, length, aborted): its pages go back in the next step."""
+        if request.family is not None and request in request.family.unforked:
+            request.family.unforked.remove(request)
         if request.status is Status.WAITING:
             if request in self.waiting:   # not when it was ended before the engine took it in
                 self.waiting.remove(request)
@@ -137,9 +142,12 @@ class Scheduler:
         asks: list[Ask] = []
         budget = cfg.max_num_batched_tokens
 
+        # Parents at their fork point: their children fork in this step (family.py).
+        forking = [r for r in self.running if r.fork_at is not None and r.num_computed == r.fork_at]
         commits = []
         for r in self.running:
-            if r.told_computed // ps < r.num_computed // ps:  # new full pages: worth committing
+            # New full pages are worth committing; a fork reads the parent's computed count.
+            if r.told_computed // ps < r.num_computed // ps or (r in forking and r.told_computed != r.num_computed):
                 commits.append(Commit(r.seq_id, r.num_computed, r.tokens[r.told_tokens:]))
                 r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
 
@@ -151,27 +159,38 @@ class Scheduler:
             asks.append(Ask(r, count, need))
 
         for r in self.running:  # decodes first ...
-            if r.is_decoding and budget:
+            if r.is_decoding and r.fork_at is None and budget:
                 budget -= 1
                 ask_slots(r, 1)
         for r in self.running:  # ... then the next chunk of each prefill
             if not r.is_decoding and budget:
-                count = min(r.num_tokens - r.num_computed, budget)
+                count = min(r.compute_end - r.num_computed, budget)
                 budget -= count
                 ask_slots(r, count)
 
         seqs = len(self.running)
+        for parent in forking:  # each child computes the last prompt token in a slot of its own
+            for child in parent.family.unforked:
+                if not budget or seqs >= cfg.max_num_seqs:
+                    break
+                budget, seqs = budget - 1, seqs + 1
+                needs.append(need := Fork(parent.seq_id, child.request_id, parent.fork_at + 1))
+                asks.append(Ask(child, 1, need))
+            else:   # and the parent too, once no child is left behind (apply() checks the grants)
+                if budget:
+                    budget -= 1
+                    ask_slots(parent, 1)
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
-            count = min(len(r.tokens) - r.num_computed, budget)
+            count = min(r.compute_end - r.num_computed, budget)
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Resume(r.seq_id, r.num_computed + count))
             asks.append(Ask(r, count, need))
         for r in self.waiting:
             if not budget or seqs >= cfg.max_num_seqs:
                 break
-            count = min(len(r.tokens), budget)  # an upper bound: cached tokens cost nothing
+            count = min(r.compute_end, budget)  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
             asks.append(Ask(r, count, need))
@@ -194,7 +213,7 @@ class Scheduler:
             r = ask.request
             result = next(results) if ask.need is not None else None
             if r.status is Status.FINISHED:   # ended after this proposal was built
-                if type(ask.need) is Admit and result.granted and result.seq_id not in recomputed:
+                if type(ask.need) in (Admit, Fork) and result.granted and result.seq_id not in recomputed:
                     self._releases.append(result.seq_id)   # admitted for nobody: give it back
                 continue   # a grown or resumed sequence's release is already queued (finish)
             if result is None:
@@ -202,14 +221,18 @@ class Scheduler:
                 continue
             if not result.granted:
                 continue
-            if r.status is Status.RUNNING:  # grow
+            if type(ask.need) is Fork:
+                self._forked(r, result, ask.need.num_tokens - 1)
+                work.append(Work(r, r.num_computed, 1))
+            elif r.status is Status.RUNNING:  # grow
                 r.page_table.extend(result.page_ids)
                 work.append(Work(r, r.num_computed, ask.count))
             elif r.status is Status.SWAPPED:  # resume: the whole table comes back
                 r.page_table = list(result.page_ids)
                 self.swapped.remove(r)
                 self._start(r)
-                work.append(Work(r, r.num_computed, ask.count))
+                if ask.count:
+                    work.append(Work(r, r.num_computed, ask.count))
             else:  # admission
                 r.seq_id = result.seq_id
                 r.page_table = list(result.page_ids)
@@ -221,7 +244,12 @@ class Scheduler:
                 self.waiting.remove(r)
                 self.by_seq[r.seq_id] = r
                 self._start(r)
-                work.append(Work(r, result.cached_tokens, result.num_tokens))
+                count = min(result.num_tokens, r.compute_end - result.cached_tokens)  # a parent stops at its fork
+                if count > 0:
+                    work.append(Work(r, result.cached_tokens, count))
+        # A parent computes its last prompt token only in a step that forked its last child.
+        work = [w for w in work if w.request.fork_at is None or w.start < w.request.fork_at
+                or self._fork_done(w.request)]
         if plan.preempted:
             gone = self._preempt(plan)
             work = [w for w in work if w.request not in gone]
@@ -233,6 +261,25 @@ class Scheduler:
             w.request.num_computed = w.start + w.count
             w.request.pending = 1 if w.samples else 0
         return work
+
+    def _forked(self, child: Request, result, num_computed: int) -> None:
+        parent = child.family.parent
+        child.family.unforked.remove(child)
+        child.seq_id = result.seq_id
+        child.page_table = list(result.page_ids)
+        child.num_computed = child.told_computed = num_computed
+        child.told_tokens = len(child.tokens)   # the manager's child holds the parent's tokens: the prompt
+        child.cached_tokens, child.scheduled_at = parent.cached_tokens, parent.scheduled_at
+        self.by_seq[child.seq_id] = child
+        self._start(child)
+        self.forks += 1
+
+    @staticmethod
+    def _fork_done(parent: Request) -> bool:
+        if parent.family.unforked:
+            return False
+        parent.fork_at = None
+        return True
 
     def _start(self, r: Request) -> None:
         r.status = Status.RUNNING

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 # Below this temperature a row is sampled greedily: dividing logits by a smaller number can
 # overflow float32, and the distribution is already one-hot in all but name (vLLM's choice).
 GREEDY_TEMPERATURE = 1e-5
+MAX_N = 16         # sequences per request: the default of --max-n
 MAX_LOGPROBS = 20  # top-n logprobs per token: OpenAI's limit, and the default of --max-logprobs
 _MAX_SEED = 2**64  # the proto's seed is a uint64
 
@@ -48,6 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Leave special tokens (BOS, EOS, chat markers) out of the streamed text.
     skip_special_tokens: bool = True
+    # Sequences sampled in parallel from the prompt (engine/family.py).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the dataclass hashable.
@@ -66,8 +69,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS, max_n: int = MAX_N) -> None:
         """Raise ValueError naming the first bad field and its value."""
+        _check_int(self.n, "n", f"an integer in [1, {max_n}]")
+        _check(1 <= self.n <= max_n, "n", self.n, f"an integer in [1, {max_n}] (--max-n)")
         _check(self.temperature >= 0, "temperature", self.temperature, "a finite number >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check_int(self.top_k, "top_k", "an integer >= 0")

@@ -93,6 +93,7 @@ class Relay:
 
         sent: list[int] = []
         prefill_sent = False
+        left = self.request.sampling.n or 1   # sequences to finish: the call ends after the last
         moves = 0
         avoid: Worker | None = None
         while True:
@@ -130,7 +131,9 @@ class Relay:
                         fleet.generated_tokens += len(response.chunk.token_ids)
                     yield response
                     if kind == "finished":
-                        return
+                        left -= 1
+                        if not left:
+                            return
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE and not self._moved:
@@ -150,6 +153,10 @@ class Relay:
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
                 call.cancel()
+            if sent and (self.request.sampling.n or 1) > 1:   # a continuation goes on one sequence
+                raise Refused(grpc.StatusCode.UNAVAILABLE,
+                              f"worker {worker.address} failed before the request finished ({why}); a request "
+                              "sampling n > 1 sequences moves to another worker only before its first token")
             if moves >= self.migration_limit:
                 raise Refused(grpc.StatusCode.UNAVAILABLE,
                               f"worker {worker.address} failed before the request finished ({why}); it has moved "

@@ -127,7 +127,7 @@ class Front:
             if "user" in body and isinstance(body["user"], str):
                 msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
             call = self.stub.Generate(msg, metadata=self.metadata(request))
-            reply = Reply(kind, model)
+            reply = Reply(kind, model, msg.sampling.n or 1)
             stream = body.get("stream") is True
             options = body.get("stream_options") or {}
             events = self._events(call)
@@ -155,9 +155,9 @@ class Front:
                 event = first
                 while event is not None:
                     if event.HasField("chunk"):
-                        reply.text.append(event.chunk.text)
+                        reply.text[event.index].append(event.chunk.text)
                     else:
-                        reply.finished(event.finished)
+                        reply.finished(event.finished, event.index)
                     event = await anext(events, None)
             except grpc.aio.AioRpcError as exc:
                 return error_response(from_rpc(exc))
@@ -181,16 +181,17 @@ class Front:
     async def _stream(self, call, events, first, reply: Reply, usage: bool) -> AsyncIterator[bytes]:
         try:
             if reply.kind == "chat":
-                yield sse(reply.choice_chunk(role=True))
+                for index in range(reply.n):
+                    yield sse(reply.choice_chunk(role=True, index=index))
             event = first
             while event is not None:
                 if event.HasField("chunk"):
                     if event.chunk.text:
-                        yield sse(reply.choice_chunk(event.chunk.text))
+                        yield sse(reply.choice_chunk(event.chunk.text, index=event.index))
                 else:
-                    reply.finished(event.finished)
-                    yield sse(reply.choice_chunk(None if reply.kind == "chat" else "", reply.finish_reason))
-                    if usage:
+                    reason = reply.finished(event.finished, event.index)
+                    yield sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))
+                    if usage and reply.done:
                         yield sse(reply.usage_chunk())
                 event = await anext(events, None)
             yield sse("[DONE]")

@@ -45,9 +45,10 @@ def sampling(body: dict) -> pb.SamplingParams:
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, 0, [], {}):
             raise HttpError(400, f"'{name}' is not supported by this server", param=name)
-    n = _number(body, "n", int, 1, 1)
-    del n   # one choice per request: more would need several sequences (not yet)
     out = pb.SamplingParams()
+    n = _number(body, "n", int, 1, UINT32)   # the server refuses n past its --max-n
+    if n is not None:
+        out.n = n
     temperature = _number(body, "temperature", float, 0, 2)
     if temperature is not None:
         out.temperature = temperature
@@ -135,16 +136,21 @@ def usage(u: pb.Usage) -> dict:
 
 
 class Reply:
-    """One response being built: the id, the model, the text so far, how it finished."""
+    """One response being built: the id, the model, each choice's text and how it finished."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, n: int = 1) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
+        self.n = n
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
+        self.text: dict[int, list[str]] = {i: [] for i in range(n)}
+        self.finish_reason: dict[int, str] = {}
         self.usage: dict | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.finish_reason) == self.n
 
     def _object(self, chunk: bool) -> str:
         if self.kind == "completion":
@@ -155,15 +161,16 @@ class Reply:
         return {"id": self.id, "object": self._object(chunk), "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def choice_chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+    def choice_chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
+                     index: int = 0) -> dict:
         if self.kind == "completion":
-            return self.head([{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}], True)
+            return self.head([{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}], True)
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return self.head([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], True)
+        return self.head([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}], True)
 
     def usage_chunk(self) -> dict:
         out = self.head([], True)
@@ -171,16 +178,24 @@ class Reply:
         return out
 
     def whole(self) -> dict:
-        text = "".join(self.text)
-        if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.finish_reason}
-        out = self.head([choice], False)
+        choices = []
+        for i in range(self.n):
+            text = "".join(self.text[i])
+            if self.kind == "completion":
+                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": self.finish_reason.get(i)})
+            else:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                "finish_reason": self.finish_reason.get(i)})
+        out = self.head(choices, False)
         out["usage"] = self.usage
         return out
 
-    def finished(self, f: pb.Finished) -> None:
-        self.finish_reason = FINISH.get(f.finish_reason, "stop")
-        self.usage = usage(f.usage)
+    def finished(self, f: pb.Finished, index: int = 0) -> str:
+        """Records sequence `index`'s end; usage counts the prompt once and every choice's tokens."""
+        self.finish_reason[index] = reason = FINISH.get(f.finish_reason, "stop")
+        if self.usage is None:
+            self.usage = usage(f.usage)
+        else:
+            self.usage["completion_tokens"] += f.usage.completion_tokens
+            self.usage["total_tokens"] += f.usage.completion_tokens
+        return reason

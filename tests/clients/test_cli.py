@@ -50,6 +50,16 @@ def test_generate_token_ids_and_stop(model_server, client: InferenceClient) -> N
     assert GENERATE_SUMMARY.search(r.stderr)[4] == "stop"
 
 
+def test_generate_n_prints_each_sequence(model_server, client: InferenceClient) -> None:
+    prompt = "The cache page holds the key and value vectors"
+    sampled = client.complete(prompt, max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    r = kvserve("generate", prompt, "--address", model_server.address, "--max-tokens", "8", "--temperature", "1",
+                "--seed", "3", "-n", "3", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    expected = "".join(f"--- sequence {c.finished.index} (length, 8 tokens) ---\n{c.text}\n" for c in sampled.choices)
+    assert r.stdout.replace("\r\n", "\n") == expected.replace("\r\n", "\n")
+
+
 def test_generate_reports_a_server_error(model_server) -> None:
     r = kvserve("generate", "hello", "--address", model_server.address, "--temperature", "-1")
     assert r.returncode == 1

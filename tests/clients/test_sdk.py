@@ -243,4 +243,4 @@ def test_dataclasses_cover_the_contract(cls: type, message) -> None:
 def test_finished_covers_the_contract() -> None:
     usage = {f.name for f in pb.Usage.DESCRIPTOR.fields}
     finished = {f.name for f in pb.Finished.DESCRIPTOR.fields} - {"usage", "finish_reason"} | {"reason"}
-    assert {f.name for f in dataclasses.fields(Finished)} == usage | finished
+    assert {f.name for f in dataclasses.fields(Finished)} == usage | finished | {"index"}   # the response's

@@ -19,22 +19,33 @@ from kvserve.model_service.sampling.sampler import make_generator
 @dataclass
 class Outcome:
     request_id: str = ""
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)   # sequence 0's
     text: str = ""
     prefill: PrefillDone | None = None
-    finished: Finished | None = None
+    finished: Finished | None = None                   # sequence 0's
     failure: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    n: int = 1
+    sequences: dict[int, list[int]] = field(default_factory=dict)   # index -> tokens
+    finishes: dict[int, Finished] = field(default_factory=dict)     # index -> its Finished
+    prefills: int = 0
 
     def sink(self, event) -> None:
         if isinstance(event, PrefillDone):
             self.prefill = event
+            self.prefills += 1
         elif isinstance(event, Tokens):
-            self.tokens += event.token_ids
-            self.text += event.text
+            self.sequences.setdefault(event.index, []).extend(event.token_ids)
+            if event.index == 0:
+                self.tokens += event.token_ids
+                self.text += event.text
         elif isinstance(event, Finished):
-            self.finished = event
-            self.done.set()
+            assert event.index not in self.finishes, f"sequence {event.index} finished twice"
+            self.finishes[event.index] = event
+            if event.index == 0:
+                self.finished = event
+            if len(self.finishes) == self.n:
+                self.done.set()
         elif isinstance(event, Failed):
             self.failure = event.message
             self.done.set()
@@ -60,7 +71,7 @@ class EngineHarness:
         request = Request(f"req-{self._n}", list(prompt_ids), max_tokens, sp)
         if sp.seed is not None:
             request.generator = make_generator(sp.seed, self.stack.device)
-        outcome = Outcome(request.request_id)
+        outcome = Outcome(request.request_id, n=sp.n)
         self.engine.submit(request, outcome.sink)
         return outcome
 

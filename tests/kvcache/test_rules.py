@@ -163,6 +163,23 @@ def test_fork_shares_full_pages_and_copies_only_the_partial_one():
     assert plan.copies == [] and plan.results[0].page_ids == [4, 5]
 
 
+def test_fork_gives_the_child_the_slots_it_asks_for():
+    """Parallel sampling forks before the last prompt token: each child computes it in its own
+    slot, which starts a page when the shared tokens end on a page boundary."""
+    m = make()
+    a = admit(m, "a", list(range(9)))             # page_size 4: pages 0, 1, 2
+    m.step(StepRequest(commits=[Commit(a.seq_id, 8)]))
+    plan = m.step(StepRequest(needs=[Fork(a.seq_id, "a/1", num_tokens=9)]))
+    assert plan.copies == [] and plan.results[0].page_ids == [0, 1, 3]   # shared 0, 1; its own 3
+    b = admit(m, "b", [40 + t for t in range(7)])  # pages 4, 5
+    m.step(StepRequest(commits=[Commit(b.seq_id, 6)]))
+    assert m.can_allocate(Fork(b.seq_id, "b/1", num_tokens=7)).pages_needed == 1
+    plan = m.step(StepRequest(needs=[Fork(b.seq_id, "b/1", num_tokens=7)]))
+    assert plan.copies == [(5, 6)] and plan.results[0].page_ids == [4, 6]   # the copy holds slot 6
+    with pytest.raises(InvalidArgument, match="fewer than the 8 tokens"):
+        m.step(StepRequest(needs=[Fork(a.seq_id, "a/2", num_tokens=5)]))
+
+
 def test_truncate_frees_exactly_the_pages_past_the_new_end():
     m = make()
     a = admit(m, "a", list(range(13)))  # pages 0..3

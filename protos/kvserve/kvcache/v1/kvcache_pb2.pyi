@@ -62,12 +62,14 @@ class Resume(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Fork(_message.Message):
-    __slots__ = ("parent_seq_id", "request_id")
+    __slots__ = ("parent_seq_id", "request_id", "num_tokens")
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     parent_seq_id: int
     request_id: str
-    def __init__(self, parent_seq_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Need(_message.Message):
     __slots__ = ("grow", "admit", "resume", "fork")
@@ -270,12 +272,14 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
-    __slots__ = ("parent", "request_id")
+    __slots__ = ("parent", "request_id", "num_tokens")
     PARENT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     parent: SequenceRef
     request_id: str
-    def __init__(self, parent: _Optional[_Union[SequenceRef, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, parent: _Optional[_Union[SequenceRef, _Mapping]] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ForkResponse(_message.Message):
     __slots__ = ("seq_id", "page_ids", "copies")
