@@ -21,6 +21,7 @@ from kvserve.model_service.engine.engine import Engine
 from kvserve.kvcache_service.contract.client import InProcessKVClient, KVClient, RemoteKVClient
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import SchedulerConfig
+from kvserve.model_service.engine.speculation import NgramDrafter
 from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
@@ -124,6 +125,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         manager_timeout_s=cfg.manager_timeout_s,
         stall_timeout_s=cfg.stall_timeout_s,
         on_step_end=on_step_end,
+        drafter=NgramDrafter(cfg.num_draft_tokens) if cfg.speculative == "ngram" else None,
     )
     log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name,

@@ -7,3 +7,4 @@ DTYPES = ("float32", "bfloat16", "float16")                  # besides "auto"
 ATTENTION_BACKENDS = ("torch", "cpu", "flash_attn")          # besides "auto"
 CPU_GEMMS = ("onednn", "native", "torch")                    # besides "auto"; auto's order (kernels/gemm.py)
 PREEMPTION_MODES = ("recompute", "swap")
+SPECULATIVE = ("off", "ngram")                               # speculative decoding's drafter

@@ -23,6 +23,7 @@ DTYPES = ("auto", *choices.DTYPES)
 ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
 CPU_GEMMS = ("auto", *choices.CPU_GEMMS)
 PREEMPTION_MODES = choices.PREEMPTION_MODES
+SPECULATIVE = choices.SPECULATIVE
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
 
 
@@ -60,6 +61,9 @@ class ModelServiceConfig:
     gpu_memory_utilization: float = option(0.90, "CUDA: share of the GPU for weights, activations and pages")
     swap_pages: int = option(0, "CPU swap pages (preemption by swap); 0: recompute only")
     preemption_mode: str = option("recompute", "what a preempted sequence loses", choices=PREEMPTION_MODES)
+    speculative: str = option("off", "speculative decoding: ngram drafts the next tokens from earlier ones "
+                                     "(prompt lookup) and one forward verifies them", choices=SPECULATIVE)
+    num_draft_tokens: int = option(4, "tokens a draft holds at most (--speculative)")
     max_num_seqs: int = option(64, "sequences in one forward pass")
     max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
     max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
@@ -126,7 +130,8 @@ class ModelServiceConfig:
         for name in ("page_size", "num_pages", "kv_cache_memory", "max_model_len"):
             positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval",
-                     "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n"):
+                     "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n",
+                     "num_draft_tokens"):
             positive(name, allow_none=False)
         for name in ("max_stop_strings", "max_logprobs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
@@ -147,6 +152,7 @@ class ModelServiceConfig:
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("cpu_gemm", CPU_GEMMS)
         one_of("preemption_mode", PREEMPTION_MODES)
+        one_of("speculative", SPECULATIVE)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
         if self.trust_tenant_metadata and not self.tls_client_ca and not is_private(self.listen):

@@ -117,5 +117,11 @@ class _EngineState:
         yield CounterMetricFamily("kvserve:manager_losses", "Times the KV-cache manager went away and its "
                                   "requests were re-admitted", value=c.manager_losses)
         yield CounterMetricFamily("kvserve:engine_steps", "Engine iterations", value=c.steps)
+        yield CounterMetricFamily("kvserve:spec_decode_num_drafts", "Steps in which a sequence verified a draft "
+                                  "(--speculative)", value=c.spec_drafts)
+        yield CounterMetricFamily("kvserve:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                  value=c.spec_draft_tokens)
+        yield CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  value=c.spec_accepted_tokens)
         yield CounterMetricFamily("kvserve:parallel_sampling_forks", "Sequences of n > 1 requests started by "
                                   "forking the prompt's pages", value=e.scheduler.forks)

@@ -47,7 +47,8 @@ from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
-from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig, Work
+from kvserve.model_service.engine.speculation import NgramDrafter, accepted_prefix
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.sampler import make_generator, seeded_for
 
@@ -65,6 +66,10 @@ class EngineCounters:
     failed: int = 0            # ended with an error (the manager lost too long, shutdown, a bug)
     manager_losses: int = 0    # times the manager went away and the engine re-admitted its requests
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    # --speculative: steps a sequence verified a draft in, draft tokens, and those accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # seconds per phase of the step, since start
     schedule_s: float = 0.0
     manager_s: float = 0.0
@@ -90,6 +95,7 @@ class Engine:
         manager_timeout_s: float = 5.0,
         stall_timeout_s: float = 30.0,
         on_step_end: Callable[[], None] = lambda: None,
+        drafter: NgramDrafter | None = None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
@@ -102,7 +108,8 @@ class Engine:
         # A new epoch on every start and every reconnection: the manager drops stale tables.
         self.link = ManagerLink(kv, scheduler_config.page_size, num_pages, manager_timeout_s)
         self.counters = EngineCounters()
-        self.scheduler = Scheduler(scheduler_config, preemptions=self.counters.preemptions)
+        self.drafter = drafter
+        self.scheduler = Scheduler(scheduler_config, preemptions=self.counters.preemptions, drafter=drafter)
         self.progress = Progress()
         self._watchdog = Watchdog(self.progress, self.link, lambda: bool(self._live), stall_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -308,7 +315,7 @@ class Engine:
         self._fail_all(error)
         self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
         forks = self.scheduler.forks
-        self.scheduler = Scheduler(self.scheduler.config, preemptions=self.counters.preemptions)
+        self.scheduler = Scheduler(self.scheduler.config, preemptions=self.counters.preemptions, drafter=self.drafter)
         self.scheduler.forks = forks
         try:
             self.link.register(self.link.timeout_s)
@@ -351,7 +358,7 @@ class Engine:
         c.schedule_s += clock() - t3
         c.manager_s += t2 - t1
         c.copy_s += t3 - t2
-        if sched.has_work():
+        if sched.has_work() and not sched.drafts_next(work):
             self._propose_next_step()  # its round trip overlaps this step's forward
         if not work:
             progress.advanced()
@@ -366,18 +373,69 @@ class Engine:
             progress.advanced()
             return
         progress.enter("sampling")
-        requests = [w.request for w in sampled]
-        generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
-                      for r in requests]
-        out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
-                           [r.output_ids for r in requests], generators)
+        if any(w.draft for w in sampled):
+            out = self._sample_drafts(logits, sampled)
+        else:
+            requests = [w.request for w in sampled]
+            generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
+                          for r in requests]
+            out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
+                               [r.output_ids for r in requests], generators)
         t6 = clock()
         progress.enter("streaming")
-        for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
-            self._emit(r, token, logprobs)
+        row = 0
+        for w in sampled:
+            r = w.request
+            if w.draft:
+                self._verify(w, out.token_ids[row:row + 1 + len(w.draft)], out.logprobs[row:row + 1 + len(w.draft)])
+                row += 1 + len(w.draft)
+            else:
+                self._emit(r, out.token_ids[row], out.logprobs[row])
+                row += 1
         c.sample_s += t6 - t5
         c.emit_s += clock() - t6
         progress.advanced()
+
+    def _sample_drafts(self, logits, sampled: list[Work]):
+        """Samples every position of a draft as decoding without it would have: that position's
+        own seeded draw, penalties over the tokens before it (speculation.py)."""
+        params, prompts, outputs, generators = [], [], [], []
+        for w in sampled:
+            r = w.request
+            history = r.output_ids
+            for j in range(1 + len(w.draft)):
+                params.append(r.params)
+                prompts.append(r.prompt_ids)
+                outputs.append(history if j == 0 else history + w.draft[:j])
+                if r.generator is None:
+                    generators.append(None)
+                    continue
+                if j == 0:
+                    generator = r.generator
+                else:   # one generator per position: each is seeded for its own
+                    while len(r.draft_generators) < j:
+                        r.draft_generators.append(make_generator(r.params.seed, self.runner.device))
+                    generator = r.draft_generators[j - 1]
+                generators.append(seeded_for(generator, r.params.seed, r.num_output + j))
+        return self.sampler(logits, params, prompts, outputs, generators)
+
+    def _verify(self, w: Work, tokens: list[int], logprobs: list) -> None:
+        """Emits the draft's confirmed prefix and the target's token after it; the rest is
+        truncated from the manager at the next step."""
+        r, draft = w.request, w.draft
+        accepted = accepted_prefix(draft, tokens)
+        r.num_computed = w.start + 1 + accepted   # the KV past it holds rejected tokens
+        r.told_tokens += accepted                 # the manager holds the accepted ones already
+        r.drafts_told -= accepted
+        c = self.counters
+        c.spec_drafts += 1
+        c.spec_draft_tokens += len(draft)
+        c.spec_accepted_tokens += accepted
+        self.drafter.verdict(r.draft_state, len(draft), accepted)
+        for token, lp in zip(tokens[:accepted + 1], logprobs[:accepted + 1]):
+            self._emit(r, token, lp)
+            if r.status is Status.FINISHED:
+                return
 
     def _emit(self, r: Request, token: int, logprobs) -> None:
         now = time.monotonic()

@@ -45,6 +45,9 @@ class Request:
     index: int = 0                   # which of its request's n sequences (family.py)
     family: Any = None               # family.Family when n > 1
     fork_at: int | None = None       # a parent computes no further until its children fork here
+    draft_state: Any = None          # speculation.DraftState, with --speculative
+    drafts_told: int = 0             # draft tokens the manager holds past told_tokens (truncated next step)
+    draft_generators: list = field(default_factory=list)   # a seeded request's draws at draft positions
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -80,5 +83,5 @@ class Request:
         """Preempted by recompute: everything goes again through admission."""
         self.seq_id = None
         self.page_table = []
-        self.num_computed = self.told_computed = self.told_tokens = self.pending = 0
+        self.num_computed = self.told_computed = self.told_tokens = self.pending = self.drafts_told = 0
         self.status = Status.WAITING

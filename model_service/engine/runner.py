@@ -26,7 +26,11 @@ class ModelRunner:
         seq_lens = [w.start + w.count for w in work]
         ids: list[int] = []
         for w in work:
-            ids.extend(w.request.tokens[w.start:w.start + w.count])
+            if w.draft:   # the sequence's last token, then the draft to verify
+                ids.extend(w.request.tokens[w.start:w.start + w.count - len(w.draft)])
+                ids.extend(w.draft)
+            else:
+                ids.extend(w.request.tokens[w.start:w.start + w.count])
         width = max(-(-n // ps) for n in seq_lens)
         tables = [w.request.page_table[:width] + [0] * (width - len(w.request.page_table[:width])) for w in work]
         num_decodes = 0
@@ -42,8 +46,16 @@ class ModelRunner:
         block_tables = torch.tensor(tables, dtype=torch.int32)                          # (B, width)
         pages = block_tables[seq_of_token, positions // ps].to(torch.int64)             # (T,)
         slot_mapping = pages * ps + positions % ps                                      # (T,)
-        samples = torch.tensor([w.samples for w in work])
-        logits_indices = cu[1:][samples] - 1                                            # (S,)
+        if any(w.draft for w in work):   # a row with a draft is sampled at each of its positions
+            rows, end = [], 0
+            for w in work:
+                end += w.count
+                if w.samples:
+                    rows.extend(range(end - 1 - len(w.draft), end))
+            logits_indices = torch.tensor(rows, dtype=torch.int64)                      # (S,)
+        else:
+            samples = torch.tensor([w.samples for w in work])
+            logits_indices = cu[1:][samples] - 1                                        # (S,)
 
         dev = self.device
         return ForwardBatch(
@@ -63,7 +75,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, work: list[Work]) -> torch.Tensor:
-        """Logits (S, vocab) for the work items that sample, in order."""
+        """Logits (S, vocab) for the work items that sample, in order: one row each, 1 + len(draft)
+        for an item with a draft."""
         batch = self.build(work)
         meta = self.backend.prepare(batch)
         return self.model(batch, self.kv_cache.layers, self.backend, meta)

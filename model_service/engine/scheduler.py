@@ -2,7 +2,7 @@
 
 One token budget per step (max_num_batched_tokens) and one cap on running
 sequences (max_num_seqs), spent in priority order:
-  1. running decodes (one token each), oldest first;
+  1. running decodes (one token each, plus a draft to verify with --speculative), oldest first;
   2. running prefills, the next chunk of each (chunked prefill, split-fuse);
   3. children of parallel sampling forking from a parent at its fork point (family.py);
   4. swapped sequences resuming, oldest first (before any new admission);
@@ -36,8 +36,10 @@ from kvserve.kvcache_service.contract.types import (
     Resume,
     StepPlan,
     StepRequest,
+    Truncation,
 )
 from kvserve.model_service.engine.request import Request, Status
+from kvserve.model_service.engine.speculation import DraftState, NgramDrafter
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,17 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class Work:
-    """One sequence's share of a forward pass: tokens[start : start + count]."""
+    """One sequence's share of a forward pass: tokens[start : start + count], whose last
+    len(draft) are the draft (speculation.py) rather than the sequence's own."""
     request: Request
     start: int
     count: int
+    draft: list[int] = ()
 
     @property
     def samples(self) -> bool:
-        """Its last row's logits give the next token."""
-        return self.start + self.count == len(self.request.tokens)
+        """Its last row's logits give the next token (with a draft: every row's, one per position)."""
+        return self.start + self.count - len(self.draft) == len(self.request.tokens)
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class Ask:
     request: Request
     count: int
     need: Grow | Resume | Admit | Fork | None
+    draft: list[int] = ()
 
 
 @dataclass
@@ -84,8 +89,10 @@ class Proposal:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, epoch: int = 0, preemptions: dict[str, int] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, epoch: int = 0, preemptions: dict[str, int] | None = None,
+                 drafter: NgramDrafter | None = None) -> None:
         self.config = config
+        self.drafter = drafter             # --speculative: proposes drafts for decoding sequences
         self.epoch = epoch
         # requests preempted, by mode; the engine's counters hold the dict, so it outlives a scheduler
         self.preemptions = preemptions if preemptions is not None else {m.name.lower(): 0 for m in PreemptionMode}
@@ -144,24 +151,43 @@ class Scheduler:
 
         # Parents at their fork point: their children fork in this step (family.py).
         forking = [r for r in self.running if r.fork_at is not None and r.num_computed == r.fork_at]
-        commits = []
+        # Drafts rejected last step leave the manager first (and every page past the new end).
+        truncations = []
         for r in self.running:
-            # New full pages are worth committing; a fork reads the parent's computed count.
-            if r.told_computed // ps < r.num_computed // ps or (r in forking and r.told_computed != r.num_computed):
-                commits.append(Commit(r.seq_id, r.num_computed, r.tokens[r.told_tokens:]))
-                r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
+            if r.drafts_told:
+                truncations.append(Truncation(r.seq_id, r.drafts_told))
+                r.drafts_told = 0
+                # The manager frees the pages past the told tokens. (It copies a shared last page
+                # only when that page is partial and shared or cached: one with a draft slot never is.)
+                del r.page_table[-(-r.told_tokens // ps):]
 
-        def ask_slots(r: Request, count: int) -> None:
+        def ask_slots(r: Request, count: int, draft: list[int] = ()) -> None:
             total = r.num_computed + count
             need = Grow(r.seq_id, total) if total > len(r.page_table) * ps else None
             if need is not None:
                 needs.append(need)
-            asks.append(Ask(r, count, need))
+            asks.append(Ask(r, count, need, draft))
 
+        drafted: dict[Request, list[int]] = {}
         for r in self.running:  # decodes first ...
             if r.is_decoding and r.fork_at is None and budget:
-                budget -= 1
-                ask_slots(r, 1)
+                draft = self._draft(r, budget - 1)
+                if draft:
+                    drafted[r] = draft
+                budget -= 1 + len(draft)
+                ask_slots(r, 1 + len(draft), draft)
+
+        commits = []
+        for r in self.running:
+            # New full pages are worth committing; a fork reads the parent's computed count; a draft
+            # is told as tokens beyond the computed count (so none enters the prefix tree).
+            draft = drafted.get(r)
+            if (draft or r.told_computed // ps < r.num_computed // ps
+                    or (r in forking and r.told_computed != r.num_computed)):
+                commits.append(Commit(r.seq_id, r.num_computed, r.tokens[r.told_tokens:] + (draft or [])))
+                r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
+                r.drafts_told = len(draft or ())
+
         for r in self.running:  # ... then the next chunk of each prefill
             if not r.is_decoding and budget:
                 count = min(r.compute_end - r.num_computed, budget)
@@ -195,9 +221,30 @@ class Scheduler:
             needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
             asks.append(Ask(r, count, need))
 
-        step = StepRequest(self.epoch, self._releases, (), commits, needs, cfg.preemption_mode)
+        step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode)
         self._releases = []
         return Proposal(step, asks)
+
+    def _draft(self, r: Request, budget: int) -> list[int]:
+        """A draft for a decoding sequence to verify in this step, or []: none with speculation off,
+        while its last token is still being sampled (a proposal built ahead), while it backs off."""
+        drafter = self.drafter
+        if drafter is None:
+            return []
+        if r.draft_state is None:
+            r.draft_state = DraftState()
+        if r.pending or not drafter.wants(r.draft_state):
+            drafter.wait(r.draft_state)
+            return []
+        room = min(budget, r.max_tokens - r.num_output - 1)   # it emits up to 1 + len(draft) tokens
+        return drafter.propose(r.draft_state, r.tokens, room)
+
+    def drafts_next(self, work: list[Work]) -> bool:
+        """Whether a request of this step drafts in the next: then the next proposal waits for this
+        step's tokens (a draft follows them) instead of being built ahead."""
+        drafter = self.drafter
+        return drafter is not None and any(
+            w.samples and w.request.fork_at is None and drafter.wants(w.request.draft_state) for w in work)
 
     # --------------------------------------------------------------- apply
 
@@ -217,7 +264,7 @@ class Scheduler:
                     self._releases.append(result.seq_id)   # admitted for nobody: give it back
                 continue   # a grown or resumed sequence's release is already queued (finish)
             if result is None:
-                work.append(Work(r, r.num_computed, ask.count))
+                work.append(Work(r, r.num_computed, ask.count, ask.draft))
                 continue
             if not result.granted:
                 continue
@@ -226,7 +273,7 @@ class Scheduler:
                 work.append(Work(r, r.num_computed, 1))
             elif r.status is Status.RUNNING:  # grow
                 r.page_table.extend(result.page_ids)
-                work.append(Work(r, r.num_computed, ask.count))
+                work.append(Work(r, r.num_computed, ask.count, ask.draft))
             elif r.status is Status.SWAPPED:  # resume: the whole table comes back
                 r.page_table = list(result.page_ids)
                 self.swapped.remove(r)
@@ -256,7 +303,7 @@ class Scheduler:
         # Decodes first, longest context first (the torch backend then attends them in length
         # groups that are row ranges; the cpu kernel's dynamic schedule starts the longest
         # first); the rest in the order proposed.
-        work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding else 1)
+        work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding and not w.draft else 1)
         for w in work:   # where this step leaves each request, before it computes (pipelined)
             w.request.num_computed = w.start + w.count
             w.request.pending = 1 if w.samples else 0

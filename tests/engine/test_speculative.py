@@ -1,0 +1,114 @@
+"""Speculative decoding by prompt lookup (--speculative ngram): greedy tokens equal transformers'
+with speculation on, seeded sampling gives exactly the tokens it gives without, rejected drafts
+are truncated from the manager and never reach its prefix tree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.kvcache_service.contract.hashing import page_hashes
+from tests.engine.harness import EngineHarness, assert_same_tokens, hf_greedy, wait
+
+NEW_TOKENS = 40
+_rng = random.Random(5)
+_span = [_rng.randrange(3, 1024) for _ in range(12)]
+# Repeated spans (drafts found, often right) and random prompts (rarely found), short and long.
+PROMPTS = [_span * 4, [_rng.randrange(3, 1024) for _ in range(23)], [7] * 30,
+           [_rng.randrange(3, 1024) for _ in range(9)] * 3, list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).eval()
+            cache[arch] = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+        return cache[arch]
+
+    return get
+
+
+def tree_hashes(h: EngineHarness) -> set[int]:
+    return set(h.stack.kv.manager.state.tree.page_of)
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("tiny", {}),
+    ("tiny", {"max_num_batched_tokens": 16}),                        # chunked prefill, drafts cut to the budget
+    ("tiny", {"num_pages": 48}),                                      # preempted while drafting
+    ("tiny", {"num_pages": 48, "preemption_mode": "swap", "swap_pages": 64}),
+    ("tiny-qwen3", {"num_draft_tokens": 7}),
+    ("tiny-mistral", {"num_draft_tokens": 2}),
+], ids=["batched", "chunked", "recompute", "swap", "qwen3-k7", "mistral-k2"])
+def test_greedy_tokens_equal_transformers_with_speculation(tiny_dirs, hf_refs, arch, config):
+    config.setdefault("num_draft_tokens", 4)
+    h = EngineHarness(tiny_dirs[arch], page_size=4, speculative="ngram", **config)
+    try:
+        outcomes = h.run(PROMPTS, NEW_TOKENS)
+        for i, (o, (ref, margins)) in enumerate(zip(outcomes, hf_refs(arch))):
+            assert o.finished.completion_tokens == NEW_TOKENS
+            assert_same_tokens(o.tokens, ref, margins, f"{arch} speculative, prompt {i}")
+        c = h.engine.counters
+        assert c.spec_drafts > 0 and 0 < c.spec_accepted_tokens < c.spec_draft_tokens   # some right, some not
+        if "num_pages" in config:
+            assert sum(c.preemptions.values()) > 0
+        stats = h.stats()
+        assert stats.used_pages == 0 and stats.num_sequences == 0
+        # Only tokens the sequences really hold are cached: no rejected draft entered the tree.
+        real = set()
+        for p, o in zip(PROMPTS, outcomes):
+            real.update(page_hashes(p + o.tokens, 4))
+        assert tree_hashes(h) <= real
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.05, "seed": 11},
+    {"temperature": 0.1, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.02, "logprobs": 2},
+    {"temperature": 0.05, "top_k": 5, "seed": 8, "frequency_penalty": 0.01},
+], ids=["plain", "penalised-with-logprobs", "top-k-penalties"])
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_dirs, params):
+    """Each position is the target's own seeded draw: speculation changes how many steps it takes,
+    never which token comes."""
+    runs = {}
+    for spec in ("off", "ngram"):
+        h = EngineHarness(tiny_dirs["tiny"], page_size=4, speculative=spec, num_draft_tokens=5)
+        try:
+            outcomes = h.run(PROMPTS, NEW_TOKENS, **params)
+            runs[spec] = [(o.tokens, o.finished.reason) for o in outcomes]
+            if spec == "ngram":
+                assert h.engine.counters.spec_accepted_tokens > 0
+        finally:
+            h.close()
+    assert runs["ngram"] == runs["off"]
+
+
+def test_a_drafting_sequence_holds_no_page_past_its_tokens(tiny_dirs):
+    """After each step the manager's table of a sequence covers its tokens and at most the next
+    step's slots: rejected drafts' pages go back at once."""
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, speculative="ngram", num_draft_tokens=8)
+    worst = []
+    try:
+        engine = h.engine
+        inner = engine.runner.execute
+
+        def execute(work):
+            for w in work:
+                held = len(w.request.page_table) * 4
+                worst.append(held - (w.start + w.count))   # slots beyond what this step writes
+            return inner(work)
+
+        engine.runner.execute = execute
+        wait([h.submit(p, 120) for p in PROMPTS])
+        assert max(worst) < 4   # never a whole page beyond the step's last slot
+        assert h.engine.counters.spec_draft_tokens > h.engine.counters.spec_accepted_tokens
+    finally:
+        h.close()
