@@ -424,9 +424,7 @@ class Engine:
         truncated from the manager at the next step."""
         r, draft = w.request, w.draft
         accepted = accepted_prefix(draft, tokens)
-        r.num_computed = w.start + 1 + accepted   # the KV past it holds rejected tokens
-        r.told_tokens += accepted                 # the manager holds the accepted ones already
-        r.drafts_told -= accepted
+        self.scheduler.verified(w, accepted)
         c = self.counters
         c.spec_drafts += 1
         c.spec_draft_tokens += len(draft)

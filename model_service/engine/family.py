@@ -5,8 +5,11 @@ parent prefills all of its prompt but the last token and stops there; in the nex
 child forks from it through the manager (the full pages shared, the partial last page copied
 on write, a slot for the last prompt token of its own) and every sequence computes that last
 token itself, so each samples its first token from its own logits with its own randomness.
-The parent takes that step only once every child has forked: until then its KV cache holds
-the prompt and nothing else, which is what a fork must copy. From then on each child is an
+The parent goes past its fork point only once no child is left unforked: until then its KV
+cache holds the prompt and nothing else, which is what a fork must copy. A child that cannot fork
+in that step (the step's token budget or sequence cap is spent, or no page is free: forks never
+preempt) is admitted as a request of its own instead, so no parent ever waits on room that other
+parents hold; it finds the prompt's full pages in the prefix cache. From then on each child is an
 ordinary request to the scheduler (preempted, swapped, re-admitted from its own tokens).
 
 A prompt of one token has nothing to share: its children are admitted as requests of their

@@ -196,16 +196,16 @@ class Scheduler:
 
         seqs = len(self.running)
         for parent in forking:  # each child computes the last prompt token in a slot of its own
-            for child in parent.family.unforked:
-                if not budget or seqs >= cfg.max_num_seqs:
-                    break
-                budget, seqs = budget - 1, seqs + 1
-                needs.append(need := Fork(parent.seq_id, child.request_id, parent.fork_at + 1))
-                asks.append(Ask(child, 1, need))
-            else:   # and the parent too, once no child is left behind (apply() checks the grants)
-                if budget:
-                    budget -= 1
-                    ask_slots(parent, 1)
+            for child in list(parent.family.unforked):
+                if budget and seqs < cfg.max_num_seqs:
+                    budget, seqs = budget - 1, seqs + 1
+                    needs.append(need := Fork(parent.seq_id, child.request_id, parent.fork_at + 1))
+                    asks.append(Ask(child, 1, need))
+                else:   # no room in this step: waiting for it could hold the parent forever
+                    self._alone(child)
+            if budget:   # and the parent, which goes on once no child is left unforked
+                budget -= 1
+                ask_slots(parent, 1)
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
@@ -246,6 +246,15 @@ class Scheduler:
         return drafter is not None and any(
             w.samples and w.request.fork_at is None and drafter.wants(w.request.draft_state) for w in work)
 
+    @staticmethod
+    def verified(w: Work, accepted: int) -> None:
+        """A draft's verdict, before its tokens are appended: `accepted` of its tokens hold (their
+        K/V too); the manager holds them already, and the rest leave it at the next step."""
+        r = w.request
+        r.num_computed = w.start + 1 + accepted
+        r.told_tokens += accepted
+        r.drafts_told -= accepted
+
     # --------------------------------------------------------------- apply
 
     def apply(self, proposal: Proposal, plan: StepPlan) -> list[Work]:
@@ -267,6 +276,8 @@ class Scheduler:
                 work.append(Work(r, r.num_computed, ask.count, ask.draft))
                 continue
             if not result.granted:
+                if type(ask.need) is Fork:   # no pages for it: forks never preempt, and the parent
+                    self._alone(r)           # must not wait for pages other parents may hold
                 continue
             if type(ask.need) is Fork:
                 self._forked(r, result, ask.need.num_tokens - 1)
@@ -320,6 +331,12 @@ class Scheduler:
         self.by_seq[child.seq_id] = child
         self._start(child)
         self.forks += 1
+
+    def _alone(self, child: Request) -> None:
+        """A child that could not fork is admitted as a request of its own: it finds the prompt's
+        full pages in the prefix cache (the parent committed them) and computes the rest."""
+        child.family.unforked.remove(child)
+        self.waiting.appendleft(child)
 
     @staticmethod
     def _fork_done(parent: Request) -> bool:

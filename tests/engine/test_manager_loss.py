@@ -57,6 +57,23 @@ def test_three_restarts_change_no_token(tiny_dirs, params):
     assert stats.used_pages == 0 and stats.num_sequences == 0
 
 
+@pytest.mark.parametrize("extra", [dict(n=3), dict(config={"speculative": "ngram", "num_draft_tokens": 3})],
+                         ids=["parallel-sampling", "speculative"])
+def test_restarts_change_no_token_of_forked_or_speculating_sequences(tiny_dirs, extra):
+    model = tiny_dirs["tiny"]
+    prompts = [*PROMPTS[:5], [7] * 30]   # the last one's output repeats: drafts are accepted
+    undisturbed, _, _ = run(model, prompts, temperature=0.0, **dict(extra))
+    wrap, box = flaky(kill_at_steps=(4, 11, 25))
+    outcomes, stats, counters = run(model, prompts, wrap_kv=wrap, temperature=0.0, **dict(extra))
+    assert box["kv"].kills == 3 and counters.manager_losses == 3
+    for i, (a, b) in enumerate(zip(outcomes, undisturbed)):
+        assert a.sequences == b.sequences, f"request {i}: the restarts changed its tokens"
+        assert len(a.finishes) == extra.get("n", 1)
+    assert stats.used_pages == 0 and stats.num_sequences == 0
+    if "config" in extra:
+        assert counters.spec_accepted_tokens > 0
+
+
 def test_requests_preempted_by_swap_are_recomputed_after_a_restart(tiny_dirs):
     """Swapped pages live in the manager's CPU pool: a restart loses them too."""
     model = tiny_dirs["tiny"]

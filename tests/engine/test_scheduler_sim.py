@@ -8,7 +8,10 @@ the request's tokens.
 
 The loop is the engine's: pipelined, the next step's proposal is built and answered
 before this step "computes", and requests are cancelled at random between steps
-(as a closed client does), in flight or not."""
+(as a closed client does), in flight or not. With families (parallel sampling, n > 1)
+children fork from their parent; with a drafter (speculative decoding) sequences verify
+drafts that are partly wrong, the step is not pipelined, and the rejected tokens are
+truncated from the manager at the next step."""
 
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ from hypothesis import strategies as st
 
 from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig, PreemptionMode
 from kvserve.kvcache_service.contract.client import InProcessKVClient
+from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.model_service.engine.speculation import accepted_prefix
+from kvserve.model_service.sampling.params import SamplingParams
 
 
 class FakeCache:
@@ -49,16 +55,49 @@ def next_token(context: list[int]) -> int:
     return hash(tuple(context)) % 50
 
 
+class WrongDrafter:
+    """Drafts the true continuation with a wrong token at a random place (or none): every
+    acceptance length from 0 to the whole draft happens."""
+
+    def __init__(self, rng: random.Random, k: int = 4) -> None:
+        self.rng, self.k = rng, k
+
+    def wants(self, state) -> bool:
+        return True
+
+    def wait(self, state) -> None:
+        pass
+
+    def propose(self, state, tokens: list[int], room: int) -> list[int]:
+        n = min(self.rng.randrange(self.k + 1), room)
+        draft, context = [], list(tokens)
+        for _ in range(n):
+            draft.append(next_token(context))
+            context.append(draft[-1])
+        if draft and self.rng.random() < 0.6:
+            draft[self.rng.randrange(len(draft))] = 50   # never a real token
+        return draft
+
+
+def members(r: Request) -> list[Request]:
+    return [r] if r.family is None else r.family.members
+
+
 def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=32, max_steps=5000,
-        cancel=(), rng=None):
-    """Runs `requests` to the end; those in `cancel` are cancelled at a random step."""
+        cancel=(), rng=None, drafter=None):
+    """Runs `requests` to the end; those in `cancel` are cancelled at a random step (all of
+    their family). Returns the sequences that finished, and the preemptions."""
     manager = KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=page_size,
                                            max_seqs=16, cpu_pages=cpu_pages))
     kv = InProcessKVClient(manager)
-    sched = Scheduler(SchedulerConfig(page_size, max_seqs, budget, mode))
+    sched = Scheduler(SchedulerConfig(page_size, max_seqs, budget, mode), drafter=drafter)
     cache = FakeCache(num_pages, cpu_pages, page_size)
     for r in requests:
         sched.add(r)
+        if r.params is not None and r.params.n > 1:
+            for child in spawn(r, r.params.n, lambda seed: None).members[1:]:
+                if child not in r.family.unforked:
+                    sched.add(child)
     to_cancel = list(cancel)
     done = []
     preemptions = 0
@@ -70,9 +109,9 @@ def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=3
 
     for _ in range(max_steps):
         if to_cancel and rng.random() < 0.2:   # between steps, as the engine takes its inbox
-            r = to_cancel.pop(rng.randrange(len(to_cancel)))
-            if r.status is not Status.FINISHED:
-                sched.finish(r)
+            for r in members(to_cancel.pop(rng.randrange(len(to_cancel)))):
+                if r.status is not Status.FINISHED:
+                    sched.finish(r)
         if in_flight is None:
             if not sched.has_work():
                 break
@@ -82,20 +121,29 @@ def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=3
         preemptions += len(answer.preempted)
         cache.execute(answer)
         work = sched.apply(proposal, answer)
-        if sched.has_work():
+        if sched.has_work() and not sched.drafts_next(work):
             in_flight = send_next()   # before this step's tokens exist, as the engine does
         for w in work:
             r = w.request
-            for pos in range(w.start, w.start + w.count):
-                cache.write(r.page_table, pos, r.tokens[pos])
-            if w.samples:
-                context = cache.read(r.page_table, len(r.tokens))
-                assert context == r.tokens, f"{r.request_id}: context read back differs"
-                r.pending = 0
-                r.tokens.append(next_token(r.tokens))
+            written = r.tokens[w.start:w.start + w.count - len(w.draft)] + list(w.draft)
+            for pos, token in zip(range(w.start, w.start + w.count), written):
+                cache.write(r.page_table, pos, token)
+            if not w.samples:
+                continue
+            context = cache.read(r.page_table, len(r.tokens))
+            assert context == r.tokens, f"{r.request_id}: context read back differs"
+            new = [next_token(r.tokens + list(w.draft[:j])) for j in range(1 + len(w.draft))]
+            if w.draft:
+                accepted = accepted_prefix(w.draft, new)
+                sched.verified(w, accepted)
+                new = new[:accepted + 1]
+            r.pending = 0
+            for token in new:
+                r.tokens.append(token)
                 if r.num_output >= r.max_tokens:
                     sched.finish(r)
                     done.append(r)
+                    break
     assert not sched.has_work() and in_flight is None, "did not finish"
     s = manager.stats()
     assert (s.used_pages, s.num_sequences, s.free_seq_ids) == (0, 0, 16)
@@ -109,12 +157,13 @@ def reference(prompt, max_tokens):
     return tokens
 
 
-def make_requests(rng, n, shared_prefixes):
+def make_requests(rng, n, shared_prefixes, families: bool = False):
     out = []
     for i in range(n):
         prefix = rng.choice(shared_prefixes)
         prompt = prefix + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
-        out.append(Request(f"r{i}", prompt, max_tokens=rng.randrange(1, 20)))
+        params = SamplingParams(n=rng.choice([1, 1, 2, 3])) if families else None
+        out.append(Request(f"r{i}", prompt, max_tokens=rng.randrange(1, 20), params=params))
     return out
 
 
@@ -135,18 +184,26 @@ def test_every_request_gets_its_reference_tokens(mode, num_pages):
 @given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 2, 4, 8]),
        num_pages=st.integers(6, 40), cpu_pages=st.integers(0, 20),
        mode=st.sampled_from(list(PreemptionMode)), budget=st.integers(4, 40),
-       cancels=st.integers(0, 4))
-def test_random_workloads(seed, page_size, num_pages, cpu_pages, mode, budget, cancels):
+       cancels=st.integers(0, 4), families=st.booleans(), drafts=st.booleans())
+def test_random_workloads(seed, page_size, num_pages, cpu_pages, mode, budget, cancels, families, drafts):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 10))] for _ in range(3)]
-    requests = make_requests(rng, 10, prefixes)
-    # A request must fit the pool on its own, as the model service checks at the door.
-    requests = [r for r in requests if -(-(len(r.prompt_ids) + r.max_tokens) // page_size) <= num_pages]
+    requests = make_requests(rng, 10, prefixes, families)
+    # A request must fit the pool on its own, as the model service checks at the door; a family's
+    # children need a page each besides the prompt's.
+    requests = [r for r in requests if -(-(len(r.prompt_ids) + r.max_tokens) // page_size)
+                + (r.params.n - 1 if r.params else 0) * (1 + -(-r.max_tokens // page_size)) <= num_pages]
     expected = {r.request_id: reference(r.prompt_ids, r.max_tokens) for r in requests}
     cancelled = rng.sample(requests, min(cancels, len(requests)))
     done, _ = run(requests, num_pages=num_pages, page_size=page_size, cpu_pages=cpu_pages,
-                  mode=mode, budget=budget, cancel=cancelled, rng=rng)
-    finished = {r.request_id: r.tokens for r in done}
-    assert finished == {rid: expected[rid] for rid in finished}   # whatever finished is right
-    assert set(finished) >= {r.request_id for r in requests if r not in cancelled}
-    assert all(r.status is Status.FINISHED for r in requests)
+                  mode=mode, budget=budget, cancel=cancelled, rng=rng,
+                  drafter=WrongDrafter(rng) if drafts else None)
+    for r in done:   # every sequence of a family: the same tokens (next_token is deterministic)
+        parent = r.family.parent if r.family is not None else r
+        assert r.tokens == expected[parent.request_id], f"{r.request_id}: wrong tokens"
+    finished = {(r.family.parent if r.family else r).request_id for r in done}
+    assert finished >= {r.request_id for r in requests if r not in cancelled}
+    assert all(m.status is Status.FINISHED for r in requests for m in members(r))
+    for r in requests:
+        if r not in cancelled:
+            assert sum(1 for d in done if d in members(r)) == len(members(r))
