@@ -57,7 +57,7 @@ def test_every_greedy_sequence_equals_transformers(tiny_dirs, hf_model, config):
         else:   # a child with no room in its parent's fork step is admitted on its own
             assert h.engine.scheduler.forks <= forked
             assert h.engine.scheduler.forks > 0 or config.get("max_num_seqs") == 4   # full of parents
-        if "num_pages" in config:
+        if "preemption_mode" in config:
             assert h.engine.counters.preemptions["recompute"] > 0
     finally:
         h.close()
