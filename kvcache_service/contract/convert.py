@@ -33,6 +33,7 @@ from kvserve.kvcache_service.contract.types import (
     Preemption,
     PreemptionMode,
     Resume,
+    Slide,
     SeqState,
     SequenceInfo,
     Snapshot,
@@ -124,6 +125,7 @@ def step_request_from_pb(msg: pb.StepRequest) -> StepRequest:
         commits=[Commit(c.seq_id, c.num_computed, c.token_ids[:]) for c in msg.commits],
         needs=[need_from_pb(n) for n in msg.needs],
         preemption_mode=mode_from_pb(msg.preemption_mode),
+        slides=[Slide(s.seq_id, s.first_page, s.end_page) for s in msg.slides],
     )
 
 
@@ -139,6 +141,10 @@ def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
     add = msg.needs.add
     for n in r.needs:
         fill_need_pb(add(), n)
+    if r.slides:
+        add = msg.slides.add
+        for s in r.slides:
+            add(seq_id=s.seq_id, first_page=s.first_page, end_page=s.end_page)
     return msg
 
 

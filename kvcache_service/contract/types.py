@@ -79,6 +79,15 @@ class Truncation:
 
 
 @dataclass(slots=True)
+class Slide:
+    """Pages [first_page, end_page) leave the sequence: they fell out of its attention window
+    (a sliding window; first_page > 0 keeps attention sinks). Pages already gone are skipped."""
+    seq_id: int
+    first_page: int
+    end_page: int
+
+
+@dataclass(slots=True)
 class StepRequest:
     epoch: int = 0
     releases: Sequence[int] = ()
@@ -86,6 +95,7 @@ class StepRequest:
     commits: Sequence[Commit] = ()
     needs: Sequence[Need] = ()  # highest priority first
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    slides: Sequence[Slide] = ()
 
 
 @dataclass(slots=True)

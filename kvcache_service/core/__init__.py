@@ -21,6 +21,7 @@ from kvserve.kvcache_service.contract.types import (
     NeedResult,
     PreemptionMode,
     Resume,
+    Slide,
     StepPlan,
     StepRequest,
     Truncation,
@@ -31,6 +32,6 @@ from kvserve.kvcache_service.core.manager import KVCacheManager
 __all__ = [
     "ROOT_HASH", "Admit", "AlreadyExists", "Commit", "FailedPrecondition", "Fork", "Grow",
     "InvalidArgument", "KVCacheError", "KVCacheManager", "ManagerConfig", "NeedResult",
-    "NotFound", "PreemptionMode", "ResourceExhausted", "Resume", "StepPlan", "StepRequest",
+    "NotFound", "PreemptionMode", "ResourceExhausted", "Resume", "Slide", "StepPlan", "StepRequest",
     "Truncation", "page_hashes",
 ]

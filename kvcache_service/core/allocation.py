@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvserve.kvcache_service.contract.types import Admit, Allocation, Grow, Need, NeedResult, Resume
 from kvserve.kvcache_service.core import admission, swap
-from kvserve.kvcache_service.core.sequence import Sequence
+from kvserve.kvcache_service.core.sequence import Sequence, table_view
 from kvserve.kvcache_service.core.state import Cost, ManagerState
 
 
@@ -57,7 +57,8 @@ def fork(state: ManagerState, parent: Sequence, request_id: str,
     child = Sequence(seq_id, request_id, parent.extra_key, list(parent.tokens))
     child.pages = parent.pages[:full]
     for page in child.pages:
-        state.hold(page)
+        if page >= 0:   # not one a slide dropped
+            state.hold(page)
     copies = []
     if partial:
         (page,) = state.take(1)
@@ -69,6 +70,11 @@ def fork(state: ManagerState, parent: Sequence, request_id: str,
     if parent.diverged_at is not None and parent.diverged_at < full:
         child.diverged_at = parent.diverged_at
     child.cached_tokens = parent.cached_tokens
+    child.slid = parent.slid
+    for index, page in parent.blocking:   # it holds the parent's tree pages after them too
+        if index < full:
+            state.tree.block(page)
+            child.blocking.append((index, page))
     state.grow(child, num_tokens)
     state.add(child)
-    return NeedResult(True, seq_id, list(child.pages), True), copies
+    return NeedResult(True, seq_id, table_view(child.pages), True), copies

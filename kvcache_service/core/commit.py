@@ -36,7 +36,7 @@ def commit(state: ManagerState, c: Commit) -> int:
     chain_parent = ROOT_HASH
     events = state.events
     tree, pages, get, key, width = state.tree, seq.pages, state.tree.page_of.get, seq.extra_key, ps * 4
-    for i in range(first, full if seq.diverged_at is None else first):
+    for i in range(first, full if seq.diverged_at is None and not seq.slid else first):
         h = hashes[i]
         existing = get(h)
         if existing is None:
@@ -65,6 +65,8 @@ def publish(state: ManagerState, seq: Sequence, indices: list[int]) -> None:
     """Puts pages that were tree nodes before a swap-out back into the tree,
     head first so parents go in before children. A page whose hash another
     sequence stored meanwhile stays private, and so do the ones after it."""
+    if seq.slid:   # it stores nothing in the tree any more (release.slide)
+        return
     for index in indices:
         if seq.diverged_at is not None and index >= seq.diverged_at:
             return

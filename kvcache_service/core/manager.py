@@ -32,7 +32,6 @@ from kvserve.kvcache_service.contract.types import (
 from kvserve.kvcache_service.core import allocation, commit, release, swap, validation
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.kvcache_service.core.events import EventLog
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
 from kvserve.kvcache_service.core.state import ManagerState
 from kvserve.kvcache_service.core.step import run_step
 
@@ -167,7 +166,7 @@ class KVCacheManager:
         seq = self.state.resolve(seq_id)
         return SequenceInfo(
             seq.seq_id, seq.request_id, seq.state, len(seq.tokens), seq.num_computed,
-            [p for p in seq.pages if p != SWAPPED_OUT], [c for _, c, _ in sorted(seq.swapped)],
+            [p for p in seq.pages if p >= 0], [c for _, c, _ in sorted(seq.swapped)],
             seq.cached_tokens, seq.extra_key)
 
     def snapshot(self) -> Snapshot:

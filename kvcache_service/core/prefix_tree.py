@@ -10,7 +10,11 @@ Unreferenced nodes are parked in an LRU list. Eviction takes the least
 recently parked node first; the manager parks a sequence's pages tail first,
 and a node referenced by a sequence always has its ancestors referenced by the
 same sequence, so the LRU head is always a leaf: a parent is evicted only after
-its children (checked on every eviction).
+its children (checked on every eviction). The one exception is a sliding window:
+a sequence that dropped the first pages of its context (outside its attention
+window) while it holds later ones *blocks* the dropped ones; a blocked node parks
+apart, not evictable and not counted as available, until the sequence lets go of
+its later pages too and unblocks it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ NO_PARENT = -1
 
 
 class PrefixTree:
-    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru", "child", "key_of")
+    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru", "child", "key_of", "_blocked", "blocks")
 
     def __init__(self, num_pages: int) -> None:
         self.page_of: dict[int, int] = {}                      # hash -> page
@@ -31,6 +35,8 @@ class PrefixTree:
         self.parent_of: list[int] = [NO_PARENT] * num_pages    # page -> parent page
         self.children: list[int] = [0] * num_pages             # page -> number of child nodes
         self._lru: OrderedDict[int, None] = OrderedDict()      # parked pages, oldest first
+        self._blocked: set[int] = set()                        # parked pages a sliding sequence blocks
+        self.blocks: list[int] = [0] * num_pages               # page -> sliding sequences blocking it
         self.child: dict[tuple[int | str, bytes], int] = {}    # (parent page | extra_key, token bytes) -> page
         self.key_of: list[tuple[int | str, bytes] | None] = [None] * num_pages  # page -> its key in child
 
@@ -40,6 +46,10 @@ class PrefixTree:
     @property
     def num_evictable(self) -> int:
         return len(self._lru)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._lru) + len(self._blocked)
 
     def get(self, h: int) -> int | None:
         return self.page_of.get(h)
@@ -76,12 +86,32 @@ class PrefixTree:
             self.children[parent] += 1
 
     def park(self, page: int) -> None:
-        """The node's refcount dropped to 0: evictable, most recently used."""
-        self._lru[page] = None
+        """The node's refcount dropped to 0: evictable, most recently used (unless blocked)."""
+        if self.blocks[page]:
+            self._blocked.add(page)
+        else:
+            self._lru[page] = None
 
     def unpark(self, page: int) -> None:
         """The node is referenced again."""
-        del self._lru[page]
+        if page in self._blocked:
+            self._blocked.remove(page)
+        else:
+            del self._lru[page]
+
+    def block(self, page: int) -> None:
+        """A sliding sequence dropped this node while it holds nodes below it."""
+        self.blocks[page] += 1
+        if page in self._lru:
+            del self._lru[page]
+            self._blocked.add(page)
+
+    def unblock(self, page: int) -> None:
+        """The sequence let go of the nodes below it: evictable (most recently used) once parked."""
+        self.blocks[page] -= 1
+        if not self.blocks[page] and page in self._blocked:
+            self._blocked.remove(page)
+            self._lru[page] = None
 
     def evict(self, n: int) -> list[tuple[int, int]]:
         """Removes the n least recently used parked nodes: [(page, hash)]."""
@@ -104,7 +134,11 @@ class PrefixTree:
         return out
 
     def parked(self) -> list[int]:
-        """Parked pages in eviction order."""
+        """Parked pages: the evictable ones in eviction order, then the blocked ones."""
+        return [*self._lru, *sorted(self._blocked)]
+
+    def evictable(self) -> list[int]:
+        """Parked pages that are not blocked, in eviction order."""
         return list(self._lru)
 
     def nodes_parent_first(self) -> list[tuple[int, int]]:
@@ -129,5 +163,7 @@ class PrefixTree:
         self.parent_of = [NO_PARENT] * n
         self.children = [0] * n
         self._lru = OrderedDict()
+        self._blocked = set()
+        self.blocks = [0] * n
         self.child = {}
         self.key_of = [None] * n

@@ -6,7 +6,7 @@ parents and LRU eviction takes leaves first.
 
 from __future__ import annotations
 
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence
+from kvserve.kvcache_service.core.sequence import DROPPED, Sequence
 from kvserve.kvcache_service.core.state import ManagerState
 
 
@@ -16,7 +16,7 @@ def release(state: ManagerState, seq: Sequence, defer_id: bool = False) -> tuple
     freed = cached = 0
     ref, free, hash_of, park = state.pool.ref, state.pool.free, state.tree.hash_of, state.tree.park
     for page in reversed(seq.pages):  # tail first: leaves park before parents (state.drop, inlined)
-        if page == SWAPPED_OUT:
+        if page < 0:   # SWAPPED_OUT or DROPPED: not on the device, or no longer its
             continue
         left = ref[page] - 1
         ref[page] = left
@@ -30,6 +30,8 @@ def release(state: ManagerState, seq: Sequence, defer_id: bool = False) -> tuple
             freed += 1
     if seq.swapped:
         state.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
+    if seq.blocking:
+        unblock(state, seq)
     state.forget(seq, defer_id)
     return freed, cached
 
@@ -49,7 +51,7 @@ def truncate_gain(state: ManagerState, seq: Sequence, num_tokens: int) -> int:
     dropped pages nobody else references (each is freed or parked)."""
     keep = -(-(len(seq.tokens) - num_tokens) // state.page_size)
     ref = state.pool.ref
-    return sum(1 for page in seq.pages[keep:] if ref[page] == 1)
+    return sum(1 for page in seq.pages[keep:] if page >= 0 and ref[page] == 1)
 
 
 def truncate(state: ManagerState, seq: Sequence, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
@@ -61,7 +63,8 @@ def truncate(state: ManagerState, seq: Sequence, num_tokens: int) -> tuple[int, 
     keep = -(-new_len // ps)
     freed = 0
     for page in reversed(seq.pages[keep:]):
-        freed += state.drop(page)
+        if page >= 0:
+            freed += state.drop(page)
     del seq.pages[keep:]
     copies = []
     if copy_needed:  # a shared or cached page becomes our last, partial one: write a copy
@@ -78,3 +81,35 @@ def truncate(state: ManagerState, seq: Sequence, num_tokens: int) -> tuple[int, 
     if seq.diverged_at is not None and seq.diverged_at >= full:
         seq.diverged_at = None
     return freed, copies
+
+
+def slide(state: ManagerState, seq: Sequence, first_page: int, end_page: int) -> int:
+    """Pages [first_page, end_page) leave the sequence (outside its attention window), tail first
+    so that tree pages park leaves before parents; from now on it stores nothing in the tree.
+    A tree page it drops while it still holds a tree page after it stays blocked (cached, not
+    evictable: its descendants are in use) until the sequence lets go of those too.
+    Returns the pages freed (tree pages stay cached)."""
+    pages, tree = seq.pages, state.tree
+    holds_later = end_page < len(pages) and pages[end_page] >= 0 and tree.is_node(pages[end_page])
+    freed = 0
+    for i in range(end_page - 1, first_page - 1, -1):
+        page = pages[i]
+        if page == DROPPED:
+            continue
+        pages[i] = DROPPED
+        if holds_later and tree.is_node(page):
+            tree.block(page)
+            seq.blocking.append((i, page))
+        freed += state.drop(page)
+    if not holds_later:
+        unblock(state, seq)
+    seq.slid = True
+    return freed
+
+
+def unblock(state: ManagerState, seq: Sequence) -> None:
+    """The sequence holds no tree page after the ones it dropped: those become evictable,
+    children before parents."""
+    for _, page in sorted(seq.blocking, reverse=True):   # by table index, deepest first
+        state.tree.unblock(page)
+    seq.blocking = []

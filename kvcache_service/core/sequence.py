@@ -5,6 +5,13 @@ from __future__ import annotations
 from kvserve.kvcache_service.contract.types import SeqState
 
 SWAPPED_OUT = -1  # a page-table entry whose page sits in the CPU pool
+DROPPED = -2      # a page-table entry whose page left by a slide (outside the attention window)
+
+
+def table_view(pages: list[int]) -> list[int]:
+    """A page table as callers get it: a page that left by a slide reads 0 (never read: it is
+    outside the window)."""
+    return [p if p != DROPPED else 0 for p in pages]
 
 
 class Sequence:
@@ -18,7 +25,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request_id", "extra_key", "tokens", "num_computed", "pages", "hashes",
-        "num_published", "diverged_at", "state", "swapped", "cached_tokens",
+        "num_published", "diverged_at", "state", "swapped", "cached_tokens", "slid", "blocking",
     )
 
     def __init__(self, seq_id: int, request_id: str, extra_key: str, tokens: list[int]) -> None:
@@ -34,6 +41,12 @@ class Sequence:
         self.state = SeqState.RUNNING
         self.swapped: list[tuple[int, int, bool]] = []  # (index, cpu page, was a tree node)
         self.cached_tokens = 0               # served from the tree at admission
+        self.slid = False                    # a slide dropped pages: it stores nothing more in the tree
+        self.blocking: list[tuple[int, int]] = []   # (index, tree page) it dropped while holding later ones
+
+    def held(self) -> list[int]:
+        """Its device pages (not swapped out, not dropped)."""
+        return [p for p in self.pages if p >= 0]
 
     def parent_hash(self, index: int) -> int:
         return self.hashes[index - 1] if index else 0

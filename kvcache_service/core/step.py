@@ -69,6 +69,8 @@ class _Step:
                 self.fresh.add(t.seq_id)
         for c in req.commits:
             commit.commit(state, c)
+        for s in req.slides:
+            release.slide(state, state.seqs[s.seq_id], s.first_page, s.end_page)
         for need in req.needs:
             result = self._grow(need) if type(need) is Grow else self._serve(need)
             if result.granted:

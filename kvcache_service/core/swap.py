@@ -9,21 +9,22 @@ from __future__ import annotations
 
 from kvserve.kvcache_service.contract.types import NeedResult, SeqState
 from kvserve.kvcache_service.core.commit import publish
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence
+from kvserve.kvcache_service.core.release import unblock
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence, table_view
 from kvserve.kvcache_service.core.state import Cost, ManagerState
 
 
 def swap_out_cost(state: ManagerState, seq: Sequence) -> int:
     """CPU pages a swap-out takes: the pages nobody else references."""
     ref = state.pool.ref
-    return sum(1 for page in seq.pages if page != SWAPPED_OUT and ref[page] == 1)
+    return sum(1 for page in seq.pages if page >= 0 and ref[page] == 1)
 
 
 def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
     """Moves the private pages, tail first, to the CPU pool. The caller checked it has room."""
     ref = state.pool.ref
     private = [i for i in range(len(seq.pages) - 1, -1, -1)
-               if seq.pages[i] != SWAPPED_OUT and ref[seq.pages[i]] == 1]
+               if seq.pages[i] >= 0 and ref[seq.pages[i]] == 1]
     copies = []
     for i, cpu_page in zip(private, state.cpu.take(len(private))):
         page = seq.pages[i]
@@ -33,6 +34,8 @@ def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
         state.drop(page)  # a tree page stays cached on the device: swap-in may find it there
     seq.state = SeqState.SWAPPED
     state.running.pop(seq.seq_id, None)
+    if seq.blocking:   # it holds no tree page now; back on the device it holds only private ones
+        unblock(state, seq)
     return copies
 
 
@@ -43,7 +46,9 @@ def _resume_split(state: ManagerState, seq: Sequence) -> tuple[list[tuple[int, i
     page_of, ref = state.tree.page_of, state.pool.ref
     for entry in seq.swapped:
         index, _, was_node = entry
-        page = page_of.get(seq.hashes[index]) if was_node else None
+        # A slid sequence takes its pages back private: holding a node again would need its
+        # dropped ancestors blocked again.
+        page = page_of.get(seq.hashes[index]) if was_node and not seq.slid else None
         if page is None:
             copies.append(entry)
         else:
@@ -84,7 +89,7 @@ def swap_in(state: ManagerState, seq: Sequence, num_tokens: int = 0,
     seq.swapped = []
     seq.state = SeqState.RUNNING
     state.running[seq.seq_id] = None
-    result = NeedResult(True, seq.seq_id, list(seq.pages), True)
+    result = NeedResult(True, seq.seq_id, table_view(seq.pages), True)
     if num_tokens:
         result.page_ids.extend(state.grow(seq, num_tokens))
     return result, copies, renodes

@@ -19,11 +19,12 @@ from kvserve.kvcache_service.contract.types import (
     Grow,
     Need,
     Resume,
+    Slide,
     SeqState,
     StepRequest,
 )
 from kvserve.kvcache_service.core import release
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence
+from kvserve.kvcache_service.core.sequence import DROPPED, Sequence
 from kvserve.kvcache_service.core.state import ManagerState
 
 _INT32_MAX = 2**31 - 1
@@ -120,7 +121,22 @@ def check_truncate(state: ManagerState, seq_id: int, num_tokens: int) -> Sequenc
         raise InvalidArgument(
             f"truncate seq id {seq_id}: cannot drop {num_tokens} of its {len(seq.tokens)} tokens "
             "(at least one must stay; release it instead)")
+    keep = -(-(len(seq.tokens) - num_tokens) // state.page_size)
+    if seq.pages[keep - 1:keep] == [DROPPED]:
+        raise InvalidArgument(f"truncate seq id {seq_id}: its last page would be one a slide dropped")
     return seq
+
+
+def check_slide(state: ManagerState, s: Slide, num_computed: int | None = None) -> None:
+    """num_computed: the sequence's computed tokens after this Step's commit, if it has one."""
+    seq = state.running_seq(s.seq_id)
+    computed = seq.num_computed if num_computed is None else num_computed
+    if not 0 <= s.first_page < s.end_page:
+        raise InvalidArgument(f"slide seq id {s.seq_id}: pages [{s.first_page}, {s.end_page}) is not a "
+                              "non-empty range")
+    if s.end_page * state.page_size > computed:
+        raise InvalidArgument(f"slide seq id {s.seq_id}: page {s.end_page - 1} is not computed yet "
+                              f"({computed} tokens are)")
 
 
 def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, available: int) -> int:
@@ -145,7 +161,7 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
             raise InvalidArgument(f"step: seq id {seq_id} is released twice")
         released.add(seq_id)
         if req.truncations:  # only truncations need it: a walk over every page of the sequence
-            gained += sum(1 for page in seq.pages if page != SWAPPED_OUT and ref[page] == 1)
+            gained += sum(1 for page in seq.pages if page >= 0 and ref[page] == 1)
 
     def live(seq_id: int, what: str) -> None:
         if seq_id in released:
@@ -167,6 +183,14 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
             raise InvalidArgument(f"step: seq id {c.seq_id} is committed twice")
         committed.add(c.seq_id)
         check_commit(state, c, truncated.get(c.seq_id))
+    computed = {c.seq_id: c.num_computed for c in req.commits}
+    slid = set()
+    for s in req.slides:
+        live(s.seq_id, "slide")
+        if s.seq_id in slid:
+            raise InvalidArgument(f"step: seq id {s.seq_id} slides twice")
+        slid.add(s.seq_id)
+        check_slide(state, s, computed.get(s.seq_id))
     # A request released by this Step may be admitted again by it (a client retrying an id).
     freed = frozenset(state.seqs[seq_id].request_id for seq_id in released) if released else frozenset()
     _validate_needs(state, req, live, freed)

@@ -14,7 +14,7 @@ from collections import Counter
 from kvserve.kvcache_service.contract.hashing import ROOT_HASH, page_hashes
 from kvserve.kvcache_service.core.state import ManagerState
 from kvserve.kvcache_service.core.prefix_tree import NO_PARENT
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.sequence import DROPPED, SWAPPED_OUT
 from kvserve.kvcache_service.contract.types import SeqState
 
 
@@ -75,7 +75,7 @@ def _check_pages(state: ManagerState) -> None:
     entries: Counter[int] = Counter()
     for seq in state.seqs.values():
         for p in seq.pages:
-            if p == SWAPPED_OUT:
+            if p in (SWAPPED_OUT, DROPPED):
                 continue
             if not 0 <= p < n:
                 _fail(f"seq {seq.seq_id} page table holds page id {p} outside 0..{n - 1}")
@@ -89,8 +89,19 @@ def _check_pages(state: ManagerState) -> None:
             _fail(f"page {p} is in a live page table and in the free list")
     if not state.seqs and any(ref):
         _fail(f"no sequence is live but pages {[p for p in range(n) if ref[p]]} are referenced")
-    if state.available() != len(free) + len(parked):
-        _fail(f"available() {state.available()} != free {len(free)} + parked {len(parked)}")
+    evictable = state.tree.evictable()
+    if state.available() != len(free) + len(evictable):
+        _fail(f"available() {state.available()} != free {len(free)} + evictable {len(evictable)}")
+    # Blocked pages: exactly those the sliding sequences list, each a node.
+    want = Counter(p for seq in state.seqs.values() for _, p in seq.blocking)
+    for p in range(n):
+        if state.tree.blocks[p] != want[p]:
+            _fail(f"page {p} is blocked {state.tree.blocks[p]} times, sequences list it {want[p]} times")
+        if want[p] and not state.tree.is_node(p):
+            _fail(f"blocked page {p} is not a tree node")
+    for p in set(parked) - set(evictable):
+        if not state.tree.blocks[p]:
+            _fail(f"parked page {p} is neither evictable nor blocked")
 
 
 # ------------------------------------------------------------------- seq ids
@@ -139,7 +150,7 @@ def _check_sequences(state: ManagerState) -> None:
         if len(seq.pages) * ps < seq.num_computed:
             _fail(f"seq {sid}: {len(seq.pages)} pages ({len(seq.pages) * ps} slots) cannot hold its "
                   f"{seq.num_computed} computed tokens")
-        device = [p for p in seq.pages if p != SWAPPED_OUT]
+        device = [p for p in seq.pages if p >= 0]
         if len(device) != len(set(device)):
             _fail(f"seq {sid}: a page appears twice in its table {seq.pages}")
         if seq.num_published > seq.num_computed // ps:
@@ -214,11 +225,12 @@ def _check_tree(state: ManagerState) -> None:
             _fail(f"tree: node {p} has refcount 0 but is not parked (never evictable)")
         if ref[p] > 0:
             parent = tree.parent_of[p]
-            if parent != NO_PARENT and ref[parent] == 0:
-                _fail(f"tree: referenced node {p} has an unreferenced parent {parent} "
+            if parent != NO_PARENT and ref[parent] == 0 and not tree.blocks[parent]:
+                _fail(f"tree: referenced node {p} has an unreferenced parent {parent}, not blocked "
                       "(it could be evicted before its child)")
-    if tree.num_evictable != len(parked):
-        _fail(f"tree: num_evictable {tree.num_evictable} != {len(parked)} parked")
+    if tree.num_evictable != len(tree.evictable()) or tree.num_parked != len(parked):
+        _fail(f"tree: num_evictable {tree.num_evictable} / num_parked {tree.num_parked} != "
+              f"{len(tree.evictable())} evictable / {len(parked)} parked")
     _check_byte_index(state, nodes)
 
 
@@ -247,32 +259,44 @@ def _check_byte_index(state: ManagerState, nodes: list[int]) -> None:
 
 
 def _check_sequence_tree_links(state: ManagerState) -> None:
-    """A sequence's tree pages are a prefix of its table, each the child of the
-    previous one, holding exactly the sequence's own page hash."""
+    """A sequence's tree pages are a prefix of its table (counting the pages a slide dropped
+    from it), each the child of the page before it, holding exactly the sequence's own page
+    hash. The parent of a tree page after a dropped one is still in the tree (blocked)."""
     tree = state.tree
     ps = state.page_size
     for sid, seq in state.seqs.items():
-        is_node = [p != SWAPPED_OUT and tree.is_node(p) for p in seq.pages]
+        is_node = [p == DROPPED or (p >= 0 and tree.is_node(p)) for p in seq.pages]
         k = is_node.index(False) if False in is_node else len(is_node)
-        if any(is_node[k:]):
+        if any(x and seq.pages[i] != DROPPED for i, x in enumerate(is_node[k:], k)):
             _fail(f"seq {sid}: tree pages are not a prefix of its table {seq.pages} "
                   f"(nodes at {[i for i, x in enumerate(is_node) if x]})")
-        if k * ps > seq.num_computed:
-            _fail(f"seq {sid}: {k} tree pages but only {seq.num_computed} tokens computed")
-        if seq.diverged_at is not None and k > seq.diverged_at:
-            _fail(f"seq {sid}: diverged at page {seq.diverged_at} but holds {k} tree pages")
-        for i in range(k):
+        if DROPPED in seq.pages and not seq.slid:
+            _fail(f"seq {sid}: pages were dropped but it is not marked slid")
+        held = [i for i in range(k) if seq.pages[i] != DROPPED]
+        if held and held[-1] + 1 > seq.num_computed // ps:
+            _fail(f"seq {sid}: tree page at {held[-1]} but only {seq.num_computed} tokens computed")
+        if seq.diverged_at is not None and held and held[-1] >= seq.diverged_at:
+            _fail(f"seq {sid}: diverged at page {seq.diverged_at} but holds tree page {held[-1]}")
+        for i in held:
             p = seq.pages[i]
             if i >= len(seq.hashes) or tree.hash_of[p] != seq.hashes[i]:
                 _fail(f"seq {sid}: tree page {p} at index {i} has hash {tree.hash_of[p]:#x}, "
                       f"not the sequence's own page hash")
-            want = NO_PARENT if i == 0 else seq.pages[i - 1]
+            if i == 0:
+                want = NO_PARENT
+            elif seq.pages[i - 1] != DROPPED:
+                want = seq.pages[i - 1]
+            else:
+                want = tree.page_of.get(seq.hashes[i - 1])
+                if want is None or not tree.blocks[want] and state.pool.ref[want] == 0:
+                    _fail(f"seq {sid}: tree page {p} at index {i} follows a dropped page that is "
+                          f"neither blocked nor held")
             if tree.parent_of[p] != want:
                 _fail(f"seq {sid}: tree page {p} at index {i} has parent {tree.parent_of[p]}, "
                       f"expected {want}")
             key_of = getattr(tree, "key_of", None)
             if key_of is not None:
-                want_key = (seq.extra_key if i == 0 else seq.pages[i - 1],
+                want_key = (seq.extra_key if i == 0 else want,
                             struct.pack(f"<{ps}i", *seq.tokens[i * ps:(i + 1) * ps]))
                 if key_of[p] != want_key:
                     _fail(f"seq {sid}: tree page {p} at index {i} is indexed under {key_of[p]!r}, "

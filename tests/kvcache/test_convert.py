@@ -26,6 +26,7 @@ from kvserve.kvcache_service.contract.types import (
     Preemption,
     PreemptionMode,
     Resume,
+    Slide,
     SeqState,
     SequenceInfo,
     Snapshot,
@@ -45,12 +46,13 @@ NEEDS = st.one_of(
     st.builds(Grow, U32, U32),
     st.builds(Admit, IDS, TOKENS, IDS, st.none() | U32),
     st.builds(Resume, U32, U32),
-    st.builds(Fork, U32, IDS),
+    st.builds(Fork, U32, IDS, U32),
 )
 MODES = st.sampled_from(list(PreemptionMode))
 STEP_REQUESTS = st.builds(
     StepRequest, U64, st.lists(U32, max_size=5), st.lists(st.builds(Truncation, U32, U32), max_size=3),
-    st.lists(st.builds(Commit, U32, U32, TOKENS), max_size=4), st.lists(NEEDS, max_size=6), MODES)
+    st.lists(st.builds(Commit, U32, U32, TOKENS), max_size=4), st.lists(NEEDS, max_size=6), MODES,
+    st.lists(st.builds(Slide, U32, U32, U32), max_size=3))
 RESULTS = st.builds(NeedResult, st.booleans(), U32, st.lists(U32, max_size=8), st.booleans(), U32, U32, IDS)
 
 
@@ -95,7 +97,8 @@ def test_step_requests(request) -> None:
     back = convert.step_request_from_pb(_through_the_wire(convert.step_request_to_pb(request)))
     # Repeated fields come back as lists, whatever sequence went in.
     assert back == StepRequest(request.epoch, list(request.releases), list(request.truncations),
-                               list(request.commits), list(request.needs), request.preemption_mode)
+                               list(request.commits), list(request.needs), request.preemption_mode,
+                               list(request.slides))
 
 
 @given(STEP_PLANS)

@@ -119,21 +119,33 @@ class Truncation(_message.Message):
     num_tokens: int
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
+class Slide(_message.Message):
+    __slots__ = ("seq_id", "first_page", "end_page")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    END_PAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    first_page: int
+    end_page: int
+    def __init__(self, seq_id: _Optional[int] = ..., first_page: _Optional[int] = ..., end_page: _Optional[int] = ...) -> None: ...
+
 class StepRequest(_message.Message):
-    __slots__ = ("epoch", "releases", "truncations", "commits", "needs", "preemption_mode")
+    __slots__ = ("epoch", "releases", "truncations", "commits", "needs", "preemption_mode", "slides")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_MODE_FIELD_NUMBER: _ClassVar[int]
+    SLIDES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     releases: _containers.RepeatedScalarFieldContainer[int]
     truncations: _containers.RepeatedCompositeFieldContainer[Truncation]
     commits: _containers.RepeatedCompositeFieldContainer[Commit]
     needs: _containers.RepeatedCompositeFieldContainer[Need]
     preemption_mode: PreemptionMode
-    def __init__(self, epoch: _Optional[int] = ..., releases: _Optional[_Iterable[int]] = ..., truncations: _Optional[_Iterable[_Union[Truncation, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[Commit, _Mapping]]] = ..., needs: _Optional[_Iterable[_Union[Need, _Mapping]]] = ..., preemption_mode: _Optional[_Union[PreemptionMode, str]] = ...) -> None: ...
+    slides: _containers.RepeatedCompositeFieldContainer[Slide]
+    def __init__(self, epoch: _Optional[int] = ..., releases: _Optional[_Iterable[int]] = ..., truncations: _Optional[_Iterable[_Union[Truncation, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[Commit, _Mapping]]] = ..., needs: _Optional[_Iterable[_Union[Need, _Mapping]]] = ..., preemption_mode: _Optional[_Union[PreemptionMode, str]] = ..., slides: _Optional[_Iterable[_Union[Slide, _Mapping]]] = ...) -> None: ...
 
 class Preemption(_message.Message):
     __slots__ = ("seq_id", "request_id", "mode")

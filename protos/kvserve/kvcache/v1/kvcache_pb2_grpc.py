@@ -131,8 +131,8 @@ class KVCacheManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """The engine's one round trip per iteration: releases, truncations and
-        commits are applied first, then the needs are served in priority order
+        """The engine's one round trip per iteration: releases, truncations,
+        commits and slides are applied first, then the needs are served in priority order
         (so a request released here may be admitted again, under the same id).
         Running out of pages for a need is an answer (granted = false), not an
         error. FAILED_PRECONDITION when the epoch is stale; RESOURCE_EXHAUSTED

@@ -1,0 +1,102 @@
+"""Slide: pages outside a sequence's attention window leave it while it runs (sliding-window
+models). Ids are exact: a fresh manager hands out page ids FIFO from 0; page_size 4."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.kvcache_service.core import (
+    Admit,
+    Commit,
+    Fork,
+    Grow,
+    InvalidArgument,
+    KVCacheManager,
+    ManagerConfig,
+    PreemptionMode,
+    Slide,
+    StepRequest,
+)
+from kvserve.kvcache_service.core.sequence import DROPPED
+from tests.kvcache.invariants import check_invariants
+
+PS = 4
+
+
+def make(num_pages=16) -> KVCacheManager:
+    return KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=PS, max_seqs=8, cpu_pages=16))
+
+
+def step(m, **kw):
+    plan = m.step(StepRequest(**kw))
+    check_invariants(m.state)
+    return plan
+
+
+def running(m, request_id, tokens):
+    (r,) = step(m, needs=[Admit(request_id, tokens)]).results
+    assert r.granted
+    step(m, commits=[Commit(r.seq_id, len(tokens))])
+    return r.seq_id
+
+
+def test_a_slide_frees_private_pages_and_keeps_tree_pages_cached_but_blocked():
+    m = make()
+    sid = running(m, "a", list(range(24)))            # pages 0..5, all full: tree nodes
+    seq = m.state.seqs[sid]
+    step(m, slides=[Slide(sid, 0, 3)])
+    assert seq.pages[:3] == [DROPPED] * 3 and seq.slid
+    # Pages 0..2 are cached (a prompt sharing them still hits) but blocked: the sequence holds
+    # their children 3..5, so they are not evictable and not available.
+    assert m.stats().used_pages == 3 and m.stats().cached_pages == 3
+    assert m.state.available() == 16 - 6
+    (hit,) = step(m, needs=[Admit("b", list(range(13)))]).results
+    assert hit.cached_tokens == 12 and hit.page_ids[:3] == [0, 1, 2]
+    # Once the sequence drops its last tree page, they become evictable, children first.
+    step(m, slides=[Slide(sid, 3, 6)])
+    step(m, releases=[hit.seq_id])
+    ev = m.state.tree.evictable()
+    assert set(ev) == set(range(6)) and all(ev.index(p + 1) < ev.index(p) for p in range(5))   # leaves first
+    assert m.state.available() == 16 and m.state.seqs[sid].held() == []
+
+
+def test_a_slid_sequence_stores_nothing_more_in_the_tree():
+    m = make()
+    sid = running(m, "a", list(range(10)))             # pages 0, 1 full (nodes), 2 partial
+    step(m, slides=[Slide(sid, 0, 1)])
+    step(m, needs=[Grow(sid, 16)])
+    step(m, commits=[Commit(sid, 16, list(range(10, 16)))])
+    assert len(m.state.tree) == 2                       # pages 2 and 3 filled, not stored
+    step(m, slides=[Slide(sid, 1, 3)])
+    seq = m.state.seqs[sid]
+    assert seq.held() == [seq.pages[3]] and not seq.blocking
+
+
+def test_slides_are_checked():
+    m = make()
+    sid = running(m, "a", list(range(10)))
+    for slide, words in [(Slide(sid, 0, 3), "not computed"), (Slide(sid, 2, 2), "non-empty"),
+                         (Slide(99, 0, 1), "99")]:
+        with pytest.raises(Exception, match=words):
+            m.step(StepRequest(slides=[slide]))
+    with pytest.raises(InvalidArgument, match="slides twice"):
+        m.step(StepRequest(slides=[Slide(sid, 0, 1), Slide(sid, 1, 2)]))
+    # A commit in the same Step counts: its computed tokens are what the slide is checked against.
+    step(m, needs=[Grow(sid, 12)])
+    step(m, commits=[Commit(sid, 12, [10, 11])], slides=[Slide(sid, 0, 3)])
+
+
+def test_sinks_stay_while_the_middle_goes_and_release_swap_and_fork_skip_dropped_pages():
+    m = make()
+    sid = running(m, "a", list(range(22)))             # pages 0..5
+    step(m, slides=[Slide(sid, 1, 4)])                 # keep page 0 (a sink)
+    seq = m.state.seqs[sid]
+    assert seq.pages[0] == 0 and seq.pages[1:4] == [DROPPED] * 3
+    (child,) = step(m, needs=[Fork(sid, "a/1", 23)]).results
+    assert child.granted and child.page_ids[1:4] == [0, 0, 0]   # dropped entries read 0
+    # Preempted by swap and back: the dropped pages stay dropped, the rest come back.
+    plan = step(m, needs=[Grow(m.state.seqs[child.seq_id].seq_id, 40)], preemption_mode=PreemptionMode.SWAP)
+    assert plan.preempted or plan.results[0].granted
+    for s in list(m.state.seqs):
+        step(m, releases=[s])
+    assert m.stats().used_pages == 0 and not any(m.state.tree.blocks)
