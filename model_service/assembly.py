@@ -78,12 +78,17 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)   # process-wide: the engine thread's too
     model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm)
+    window = mcfg.sliding_window
+    if cfg.attention_sink and not window:
+        raise ValueError("--attention-sink keeps the first tokens beside a sliding window; this model has none "
+                         "on every layer")
     backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
-                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm)
+                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm, windowed=window is not None)
     multiple = backend.page_size_multiple()
     page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
     if page_size % multiple:
         raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
+    backend.set_window(window, cfg.attention_sink, page_size)
 
     model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # window-capped (config.py)
     if cfg.num_pages is not None:
@@ -97,7 +102,16 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if device.type == "cpu":   # CUDA's profile run (sizing) has done the same
         dummy_step.warm_up(model, mcfg, backend, dtype, device, page_size,
                            min(cfg.max_num_batched_tokens, model_len))
-    max_model_len = min(model_len, num_pages * page_size)
+    max_chunk = None
+    if window:   # pages past the window go back as a sequence runs: it holds a bounded number
+        # A prefill chunk, the window before it and a prefix hit as long as both must fit the pool.
+        max_chunk = (num_pages * page_size - window - cfg.attention_sink) // 2 - 2 * page_size
+        if max_chunk < page_size:
+            raise ValueError(f"{num_pages} pages of {page_size} tokens are too few for this model's "
+                             f"{window}-token sliding window")
+        max_model_len = model_len
+    else:
+        max_model_len = min(model_len, num_pages * page_size)
     if max_model_len < model_len:
         log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)
     if cfg.sizing_file:
@@ -118,7 +132,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         tokenizer,
         eos_ids,
         kv,
-        SchedulerConfig(page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, mode),
+        SchedulerConfig(page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, mode, window, cfg.attention_sink,
+                        max_chunk),
         num_pages=num_pages,
         max_waiting=cfg.max_waiting,
         stream_interval=cfg.stream_interval,

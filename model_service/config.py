@@ -64,6 +64,9 @@ class ModelServiceConfig:
     speculative: str = option("off", "speculative decoding: ngram drafts the next tokens from earlier ones "
                                      "(prompt lookup) and one forward verifies them", choices=SPECULATIVE)
     num_draft_tokens: int = option(4, "tokens a draft holds at most (--speculative)")
+    attention_sink: int = option(0, "with a sliding-window model: keep the first S tokens in attention beside "
+                                    "the window (StreamingLLM), and let a stream run past the model length; "
+                                    "output then differs from the model's own attention", metavar="S")
     max_num_seqs: int = option(64, "sequences in one forward pass")
     max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
     max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
@@ -140,6 +143,8 @@ class ModelServiceConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
+        if not isinstance(self.attention_sink, int) or self.attention_sink < 0:
+            raise ValueError(f"--attention-sink must be an integer >= 0, got {self.attention_sink!r}")
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:

@@ -123,5 +123,7 @@ class _EngineState:
                                   value=c.spec_draft_tokens)
         yield CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                   value=c.spec_accepted_tokens)
+        yield CounterMetricFamily("kvserve:sliding_window_released_pages", "KV pages sequences gave back "
+                                  "as they slid past their attention window", value=e.scheduler.slid_pages)
         yield CounterMetricFamily("kvserve:parallel_sampling_forks", "Sequences of n > 1 requests started by "
                                   "forking the prompt's pages", value=e.scheduler.forks)

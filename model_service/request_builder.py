@@ -51,6 +51,7 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
 
 
 MAX_REQUEST_ID_CHARS = 256
+STREAM_LIMIT = 1 << 24   # tokens a stream with --attention-sink may reach (page tables keep an entry a page)
 MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
 
 
@@ -71,6 +72,8 @@ class RequestBuilder:
         if len(prompt) >= limit:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model length is {limit}, "
                                "which leaves no room for output")
+        if self.config.attention_sink:   # a stream with attention sinks may run past the model length
+            limit = STREAM_LIMIT
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "

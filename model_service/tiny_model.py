@@ -51,7 +51,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
     "tiny": ("llama", {}, 0),
     "tiny-qwen2": ("qwen2", {"tie_word_embeddings": True}, 0),             # q/k/v bias, tied head
     "tiny-qwen3": ("qwen3", {"head_dim": 32}, 0),                          # q/k norm, head_dim != 64/4
-    "tiny-mistral": ("mistral", {"sliding_window": 512}, 0),               # window caps max_model_len
+    "tiny-mistral": ("mistral", {"sliding_window": 64}, 0),                # served past its window
     "tiny-llama3": ("llama", {"rope_scaling": {                            # + Llama's bias flags
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 256}, "attention_bias": True, "mlp_bias": True}, 0),

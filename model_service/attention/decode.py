@@ -56,13 +56,16 @@ class DecodeGroup:
 
 class GatheredDecode:
     gathers = True
+    windowed = True   # takes a sliding window (and sinks) through its mask
 
     def __init__(self, gather: PageGather) -> None:
         self.gather = gather
 
-    def prepare(self, batch: ForwardBatch, tables: torch.Tensor) -> list[DecodeGroup]:
+    def prepare(self, batch: ForwardBatch, tables: torch.Tensor, window: int | None = None,
+                sinks: int = 0, page_size: int = 0) -> list[DecodeGroup]:
         """tables: (B, max_pages) int64."""
-        return [_decode_group(batch, tables, rows) for rows in decode_groups(batch.seq_lens_cpu[:batch.num_decodes])]
+        return [_decode_group(batch, tables, rows, window, sinks, page_size)
+                for rows in decode_groups(batch.seq_lens_cpu[:batch.num_decodes])]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  groups: list[DecodeGroup], scale: float) -> torch.Tensor:
@@ -92,7 +95,8 @@ class GatheredDecode:
         return out.reshape(n, h, d)
 
 
-def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int]) -> DecodeGroup:
+def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int], window: int | None = None,
+                  sinks: int = 0, page_size: int = 0) -> DecodeGroup:
     """`rows` of the batch's decodes. Rows in order (the scheduler sends decodes longest
     first, so groups of sorted lengths are ranges) are sliced; others are indexed."""
     device = tables.device
@@ -104,11 +108,34 @@ def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int]) ->
     else:
         index = torch.tensor(rows, device=device)
         group_tables, group_lens = tables.index_select(0, index), batch.seq_lens.index_select(0, index)
+    if window is not None and length > window:
+        return _windowed_group(index, group_tables, group_lens, min(lens), length, window, sinks, page_size)
     mask = None
     if min(lens) != length:
         key_idx = torch.arange(length, device=device)
         mask = (key_idx[None, :] < group_lens[:, None])[:, None, None, :]     # (n, 1, 1, L)
     return DecodeGroup(index, group_tables, length, mask)
+
+
+def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: int, length: int,
+                    window: int, sinks: int, ps: int) -> DecodeGroup:
+    """A sliding window: only the pages some row's window (or the sinks) reaches are gathered,
+    so a step costs the window, not the whole context. A query at len - 1 sees keys
+    len - W .. len - 1 and the first `sinks`."""
+    device = tables.device
+    pages = -(-length // ps)
+    first = max(0, shortest - window) // ps          # the first page any row's window reaches
+    sink_pages = -(-sinks // ps)
+    if first > sink_pages:
+        columns = torch.cat([torch.arange(sink_pages, device=device), torch.arange(first, pages, device=device)])
+        tables = tables.index_select(1, columns)                                  # (n, C)
+    else:
+        columns = torch.arange(pages, device=device)
+        tables = tables[:, :pages]
+    key_pos = (columns[:, None] * ps + torch.arange(ps, device=device)[None, :]).reshape(-1)  # (C*ps,)
+    visible = key_pos[None, :] < lens[:, None]                                    # (n, C*ps)
+    visible &= (key_pos[None, :] >= lens[:, None] - window) | (key_pos[None, :] < sinks)
+    return DecodeGroup(index, tables, key_pos.numel(), visible[:, None, None, :])
 
 
 @dataclass(slots=True)
@@ -120,11 +147,13 @@ class KernelDecodeMeta:
 
 class KernelDecode:
     gathers = False   # the kernel reads the int32 tables as they are
+    windowed = False  # the kernel attends every key up to the sequence's length
 
     def __init__(self, kernel: PagedDecodeKernel) -> None:
         self.kernel = kernel
 
-    def prepare(self, batch: ForwardBatch, tables: torch.Tensor | None) -> KernelDecodeMeta:
+    def prepare(self, batch: ForwardBatch, tables: torch.Tensor | None, window: int | None = None,
+                sinks: int = 0, page_size: int = 0) -> KernelDecodeMeta:
         nd = batch.num_decodes
         return KernelDecodeMeta(batch.block_tables[:nd].contiguous(), batch.seq_lens[:nd].contiguous(),
                                 max(batch.seq_lens_cpu[:nd], default=0))

@@ -64,6 +64,16 @@ class FlashAttnMeta:
 class FlashAttnBackend:
     name = "flash_attn"
 
+    window: int | None = None   # sliding window (every layer), set by the model service's assembly
+
+    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0) -> None:
+        if sinks:
+            raise RuntimeError("the flash_attn backend has no attention sinks; use the torch backend")
+        self.window = window
+
+    def _window(self) -> dict:
+        return {"window_size": (self.window - 1, 0)} if self.window else {}
+
     def __init__(self) -> None:
         api = load_flash_api()
         if api is None:
@@ -97,14 +107,15 @@ class FlashAttnBackend:
             out = self.api.varlen(
                 q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seq_lens,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                page_table=meta.block_tables, softmax_scale=scale, causal=True)
+                page_table=meta.block_tables, softmax_scale=scale, causal=True, **self._window())
             return out[0] if isinstance(out, tuple) else out           # (out, lse) in some releases
         if meta.decode_only:
             out = self.api.with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True)  # (B, 1, H, D)
+                block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                **self._window())                                         # (B, 1, H, D)
             return out.squeeze(1)
         return self.api.varlen(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=scale, causal=True,
-            block_table=meta.block_tables)                             # (T, H, D)
+            block_table=meta.block_tables, **self._window())                             # (T, H, D)

@@ -36,6 +36,17 @@ class PagedMeta:
 
 
 class PagedAttention:
+    window: int | None = None   # sliding window: a query at p sees keys p-W+1 .. p
+    sinks: int = 0              # and the first `sinks` keys as well (attention sinks)
+
+    page_size: int = 0          # needed with a window: the decode gathers only the window's pages
+
+    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0) -> None:
+        if window and not self.decode.windowed:
+            raise RuntimeError(f"the {self.name} backend's decode kernel attends the whole context; a "
+                               "sliding-window model runs on the torch backend")
+        self.window, self.sinks, self.page_size = window, sinks, page_size
+
     def __init__(self, name: str, decode, chunks, gather: PageGather) -> None:
         self.name = name
         self.decode = decode    # gathers, prepare(batch, tables) -> meta, (q, k_cache, v_cache, meta, scale) -> out
@@ -50,7 +61,7 @@ class PagedAttention:
         chunks = nd < batch.num_seqs
         # The page tables as int64 indices, made once a step for whoever gathers pages.
         tables = batch.block_tables.long() if chunks or (nd and self.decode.gathers) else None  # (B, max_pages)
-        decode = self.decode.prepare(batch, tables) if nd else None
+        decode = self.decode.prepare(batch, tables, self.window, self.sinks, self.page_size) if nd else None
         prefills = self._prepare_prefills(batch, tables) if chunks else []
         return PagedMeta(batch.slot_mapping, nd, decode, prefills)
 
@@ -64,9 +75,13 @@ class PagedAttention:
             cached = seq_len - q_len
             mask = bias = None
             matmul = False
-            if cached:
-                q_pos = torch.arange(cached, seq_len, device=device)           # (L,)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # (L, S)
+            windowed = self.window is not None and seq_len > self.window
+            if cached or windowed:
+                q_pos = torch.arange(cached, seq_len, device=device)[:, None]  # (L, 1)
+                k_pos = torch.arange(seq_len, device=device)[None, :]          # (1, S)
+                mask = k_pos <= q_pos                                           # (L, S)
+                if windowed:
+                    mask &= (k_pos > q_pos - self.window) | (k_pos < self.sinks)
                 matmul = self.chunks.uses_matmul(device, q_len, seq_len)
                 if matmul:
                     bias = self.chunks.bias(mask)

@@ -24,12 +24,13 @@ log = logging.getLogger(__name__)
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_size: int | None = None,
                    dtype: torch.dtype | None = None, head_floats: int | None = None,
-                   gemm: str = "native") -> AttentionBackend:
+                   gemm: str = "native", windowed: bool = False) -> AttentionBackend:
     """auto: flash_attn on CUDA when flash-attn imports (and, if page_size is given,
     accepts it); cpu on CPU in float32 when its kernel loads; else torch. An explicit
     name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known.
     gemm: the model's GEMM (kernels/gemm.py); the cpu backend's chunk products use the
-    native one only when the model does."""
+    native one only when the model does. windowed: the model has a sliding window, which the
+    cpu backend's decode kernel does not take (auto picks torch on CPU then)."""
     device = torch.device(device)
     if name == "torch":
         return torch_attention()
@@ -47,7 +48,9 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
             return backend
         log.info("attention: flash_attn wants page_size %% %d == 0, got %d; using torch",
                  backend.page_size_multiple(), page_size)
-    if device.type == "cpu":   # _cpu_backend says why not (bfloat16, no kernel built, ...)
+    if device.type == "cpu" and windowed:
+        log.info("attention: a sliding-window model; using torch (the cpu kernel attends the whole context)")
+    elif device.type == "cpu":   # _cpu_backend says why not (bfloat16, no kernel built, ...)
         try:
             return _cpu_backend(device, page_size, dtype, head_floats, gemm)
         except RuntimeError as exc:   # a kernel that should load and does not is worth a warning

@@ -314,9 +314,9 @@ class Engine:
         log.exception("%s (incident %s); ending the %d requests in flight", what, error.incident, len(self._live))
         self._fail_all(error)
         self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
-        forks = self.scheduler.forks
-        self.scheduler = Scheduler(self.scheduler.config, preemptions=self.counters.preemptions, drafter=self.drafter)
-        self.scheduler.forks = forks
+        old = self.scheduler
+        self.scheduler = Scheduler(old.config, preemptions=self.counters.preemptions, drafter=self.drafter)
+        self.scheduler.forks, self.scheduler.slid_pages = old.forks, old.slid_pages
         try:
             self.link.register(self.link.timeout_s)
             self.scheduler.epoch = self.link.epoch

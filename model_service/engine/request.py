@@ -48,6 +48,7 @@ class Request:
     draft_state: Any = None          # speculation.DraftState, with --speculative
     drafts_told: int = 0             # draft tokens the manager holds past told_tokens (truncated next step)
     draft_generators: list = field(default_factory=list)   # a seeded request's draws at draft positions
+    slid_to: int = 0                 # sliding window: its pages before this one left it (but the sinks')
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -84,4 +85,5 @@ class Request:
         self.seq_id = None
         self.page_table = []
         self.num_computed = self.told_computed = self.told_tokens = self.pending = self.drafts_told = 0
+        self.slid_to = 0
         self.status = Status.WAITING

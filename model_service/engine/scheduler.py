@@ -34,6 +34,7 @@ from kvserve.kvcache_service.contract.types import (
     Grow,
     PreemptionMode,
     Resume,
+    Slide,
     StepPlan,
     StepRequest,
     Truncation,
@@ -48,6 +49,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64               # sequences in one forward pass
     max_num_batched_tokens: int = 2048   # tokens in one forward pass: bounds step latency
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    window: int | None = None            # sliding window: pages before a sequence's window leave it
+    sinks: int = 0                       # attention sinks: the first tokens stay beside the window
+    max_chunk: int | None = None         # a sequence's prefill tokens per step (a window's pool bounds it)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -102,6 +106,7 @@ class Scheduler:
         self._releases: list[int] = []     # seq ids to release in the next step
         self.by_seq: dict[int, Request] = {}
         self.forks = 0                     # children of parallel sampling forked, since start
+        self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
 
     # ------------------------------------------------------------ requests
 
@@ -148,6 +153,7 @@ class Scheduler:
         needs: list = []
         asks: list[Ask] = []
         budget = cfg.max_num_batched_tokens
+        chunk = cfg.max_chunk or budget
 
         # Parents at their fork point: their children fork in this step (family.py).
         forking = [r for r in self.running if r.fork_at is not None and r.num_computed == r.fork_at]
@@ -177,20 +183,22 @@ class Scheduler:
                 budget -= 1 + len(draft)
                 ask_slots(r, 1 + len(draft), draft)
 
+        slides = self._slides()
         commits = []
         for r in self.running:
             # New full pages are worth committing; a fork reads the parent's computed count; a draft
-            # is told as tokens beyond the computed count (so none enters the prefix tree).
+            # is told as tokens beyond the computed count (so none enters the prefix tree); a slide
+            # releases computed pages only.
             draft = drafted.get(r)
             if (draft or r.told_computed // ps < r.num_computed // ps
-                    or (r in forking and r.told_computed != r.num_computed)):
+                    or (r in forking and r.told_computed != r.num_computed) or r.slid_to * ps > r.told_computed):
                 commits.append(Commit(r.seq_id, r.num_computed, r.tokens[r.told_tokens:] + (draft or [])))
                 r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
                 r.drafts_told = len(draft or ())
 
         for r in self.running:  # ... then the next chunk of each prefill
             if not r.is_decoding and budget:
-                count = min(r.compute_end - r.num_computed, budget)
+                count = min(r.compute_end - r.num_computed, budget, chunk)
                 budget -= count
                 ask_slots(r, count)
 
@@ -209,21 +217,40 @@ class Scheduler:
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
-            count = min(r.compute_end - r.num_computed, budget)
+            count = min(r.compute_end - r.num_computed, budget, chunk)
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Resume(r.seq_id, r.num_computed + count))
             asks.append(Ask(r, count, need))
         for r in self.waiting:
             if not budget or seqs >= cfg.max_num_seqs:
                 break
-            count = min(r.compute_end, budget)  # an upper bound: cached tokens cost nothing
+            count = min(r.compute_end, budget, chunk)  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
             asks.append(Ask(r, count, need))
 
-        step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode)
+        step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode, slides)
         self._releases = []
         return Proposal(step, asks)
+
+    def _slides(self) -> list[Slide]:
+        """Sliding window: each running sequence's pages wholly before its next queries' window
+        (a query at p sees keys p-W+1 .. p; the next step's first query is at num_computed) go
+        back to the manager, but the sinks'. The engine's table keeps their ids: attention
+        masks them, so whatever another sequence writes there later is never read."""
+        window, ps = self.config.window, self.config.page_size
+        if window is None:
+            return []
+        sink_pages = -(-self.config.sinks // ps)
+        slides = []
+        for r in self.running:
+            end = max(0, r.num_computed - window + 1) // ps
+            first = max(sink_pages, r.slid_to)
+            if end > first:
+                slides.append(Slide(r.seq_id, first, end))
+                self.slid_pages += end - first
+                r.slid_to = end
+        return slides
 
     def _draft(self, r: Request, budget: int) -> list[int]:
         """A draft for a decoding sequence to verify in this step, or []: none with speculation off,
@@ -328,6 +355,7 @@ class Scheduler:
         child.num_computed = child.told_computed = num_computed
         child.told_tokens = len(child.tokens)   # the manager's child holds the parent's tokens: the prompt
         child.cached_tokens, child.scheduled_at = parent.cached_tokens, parent.scheduled_at
+        child.slid_to = parent.slid_to
         self.by_seq[child.seq_id] = child
         self._start(child)
         self.forks += 1

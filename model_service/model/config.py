@@ -9,11 +9,12 @@ Rope parameters: transformers 5 keeps them in `rope_parameters`
 ({"rope_type", "rope_theta", ...}); 4.x in `rope_theta` and `rope_scaling`
 ({"rope_type" or "type", ...}). Both are read; the newer wins where both exist.
 
-Sliding window (Mistral; Qwen2/Qwen3 with use_sliding_window): the backends
-attend to the whole context, so `max_model_len` is capped at the window. For
-sequences no longer than the window, windowed and full attention are the same
-(a query at position p sees keys p-W+1 .. p, which is all of them), so the cap
-keeps the model exact at the price of shorter contexts.
+Sliding window. When every layer slides (Mistral; Qwen2/Qwen3 with use_sliding_window
+and every layer marked sliding), `sliding_window` is W: a query at position p attends to
+keys p-W+1 .. p (transformers' `kv_idx > q_idx - sliding_window`), the engine releases
+pages that fell out of the window while a sequence runs, and the model serves its whole
+`max_position_embeddings`. A model whose layers mix sliding and full attention is served up
+to its window (`max_model_len` capped, `sliding_window` None): within it both are the same.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope(hf)
-        window = _sliding_window(hf, arch)
+        window, every_layer = _sliding_window(hf, arch)
         max_pos = hf.max_position_embeddings
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(
@@ -138,8 +139,8 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
-            sliding_window=window,
-            max_model_len=min(max_pos, window) if window else max_pos,
+            sliding_window=window if every_layer else None,
+            max_model_len=min(max_pos, window) if window and not every_layer else max_pos,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_id_tuple(getattr(hf, "eos_token_id", None)),
             pad_token_id=getattr(hf, "pad_token_id", None),
@@ -184,17 +185,18 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _sliding_window(hf: Any, arch: str) -> int | None:
+def _sliding_window(hf: Any, arch: str) -> tuple[int | None, bool]:
+    """(the window, whether every layer uses it)."""
     window = getattr(hf, "sliding_window", None)
     if not window:
-        return None
+        return None, False
     if arch == "MistralForCausalLM":
-        return int(window)
+        return int(window), True
     # Qwen2/Qwen3 declare a window but use it only on layers marked sliding.
     layer_types = getattr(hf, "layer_types", None) or []
     if getattr(hf, "use_sliding_window", False) and "sliding_attention" in layer_types:
-        return int(window)
-    return None
+        return int(window), all(t == "sliding_attention" for t in layer_types)
+    return None, False
 
 
 def _id_tuple(value: Any) -> tuple[int, ...]:

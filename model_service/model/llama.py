@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
                 backend: AttentionBackend, meta: Any) -> torch.Tensor:
         """-> logits (S, vocab) float32 for the rows batch.logits_indices names."""
         x = self.embed_tokens(batch.input_ids)            # (T, hidden)
-        cos, sin = self.rope.lookup(batch.positions)      # (T, 1, D/2) each, shared by all layers
+        cos, sin = self.rope.lookup(batch.positions, batch.max_seqlen_k)      # (T, 1, D/2) each, shared by all layers
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, backend, meta)
         x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row

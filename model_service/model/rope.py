@@ -45,14 +45,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(config).to(device)                    # (D/2,)
-        positions = torch.arange(max_len, device=device, dtype=torch.int64).float()
-        angles = positions[:, None] * inv_freq[None, :]                      # (max_len, D/2)
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        self.inv_freq = inverse_frequencies(config).to(device)               # (D/2,)
+        self.dtype = dtype
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._build(max_len)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin (T, 1, D/2), broadcasting over heads."""
+    def _build(self, max_len: int) -> None:
+        positions = torch.arange(max_len, device=self.inv_freq.device, dtype=torch.int64).float()
+        angles = positions[:, None] * self.inv_freq[None, :]                 # (max_len, D/2)
+        self.cos, self.sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor, max_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin (T, 1, D/2), broadcasting over heads. max_len: one past the
+        largest position; past the table (a stream with attention sinks goes on past the model's
+        length) it is rebuilt twice as long."""
+        if max_len > self.cos.shape[0]:
+            self._build(2 * max_len)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

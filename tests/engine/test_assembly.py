@@ -9,13 +9,14 @@ import pytest
 from tests.engine.harness import EngineHarness
 
 
-def test_a_sliding_window_model_serves_no_more_than_its_window(tiny_dirs) -> None:
-    # tiny-mistral: max_position_embeddings 2048, sliding_window 512 (config.py caps max_model_len)
-    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4)
+def test_a_sliding_window_model_serves_its_whole_length_from_a_small_pool(tiny_dirs) -> None:
+    # tiny-mistral: max_position_embeddings 2048, sliding_window 64; 40 pages hold 160 tokens
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, num_pages=40)
     try:
-        assert h.stack.max_model_len == 512
-        [outcome] = h.run([list(range(3, 503))], max_tokens=8)   # 508 of 512 positions
-        assert outcome.finished.completion_tokens == 8
+        assert h.stack.max_model_len == 2048
+        [outcome] = h.run([list(range(3, 503))], max_tokens=300)   # prefilled in chunks the pool holds
+        assert outcome.finished.completion_tokens == 300
+        assert h.stats().used_pages == 0
     finally:
         h.close()
 

@@ -27,11 +27,22 @@ def test_fields_of_each_tiny_architecture(tiny_dirs: dict[str, Path]) -> None:
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.q_size == 128
 
     mistral = ModelConfig.from_pretrained(tiny_dirs["tiny-mistral"])
-    assert (mistral.sliding_window, mistral.max_model_len) == (512, 512)   # capped at the window
+    assert (mistral.sliding_window, mistral.max_model_len) == (64, 2048)   # served past the window
 
     llama3 = ModelConfig.from_pretrained(tiny_dirs["tiny-llama3"])
     assert llama3.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 256)
     assert (llama3.qkv_bias, llama3.o_bias, llama3.mlp_bias) == (True, True, True)
+
+
+def test_a_window_on_some_layers_only_caps_the_model_length(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    mixed = edit_config(tiny_dirs["tiny-qwen2"], tmp_path / "mixed", use_sliding_window=True, sliding_window=32,
+                        layer_types=["full_attention", "sliding_attention"], max_window_layers=1)
+    cfg = ModelConfig.from_pretrained(mixed)
+    assert (cfg.sliding_window, cfg.max_model_len) == (None, 32)
+    every = edit_config(tiny_dirs["tiny-qwen2"], tmp_path / "every", use_sliding_window=True, sliding_window=32,
+                        layer_types=["sliding_attention", "sliding_attention"], max_window_layers=0)
+    cfg = ModelConfig.from_pretrained(every)
+    assert (cfg.sliding_window, cfg.max_model_len) == (32, cfg.max_position_embeddings)
 
 
 def test_rope_parameters_and_legacy_keys_agree() -> None:

@@ -1,0 +1,137 @@
+"""Sliding-window models served past their window (tiny-mistral: a 64-token window): greedy tokens
+equal transformers' with prompts and outputs well past the window, under batching, chunked
+prefill, preemption, speculative decoding and parallel sampling; the pages that left the window
+go back to the manager while the sequence runs (its invariants checked after every step), so a
+2,000-token sequence holds at most window / page_size + 2 pages; attention sinks run past the
+model length."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.harness import EngineHarness, assert_same_tokens, hf_greedy, wait
+from tests.kvcache.invariants import check_invariants
+
+WINDOW, PS = 64, 4
+NEW_TOKENS = 90
+_rng = random.Random(64)
+PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (5, 63, 64, 65, 150, 200)]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["tiny-mistral"], dtype=torch.float32).eval()
+    assert hf.config.sliding_window == WINDOW
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def watch(h: EngineHarness, each_step) -> None:
+    """Calls each_step(work) on the engine thread before every forward."""
+    inner = h.engine.runner.execute
+
+    def execute(work):
+        each_step(work)
+        return inner(work)
+
+    h.engine.runner.execute = execute
+
+
+def held_pages(h: EngineHarness, request) -> int:
+    seq = h.stack.kv.manager.state.seqs.get(request.seq_id)
+    return len(seq.held()) if seq is not None else 0
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"max_num_batched_tokens": 40},                                  # chunked prefill past the window
+    {"num_pages": 120, "max_num_batched_tokens": 128},               # preempted (recompute)
+    {"num_pages": 120, "max_num_batched_tokens": 128, "preemption_mode": "swap", "swap_pages": 256},
+    {"speculative": "ngram", "num_draft_tokens": 4},
+], ids=["batched", "chunked", "recompute", "swap", "speculative"])
+def test_greedy_tokens_equal_transformers_past_the_window(tiny_dirs, hf_refs, config):
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS, **config)
+    try:
+        assert h.stack.max_model_len == 2048   # not capped at the window
+        watch(h, lambda work: check_invariants(h.stack.kv.manager.state))
+        outcomes = h.run(PROMPTS, NEW_TOKENS)
+        for i, (o, (ref, margins)) in enumerate(zip(outcomes, hf_refs)):
+            assert_same_tokens(o.tokens, ref, margins, f"window {WINDOW}, prompt of {len(PROMPTS[i])}")
+        if "num_pages" in config:
+            assert sum(h.engine.counters.preemptions.values()) > 0
+        stats = h.stats()
+        assert stats.used_pages == 0 and stats.num_sequences == 0
+    finally:
+        h.close()
+
+
+def test_parallel_sampling_forks_after_the_window_slid(tiny_dirs, hf_refs):
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS)
+    try:
+        outcome = h.submit(PROMPTS[5], NEW_TOKENS, n=3)   # 200 tokens: slid before the fork
+        wait([outcome])
+        ref, margins = hf_refs[5]
+        for i in range(3):
+            assert_same_tokens(outcome.sequences[i], ref, margins, f"sequence {i}")
+        assert h.engine.scheduler.forks == 2 and h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
+def test_a_long_sequence_holds_a_bounded_number_of_pages(tiny_dirs):
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS)
+    most = []
+    try:
+        request = []
+
+        def each_step(work):
+            for w in work:
+                request.append(w.request)
+                if w.request.num_computed > WINDOW:   # decoding past the window
+                    most.append(held_pages(h, w.request))
+
+        watch(h, each_step)
+        outcome = h.submit([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 1990)
+        wait([outcome])
+        assert len(outcome.tokens) == 1990
+        assert max(most) <= WINDOW // PS + 2, max(most)
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
+def test_attention_sinks_keep_their_pages_and_run_past_the_model_length(tiny_dirs):
+    sinks = 8
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS, attention_sink=sinks)
+    most = []
+    try:
+        def each_step(work):
+            for w in work:
+                seq = h.stack.kv.manager.state.seqs.get(w.request.seq_id)
+                if seq is not None and w.request.num_computed > WINDOW + sinks:
+                    most.append(len(seq.held()))
+                    assert all(p >= 0 for p in seq.pages[:sinks // PS]), "a sink page left"
+
+        watch(h, each_step)
+        outcome = h.submit(list(range(20, 40)), 2100)   # 2,120 tokens: past the model's 2,048
+        wait([outcome])
+        assert len(outcome.tokens) == 2100 and outcome.finished.reason == "length"
+        assert max(most) <= sinks // PS + WINDOW // PS + 2
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
+def test_the_cpu_backend_refuses_a_sliding_window_with_a_reason(tiny_dirs):
+    from kvserve.model_service.attention.select import select_backend
+
+    try:
+        backend = select_backend("cpu")
+    except RuntimeError:
+        pytest.skip("the cpu backend's kernel does not load here")
+    with pytest.raises(RuntimeError, match="sliding-window model runs on the torch backend"):
+        backend.set_window(WINDOW)

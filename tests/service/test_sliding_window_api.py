@@ -1,0 +1,32 @@
+"""A sliding-window model (tiny-mistral, a 64-token window) behind the gateway: a stream well past
+the window gives the tokens the worker gives directly, and the pages it let go of are counted in
+the worker's metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.gateway.conftest import make_fleet
+from tests.service.conftest import ModelServerThread
+from tests.service.util import assert_pages_free, generate, greedy, request
+
+PROMPT = list(range(100, 250))   # 150 tokens: past the window before the first output token
+
+
+def test_past_the_window_through_the_gateway(tiny_dirs):
+    direct = ModelServerThread(tiny_dirs["tiny-mistral"])
+    try:
+        with grpc.insecure_channel(direct.address) as ch:
+            expected = generate(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(200))).tokens
+    finally:
+        direct.stop()
+    for fleet in make_fleet(tiny_dirs["tiny-mistral"], 1, worker_config={"metrics_listen": "127.0.0.1:0"}):
+        assert generate(fleet.stub, request(token_ids=PROMPT, **greedy(200))).tokens == expected
+        servicer = fleet.workers[0].model.servicer
+        assert_pages_free(servicer)
+        assert servicer.engine.scheduler.slid_pages > 0
+        text = urllib.request.urlopen(f"http://{servicer.metrics_endpoint.address}/metrics", timeout=10).read()
+        assert b"kvserve:sliding_window_released_pages_total" in text
