@@ -83,12 +83,13 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         raise ValueError("--attention-sink keeps the first tokens beside a sliding window; this model has none "
                          "on every layer")
     backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
-                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm, windowed=window is not None)
+                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm,
+                             windowed=any(mcfg.layer_windows))
     multiple = backend.page_size_multiple()
     page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
     if page_size % multiple:
         raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
-    backend.set_window(window, cfg.attention_sink, page_size)
+    backend.set_window(window, cfg.attention_sink, page_size, mcfg.layer_windows)
 
     model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # window-capped (config.py)
     if cfg.num_pages is not None:

@@ -52,6 +52,7 @@ class DecodeGroup:
     tables: torch.Tensor       # (n, P) int64 page ids, P = pages of the longest context
     length: int                # the longest context in the group
     mask: torch.Tensor | None  # (n, 1, 1, length) bool, True = attend; None: all are `length` long
+    skip: int = 0              # keys gathered before the first one attended (a window's first page)
 
 
 class GatheredDecode:
@@ -86,9 +87,10 @@ class GatheredDecode:
         """q (n, H, D), one query per sequence of the group -> (n, H, D)."""
         n, h, d = q.shape
         page_size, hk = k_cache.shape[1], k_cache.shape[2]
-        tables = group.tables[:, :-(-group.length // page_size)]            # (n, P)
-        keys = self.gather(0, k_cache, tables, group.length).transpose(1, 2)    # (n, Hk, L, D)
-        values = self.gather(1, v_cache, tables, group.length).transpose(1, 2)  # (n, Hk, L, D)
+        end = group.skip + group.length
+        tables = group.tables[:, :-(-end // page_size)]                     # (n, P)
+        keys = self.gather(0, k_cache, tables, end)[:, group.skip:].transpose(1, 2)    # (n, Hk, L, D)
+        values = self.gather(1, v_cache, tables, end)[:, group.skip:].transpose(1, 2)  # (n, Hk, L, D)
         grouped = q.view(n, hk, h // hk, d)                                 # (n, Hk, G, D)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.mask,
                                              scale=scale)                   # (n, Hk, G, D)
@@ -124,6 +126,9 @@ def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: i
     len - W .. len - 1 and the first `sinks`."""
     device = tables.device
     pages = -(-length // ps)
+    if shortest == length and not sinks:   # rows of one length: exactly the window, no mask
+        start = length - window
+        return DecodeGroup(index, tables[:, start // ps:pages], window, None, start % ps)
     first = max(0, shortest - window) // ps          # the first page any row's window reaches
     sink_pages = -(-sinks // ps)
     if first > sink_pages:

@@ -66,7 +66,11 @@ class FlashAttnBackend:
 
     window: int | None = None   # sliding window (every layer), set by the model service's assembly
 
-    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0) -> None:
+    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0,
+                   layer_windows: tuple = ()) -> None:
+        if window is None and any(layer_windows):
+            raise RuntimeError("the flash_attn backend takes one window for every layer; a model mixing "
+                               "sliding and full layers runs on the torch backend")
         if sinks:
             raise RuntimeError("the flash_attn backend has no attention sinks; use the torch backend")
         self.window = window

@@ -35,17 +35,30 @@ class PagedMeta:
     prefills: list[PrefillChunk]
 
 
+@dataclass(slots=True)
+class LayerMetas:
+    """A step's meta for a model whose layers mask differently: the one layer i attends with."""
+    metas: list[PagedMeta]
+
+    def for_layer(self, i: int) -> PagedMeta:
+        return self.metas[i]
+
+
 class PagedAttention:
     window: int | None = None   # sliding window: a query at p sees keys p-W+1 .. p
     sinks: int = 0              # and the first `sinks` keys as well (attention sinks)
 
     page_size: int = 0          # needed with a window: the decode gathers only the window's pages
+    layer_windows: tuple = ()   # a model mixing sliding and full layers: each layer's window
 
-    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0) -> None:
-        if window and not self.decode.windowed:
+    def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0,
+                   layer_windows: tuple = ()) -> None:
+        """window: every layer's; layer_windows: each layer's, when they differ."""
+        if (window or any(layer_windows)) and not self.decode.windowed:
             raise RuntimeError(f"the {self.name} backend's decode kernel attends the whole context; a "
                                "sliding-window model runs on the torch backend")
         self.window, self.sinks, self.page_size = window, sinks, page_size
+        self.layer_windows = layer_windows if window is None and any(layer_windows) else ()
 
     def __init__(self, name: str, decode, chunks, gather: PageGather) -> None:
         self.name = name
@@ -56,7 +69,18 @@ class PagedAttention:
     def page_size_multiple(self) -> int:
         return 1
 
-    def prepare(self, batch: ForwardBatch) -> PagedMeta:
+    def prepare(self, batch: ForwardBatch):
+        if self.layer_windows:   # one meta per kind of layer
+            window = next(w for w in self.layer_windows if w)
+            full, self.window = self._prepare(batch), window
+            try:
+                windowed = self._prepare(batch)
+            finally:
+                self.window = None
+            return LayerMetas([windowed if w else full for w in self.layer_windows])
+        return self._prepare(batch)
+
+    def _prepare(self, batch: ForwardBatch) -> PagedMeta:
         nd = batch.num_decodes
         chunks = nd < batch.num_seqs
         # The page tables as int64 indices, made once a step for whoever gathers pages.

@@ -13,8 +13,9 @@ Sliding window. When every layer slides (Mistral; Qwen2/Qwen3 with use_sliding_w
 and every layer marked sliding), `sliding_window` is W: a query at position p attends to
 keys p-W+1 .. p (transformers' `kv_idx > q_idx - sliding_window`), the engine releases
 pages that fell out of the window while a sequence runs, and the model serves its whole
-`max_position_embeddings`. A model whose layers mix sliding and full attention is served up
-to its window (`max_model_len` capped, `sliding_window` None): within it both are the same.
+`max_position_embeddings`. A model whose layers mix sliding and full attention (Qwen2/Qwen3
+with max_window_layers) has `sliding_window` None and `layer_windows` per layer: each layer
+masks its own way and, the full layers needing every page, no page is released early.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None = None
+    layer_windows: tuple[int | None, ...] = ()   # each layer's sliding window (None: full attention)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -118,7 +120,8 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope(hf)
-        window, every_layer = _sliding_window(hf, arch)
+        layer_windows = _layer_windows(hf, arch)
+        window = layer_windows[0] if layer_windows and len(set(layer_windows)) == 1 else None
         max_pos = hf.max_position_embeddings
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(
@@ -139,8 +142,9 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
-            sliding_window=window if every_layer else None,
-            max_model_len=min(max_pos, window) if window and not every_layer else max_pos,
+            sliding_window=window,
+            max_model_len=max_pos,
+            layer_windows=layer_windows,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_id_tuple(getattr(hf, "eos_token_id", None)),
             pad_token_id=getattr(hf, "pad_token_id", None),
@@ -185,18 +189,18 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _sliding_window(hf: Any, arch: str) -> tuple[int | None, bool]:
-    """(the window, whether every layer uses it)."""
+def _layer_windows(hf: Any, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, or () when no layer slides."""
     window = getattr(hf, "sliding_window", None)
     if not window:
-        return None, False
+        return ()
     if arch == "MistralForCausalLM":
-        return int(window), True
+        return (int(window),) * hf.num_hidden_layers
     # Qwen2/Qwen3 declare a window but use it only on layers marked sliding.
     layer_types = getattr(hf, "layer_types", None) or []
     if getattr(hf, "use_sliding_window", False) and "sliding_attention" in layer_types:
-        return int(window), all(t == "sliding_attention" for t in layer_types)
-    return None, False
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return ()
 
 
 def _id_tuple(value: Any) -> tuple[int, ...]:

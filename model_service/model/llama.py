@@ -110,7 +110,8 @@ class CausalLM(nn.Module):
         """-> logits (S, vocab) float32 for the rows batch.logits_indices names."""
         x = self.embed_tokens(batch.input_ids)            # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions, batch.max_seqlen_k)      # (T, 1, D/2) each, shared by all layers
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, backend, meta)
+        per_layer = getattr(meta, "for_layer", None)   # layers that mask differently (some slide)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
         x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row
         return self.lm_head(x).float()                    # (S, vocab)

@@ -126,6 +126,35 @@ def test_attention_sinks_keep_their_pages_and_run_past_the_model_length(tiny_dir
         h.close()
 
 
+def test_a_model_mixing_sliding_and_full_layers_equals_transformers(tiny_dirs, tmp_path):
+    """Qwen2 with its first layer full and its second sliding (window 32): each layer masks its own
+    way; no page leaves early (the full layer reads them all)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    src, dst = tiny_dirs["tiny-qwen2"], tmp_path / "mixed"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=32, max_window_layers=1,
+               layer_types=["full_attention", "sliding_attention"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    prompts = PROMPTS[1:5]
+    h = EngineHarness(dst, page_size=PS, max_num_batched_tokens=48)
+    try:
+        outcomes = h.run(prompts, 60)
+        for p, o in zip(prompts, outcomes):
+            ref, margins = hf_greedy(hf, p, 60)
+            assert_same_tokens(o.tokens, ref, margins, f"mixed layers, prompt of {len(p)}")
+        assert h.engine.scheduler.slid_pages == 0
+    finally:
+        h.close()
+
+
 def test_the_cpu_backend_refuses_a_sliding_window_with_a_reason(tiny_dirs):
     from kvserve.model_service.attention.select import select_backend
 

@@ -34,11 +34,11 @@ def test_fields_of_each_tiny_architecture(tiny_dirs: dict[str, Path]) -> None:
     assert (llama3.qkv_bias, llama3.o_bias, llama3.mlp_bias) == (True, True, True)
 
 
-def test_a_window_on_some_layers_only_caps_the_model_length(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_windows_per_layer(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     mixed = edit_config(tiny_dirs["tiny-qwen2"], tmp_path / "mixed", use_sliding_window=True, sliding_window=32,
                         layer_types=["full_attention", "sliding_attention"], max_window_layers=1)
     cfg = ModelConfig.from_pretrained(mixed)
-    assert (cfg.sliding_window, cfg.max_model_len) == (None, 32)
+    assert (cfg.sliding_window, cfg.layer_windows, cfg.max_model_len) == (None, (None, 32), cfg.max_position_embeddings)
     every = edit_config(tiny_dirs["tiny-qwen2"], tmp_path / "every", use_sliding_window=True, sliding_window=32,
                         layer_types=["sliding_attention", "sliding_attention"], max_window_layers=0)
     cfg = ModelConfig.from_pretrained(every)
