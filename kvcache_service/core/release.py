@@ -90,7 +90,8 @@ def slide(state: ManagerState, seq: Sequence, first_page: int, end_page: int) ->
     evictable: its descendants are in use) until the sequence lets go of those too.
     Returns the pages freed (tree pages stay cached)."""
     pages, tree = seq.pages, state.tree
-    holds_later = end_page < len(pages) and pages[end_page] >= 0 and tree.is_node(pages[end_page])
+    # (a slide may end inside pages an earlier one dropped: look past them)
+    holds_later = any(p >= 0 and tree.is_node(p) for p in pages[end_page:])
     freed = 0
     for i in range(end_page - 1, first_page - 1, -1):
         page = pages[i]

@@ -34,7 +34,9 @@ def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
         state.drop(page)  # a tree page stays cached on the device: swap-in may find it there
     seq.state = SeqState.SWAPPED
     state.running.pop(seq.seq_id, None)
-    if seq.blocking:   # it holds no tree page now; back on the device it holds only private ones
+    # Back on the device it holds only private copies of what it moved; while it still holds a
+    # shared tree page after the ones it dropped, those stay blocked.
+    if seq.blocking and not any(p >= 0 and state.tree.is_node(p) for p in seq.pages):
         unblock(state, seq)
     return copies
 

@@ -127,10 +127,14 @@ def check_truncate(state: ManagerState, seq_id: int, num_tokens: int) -> Sequenc
     return seq
 
 
-def check_slide(state: ManagerState, s: Slide, num_computed: int | None = None) -> None:
-    """num_computed: the sequence's computed tokens after this Step's commit, if it has one."""
+def check_slide(state: ManagerState, s: Slide, num_computed: int | None = None,
+                num_tokens: int | None = None) -> None:
+    """num_computed: the sequence's computed tokens after this Step's commit, if it has one;
+    num_tokens: its tokens after this Step's truncation, if it has one."""
     seq = state.running_seq(s.seq_id)
     computed = seq.num_computed if num_computed is None else num_computed
+    if num_tokens is not None:
+        computed = min(computed, num_tokens)
     if not 0 <= s.first_page < s.end_page:
         raise InvalidArgument(f"slide seq id {s.seq_id}: pages [{s.first_page}, {s.end_page}) is not a "
                               "non-empty range")
@@ -190,7 +194,7 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
         if s.seq_id in slid:
             raise InvalidArgument(f"step: seq id {s.seq_id} slides twice")
         slid.add(s.seq_id)
-        check_slide(state, s, computed.get(s.seq_id))
+        check_slide(state, s, computed.get(s.seq_id), truncated.get(s.seq_id))
     # A request released by this Step may be admitted again by it (a client retrying an id).
     freed = frozenset(state.seqs[seq_id].request_id for seq_id in released) if released else frozenset()
     _validate_needs(state, req, live, freed)

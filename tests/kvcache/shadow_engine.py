@@ -17,13 +17,13 @@ then holds the manager to it:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
 from kvserve.kvcache_service.core import Admit, Commit, KVCacheManager, ManagerConfig, page_hashes
 from kvserve.kvcache_service.contract.types import SeqState
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
+from kvserve.kvcache_service.core.sequence import DROPPED, SWAPPED_OUT
 from tests.kvcache.invariants import EventMirror, check_invariants
 
 TOKEN = st.integers(0, 2)  # a tiny alphabet: identical pages and prefix hits are common
@@ -42,6 +42,8 @@ class ESeq:
     m_tokens: int                  # tokens the manager knows (the rest are uncommitted)
     m_computed: int                # num_computed the manager knows
     swapped: bool = False          # the table keeps the pages from before the swap-out
+    dropped: set[int] = field(default_factory=set)   # page indices a slide released (never read again)
+    slide_from: int | None = None  # its slides start here (the pages before are its sinks)
 
     def pending(self) -> bool:
         return self.computed != self.m_computed or len(self.tokens) != self.m_tokens
@@ -145,6 +147,8 @@ class ShadowEngine:
         cpu_of = {i: c for i, c, _ in self.m.state.seqs[s.seq_id].swapped} if s.swapped else {}
         for pos in range(s.computed):
             i = pos // ps
+            if i in s.dropped:
+                continue
             if i in cpu_of:
                 got, where = self.cpu[cpu_of[i]][pos % ps], f"CPU page {cpu_of[i]}"
             else:
@@ -178,7 +182,8 @@ class ShadowEngine:
     def _forked(self, parent: ESeq, rid: str, res) -> ESeq:
         assert res.granted and res.replaces_table
         child = ESeq(res.seq_id, rid, parent.ek, list(parent.tokens), parent.computed,
-                     list(res.page_ids), len(parent.tokens), parent.computed)
+                     list(res.page_ids), len(parent.tokens), parent.computed,
+                     dropped={i for i in parent.dropped if i < len(res.page_ids)})
         assert len(child.table) == -(-parent.computed // self.ps), (
             f"fork child table {child.table} for {parent.computed} computed tokens")
         assert res.seq_id not in self.seqs
@@ -238,15 +243,18 @@ class ShadowEngine:
                 f"seq {sid}: manager tokens {ms.tokens}, engine {s.tokens} ({s.m_tokens} committed)")
             assert ms.num_computed == s.m_computed, (
                 f"seq {sid}: manager computed {ms.num_computed}, engine committed {s.m_computed}")
+            assert {i for i, p in enumerate(ms.pages) if p == DROPPED} == s.dropped, (
+                f"seq {sid}: manager dropped {ms.pages}, the engine slid {sorted(s.dropped)}")
             if not s.swapped:
                 assert ms.state is SeqState.RUNNING
-                assert ms.pages == s.table, (
+                assert [p for i, p in enumerate(ms.pages) if i not in s.dropped] == \
+                    [p for i, p in enumerate(s.table) if i not in s.dropped], (
                     f"seq {sid}: manager table {ms.pages}, engine learnt {s.table}")
             else:
                 assert ms.state is SeqState.SWAPPED
                 assert len(ms.pages) >= len(s.table)
                 for i, p in enumerate(s.table):
-                    assert ms.pages[i] in (SWAPPED_OUT, p), f"swapped seq {sid}: device page {i} moved"
+                    assert ms.pages[i] in (SWAPPED_OUT, DROPPED, p), f"swapped seq {sid}: device page {i} moved"
             self._check_content(s, "shadow check")
             if ms.diverged_at is not None:
                 COVERAGE["diverged sequence"] += 1

@@ -30,7 +30,6 @@ from kvserve.kvcache_service.core import (
     ResourceExhausted,
     Resume,
 )
-from kvserve.kvcache_service.core.sequence import SWAPPED_OUT
 from tests.kvcache.bad_inputs import BAD_INPUTS, bad_call, expect_refusal, targets_for
 from tests.kvcache.invariants import check_invariants, snapshot
 from tests.kvcache.shadow_engine import COVERAGE, TOKEN
@@ -172,7 +171,10 @@ class KVCacheMachine(StepDriver, RuleBasedStateMachine):
         s = self.seqs[data.draw(st.sampled_from(
             [sid for sid in self._running() if len(self.seqs[sid].tokens) >= 2]), label="seq")]
         self._flush(s)
-        n = data.draw(st.integers(1, len(s.tokens) - 1), label="drop")
+        floor = (max(s.dropped) + 1) * self.ps if s.dropped else 0   # never into pages a slide released
+        if len(s.tokens) - floor < 2:
+            return
+        n = data.draw(st.integers(1, len(s.tokens) - floor - 1), label="drop")
         before = snapshot(self.m.state)
         try:
             table, freed, copies = self.m.truncate(s.seq_id, n)
@@ -195,7 +197,7 @@ class KVCacheMachine(StepDriver, RuleBasedStateMachine):
             self.order.remove(s.seq_id)
         seq_id = m.seq_id_of(s.rid) if data.draw(st.booleans()) else s.seq_id
         seq = m.state.seqs[seq_id]
-        private = [p for p in seq.pages if p != SWAPPED_OUT and m.state.pool.ref[p] == 1]
+        private = [p for p in seq.pages if p >= 0 and m.state.pool.ref[p] == 1]
         want_freed = sum(1 for p in private if not m.state.tree.is_node(p))
         free_ids = m.state.seq_ids.free_ids()
         freed, cached = m.release(seq_id)
