@@ -107,6 +107,7 @@ class Scheduler:
         self.by_seq: dict[int, Request] = {}
         self.forks = 0                     # children of parallel sampling forked, since start
         self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
+        self.available_pages = 0           # free + evictable pages after the last plan
 
     # ------------------------------------------------------------ requests
 
@@ -263,7 +264,11 @@ class Scheduler:
         if r.pending or not drafter.wants(r.draft_state):
             drafter.wait(r.draft_state)
             return []
-        room = min(budget, r.max_tokens - r.num_output - 1)   # it emits up to 1 + len(draft) tokens
+        # It emits up to 1 + len(draft) tokens; and a draft never preempts anybody: it takes at most
+        # the slots its pages have left and the pages free at the last plan.
+        ps = self.config.page_size
+        spare = len(r.page_table) * ps - r.num_tokens + self.available_pages * ps
+        room = min(budget, r.max_tokens - r.num_output - 1, spare)
         return drafter.propose(r.draft_state, r.tokens, room)
 
     def drafts_next(self, work: list[Work]) -> bool:
@@ -289,6 +294,7 @@ class Scheduler:
         request already moved to where the step leaves it (the next proposal starts there)."""
         results = iter(plan.results)
         work: list[Work] = []
+        self.available_pages = plan.available_pages
         recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
             self._releases = [s for s in self._releases if s not in recomputed]
