@@ -71,10 +71,6 @@ def fork(state: ManagerState, parent: Sequence, request_id: str,
         child.diverged_at = parent.diverged_at
     child.cached_tokens = parent.cached_tokens
     child.slid = parent.slid
-    for index, page in parent.blocking:   # it holds the parent's tree pages after them too
-        if index < full:
-            state.tree.block(page)
-            child.blocking.append((index, page))
     state.grow(child, num_tokens)
     state.add(child)
     return NeedResult(True, seq_id, table_view(child.pages), True), copies

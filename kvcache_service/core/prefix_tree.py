@@ -6,15 +6,17 @@ extra_key for a first page; the page's int32 token bytes) -> page, names the sam
 nodes without hashing, so a prefix match is a dict lookup per page and no SHA-256.
 Parent links and child counts are kept for eviction order and for checks.
 
-Unreferenced nodes are parked in an LRU list. Eviction takes the least
-recently parked node first; the manager parks a sequence's pages tail first,
-and a node referenced by a sequence always has its ancestors referenced by the
-same sequence, so the LRU head is always a leaf: a parent is evicted only after
-its children (checked on every eviction). The one exception is a sliding window:
-a sequence that dropped the first pages of its context (outside its attention
-window) while it holds later ones *blocks* the dropped ones; a blocked node parks
-apart, not evictable and not counted as available, until the sequence lets go of
-its later pages too and unblocks it.
+Unreferenced nodes are parked. A node is *live* while a sequence references it or
+any node below it; a parked node that is not live sits in an LRU list, and eviction
+takes the least recently parked one first. A node leaves the LRU list when it or a
+descendant is referenced again and re-enters it, at the tail, only once nothing
+below it is live, so every node in the list comes after its children: eviction
+takes leaves first (checked on every eviction). Normally a sequence references a
+node's ancestors too, so liveness is just the refcount; a sliding window breaks
+that (a sequence drops the first pages of its context, outside its attention
+window, while it holds later ones), and the dropped pages stay parked but live
+(*blocked*: cached, not evictable, not counted as available) until the nodes
+below them are let go. The tree keeps this itself, by counting live children.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ NO_PARENT = -1
 
 
 class PrefixTree:
-    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru", "child", "key_of", "_blocked", "blocks")
+    __slots__ = ("page_of", "hash_of", "parent_of", "children", "_lru", "child", "key_of", "_blocked", "live_below")
 
     def __init__(self, num_pages: int) -> None:
         self.page_of: dict[int, int] = {}                      # hash -> page
@@ -35,8 +37,8 @@ class PrefixTree:
         self.parent_of: list[int] = [NO_PARENT] * num_pages    # page -> parent page
         self.children: list[int] = [0] * num_pages             # page -> number of child nodes
         self._lru: OrderedDict[int, None] = OrderedDict()      # parked pages, oldest first
-        self._blocked: set[int] = set()                        # parked pages a sliding sequence blocks
-        self.blocks: list[int] = [0] * num_pages               # page -> sliding sequences blocking it
+        self._blocked: set[int] = set()                        # parked pages with a live node below
+        self.live_below: list[int] = [0] * num_pages           # page -> live child nodes
         self.child: dict[tuple[int | str, bytes], int] = {}    # (parent page | extra_key, token bytes) -> page
         self.key_of: list[tuple[int | str, bytes] | None] = [None] * num_pages  # page -> its key in child
 
@@ -73,8 +75,8 @@ class PrefixTree:
         return out
 
     def insert(self, h: int, parent_hash: int, page: int, data: bytes, extra_key: str = "") -> None:
-        """A newly computed full page whose tokens' int32 LE bytes are `data`. The
-        caller checked `h` is absent and the parent (unless ROOT_HASH) is a node."""
+        """A newly computed full page, referenced, whose tokens' int32 LE bytes are `data`.
+        The caller checked `h` is absent and the parent (unless ROOT_HASH) is a node."""
         parent = NO_PARENT if parent_hash == ROOT_HASH else self.page_of[parent_hash]
         self.page_of[h] = page
         self.hash_of[page] = h
@@ -84,34 +86,49 @@ class PrefixTree:
         self.key_of[page] = key
         if parent != NO_PARENT:
             self.children[parent] += 1
+            self._live_from(parent)
 
     def park(self, page: int) -> None:
-        """The node's refcount dropped to 0: evictable, most recently used (unless blocked)."""
-        if self.blocks[page]:
+        """The node's refcount dropped to 0: evictable, most recently used, unless a node below
+        it is live; then each ancestor kept live only by it becomes evictable after it."""
+        live_below = self.live_below
+        if live_below[page]:
             self._blocked.add(page)
-        else:
-            self._lru[page] = None
+            return
+        lru, blocked, parent_of = self._lru, self._blocked, self.parent_of
+        while True:
+            lru[page] = None
+            page = parent_of[page]
+            if page == NO_PARENT:
+                return
+            live_below[page] -= 1
+            if live_below[page] or page not in blocked:
+                return
+            blocked.remove(page)
 
     def unpark(self, page: int) -> None:
-        """The node is referenced again."""
+        """The node is referenced again (and so live, with every ancestor)."""
         if page in self._blocked:
             self._blocked.remove(page)
-        else:
-            del self._lru[page]
+            return
+        del self._lru[page]
+        parent = self.parent_of[page]
+        if parent != NO_PARENT:
+            self._live_from(parent)
 
-    def block(self, page: int) -> None:
-        """A sliding sequence dropped this node while it holds nodes below it."""
-        self.blocks[page] += 1
-        if page in self._lru:
-            del self._lru[page]
-            self._blocked.add(page)
-
-    def unblock(self, page: int) -> None:
-        """The sequence let go of the nodes below it: evictable (most recently used) once parked."""
-        self.blocks[page] -= 1
-        if not self.blocks[page] and page in self._blocked:
-            self._blocked.remove(page)
-            self._lru[page] = None
+    def _live_from(self, page: int) -> None:
+        """A child of `page` became live: so do `page` and its ancestors, up to the first that
+        already was."""
+        live_below, lru, blocked, parent_of = self.live_below, self._lru, self._blocked, self.parent_of
+        while True:
+            live_below[page] += 1
+            if page not in lru:
+                return
+            del lru[page]
+            blocked.add(page)
+            page = parent_of[page]
+            if page == NO_PARENT:
+                return
 
     def evict(self, n: int) -> list[tuple[int, int]]:
         """Removes the n least recently used parked nodes: [(page, hash)]."""
@@ -164,6 +181,6 @@ class PrefixTree:
         self.children = [0] * n
         self._lru = OrderedDict()
         self._blocked = set()
-        self.blocks = [0] * n
+        self.live_below = [0] * n
         self.child = {}
         self.key_of = [None] * n

@@ -1,7 +1,8 @@
-"""Giving pages back: a whole sequence (release) or its last tokens (truncate).
+"""Giving pages back: a whole sequence (release), its last tokens (truncate) or its first
+pages (slide).
 
-Both walk the page table from its tail, so a sequence's tree pages park leaves before
-parents and LRU eviction takes leaves first.
+Each walks the page table from its tail, so a sequence's tree pages park leaves before
+parents (the tree orders eviction leaves first either way: PrefixTree).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ def release(state: ManagerState, seq: Sequence, defer_id: bool = False) -> tuple
             freed += 1
     if seq.swapped:
         state.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
-    if seq.blocking:
-        unblock(state, seq)
     state.forget(seq, defer_id)
     return freed, cached
 
@@ -86,31 +85,15 @@ def truncate(state: ManagerState, seq: Sequence, num_tokens: int) -> tuple[int, 
 def slide(state: ManagerState, seq: Sequence, first_page: int, end_page: int) -> int:
     """Pages [first_page, end_page) leave the sequence (outside its attention window), tail first
     so that tree pages park leaves before parents; from now on it stores nothing in the tree.
-    A tree page it drops while it still holds a tree page after it stays blocked (cached, not
-    evictable: its descendants are in use) until the sequence lets go of those too.
-    Returns the pages freed (tree pages stay cached)."""
-    pages, tree = seq.pages, state.tree
-    # (a slide may end inside pages an earlier one dropped: look past them)
-    holds_later = any(p >= 0 and tree.is_node(p) for p in pages[end_page:])
+    A tree page it drops stays cached; while it holds a tree page below it, the tree keeps that
+    one blocked (PrefixTree). Returns the pages freed."""
+    pages = seq.pages
     freed = 0
     for i in range(end_page - 1, first_page - 1, -1):
         page = pages[i]
-        if page == DROPPED:
+        if page == DROPPED:   # a slide may end inside pages an earlier one dropped
             continue
         pages[i] = DROPPED
-        if holds_later and tree.is_node(page):
-            tree.block(page)
-            seq.blocking.append((i, page))
         freed += state.drop(page)
-    if not holds_later:
-        unblock(state, seq)
     seq.slid = True
     return freed
-
-
-def unblock(state: ManagerState, seq: Sequence) -> None:
-    """The sequence holds no tree page after the ones it dropped: those become evictable,
-    children before parents."""
-    for _, page in sorted(seq.blocking, reverse=True):   # by table index, deepest first
-        state.tree.unblock(page)
-    seq.blocking = []

@@ -25,7 +25,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request_id", "extra_key", "tokens", "num_computed", "pages", "hashes",
-        "num_published", "diverged_at", "state", "swapped", "cached_tokens", "slid", "blocking",
+        "num_published", "diverged_at", "state", "swapped", "cached_tokens", "slid",
     )
 
     def __init__(self, seq_id: int, request_id: str, extra_key: str, tokens: list[int]) -> None:
@@ -42,7 +42,6 @@ class Sequence:
         self.swapped: list[tuple[int, int, bool]] = []  # (index, cpu page, was a tree node)
         self.cached_tokens = 0               # served from the tree at admission
         self.slid = False                    # a slide dropped pages: it stores nothing more in the tree
-        self.blocking: list[tuple[int, int]] = []   # (index, tree page) it dropped while holding later ones
 
     def held(self) -> list[int]:
         """Its device pages (not swapped out, not dropped)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from kvserve.kvcache_service.contract.types import NeedResult, SeqState
 from kvserve.kvcache_service.core.commit import publish
-from kvserve.kvcache_service.core.release import unblock
 from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence, table_view
 from kvserve.kvcache_service.core.state import Cost, ManagerState
 
@@ -34,10 +33,6 @@ def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
         state.drop(page)  # a tree page stays cached on the device: swap-in may find it there
     seq.state = SeqState.SWAPPED
     state.running.pop(seq.seq_id, None)
-    # Back on the device it holds only private copies of what it moved; while it still holds a
-    # shared tree page after the ones it dropped, those stay blocked.
-    if seq.blocking and not any(p >= 0 and state.tree.is_node(p) for p in seq.pages):
-        unblock(state, seq)
     return copies
 
 

@@ -92,16 +92,13 @@ def _check_pages(state: ManagerState) -> None:
     evictable = state.tree.evictable()
     if state.available() != len(free) + len(evictable):
         _fail(f"available() {state.available()} != free {len(free)} + evictable {len(evictable)}")
-    # Blocked pages: exactly those the sliding sequences list, each a node.
-    want = Counter(p for seq in state.seqs.values() for _, p in seq.blocking)
-    for p in range(n):
-        if state.tree.blocks[p] != want[p]:
-            _fail(f"page {p} is blocked {state.tree.blocks[p]} times, sequences list it {want[p]} times")
-        if want[p] and not state.tree.is_node(p):
-            _fail(f"blocked page {p} is not a tree node")
+    # Parked pages are evictable exactly when no node below them is live.
     for p in set(parked) - set(evictable):
-        if not state.tree.blocks[p]:
-            _fail(f"parked page {p} is neither evictable nor blocked")
+        if not state.tree.live_below[p]:
+            _fail(f"parked page {p} is blocked, but no node below it is live")
+    for p in evictable:
+        if state.tree.live_below[p]:
+            _fail(f"page {p} is evictable, but {state.tree.live_below[p]} nodes below it are live")
 
 
 # ------------------------------------------------------------------- seq ids
@@ -219,19 +216,39 @@ def _check_tree(state: ManagerState) -> None:
             _fail(f"tree: page {p} counts {tree.children[p]} children, has {counts[p]}")
         if tree.hash_of[p] is None and tree.parent_of[p] != NO_PARENT:
             _fail(f"tree: page {p} is not a node but keeps parent {tree.parent_of[p]}")
+        if tree.hash_of[p] is None and tree.live_below[p]:
+            _fail(f"tree: page {p} is not a node but counts {tree.live_below[p]} live children")
     parked = set(tree.parked())
+    # Live: referenced, or a live node below. live_below counts live children; the evictable
+    # (not live) nodes come after all their children in eviction order.
+    live = [False] * n
+    want_below: Counter[int] = Counter()
+    for p in sorted(nodes, key=lambda p: -_depth(tree, p)):   # children before parents
+        live[p] = ref[p] > 0 or want_below[p] > 0
+        if live[p] and tree.parent_of[p] != NO_PARENT:
+            want_below[tree.parent_of[p]] += 1
     for p in nodes:
         if ref[p] == 0 and p not in parked:
             _fail(f"tree: node {p} has refcount 0 but is not parked (never evictable)")
-        if ref[p] > 0:
-            parent = tree.parent_of[p]
-            if parent != NO_PARENT and ref[parent] == 0 and not tree.blocks[parent]:
-                _fail(f"tree: referenced node {p} has an unreferenced parent {parent}, not blocked "
-                      "(it could be evicted before its child)")
+        if tree.live_below[p] != want_below[p]:
+            _fail(f"tree: node {p} counts {tree.live_below[p]} live children, has {want_below[p]}")
+    position = {p: i for i, p in enumerate(tree.evictable())}
+    for p, i in position.items():
+        parent = tree.parent_of[p]
+        if position.get(parent, i) < i:
+            _fail(f"tree: evictable node {p} comes after its parent {parent} in eviction order")
     if tree.num_evictable != len(tree.evictable()) or tree.num_parked != len(parked):
         _fail(f"tree: num_evictable {tree.num_evictable} / num_parked {tree.num_parked} != "
               f"{len(tree.evictable())} evictable / {len(parked)} parked")
     _check_byte_index(state, nodes)
+
+
+def _depth(tree, page: int) -> int:
+    d = 0
+    while tree.parent_of[page] != NO_PARENT:
+        page = tree.parent_of[page]
+        d += 1
+    return d
 
 
 def _check_byte_index(state: ManagerState, nodes: list[int]) -> None:
@@ -260,19 +277,22 @@ def _check_byte_index(state: ManagerState, nodes: list[int]) -> None:
 
 def _check_sequence_tree_links(state: ManagerState) -> None:
     """A sequence's tree pages are a prefix of its table (counting the pages a slide dropped
-    from it), each the child of the page before it, holding exactly the sequence's own page
-    hash. The parent of a tree page after a dropped one is still in the tree (blocked)."""
+    from it and the tree pages it swapped out), each the child of the page before it, holding
+    exactly the sequence's own page hash. The parent of a tree page after an absent one is still
+    in the tree, live (held or blocked)."""
     tree = state.tree
     ps = state.page_size
     for sid, seq in state.seqs.items():
-        is_node = [p == DROPPED or (p >= 0 and tree.is_node(p)) for p in seq.pages]
+        swapped_nodes = {i for i, _, was_node in seq.swapped if was_node}
+        absent = [p == DROPPED or i in swapped_nodes for i, p in enumerate(seq.pages)]
+        is_node = [a or (p >= 0 and tree.is_node(p)) for a, p in zip(absent, seq.pages)]
         k = is_node.index(False) if False in is_node else len(is_node)
-        if any(x and seq.pages[i] != DROPPED for i, x in enumerate(is_node[k:], k)):
+        if any(x and not absent[i] for i, x in enumerate(is_node[k:], k)):
             _fail(f"seq {sid}: tree pages are not a prefix of its table {seq.pages} "
                   f"(nodes at {[i for i, x in enumerate(is_node) if x]})")
         if DROPPED in seq.pages and not seq.slid:
             _fail(f"seq {sid}: pages were dropped but it is not marked slid")
-        held = [i for i in range(k) if seq.pages[i] != DROPPED]
+        held = [i for i in range(k) if not absent[i]]
         if held and held[-1] + 1 > seq.num_computed // ps:
             _fail(f"seq {sid}: tree page at {held[-1]} but only {seq.num_computed} tokens computed")
         if seq.diverged_at is not None and held and held[-1] >= seq.diverged_at:
@@ -284,13 +304,13 @@ def _check_sequence_tree_links(state: ManagerState) -> None:
                       f"not the sequence's own page hash")
             if i == 0:
                 want = NO_PARENT
-            elif seq.pages[i - 1] != DROPPED:
+            elif not absent[i - 1]:
                 want = seq.pages[i - 1]
             else:
                 want = tree.page_of.get(seq.hashes[i - 1])
-                if want is None or not tree.blocks[want] and state.pool.ref[want] == 0:
-                    _fail(f"seq {sid}: tree page {p} at index {i} follows a dropped page that is "
-                          f"neither blocked nor held")
+                if want is None or not tree.live_below[want] and state.pool.ref[want] == 0:
+                    _fail(f"seq {sid}: tree page {p} at index {i} follows a dropped or swapped-out "
+                          f"page whose node is neither blocked nor held")
             if tree.parent_of[p] != want:
                 _fail(f"seq {sid}: tree page {p} at index {i} has parent {tree.parent_of[p]}, "
                       f"expected {want}")

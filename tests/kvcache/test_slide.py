@@ -69,7 +69,7 @@ def test_a_slid_sequence_stores_nothing_more_in_the_tree():
     assert len(m.state.tree) == 2                       # pages 2 and 3 filled, not stored
     step(m, slides=[Slide(sid, 1, 3)])
     seq = m.state.seqs[sid]
-    assert seq.held() == [seq.pages[3]] and not seq.blocking
+    assert seq.held() == [seq.pages[3]] and not any(m.state.tree.live_below)
 
 
 def test_slides_are_checked():
@@ -99,4 +99,25 @@ def test_sinks_stay_while_the_middle_goes_and_release_swap_and_fork_skip_dropped
     assert plan.preempted or plan.results[0].granted
     for s in list(m.state.seqs):
         step(m, releases=[s])
-    assert m.stats().used_pages == 0 and not any(m.state.tree.blocks)
+    assert m.stats().used_pages == 0 and not any(m.state.tree.live_below)
+
+
+def test_dropped_pages_stay_blocked_whoever_holds_the_pages_below_them():
+    """Liveness is the tree's own: a dropped node is evictable only once no sequence holds a
+    node below it, in whatever order the holders let go (and through a swap-out)."""
+    m = make()
+    a = running(m, "a", list(range(13)))               # pages 0..2 nodes, 3 partial
+    (b,) = step(m, needs=[Fork(a, "b", 13)]).results   # b shares 0..2, copies 3 into 4
+    step(m, slides=[Slide(a, 0, 2)])                   # a lets go of 0 and 1, keeps node 2
+    assert m.state.tree.parked() == []                  # b still holds them
+    step(m, slides=[Slide(b.seq_id, 0, 2)])
+    assert m.state.tree.evictable() == [] and m.stats().cached_pages == 2   # blocked by page 2
+    m.swap_out(a)                                      # its page 3 leaves; page 2 is b's too
+    check_invariants(m.state)
+    assert m.state.pool.ref[2] == 2 and m.state.tree.evictable() == []
+    step(m, releases=[b.seq_id])
+    assert m.state.tree.evictable() == [] and m.state.available() == 16 - 3
+    m.release(a)
+    check_invariants(m.state)
+    assert m.state.tree.evictable() == [2, 1, 0]       # leaves first
+    assert not any(m.state.tree.live_below) and m.state.available() == 16
