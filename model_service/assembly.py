@@ -77,7 +77,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         host_memory.keep_freed_memory()   # before the first big allocation
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)   # process-wide: the engine thread's too
-    model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm)
+    model, mcfg = load_model(path, dtype, device, cfg.cpu_gemm,
+                             small_linear=cfg.cpu_small_linear == "auto")
     window = mcfg.sliding_window
     if cfg.attention_sink and not window:
         raise ValueError("--attention-sink keeps the first tokens beside a sliding window; this model has none "

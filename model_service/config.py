@@ -54,6 +54,10 @@ class ModelServiceConfig:
                                  "slows the engine less")
     cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "
                                    "kvserve's measured order", choices=CPU_GEMMS)
+    cpu_small_linear: str = option("auto", "CPU: matmuls of at most 8 rows (decode steps of a few "
+                                           "sequences) on kvserve's small-batch kernel, near the memory "
+                                           "bandwidth; with a packed GEMM it keeps the float32 weights twice. "
+                                           "off: every matmul on --cpu-gemm", choices=("auto", "off"))
     page_size: int | None = option(None, "tokens per page (default 16; 256 for flash-attn 2)")
     num_pages: int | None = option(None, "device KV pages (default: from the memory budget)")
     kv_cache_memory: int | None = option(None, "bytes for KV pages, e.g. 2GiB (default 1GiB on CPU; "
@@ -156,6 +160,7 @@ class ModelServiceConfig:
         one_of("dtype", DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("cpu_gemm", CPU_GEMMS)
+        one_of("cpu_small_linear", ("auto", "off"))
         one_of("preemption_mode", PREEMPTION_MODES)
         one_of("speculative", SPECULATIVE)
         if self.preemption_mode == "swap" and self.swap_pages == 0:

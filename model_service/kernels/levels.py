@@ -8,7 +8,7 @@ micro-architecture levels (-march=x86-64-v3: AVX2 and FMA; -v4: AVX-512 F/BW/CD/
 
 Compile flags and why:
 - -O3: the inner loops are vectorised by the compiler (paged_decode.c) or written with
-  intrinsics (cpu_gemm.c).
+  intrinsics (cpu_gemm.c, small_linear.c).
 - -ffast-math: lets GCC call glibc's vectorised expf (libmvec) inside `omp simd` loops and
   reorder the softmax sums. Both kernels are written for it: no inf or NaN is ever formed
   on purpose (-FLT_MAX stands for -inf, SiLU clamps its argument), and results differ from
@@ -46,6 +46,7 @@ LEVELS = {
 KERNELS = {
     "paged_decode": ("avx512", "avx2", "generic"),
     "cpu_gemm": ("avx512",),   # its tiles are AVX-512 intrinsics
+    "small_linear": ("avx512", "avx2", "generic"),   # AVX2 + FMA intrinsics; plain C elsewhere
 }
 
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11", "-mtune=generic")

@@ -47,6 +47,10 @@ class GatedMLP(nn.Module):
         self.up_proj: Linear | None = None
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    def linears(self) -> list[Linear]:
+        return [linear for linear in (self.gate_up_proj, self.gate_proj, self.up_proj, self.down_proj)
+                if linear is not None]
+
     def pack(self, gemm: str) -> None:
         fused, size = self.gate_up_proj, self.intermediate_size
         self.gate_proj, self.up_proj = (_linear_from(fused, rows) for rows in (slice(0, size), slice(size, None)))
@@ -71,4 +75,6 @@ def _linear_from(linear: Linear, rows: slice) -> Linear:
     part.weight = nn.Parameter(weight, requires_grad=False)
     if linear.bias is not None:
         part.bias = nn.Parameter(linear.bias[rows], requires_grad=False)
+    if linear.small is not None:
+        part.use_small(linear.small)
     return part

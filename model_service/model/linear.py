@@ -14,6 +14,12 @@ never read back for the op:
 - "onednn" (float32, bfloat16): oneDNN's packed linears, called here directly (one call per
   matmul on the hot path); kernels/onednn.py packs the weights and probes the ops.
 Results differ from F.linear's only in summation order (~1e-6 relative in float32).
+
+`Linear.use_small(kernel)` adds a path for calls with at most SMALL_ROWS rows (a decode step of
+a few sequences): kernels/small_linear.c reads the plain weight (float32 or bfloat16) as one
+stream per thread, which at one row runs near the memory bandwidth where the packed GEMMs reach
+about half of it (docs/benchmarks.md, "Single stream"). A packed linear keeps its plain weight
+beside the packed one for it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_service.kernels import cpu_gemm, onednn
+from kvserve.model_service.kernels.small_linear import SmallLinear
+
+SMALL_ROWS = 8   # rows up to which the small-batch kernel beats the packed GEMMs (measured)
 
 
 class Linear(nn.Linear):
@@ -31,6 +40,27 @@ class Linear(nn.Linear):
     packed: torch.Tensor | cpu_gemm.PackedWeight | None = None   # the weight in the GEMM's layout, once packed
     gemm = "torch"                       # which GEMM runs it: torch (F.linear), native or onednn
     fused = False                        # ops in the GEMM epilogue (float32 only, see pack)
+    small: SmallLinear | None = None     # the small-batch kernel, once use_small() gave it
+    plain: torch.Tensor | None = None    # the weight as loaded, for it
+    bias32: torch.Tensor | None = None
+
+    def use_small(self, kernel: SmallLinear) -> None:
+        """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights)."""
+        weight = self.weight.detach()
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError(f"the small-batch linear runs float32 and bfloat16 on CPU, not {weight.dtype} "
+                             f"on {weight.device}")
+        self.small, self.plain = kernel, weight.contiguous()
+        self.bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+
+    def _small(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return self.small(x, self.plain, self.bias32, op, None if other is None else other.contiguous())
+        # bfloat16: the matmul rounds once, the op runs after it in bfloat16, as transformers does
+        y = self.small(x.float(), self.plain, self.bias32).to(x.dtype)
+        if op == "silu":
+            return F.silu(y)
+        return y if op == "none" else (y * other if op == "mul" else y + other)
 
     def pack(self, gemm: str = "onednn") -> None:
         """Repacks the weight for `gemm` ("native" or "onednn") and drops the plain copy (a
@@ -54,6 +84,8 @@ class Linear(nn.Linear):
         self.packed, self.gemm = packed, gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (..., in) -> (..., out)
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self._small(x)
         if self.gemm == "native":
             return self._native(x, self.packed)
         if self.gemm == "onednn":   # the ops kernels/onednn.py probes (onednn_available)
@@ -62,6 +94,8 @@ class Linear(nn.Linear):
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self._small(x, "silu")
         if self.gemm == "native":
             return self._native(x, self.packed, "silu")
         if self.fused:
@@ -70,6 +104,8 @@ class Linear(nn.Linear):
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) * other; other has the output's shape."""
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self._small(x, "mul", other)
         if self.gemm == "native":
             return self._native(x, self.packed, "mul", other)
         if self.fused:
@@ -78,6 +114,8 @@ class Linear(nn.Linear):
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) + other (a residual); other has the output's shape."""
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self._small(x, "add", other)
         if self.gemm == "native":
             return self._native(x, self.packed, "add", other)
         if self.fused:

@@ -96,6 +96,15 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
 
+    def linears(self) -> list[Linear]:
+        return [linear for layer in self.layers
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *layer.mlp.linears())] + [self.lm_head]
+
+    def use_small(self, kernel) -> None:
+        """Matmuls of a few rows on the small-batch kernel (model/linear.py); before pack()."""
+        for linear in self.linears():
+            linear.use_small(kernel)
+
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""
         for layer in self.layers:

@@ -15,6 +15,7 @@ to it, so no memory is spent on a random initialisation.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,17 +23,22 @@ from safetensors import safe_open
 
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service import choices
+from kvserve.model_service.kernels import small_linear as small_linear_kernel
 from kvserve.model_service.kernels.gemm import choose_gemm
+from kvserve.model_service.kernels.library import KernelUnavailable
 from kvserve.model_service.model.llama import CausalLM
 
 DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
+log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", gemm: str = "auto") -> tuple[CausalLM, ModelConfig]:
+               device: torch.device | str = "cpu", gemm: str = "auto",
+               small_linear: bool = True) -> tuple[CausalLM, ModelConfig]:
     """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (kernels/gemm.py;
-    ValueError if the one named cannot run here)."""
+    ValueError if the one named cannot run here). small_linear: on CPU, matmuls of a few rows
+    run on the small-batch kernel where it loads (model/linear.py), float32 and bfloat16."""
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
@@ -46,6 +52,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if config.tie_word_embeddings or "lm_head.weight" not in hf:
         model.tie_weights()
     del hf, state   # the model holds the weights now: packing frees each plain one as it goes
+    if small_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        try:
+            model.use_small(small_linear_kernel.load())
+        except KernelUnavailable as exc:
+            log.warning("the small-batch linear is unavailable (%s); every matmul runs on %s", exc, gemm)
     if gemm != "torch":
         model.pack(gemm)
     return model.eval(), config
