@@ -21,6 +21,11 @@ class ModelRunner:
         self.device = device
 
     def build(self, work: list[Work]) -> ForwardBatch:
+        if all(w.count == 1 for w in work):   # one token each: no draft, no prefill
+            return self._build_decodes(work)
+        return self._build_general(work)
+
+    def _build_general(self, work: list[Work]) -> ForwardBatch:
         ps = self.page_size
         query_lens = [w.count for w in work]
         seq_lens = [w.start + w.count for w in work]
@@ -70,6 +75,33 @@ class ModelRunner:
             max_seqlen_q=max(query_lens),
             max_seqlen_k=max(seq_lens),
             query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def _build_decodes(self, work: list[Work]) -> ForwardBatch:
+        """build() for a step of decodes only (one token each, no draft): the same batch from
+        plain lists, without the varlen index arithmetic (a batch-1 step's every op counts)."""
+        ps = self.page_size
+        starts = [w.start for w in work]
+        seq_lens = [s + 1 for s in starts]
+        width = -(-max(seq_lens) // ps)
+        tables = [w.request.page_table[:width] for w in work]
+        slots = [t[s // ps] * ps + s % ps for t, s in zip(tables, starts)]
+        tables = [t + [0] * (width - len(t)) for t in tables]
+        n = len(work)
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor([w.request.tokens[w.start] for w in work], dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+            logits_indices=torch.tensor([i for i, w in enumerate(work) if w.samples], dtype=torch.int64).to(dev, non_blocking=True),
+            num_decodes=n,
+            max_seqlen_q=1,
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=[1] * n,
             seq_lens_cpu=seq_lens,
         )
 

@@ -47,6 +47,8 @@ KERNELS = {
     "paged_decode": ("avx512", "avx2", "generic"),
     "cpu_gemm": ("avx512",),   # its tiles are AVX-512 intrinsics
     "small_linear": ("avx512", "avx2", "generic"),   # AVX2 + FMA intrinsics; plain C elsewhere
+    "rms_norm": ("avx512", "avx2", "generic"),       # vectorised by the compiler
+    "rope": ("avx512", "avx2", "generic"),
 }
 
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11", "-mtune=generic")

@@ -31,22 +31,47 @@ class SmallLinear:
                  op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """x (m, k) float32, weight (n, k) float32 or bfloat16, bias (n,) float32 -> (m, n) float32;
         other (m, n) float32 for op "mul" / "add"."""
-        m, k = x.shape
+        return self.bind(weight, bias)(x, op, other)
+
+    def bind(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BoundWeight:
+        """The weight (and bias) checked once, for calls that then check only x (a Linear's)."""
         n = weight.shape[0]
-        x = x.contiguous()
+        if not (weight.dim() == 2 and weight.is_contiguous() and weight.device.type == "cpu"
+                and weight.dtype in (torch.float32, torch.bfloat16)
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)))):
+            raise ValueError("small linear: the weight must be a contiguous (n, k) float32 or bfloat16 matrix "
+                             "on CPU, the bias (n,) float32")
+        return BoundWeight(self._fn, weight, bias)
+
+
+class BoundWeight:
+    """x Wᵀ + b with W and b fixed (checked by SmallLinear.bind)."""
+
+    __slots__ = ("_fn", "weight", "bias", "_args")
+
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._fn, self.weight, self.bias = fn, weight, bias
+        n, k = weight.shape
+        self._args = (k, weight.data_ptr(), int(weight.dtype == torch.bfloat16), n,
+                      None if bias is None else bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        k, w, bf16, n, b = self._args
         # The C side trusts every pointer and size: check what it cannot.
-        if not (x.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous()
-                and weight.dim() == 2 and weight.shape[1] == k and weight.dtype in (torch.float32, torch.bfloat16)
-                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)))
-                and op in OPS and (other is None) == (op not in ("mul", "add"))
-                and (other is None or (other.dtype == torch.float32 and other.is_contiguous()
-                                       and other.shape == (m, n)))):
-            raise ValueError("small linear: inconsistent shapes, strides, dtypes or op")
+        if not (x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.device.type == "cpu"
+                and op in OPS and (other is None) == (op not in ("mul", "add"))):
+            raise ValueError(f"small linear: x must be (m, {k}) float32 on CPU, op one of {', '.join(OPS)} "
+                             "(mul and add with the other operand)")
+        m = x.shape[0]
+        x = x.contiguous()
+        if other is not None:
+            if not (other.dtype == torch.float32 and other.shape == (m, n)):
+                raise ValueError(f"small linear: the other operand must be ({m}, {n}) float32")
+            other = other.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         # ctypes drops the GIL for the call, as a torch op does.
-        self._fn(x.data_ptr(), m, k, weight.data_ptr(), int(weight.dtype == torch.bfloat16), n,
-                 None if bias is None else bias.data_ptr(), OPS[op],
-                 None if other is None else other.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        self._fn(x.data_ptr(), m, k, w, bf16, n, b, OPS[op], None if other is None else other.data_ptr(),
+                 y.data_ptr(), torch.get_num_threads())
         return y
 
 

@@ -17,12 +17,19 @@ class RMSNorm(nn.Module):
     bfloat16 the product is rounded like HF's, not computed in float32).
     """
 
+    kernel = None   # kernels/rms_norm.py's, once use_kernel() gave it: the same in one call
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def use_kernel(self, kernel) -> None:
+        self.kernel = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., size) -> (..., size)
+        if self.kernel is not None and self.kernel.runs(x, self.weight):
+            return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)    # (..., 1)
@@ -76,5 +83,5 @@ def _linear_from(linear: Linear, rows: slice) -> Linear:
     if linear.bias is not None:
         part.bias = nn.Parameter(linear.bias[rows], requires_grad=False)
     if linear.small is not None:
-        part.use_small(linear.small)
+        part.use_small(linear.small)   # its rows of the plain weight: contiguous, no copy
     return part

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_service.kernels import cpu_gemm, onednn
-from kvserve.model_service.kernels.small_linear import SmallLinear
+from kvserve.model_service.kernels.small_linear import BoundWeight, SmallLinear
 
 SMALL_ROWS = 8   # rows up to which the small-batch kernel beats the packed GEMMs (measured)
 
@@ -41,8 +41,7 @@ class Linear(nn.Linear):
     gemm = "torch"                       # which GEMM runs it: torch (F.linear), native or onednn
     fused = False                        # ops in the GEMM epilogue (float32 only, see pack)
     small: SmallLinear | None = None     # the small-batch kernel, once use_small() gave it
-    plain: torch.Tensor | None = None    # the weight as loaded, for it
-    bias32: torch.Tensor | None = None
+    plain: BoundWeight | None = None     # the weight as loaded (and the bias in float32), bound to it
 
     def use_small(self, kernel: SmallLinear) -> None:
         """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights)."""
@@ -50,14 +49,14 @@ class Linear(nn.Linear):
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise ValueError(f"the small-batch linear runs float32 and bfloat16 on CPU, not {weight.dtype} "
                              f"on {weight.device}")
-        self.small, self.plain = kernel, weight.contiguous()
-        self.bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        self.small, self.plain = kernel, kernel.bind(weight.contiguous(), bias)
 
     def _small(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return self.small(x, self.plain, self.bias32, op, None if other is None else other.contiguous())
+            return self.plain(x, op, other)
         # bfloat16: the matmul rounds once, the op runs after it in bfloat16, as transformers does
-        y = self.small(x.float(), self.plain, self.bias32).to(x.dtype)
+        y = self.plain(x.float()).to(x.dtype)
         if op == "silu":
             return F.silu(y)
         return y if op == "none" else (y * other if op == "mul" else y + other)

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rope_kernel = None   # kernels/rope.py's, once CausalLM.use_cpu_kernels() gave it
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,8 +57,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        rope = self.rope_kernel
+        if rope is not None and rope.runs(q, cos) and rope.runs(k, cos):
+            q, k = rope(q, cos, sin), rope(k, cos, sin)   # in place: qkv's output is ours
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj.add(out.reshape(t, -1), residual)  # (T, hidden)
 
@@ -104,6 +108,14 @@ class CausalLM(nn.Module):
         """Matmuls of a few rows on the small-batch kernel (model/linear.py); before pack()."""
         for linear in self.linears():
             linear.use_small(kernel)
+
+    def use_cpu_kernels(self, norm=None, rope=None) -> None:
+        """Every RMSNorm and RoPE in one native call each where it can (kernels/rms_norm.py, rope.py)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm) and norm is not None:
+                module.use_kernel(norm)
+            if isinstance(module, Attention):
+                module.rope_kernel = rope
 
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""

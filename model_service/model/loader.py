@@ -23,6 +23,8 @@ from safetensors import safe_open
 
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service import choices
+from kvserve.model_service.kernels import rms_norm as rms_norm_kernel
+from kvserve.model_service.kernels import rope as rope_kernel
 from kvserve.model_service.kernels import small_linear as small_linear_kernel
 from kvserve.model_service.kernels.gemm import choose_gemm
 from kvserve.model_service.kernels.library import KernelUnavailable
@@ -57,9 +59,19 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
             model.use_small(small_linear_kernel.load())
         except KernelUnavailable as exc:
             log.warning("the small-batch linear is unavailable (%s); every matmul runs on %s", exc, gemm)
+    if device.type == "cpu":
+        model.use_cpu_kernels(_kernel_or_none(rms_norm_kernel.load, "RMSNorm"), _kernel_or_none(rope_kernel.load, "RoPE"))
     if gemm != "torch":
         model.pack(gemm)
     return model.eval(), config
+
+
+def _kernel_or_none(load, what: str):
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        log.warning("the native %s is unavailable (%s); it runs as torch ops", what, exc)
+        return None
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:

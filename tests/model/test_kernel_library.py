@@ -30,7 +30,8 @@ def test_the_install_built_every_level_of_every_kernel_this_machine_can_compile(
 def test_every_library_is_built_for_a_named_target() -> None:
     """No level leaves -march to the environment ($CFLAGS) on x86-64; elsewhere only the generic one is built."""
     assert all(march for _, _, march in levels.builds_for("x86_64"))
-    assert levels.builds_for("aarch64") == [("paged_decode", "generic", ""), ("small_linear", "generic", "")]
+    assert levels.builds_for("aarch64") == [("paged_decode", "generic", ""), ("small_linear", "generic", ""),
+                                               ("rms_norm", "generic", ""), ("rope", "generic", "")]
 
 
 @linux_only

@@ -1,0 +1,91 @@
+/* RMSNorm on CPU, one pass per row: y = weight * round(x / sqrt(mean(x²) + eps)), as
+ * transformers computes it (model/layers.py): the normalisation in float32, rounded to the
+ * input's dtype before the weight multiplies it; in bfloat16 the product is rounded again.
+ *
+ * Why: in torch it is five ops (float, pow, mean, rsqrt, two multiplies, a cast) and 17 of them
+ * run in every decode step of an 8-layer model; at one row each op is mostly its call
+ * (docs/benchmarks.md, "Single stream").
+ *
+ * The sum of squares is float32 in a fixed order (eight lanes, then added); torch's mean sums in
+ * another order, so results differ in the last bits of the scale only.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KVSERVE_SOURCE_SHA256
+#define KVSERVE_SOURCE_SHA256 ""
+#endif
+/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
+   built from another version of the source. */
+const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 cast (inputs here are finite). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float sum_squares(const float *x, int64_t n) {
+    float lanes[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l)
+            lanes[l] += x[j + l] * x[j + l];
+    float s = 0.0f;
+    for (int l = 0; l < 8; ++l)
+        s += lanes[l];
+    for (; j < n; ++j)
+        s += x[j] * x[j];
+    return s;
+}
+
+/* x, y (rows, n) float32 contiguous, weight (n) float32. */
+void kvserve_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t n,
+                          float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        float scale = 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps);
+        for (int64_t j = 0; j < n; ++j)
+            yr[j] = weight[j] * (xr[j] * scale);
+    }
+}
+
+/* x, y (rows, n) bfloat16 contiguous, weight (n) bfloat16. */
+void kvserve_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t n,
+                           float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *xr = x + r * n;
+        uint16_t *yr = y + r * n;
+        float squares = 0.0f, lanes[8] = {0};
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            for (int l = 0; l < 8; ++l) {
+                float v = bf16_to_f32(xr[j + l]);
+                lanes[l] += v * v;
+            }
+        for (int l = 0; l < 8; ++l)
+            squares += lanes[l];
+        for (; j < n; ++j) {
+            float v = bf16_to_f32(xr[j]);
+            squares += v * v;
+        }
+        float scale = 1.0f / sqrtf(squares / (float)n + eps);
+        for (j = 0; j < n; ++j) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * scale));
+            yr[j] = f32_to_bf16(bf16_to_f32(weight[j]) * normed);
+        }
+    }
+}

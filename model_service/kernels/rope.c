@@ -1,0 +1,69 @@
+/* Rotary position embedding on CPU, in place, every head of a step's rows in one call:
+ * [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] over the two halves of each head (model/rope.py),
+ * in float32, or in bfloat16 rounded after each multiply and each sum, as transformers'
+ * bfloat16 ops round.
+ *
+ * Why: as torch ops it is eight per tensor (a chunk, four products, a sum, a difference, a
+ * concatenation), 16 per layer for q and k; at one row each op is mostly its call
+ * (docs/benchmarks.md, "Single stream").
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KVSERVE_SOURCE_SHA256
+#define KVSERVE_SOURCE_SHA256 ""
+#endif
+/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
+   built from another version of the source. */
+const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; inputs are finite */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float r16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* Row r's heads start at x + r * row_stride, head h at + h * d (d even); cos and sin (rows, d/2). */
+void kvserve_rope_f32(float *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
+                      const float *cos, const float *sin) {
+    int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + r * row_stride + h * d, *x2 = x1 + half;
+            #pragma omp simd
+            for (int64_t j = 0; j < half; ++j) {
+                float a = x1[j], b = x2[j];
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+    }
+}
+
+void kvserve_rope_bf16(uint16_t *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
+                       const uint16_t *cos, const uint16_t *sin) {
+    int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t *x1 = x + r * row_stride + h * d, *x2 = x1 + half;
+            for (int64_t j = 0; j < half; ++j) {
+                float a = bf16_to_f32(x1[j]), b = bf16_to_f32(x2[j]);
+                float cj = bf16_to_f32(c[j]), sj = bf16_to_f32(s[j]);
+                x1[j] = f32_to_bf16(r16(a * cj) - r16(b * sj));
+                x2[j] = f32_to_bf16(r16(b * cj) + r16(a * sj));
+            }
+        }
+    }
+}
