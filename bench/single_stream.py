@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput import Stack, make_prompts, request  # noqa: E402
+from bench.throughput import Stack, make_prompts, memory_bandwidth, request  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 PHASES = ("schedule", "manager", "copy", "forward", "sample", "emit")
@@ -46,18 +46,6 @@ def summary(gaps_ms: list[float]) -> dict:
     gaps = sorted(gaps_ms)
     return {"p50": statistics.median(gaps), "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
             "tok_s": 1e3 * len(gaps) / sum(gaps)}
-
-
-def bandwidth(reps: int = 7) -> float:
-    """Bytes/s of a sum over 256 MiB on every torch thread: the best of `reps`."""
-    import torch
-    a = torch.ones(64 * 2**20)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - start)
-    return a.numel() * 4 / best
 
 
 def step_bytes(cfg, dtype_bytes: int, context: int) -> float:
@@ -211,7 +199,7 @@ def main() -> None:
     model = Path(args.model) if args.model else default_tiny_path("bench")
     cfg = ModelConfig.from_pretrained(model)
     prompts = [make_prompts(1, n, n, cfg.vocab_size, seed=n)[0] for n in args.prompts]
-    bw = bandwidth()
+    bw = memory_bandwidth()
     print(f"model {model.name}: hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}; "
           f"memory bandwidth {bw / 1e9:.1f} GB/s; {args.new_tokens} new tokens per request", flush=True)
     results: dict[tuple[str, str], list[dict]] = {}
@@ -226,7 +214,7 @@ def main() -> None:
             rates = llama_cpp(args.llama_bench, args.gguf_dir / f"bench-{name}.gguf", args.prompts, args.new_tokens)
             results[dtype, f"llama.cpp {name}"] = [{"tok_s": rates[n], "p50": 1e3 / rates[n], "p99": float("nan"),
                                                     "ttft_ms": float("nan")} for n in args.prompts]
-    bw = max(bw, bandwidth())
+    bw = max(bw, memory_bandwidth())
 
     print("\n| dtype | prompt | run | ms/token p50 | p99 | decode tok/s | TTFT ms | roofline ms/token | % of roofline | vs transformers |")
     print("|---|---|---|---|---|---|---|---|---|---|")

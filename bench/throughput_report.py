@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 ALONE = "engine alone"   # the row of bench/engine_alone.py's run
+HONEST = "best GEMM + bandwidth"   # the roofline the goal is read against (throughput.roofline_seconds)
 
 
 def print_throughput(rows: list) -> None:
@@ -26,9 +27,9 @@ def print_throughput(rows: list) -> None:
 def print_goals(rows: list, turns: dict) -> None:
     """The issue's three goals, each against this run's figures.
 
-    The roofline goal is read at torch's GEMM rate: the goals were set as one bar, and at the
-    packed GEMMs' rates it would be a different bar (docs/benchmarks.md, "The roofline goal").
-    The table shows every rate."""
+    The roofline goal is read against the honest roofline: per phase the larger of FLOPs over
+    the best GEMM rate measured and bytes over the memory bandwidth measured (decode is bound by
+    bytes). The table shows every rate."""
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
@@ -36,10 +37,10 @@ def print_goals(rows: list, turns: dict) -> None:
     for how in dict.fromkeys(row[1] for row in rows):
         mine = [row for row in rows if row[1] == how]
         vs_hf = [k["tok_s"] / static["tok_s"] for _, _, k, static, _, _ in mine]
-        vs_roof = [k["tok_s"] / roofs["F.linear"] for _, _, k, _, _, roofs in mine]
+        vs_roof = [k["tok_s"] / roofs[HONEST] for _, _, k, _, _, roofs in mine]
         print(f"  {how}{' (not the goal: no gRPC)' if how == ALONE else ''}:")
         print(f"    >= 2x HF generate: {', '.join(f'{r:.2f}x' for r in vs_hf)}  {verdict(min(vs_hf) >= 2)}")
-        print(f"    >= 75% of the roofline at torch's GEMM rate: "
+        print(f"    >= 75% of the roofline (best GEMM rate, memory bandwidth): "
               f"{', '.join(f'{100 * r:.0f}%' for r in vs_roof)}  {verdict(min(vs_roof) >= 0.75)}")
     growth = turns[True][-1] / turns[True][0]
     print(f"  turn-{len(turns[True])} time to first token <= 1.5x turn 1, cache on: {growth:.2f}x  "

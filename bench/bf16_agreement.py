@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""bfloat16 on CPU against transformers in bfloat16: greedy tokens and logits, on the bench model.
+
+    .venv/bin/python bench/bf16_agreement.py                 # 32 prompts, 64 new tokens
+    .venv/bin/python bench/bf16_agreement.py --prompts 8 --new-tokens 16
+
+Tokens, teacher-forced: transformers' `generate` gives each prompt (32-512 random tokens) its
+greedy continuation in bfloat16; then, for every position j of it, kvserve's engine (in-process
+manager, its CPU defaults: the small-batch linear, native RMSNorm and RoPE; the prefix cache on,
+so each request computes its last few tokens as decoding does) is asked for one greedy token after
+the prompt and the first j tokens of that continuation. Agreement is the share of positions where
+its token is transformers'. Beside it, the same count for transformers in float32 on the same
+sequences: how often bfloat16's own rounding flips a greedy choice on this model (random weights
+give flat distributions with many near-ties). Free-running figures (each side continuing from its
+own tokens) come last: after a first difference the two continue from different text.
+
+Logits: the prompt's last position, kvserve's model against transformers', in bfloat16; beside it
+transformers in bfloat16 against transformers in float32, the scale bfloat16 rounding alone
+explains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.throughput import make_prompts  # noqa: E402
+from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
+
+
+def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
+                   prefix_caching: bool = False, small_linear: str = "auto") -> list[list[int]]:
+    from kvserve.model_service.assembly import build_on_a_thread_that_ends
+    from kvserve.model_service.config import ModelServiceConfig
+    from kvserve.model_service.engine.events import Failed, Finished, Tokens
+    from kvserve.model_service.engine.request import Request
+    from kvserve.model_service.sampling.params import SamplingParams
+
+    stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(model), kvcache="inprocess", device="cpu",
+                                                           dtype="bfloat16", prefix_caching=prefix_caching,
+                                                           cpu_small_linear=small_linear))
+    engine = stack.engine
+    engine.start()
+    outputs = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    try:
+        for i, prompt in enumerate(prompts):   # one at a time: a later one hits what an earlier cached
+            if prefix_caching and i:
+                done.acquire()
+            def sink(event, out=outputs[i]) -> None:
+                if isinstance(event, Tokens):
+                    out.extend(event.token_ids)
+                elif isinstance(event, (Finished, Failed)):
+                    assert isinstance(event, Finished), event
+                    done.release()
+            params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+            engine.submit(Request(f"p{i}", list(prompt), new_tokens, params), sink)
+        for _ in prompts if not prefix_caching else prompts[:1]:
+            done.acquire()
+    finally:
+        engine.stop()
+    return outputs
+
+
+def prefill_logits(model, config, prompt: list[int]):
+    """The model alone over one prompt in one chunk, on pages of its own: its last logits."""
+    import torch
+
+    from kvserve.model_service.attention.select import select_backend
+    from kvserve.model_service.engine.request import Request
+    from kvserve.model_service.engine.runner import ModelRunner
+    from kvserve.model_service.engine.scheduler import Work
+    from kvserve.model_service.kv_cache import KVCache
+
+    page_size, cpu = 16, torch.device("cpu")
+    pages = -(-len(prompt) // page_size)
+    cache = KVCache(config, pages, page_size, torch.bfloat16, cpu)
+    backend = select_backend("torch", cpu, page_size, torch.bfloat16)
+    request = Request("logits", list(prompt), 1)
+    request.page_table = list(range(pages))
+    return ModelRunner(model, backend, cache, page_size, cpu).execute([Work(request, 0, len(prompt))])[0].float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--cpu-small-linear", default="auto", help="as the model service's flag (auto | off)")
+    args = ap.parse_args()
+
+    model = Path(args.model) if args.model else default_tiny_path("bench")
+    from kvserve.model_service.model.config import ModelConfig
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    prompts = make_prompts(args.prompts, 32, 512, vocab, seed=7)
+    ours = kvserve_tokens(model, prompts, args.new_tokens, small_linear=args.cpu_small_linear)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model_service.model.loader import load_model
+
+    hf16 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    theirs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            theirs.append(hf16.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens,
+                                        min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                                        pad_token_id=0)[0, len(prompt):].tolist())
+    asks = [prompt + out[:j] for prompt, out in zip(prompts, theirs) for j in range(args.new_tokens)]
+    forced = [t[0] for t in kvserve_tokens(model, asks, 1, prefix_caching=True, small_linear=args.cpu_small_linear)]
+    want = [t for out in theirs for t in out]
+    agree = sum(a == b for a, b in zip(forced, want))
+    f32_agree = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, theirs):
+            logits = hf32(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            f32_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
+    print(f"{args.prompts} prompts x {args.new_tokens} positions, teacher-forced on transformers' bfloat16 "
+          f"greedy tokens: kvserve bfloat16 agrees on {100 * agree / len(want):.2f} %; transformers float32 "
+          f"on {100 * f32_agree / len(want):.2f} %")
+
+    agree = total = identical = 0
+    firsts = []
+    for out, mine in zip(theirs, ours):
+        same = [a == b for a, b in zip(out, mine)]
+        agree, total = agree + sum(same), total + len(same)
+        identical += all(same)
+        if not all(same):
+            firsts.append(same.index(False))
+    print(f"free-running: {100 * agree / total:.2f} % of positions agree; {identical} sequences identical; "
+          f"the others first differ at {sorted(firsts) if firsts else '-'}")
+
+    ours_model, config = load_model(model, "bfloat16")
+    diff = ref = 0.0
+    with torch.inference_mode():
+        for prompt in prompts:
+            want = hf16(torch.tensor([prompt])).logits[0, -1].float()
+            full = hf32(torch.tensor([prompt])).logits[0, -1].float()
+            got = prefill_logits(ours_model, config, prompt)
+            diff, ref = max(diff, (got - want).abs().max().item()), max(ref, (want - full).abs().max().item())
+    print(f"last-position logits, max |kvserve bf16 - transformers bf16| {diff:.4f}; "
+          f"max |transformers bf16 - transformers f32| {ref:.4f} (bfloat16's own rounding)")
+
+
+if __name__ == "__main__":
+    main()
