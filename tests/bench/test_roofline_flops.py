@@ -40,3 +40,21 @@ def test_weight_flops_match_the_models_linear_layers():
     assert weight_flops(CFG, PROMPTS, new_tokens) == 2.0 * (fed * layer_weights + sampled * head)
     assert matmul_flops(CFG, PROMPTS, new_tokens) == (weight_flops(CFG, PROMPTS, new_tokens)
                                                       + attention_flops(CFG, PROMPTS, new_tokens))
+
+
+def test_the_roofline_takes_the_larger_of_compute_and_memory_in_each_phase():
+    """Decode step k reads every linear weight and the K/V of every sequence so far; with a
+    GEMM of unbounded speed only the bytes count, with memory of unbounded speed only FLOPs."""
+    from bench.throughput import roofline_seconds
+
+    new_tokens = 5
+    layer = (CFG.hidden_size * CFG.num_heads * CFG.head_dim * 2 + 2 * CFG.hidden_size * CFG.num_kv_heads * CFG.head_dim
+             + 3 * CFG.hidden_size * CFG.intermediate_size)
+    weights = CFG.num_layers * layer + CFG.hidden_size * CFG.vocab_size
+    kv_per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim
+    contexts = [sum(map(len, PROMPTS)) + len(PROMPTS) * k for k in range(1, new_tokens)]
+    prefill, decode = roofline_seconds(CFG, PROMPTS, new_tokens, rate=float("inf"), bandwidth=1.0)
+    assert prefill == 4 * weights                                  # one pass over the weights
+    assert decode == sum(4 * (weights + kv_per_token * c) for c in contexts)
+    prefill, decode = roofline_seconds(CFG, PROMPTS, new_tokens, rate=1.0, bandwidth=float("inf"))
+    assert prefill + decode == matmul_flops(CFG, PROMPTS, new_tokens)   # every matmul FLOP, once
