@@ -17,6 +17,8 @@
    built from another version of the source. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
+#define PARALLEL_FROM 65536   /* elements from which a call uses every thread */
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -33,10 +35,13 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; inputs
 
 static inline float r16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* Row r's heads start at x + r * row_stride, head h at + h * d (d even); cos and sin (rows, d/2). */
+/* Row r's heads start at x + r * row_stride, head h at + h * d (d even); cos and sin (rows, d/2).
+   Rows are independent: each is rotated by one thread. */
 void kvserve_rope_f32(float *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
-                      const float *cos, const float *sin) {
+                      const float *cos, const float *sin, int threads) {
     int64_t half = d / 2;
+    /* a prefill chunk's rows are split between the threads; a decode step's few stay on one */
+    #pragma omp parallel for schedule(static) num_threads(rows * heads * d >= PARALLEL_FROM ? threads : 1)
     for (int64_t r = 0; r < rows; ++r) {
         const float *c = cos + r * half, *s = sin + r * half;
         for (int64_t h = 0; h < heads; ++h) {
@@ -52,8 +57,10 @@ void kvserve_rope_f32(float *x, int64_t rows, int64_t heads, int64_t d, int64_t 
 }
 
 void kvserve_rope_bf16(uint16_t *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
-                       const uint16_t *cos, const uint16_t *sin) {
+                      const uint16_t *cos, const uint16_t *sin, int threads) {
     int64_t half = d / 2;
+    /* a prefill chunk's rows are split between the threads; a decode step's few stay on one */
+    #pragma omp parallel for schedule(static) num_threads(rows * heads * d >= PARALLEL_FROM ? threads : 1)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *c = cos + r * half, *s = sin + r * half;
         for (int64_t h = 0; h < heads; ++h) {

@@ -23,7 +23,7 @@ class RopeKernel:
         self._fns = {}
         for dtype, name in ((torch.float32, "kvserve_rope_f32"), (torch.bfloat16, "kvserve_rope_bf16")):
             fn = getattr(library, name)
-            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int32]
             fn.restype = None
             self._fns[dtype] = fn
 
@@ -39,7 +39,8 @@ class RopeKernel:
         if not (self.runs(x, cos) and sin.is_contiguous() and sin.shape == cos.shape and sin.dtype == cos.dtype):
             raise ValueError("rope: inconsistent shapes, strides, dtypes or device")
         t, h, d = x.shape
-        self._fns[x.dtype](x.data_ptr(), t, h, d, x.stride(0), cos.data_ptr(), sin.data_ptr())
+        self._fns[x.dtype](x.data_ptr(), t, h, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                           torch.get_num_threads())
         return x
 
 

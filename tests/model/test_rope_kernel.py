@@ -49,3 +49,17 @@ def test_takes_only_what_it_can_read(kernel) -> None:
     assert not kernel.runs(torch.randn(4, 2, 8), cos)                                     # rows differ
     with pytest.raises(ValueError, match="rope"):
         kernel(torch.randn(3, 2, 7), cos, cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_chunk_split_between_threads_matches_too(kernel, dtype) -> None:
+    """Rows enough for every thread (a prefill chunk): the same as the torch ops."""
+    g = torch.Generator().manual_seed(1)
+    rows, heads, d = 700, 4, 64
+    wide = torch.randn(rows, heads * d + 32, generator=g).to(dtype)
+    angles = torch.rand(rows, 1, d // 2, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = wide[:, :heads * d].view(rows, heads, d)
+    want = apply_rope(x.clone(), cos, sin)
+    got = kernel(x, cos, sin)
+    assert torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-6, atol=1e-6)
