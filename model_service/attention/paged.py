@@ -70,26 +70,24 @@ class PagedAttention:
         return 1
 
     def prepare(self, batch: ForwardBatch):
-        if self.layer_windows:   # one meta per kind of layer
-            window = next(w for w in self.layer_windows if w)
-            full, self.window = self._prepare(batch), window
-            try:
-                windowed = self._prepare(batch)
-            finally:
-                self.window = None
-            return LayerMetas([windowed if w else full for w in self.layer_windows])
-        return self._prepare(batch)
-
-    def _prepare(self, batch: ForwardBatch) -> PagedMeta:
         nd = batch.num_decodes
         chunks = nd < batch.num_seqs
         # The page tables as int64 indices, made once a step for whoever gathers pages.
         tables = batch.block_tables.long() if chunks or (nd and self.decode.gathers) else None  # (B, max_pages)
-        decode = self.decode.prepare(batch, tables, self.window, self.sinks, self.page_size) if nd else None
-        prefills = self._prepare_prefills(batch, tables) if chunks else []
+        if self.layer_windows:   # one meta per kind of layer, sharing the tables
+            window = next(w for w in self.layer_windows if w)
+            full, windowed = self._prepare(batch, tables, None), self._prepare(batch, tables, window)
+            return LayerMetas([windowed if w else full for w in self.layer_windows])
+        return self._prepare(batch, tables, self.window)
+
+    def _prepare(self, batch: ForwardBatch, tables: torch.Tensor | None, window: int | None) -> PagedMeta:
+        nd = batch.num_decodes
+        decode = self.decode.prepare(batch, tables, window, self.sinks, self.page_size) if nd else None
+        prefills = self._prepare_prefills(batch, tables, window) if nd < batch.num_seqs else []
         return PagedMeta(batch.slot_mapping, nd, decode, prefills)
 
-    def _prepare_prefills(self, batch: ForwardBatch, tables: torch.Tensor) -> list[PrefillChunk]:
+    def _prepare_prefills(self, batch: ForwardBatch, tables: torch.Tensor,
+                          window: int | None) -> list[PrefillChunk]:
         """One chunk per sequence after the decodes: its rows, pages and causal mask."""
         device = batch.input_ids.device
         prefills = []
@@ -99,13 +97,13 @@ class PagedAttention:
             cached = seq_len - q_len
             mask = bias = None
             matmul = False
-            windowed = self.window is not None and seq_len > self.window
+            windowed = window is not None and seq_len > window
             if cached or windowed:
                 q_pos = torch.arange(cached, seq_len, device=device)[:, None]  # (L, 1)
                 k_pos = torch.arange(seq_len, device=device)[None, :]          # (1, S)
                 mask = k_pos <= q_pos                                           # (L, S)
                 if windowed:
-                    mask &= (k_pos > q_pos - self.window) | (k_pos < self.sinks)
+                    mask &= (k_pos > q_pos - window) | (k_pos < self.sinks)
                 matmul = self.chunks.uses_matmul(device, q_len, seq_len)
                 if matmul:
                     bias = self.chunks.bias(mask)

@@ -33,8 +33,16 @@ class RmsNormKernel:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * normalised x over the last dim; x (..., n) as runs() accepts."""
-        if not self.runs(x, weight):
+        y = self.maybe(x, weight, eps)
+        if y is None:
             raise ValueError("rms norm: inconsistent shapes, strides, dtypes or device")
+        return y
+
+    def maybe(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """The same, or None where runs() refuses x (the caller then runs the torch ops): one
+        check a call on the hot path."""
+        if not self.runs(x, weight):
+            return None
         n = x.shape[-1]
         y = torch.empty_like(x)
         # ctypes drops the GIL for the call, as a torch op does.

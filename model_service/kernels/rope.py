@@ -38,6 +38,18 @@ class RopeKernel:
         """Rotates x in place (and returns it)."""
         if not (self.runs(x, cos) and sin.is_contiguous() and sin.shape == cos.shape and sin.dtype == cos.dtype):
             raise ValueError("rope: inconsistent shapes, strides, dtypes or device")
+        return self._rotate(x, cos, sin)
+
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q and k rotated in place, or None (nothing touched) where runs() refuses either: the
+        model's call, one check of each tensor."""
+        if not (self.runs(q, cos) and self.runs(k, cos) and sin.is_contiguous() and sin.shape == cos.shape
+                and sin.dtype == cos.dtype):
+            return None
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, h, d = x.shape
         self._fns[x.dtype](x.data_ptr(), t, h, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
                            torch.get_num_threads())

@@ -52,6 +52,9 @@ class Linear(nn.Linear):
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         self.small, self.plain = kernel, kernel.bind(weight.contiguous(), bias)
 
+    def _few_rows(self, x: torch.Tensor) -> bool:
+        return self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS
+
     def _small(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == torch.float32:
             return self.plain(x, op, other)
@@ -83,7 +86,7 @@ class Linear(nn.Linear):
         self.packed, self.gemm = packed, gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (..., in) -> (..., out)
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if self._few_rows(x):
             return self._small(x)
         if self.gemm == "native":
             return self._native(x, self.packed)
@@ -93,7 +96,7 @@ class Linear(nn.Linear):
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if self._few_rows(x):
             return self._small(x, "silu")
         if self.gemm == "native":
             return self._native(x, self.packed, "silu")
@@ -103,7 +106,7 @@ class Linear(nn.Linear):
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) * other; other has the output's shape."""
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if self._few_rows(x):
             return self._small(x, "mul", other)
         if self.gemm == "native":
             return self._native(x, self.packed, "mul", other)
@@ -113,7 +116,7 @@ class Linear(nn.Linear):
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x Wᵀ + b) + other (a residual); other has the output's shape."""
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if self._few_rows(x):
             return self._small(x, "add", other)
         if self.gemm == "native":
             return self._native(x, self.packed, "add", other)

@@ -57,9 +57,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        rope = self.rope_kernel
-        if rope is not None and rope.runs(q, cos) and rope.runs(k, cos):
-            q, k = rope(q, cos, sin), rope(k, cos, sin)   # in place: qkv's output is ours
+        rotated = None if self.rope_kernel is None else self.rope_kernel.rotate_pair(q, k, cos, sin)
+        if rotated is not None:   # in place: qkv's output is ours
+            q, k = rotated
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
