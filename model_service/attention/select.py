@@ -26,7 +26,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
                    dtype: torch.dtype | None = None, head_floats: int | None = None,
                    gemm: str = "native", windowed: bool = False) -> AttentionBackend:
     """auto: flash_attn on CUDA when flash-attn imports (and, if page_size is given,
-    accepts it); cpu on CPU in float32 when its kernel loads; else torch. An explicit
+    accepts it); cpu on CPU in float32 or bfloat16 when its kernel loads; else torch. An explicit
     name is honoured or fails, saying why. head_floats: num_heads x head_dim, if known.
     gemm: the model's GEMM (kernels/gemm.py); the cpu backend's chunk products use the
     native one only when the model does. windowed: the model has a sliding window, which the
@@ -50,7 +50,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
                  backend.page_size_multiple(), page_size)
     if device.type == "cpu" and windowed:
         log.info("attention: a sliding-window model; using torch (the cpu kernel attends the whole context)")
-    elif device.type == "cpu":   # _cpu_backend says why not (bfloat16, no kernel built, ...)
+    elif device.type == "cpu":   # _cpu_backend says why not (float16, no kernel built, ...)
         try:
             return _cpu_backend(device, page_size, dtype, head_floats, gemm)
         except RuntimeError as exc:   # a kernel that should load and does not is worth a warning
@@ -76,8 +76,8 @@ def _cpu_backend(device: torch.device, page_size: int | None, dtype: torch.dtype
                  head_floats: int | None, gemm: str) -> PagedAttention:
     if device.type != "cpu":
         raise RuntimeError(f"the cpu attention backend runs on CPU only, not on {device}")
-    if dtype not in (None, torch.float32):
-        raise RuntimeError(f"the cpu attention backend's kernel is float32 only, not {dtype}")
+    if dtype not in (None, *paged_decode.DTYPES):
+        raise RuntimeError(f"the cpu attention backend's kernel runs float32 and bfloat16, not {dtype}")
     if page_size is not None and page_size > paged_decode.MAX_PAGE_SIZE:
         raise RuntimeError(f"the cpu attention backend takes pages of at most "
                            f"{paged_decode.MAX_PAGE_SIZE} tokens, not {page_size}")

@@ -14,20 +14,21 @@ from kvserve.model_service.kernels.library import KernelUnavailable, load_librar
 
 MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a thread's stack
 MAX_PAGE_SIZE = 256       # the page's scores live on the stack too
+DTYPES = (torch.float32, torch.bfloat16)   # the decode's; the chunk softmax is float32
 
 __all__ = ["KernelUnavailable", "PagedDecodeKernel", "load"]
 
 
 class PagedDecodeKernel:
-    """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages;
-    and chunk_softmax, for the matmul path of a chunk behind a cached prefix."""
+    """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages
+    (float32 or bfloat16); and chunk_softmax, for the matmul path of a chunk behind a cached
+    prefix (float32)."""
 
     def __init__(self, library: ctypes.CDLL, level: str) -> None:
         self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
-        fn = library.kvserve_paged_decode_f32
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                       ctypes.c_float, ctypes.c_int32]
+        fn = library.kvserve_paged_decode
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32, i32]
         fn.restype = None
         self._fn = fn
         softmax = library.kvserve_chunk_softmax_f32
@@ -37,8 +38,9 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
-        """tables (n, >= pages) int32 with rows contiguous, seq_lens (n,) int32, each >= 1;
-        max_len: the longest of seq_lens (the caller has it as a Python int)."""
+        """q and the caches float32, or all bfloat16 (out is q's dtype); tables (n, >= pages)
+        int32 with rows contiguous, seq_lens (n,) int32, each >= 1; max_len: the longest of
+        seq_lens (the caller has it as a Python int)."""
         n, h, d = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -47,14 +49,14 @@ class PagedDecodeKernel:
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
                 and seq_lens.is_contiguous() and tables.dtype == seq_lens.dtype == torch.int32
                 and h % k_cache.shape[2] == 0 and k_cache.shape[3] == d
-                and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and q.device.type == "cpu"
+                and q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES and q.device.type == "cpu"
                 and h * d <= MAX_HEAD_FLOATS and k_cache.shape[1] <= MAX_PAGE_SIZE
                 and max_len <= tables.shape[1] * k_cache.shape[1]):
             raise ValueError("paged decode kernel: inconsistent shapes, strides or dtypes")
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
                  seq_lens.data_ptr(), out.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1],
-                 scale, torch.get_num_threads())
+                 scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 

@@ -237,10 +237,11 @@ def test_select_cpu_backend_where_its_kernel_runs() -> None:
     assert select_backend("auto", "cpu", page_size=16, dtype=torch.float32).name == "cpu"
     assert select_backend("cpu", "cpu").name == "cpu"
     # auto falls back to torch where the kernel does not apply; asked for by name, it refuses.
-    assert select_backend("auto", "cpu", dtype=torch.bfloat16).name == "torch"
+    assert select_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
+    assert select_backend("auto", "cpu", dtype=torch.float16).name == "torch"
     assert select_backend("auto", "cpu", page_size=512).name == "torch"
-    with pytest.raises(RuntimeError, match="float32 only"):
-        select_backend("cpu", "cpu", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16, not torch.float16"):
+        select_backend("cpu", "cpu", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="at most 256"):
         select_backend("cpu", "cpu", page_size=512)
     assert select_backend("auto", "cpu", head_floats=64 * 512).name == "torch"

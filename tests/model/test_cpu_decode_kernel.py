@@ -54,7 +54,7 @@ def random_case(seed, num_kv_heads, group, head_dim, page_size, lens, extra_colu
 @given(seed=st.integers(0, 2**16), num_kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([8, 16, 64, 80, 128]), page_size=st.sampled_from([1, 3, 4, 16, 32]),
        lens=st.lists(st.integers(1, 150), min_size=1, max_size=6), extra_columns=st.integers(0, 3),
-       threads=st.sampled_from([1, 2]))
+       threads=st.sampled_from([1, 2, 3, 4]))
 def test_kernel_matches_reference(kernel, seed, num_kv_heads, group, head_dim, page_size, lens,
                                   extra_columns, threads) -> None:
     q, k_cache, v_cache, tables, seq_lens = random_case(seed, num_kv_heads, group, head_dim, page_size,
@@ -67,6 +67,22 @@ def test_kernel_matches_reference(kernel, seed, num_kv_heads, group, head_dim, p
         torch.set_num_threads(before)
     expected = reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3, 8])
+def test_one_sequence_split_by_kv_head(kernel, threads, num_kv_heads) -> None:
+    """Fewer sequences than threads: a sequence's KV heads are shared out between tasks (no
+    head attended twice or left out, whatever the split's remainder)."""
+    q, k_cache, v_cache, tables, seq_lens = random_case(3, num_kv_heads, 2, 64, 16, [200], 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=0.125, max_len=200)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, seq_lens, 0.125),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_large_scores_do_not_overflow(kernel) -> None:
@@ -120,3 +136,31 @@ def test_chunk_softmax_refuses_inconsistent_calls(kernel) -> None:
     for scores, chunk, cached, scale in bad:
         with pytest.raises(ValueError):
             kernel.chunk_softmax(scores, chunk, cached, scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), num_kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 4]),
+       head_dim=st.sampled_from([16, 64, 80, 128]), page_size=st.sampled_from([3, 16]),
+       lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), threads=st.sampled_from([1, 2]))
+def test_bfloat16_within_one_rounding_of_the_exact_result(kernel, seed, num_kv_heads, group, head_dim,
+                                                         page_size, lens, threads) -> None:
+    """bfloat16 q and caches: sums in float32, the output rounded once, so it lies within one
+    bfloat16 step of the exact attention of the same bfloat16 inputs."""
+    q, k_cache, v_cache, tables, seq_lens = random_case(seed, num_kv_heads, group, head_dim, page_size, lens, 1)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.bfloat16
+    exact = reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
+    step = exact.abs().clamp_min(2.0 ** -126) * 2.0 ** -8          # one bfloat16 ulp at most
+    assert ((out.double() - exact).abs() <= step + 1e-6).all()
+
+
+def test_bfloat16_refuses_mixed_dtypes(kernel) -> None:
+    q, k_cache, v_cache, tables, seq_lens = random_case(1, 2, 2, 64, 16, [20], 0)
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel(q.bfloat16(), k_cache, v_cache, tables, seq_lens, scale=0.125, max_len=20)
