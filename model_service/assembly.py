@@ -26,6 +26,7 @@ from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service import dummy_step, host_memory, sizing
+from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype
 from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
 from kvserve.services.plumbing.api_keys import read_token
 
@@ -61,18 +62,12 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:
     """on_step_end: what the engine calls after each pass of its loop (the servicer's event relay)."""
 
     path = resolve_model_path(cfg.model)
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = pick_dtype(cfg.dtype, device, checkpoint_dtype(path))
     if device.type == "cpu":
         host_memory.keep_freed_memory()   # before the first big allocation
         if cfg.cpu_threads:

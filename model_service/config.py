@@ -44,7 +44,8 @@ class ModelServiceConfig:
                                 "on first use")
     listen: str = option(DEFAULT_LISTEN, "the model service's address: host:port or unix:///path")
     kvcache: str = option(DEFAULT_KVCACHE, "the manager's address, or 'inprocess'")
-    dtype: str = option("auto", "weights and KV pages; auto is bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
+    dtype: str = option("auto", "weights and KV pages; auto is bfloat16 on CUDA; on CPU the "
+                           "checkpoint's bfloat16 where the CPU has bf16 instructions, else float32", choices=DTYPES)
     device: str = option("auto", "cpu, cuda or cuda:N; auto is cuda where it is available")
     attention_backend: str = option("auto", "attention over the pages; auto is flash_attn on CUDA where it "
                                             "imports, cpu on CPU where its kernel loads, else torch",
