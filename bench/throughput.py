@@ -21,7 +21,9 @@ Printed side by side:
     bytes it must read (weights, K and V) over the memory bandwidth measured in the same run,
   - multi-turn conversations (8 turns, +64 tokens each): time to first token
     per turn with the prefix cache on and off (median of 15 conversations),
-  - where the engine's step time goes (its phase timers, via GetServerStats).
+  - where the engine's step time goes (its phase timers, via GetServerStats),
+  - with --llama-server BIN --gguf PATH: llama.cpp's server on the same prompts at once, one
+    slot per request (bench/llama_cpp_peer.py), and kvserve's output tok/s against it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
+from bench.llama_cpp_peer import run_llama_server  # noqa: E402
 from bench.throughput_report import (  # noqa: E402
     ALONE, HONEST, print_gemm_comparison, print_goals, print_steps, print_throughput, print_turns)
 
@@ -346,6 +349,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --cpu-gemms: this many runs of each, the order alternating round by round")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: run it as a peer")
+    ap.add_argument("--gguf", type=Path, default=None, help="with --llama-server: a GGUF of the same weights")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.new_tokens, args.turns, args.conversations = 8, [16], 3, 2
@@ -372,6 +377,7 @@ def main() -> None:
     server = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
     gemms = args.cpu_gemms or [None]
     results: dict[tuple[int, str], list[dict]] = {}
+    peers: dict[int, dict] = {}   # new tokens -> llama.cpp's run
     for n in args.new_tokens:
         for round_ in range(args.rounds if args.cpu_gemms else 1):
             for gemm in gemms if round_ % 2 == 0 else gemms[::-1]:
@@ -385,6 +391,9 @@ def main() -> None:
                         stack.close()
         if not args.skip_engine_alone:
             results[n, ALONE] = [engine_alone(path, args.requests, n)]
+        if args.llama_server and args.gguf:
+            peers[n] = run_llama_server(args.llama_server, args.gguf, prompts, n)
+            print(f"llama.cpp server, {n} new tokens: {peers[n]['tok_s']:.1f} tok/s", flush=True)
     if args.cpu_gemms:
         print_gemm_comparison(results, args.cpu_gemms)
     rows = []
@@ -417,7 +426,7 @@ def main() -> None:
     print_throughput(rows)
     print_steps(rows)
     print_turns(turns, args.turns, args.conversations)
-    print_goals(rows, turns)
+    print_goals(rows, turns, peers)
 
 
 if __name__ == "__main__":

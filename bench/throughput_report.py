@@ -24,8 +24,9 @@ def print_throughput(rows: list) -> None:
               f"{k['tok_s'] / static['tok_s']:.2f}x |")
 
 
-def print_goals(rows: list, turns: dict) -> None:
-    """The issue's three goals, each against this run's figures.
+def print_goals(rows: list, turns: dict, peers: dict | None = None) -> None:
+    """The issues' goals, each against this run's figures; peers: new tokens -> llama.cpp's
+    server run on the same prompts (bench/llama_cpp_peer.py), where it ran.
 
     The roofline goal is read against the honest roofline: per phase the larger of FLOPs over
     the best GEMM rate measured and bytes over the memory bandwidth measured (decode is bound by
@@ -42,6 +43,10 @@ def print_goals(rows: list, turns: dict) -> None:
         print(f"    >= 2x HF generate: {', '.join(f'{r:.2f}x' for r in vs_hf)}  {verdict(min(vs_hf) >= 2)}")
         print(f"    >= 75% of the roofline (best GEMM rate, memory bandwidth): "
               f"{', '.join(f'{100 * r:.0f}%' for r in vs_roof)}  {verdict(min(vs_roof) >= 0.75)}")
+        if peers:
+            vs_llama = [k["tok_s"] / peers[n]["tok_s"] for n, _, k, *_ in mine if n in peers]
+            print(f"    >= 2x llama.cpp's server: {', '.join(f'{r:.2f}x' for r in vs_llama)}  "
+                  f"{verdict(min(vs_llama) >= 2)}")
     growth = turns[True][-1] / turns[True][0]
     print(f"  turn-{len(turns[True])} time to first token <= 1.5x turn 1, cache on: {growth:.2f}x  "
           f"{verdict(growth <= 1.5)}")
