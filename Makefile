@@ -50,8 +50,8 @@ $(BIN)/python:
 
 # Top-level package __init__.py files count too: an editable install maps the
 # top-level packages that exist when it runs.
-# The native kernels are compiled by the install: a changed C file or level list reinstalls.
-$(STAMP): pyproject.toml setup.py $(wildcard */__init__.py) $(wildcard model_service/kernels/*.c) model_service/kernels/levels.py | $(BIN)/python
+# The native kernels are compiled by the install: a changed C file, header or level list reinstalls.
+$(STAMP): pyproject.toml setup.py $(wildcard */__init__.py) $(wildcard model_service/kernels/*.c) $(wildcard model_service/kernels/*.h) model_service/kernels/levels.py | $(BIN)/python
 	$(PIP_INSTALL) --upgrade pip
 	$(PIP_INSTALL) $(TORCH_SPEC)
 	$(PIP_INSTALL) -e '.[dev]'

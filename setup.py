@@ -19,7 +19,6 @@ shows the compiler's error), the model service warns at start, and it runs on on
 torch's own ops instead.
 """
 
-import hashlib
 import platform
 import runpy
 from pathlib import Path
@@ -49,10 +48,11 @@ def kernel_extensions() -> list[Extension]:
     out = []
     for kernel, name, march in levels["builds_for"](platform.machine()):
         source = KERNELS_DIR / f"{kernel}.c"
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()   # library.py checks it on load
+        digest = levels["source_digest"](KERNELS_DIR, kernel)   # library.py checks it on load
         out.append(Extension(
             f"kvserve.model_service.kernels._{kernel}_{name}",
             sources=[str(source)],
+            depends=[str(header) for header in sorted(KERNELS_DIR.glob("*.h"))],
             extra_compile_args=[*levels["COMPILE_FLAGS"], *([f"-march={march}"] if march else [])],
             define_macros=[("KVSERVE_SOURCE_SHA256", f'"{digest}"')],
             libraries=["m"],   # expf; glibc's libm.so brings libmvec, the vectorised one

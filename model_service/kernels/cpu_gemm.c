@@ -33,8 +33,8 @@
 #ifndef KVSERVE_SOURCE_SHA256
 #define KVSERVE_SOURCE_SHA256 ""
 #endif
-/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
-   built from another version of the source. */
+/* The SHA-256 of this file and the headers beside it as it was built (setup.py, levels.py's
+   source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
 #define NR 32   /* columns per panel: two 16-float vectors */

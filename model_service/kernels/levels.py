@@ -21,7 +21,9 @@ Compile flags and why:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,16 @@ def builds_for(machine: str) -> list[tuple[str, str, str]]:
     return [(kernel, name, LEVELS[name].march if x86_64 else "")
             for kernel, names in KERNELS.items() for name in names
             if x86_64 or not LEVELS[name].x86_64_only]
+
+
+def source_digest(folder: Path, kernel: str) -> str | None:
+    """SHA-256 of `kernel`'s C file and every header beside it (the kernels share code through
+    them): what a library is stamped with when built, and checked against when loaded. None
+    where the C file is not at hand (an installed wheel)."""
+    source = Path(folder) / f"{kernel}.c"
+    if not source.is_file():
+        return None
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(Path(folder).glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()

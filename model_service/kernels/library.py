@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib.machinery
 import platform
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import TypeVar
 
 import torch
 
-from kvserve.model_service.kernels.levels import KERNELS, LEVELS, builds_for
+from kvserve.model_service.kernels.levels import KERNELS, LEVELS, builds_for, source_digest
 
 HERE = Path(__file__).resolve().parent
 
@@ -121,8 +120,7 @@ def _share_torchs_openmp() -> None:
 
 
 def source_sha256(kernel: str) -> str | None:
-    source = HERE / f"{kernel}.c"
-    return hashlib.sha256(source.read_bytes()).hexdigest() if source.is_file() else None
+    return source_digest(HERE, kernel)
 
 
 def _stale(kernel: str, library: ctypes.CDLL, path: Path) -> str | None:

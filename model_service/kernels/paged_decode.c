@@ -18,167 +18,15 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "attend.h"
 
 #ifndef KVSERVE_SOURCE_SHA256
 #define KVSERVE_SOURCE_SHA256 ""
 #endif
-/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
-   built from another version of the source. */
+/* The SHA-256 of this file and the headers beside it as it was built (setup.py, levels.py's
+   source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
-
-/* Random pages defeat the hardware prefetcher at every page boundary, so the next
- * page's loads are started by hand, one token record of K and of V beside each
- * token of this page: spread out, they keep memory busy while this page is
- * computed. Issued all at once, a page's 256 cache lines queue behind each other;
- * one page ahead measured best of 1-4 (docs/benchmarks.md, "The cpu attention
- * backend"). */
-static inline void prefetch(const void *p, int64_t bytes)
-{
-    const char *c = (const char *)p;
-    for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch(c + b);
-}
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 cast (inputs here are finite). */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* Element i of a float32 (bf16 = 0) or bfloat16 array, as float32. bf16 is a constant in
-   every inlined copy of attend, so each copy's loops load one type and vectorise. */
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16)
-{
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-/* Inlined into one copy per common head_dim (below), where the constant lets the
- * compiler unroll every dot product and row update: far less arithmetic than
- * with head_dim known only at run time (docs/benchmarks.md).
- * One call attends KV heads [kv_first, kv_first + kv_count) of one sequence and the query
- * heads that read them; q and out point at the sequence's first query head. */
-static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-       int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-       int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int bf16)
-{
-    const int64_t elem = bf16 ? 2 : 4;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t heads = kv_count * group;          /* the query heads of this call */
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t page_stride = page_size * token_stride;
-    const int64_t num_pages = (len + page_size - 1) / page_size;
-    const int64_t head_offset = kv_first * head_dim;  /* this call's K/V within a token record */
-    float acc[heads][head_dim];    /* unnormalised output per query head */
-    float qs[heads][head_dim];     /* queries, pre-scaled */
-    float scores[heads][page_size];
-    float running_max[heads], denom[heads];
-
-    const int64_t first_q = kv_first * group * head_dim;   /* this call's queries and outputs */
-    for (int64_t h = 0; h < heads; h++) {
-        running_max[h] = -FLT_MAX;     /* not -inf: built with -ffinite-math-only */
-        denom[h] = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            acc[h][d] = 0.f;
-            qs[h][d] = load(q, first_q + h * head_dim + d, bf16) * scale;
-        }
-    }
-    for (int64_t p = 0; p < num_pages; p++) {
-        const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
-        const int64_t keys = (int64_t)table[p] * page_stride + head_offset;   /* in elements */
-        /* Only the last page is partial, and nothing follows it. */
-        const int has_next = p + 1 < num_pages;
-        const int64_t next = has_next ? (int64_t)table[p + 1] * page_stride + head_offset : keys;
-
-        for (int64_t t = 0; t < n; t++) {
-            if (has_next) {
-                const int64_t at = (next + t * token_stride) * elem;
-                prefetch((const char *)k_cache + at, kv_count * head_dim * elem);
-                prefetch((const char *)v_cache + at, kv_count * head_dim * elem);
-            }
-            for (int64_t kh = 0; kh < kv_count; kh++) {
-                const int64_t k = keys + t * token_stride + kh * head_dim;
-                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++)
-                        dot += qs[h][d] * load(k_cache, k + d, bf16);
-                    scores[h][t] = dot;
-                }
-            }
-        }
-        /* Online softmax: rescale what was summed so far to this page's new maximum. */
-        for (int64_t h = 0; h < heads; h++) {
-            float m = running_max[h];
-            for (int64_t t = 0; t < n; t++)
-                m = scores[h][t] > m ? scores[h][t] : m;
-            const float correction = expf(running_max[h] - m);
-            running_max[h] = m;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
-                scores[h][t] = expf(scores[h][t] - m);
-                sum += scores[h][t];
-            }
-            denom[h] = denom[h] * correction + sum;
-            if (correction != 1.f)
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++)
-                    acc[h][d] *= correction;
-        }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t kh = 0; kh < kv_count; kh++) {
-                const int64_t v = keys + t * token_stride + kh * head_dim;
-                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
-                    const float w = scores[h][t];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++)
-                        acc[h][d] += w * load(v_cache, v + d, bf16);
-                }
-            }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        const float inv = 1.f / denom[h];
-        for (int64_t d = 0; d < head_dim; d++) {
-            const int64_t i = first_q + h * head_dim + d;
-            if (bf16)
-                ((uint16_t *)out)[i] = f32_to_bf16(acc[h][d] * inv);
-            else
-                ((float *)out)[i] = acc[h][d] * inv;
-        }
-    }
-}
-
-#define ATTEND_WITH(name, dim, bf16)                                                        \
-    static void name(const void *q, const void *k_cache, const void *v_cache,               \
-                     const int32_t *table, int64_t len, void *out, int64_t num_heads,       \
-                     int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale, \
-                     int64_t kv_first, int64_t kv_count)                                    \
-    {                                                                                       \
-        attend(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, dim,          \
-               page_size, scale, kv_first, kv_count, bf16);                                 \
-    }
-ATTEND_WITH(attend_d64, 64, 0)
-ATTEND_WITH(attend_d128, 128, 0)
-ATTEND_WITH(attend_any, head_dim, 0)
-ATTEND_WITH(attend_d64_bf16, 64, 1)
-ATTEND_WITH(attend_d128_bf16, 128, 1)
-ATTEND_WITH(attend_any_bf16, head_dim, 1)
-
-typedef void (*attend_fn)(const void *, const void *, const void *, const int32_t *, int64_t,
-                          void *, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t);
 
 /* bf16 = 0: q, caches and out float32; bf16 = 1: all four bfloat16. */
 void kvserve_paged_decode(const void *q, const void *k_cache, const void *v_cache,
@@ -187,17 +35,11 @@ void kvserve_paged_decode(const void *q, const void *k_cache, const void *v_cach
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t page_size, float scale, int32_t bf16, int32_t num_threads)
 {
-    /* One task per sequence: a sequence's pages are read once, by one thread. Dynamic
-     * scheduling evens out sequences of different lengths. With fewer sequences than
-     * threads (one request alone), each sequence's KV heads are split between tasks
-     * instead, so every thread streams its share of the context. */
-    const attend_fn attend_one =
-        bf16 ? (head_dim == 64 ? attend_d64_bf16 : head_dim == 128 ? attend_d128_bf16 : attend_any_bf16)
-             : (head_dim == 64 ? attend_d64 : head_dim == 128 ? attend_d128 : attend_any);
-    int64_t parts = num_seqs >= num_threads ? 1 : (num_threads + num_seqs - 1) / num_seqs;
-    parts = parts < num_kv_heads ? parts : num_kv_heads;
-    const int64_t per_part = (num_kv_heads + parts - 1) / parts;
-    parts = (num_kv_heads + per_part - 1) / per_part;   /* no empty part */
+    /* Tasks as attend_parts() shares them out; dynamic scheduling evens out sequences of
+     * different lengths. */
+    const attend_fn attend_one = pick_attend(bf16, head_dim);
+    int64_t per_part;
+    const int64_t parts = attend_parts(num_seqs, num_kv_heads, num_threads, &per_part);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < num_seqs * parts; task++) {
         const int64_t s = task / parts, first = task % parts * per_part;

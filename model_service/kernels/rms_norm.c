@@ -11,55 +11,23 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
+#include "rms_row.h"
 
 #ifndef KVSERVE_SOURCE_SHA256
 #define KVSERVE_SOURCE_SHA256 ""
 #endif
-/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
-   built from another version of the source. */
+/* The SHA-256 of this file and the headers beside it as it was built (setup.py, levels.py's
+   source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 cast (inputs here are finite). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float sum_squares(const float *x, int64_t n) {
-    float lanes[8] = {0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; ++l)
-            lanes[l] += x[j + l] * x[j + l];
-    float s = 0.0f;
-    for (int l = 0; l < 8; ++l)
-        s += lanes[l];
-    for (; j < n; ++j)
-        s += x[j] * x[j];
-    return s;
-}
 
 /* x, y (rows, n) float32 contiguous, weight (n) float32. */
 void kvserve_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t n,
                           float eps, int threads) {
     #pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        float scale = 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps);
-        for (int64_t j = 0; j < n; ++j)
-            yr[j] = weight[j] * (xr[j] * scale);
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        rms_row_f32(x + r * n, weight, y + r * n, n, eps);
 }
 
 /* x, y (rows, n) bfloat16 contiguous, weight (n) bfloat16. */

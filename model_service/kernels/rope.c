@@ -8,30 +8,17 @@
  * (docs/benchmarks.md, "Single stream").
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #ifndef KVSERVE_SOURCE_SHA256
 #define KVSERVE_SOURCE_SHA256 ""
 #endif
-/* The SHA-256 of this file as it was built (setup.py): kernels/library.py refuses a library
-   built from another version of the source. */
+/* The SHA-256 of this file and the headers beside it as it was built (setup.py, levels.py's
+   source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
 #define PARALLEL_FROM 65536   /* elements from which a call uses every thread */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; inputs are finite */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float r16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 

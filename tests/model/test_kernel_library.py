@@ -91,3 +91,15 @@ def test_loading_keeps_denormals_and_one_openmp_runtime() -> None:
     gomps = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
              if Path(line.split()[-1]).name.startswith("libgomp")}
     assert len(gomps) == 1, f"more than one OpenMP runtime loaded: {gomps}"
+
+
+def test_the_source_digest_covers_the_shared_headers(tmp_path) -> None:
+    """Kernels share code through headers: a changed header must mark every library stale."""
+    from kvserve.model_service.kernels.levels import source_digest
+
+    (tmp_path / "k.c").write_text('#include "shared.h"\n')
+    (tmp_path / "shared.h").write_text("/* one */\n")
+    before = source_digest(tmp_path, "k")
+    (tmp_path / "shared.h").write_text("/* two */\n")
+    assert source_digest(tmp_path, "k") != before
+    assert source_digest(tmp_path, "missing") is None
