@@ -28,6 +28,12 @@ class AttentionBackend(Protocol):
         """Per-step metadata (masks, index tensors), built once and shared by every layer."""
         ...
 
+    def native_decode(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of decodes only, where this backend's decode reads the pages natively: its
+        (num_seqs, max_pages) int32 page tables and (num_seqs,) int32 lengths, so that a fused
+        layer may attend itself (kernels/decode_layer.py). None otherwise."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,        # (T, num_heads, head_dim)

@@ -66,6 +66,9 @@ class FlashAttnBackend:
 
     window: int | None = None   # sliding window (every layer), set by the model service's assembly
 
+    def native_decode(self, meta) -> None:
+        return None   # flash-attn attends on the GPU: no fused CPU layer
+
     def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0,
                    layer_windows: tuple = ()) -> None:
         if window is None and any(layer_windows):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model_service.attention.chunks import PrefillChunk
+from kvserve.model_service.attention.decode import KernelDecodeMeta
 from kvserve.model_service.attention.page_gather import PageGather
 from kvserve.model_service.batch import ForwardBatch
 
@@ -109,6 +110,11 @@ class PagedAttention:
                     bias = self.chunks.bias(mask)
             prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, matmul, bias))
         return prefills
+
+    def native_decode(self, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if isinstance(meta, PagedMeta) and not meta.prefills and isinstance(meta.decode, KernelDecodeMeta):
+            return meta.decode.tables, meta.decode.lens
+        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -51,6 +51,7 @@ KERNELS = {
     "small_linear": ("avx512", "avx2", "generic"),   # AVX2 + FMA intrinsics; plain C elsewhere
     "rms_norm": ("avx512", "avx2", "generic"),       # vectorised by the compiler
     "rope": ("avx512", "avx2", "generic"),
+    "decode_layer": ("avx512", "avx2", "generic"),   # small_linear's row dot, paged_decode's attention
 }
 
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11", "-mtune=generic")

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "rope_head.h"
 
 #ifndef KVSERVE_SOURCE_SHA256
 #define KVSERVE_SOURCE_SHA256 ""
@@ -30,16 +31,8 @@ void kvserve_rope_f32(float *x, int64_t rows, int64_t heads, int64_t d, int64_t 
     /* a prefill chunk's rows are split between the threads; a decode step's few stay on one */
     #pragma omp parallel for schedule(static) num_threads(rows * heads * d >= PARALLEL_FROM ? threads : 1)
     for (int64_t r = 0; r < rows; ++r) {
-        const float *c = cos + r * half, *s = sin + r * half;
-        for (int64_t h = 0; h < heads; ++h) {
-            float *x1 = x + r * row_stride + h * d, *x2 = x1 + half;
-            #pragma omp simd
-            for (int64_t j = 0; j < half; ++j) {
-                float a = x1[j], b = x2[j];
-                x1[j] = a * c[j] - b * s[j];
-                x2[j] = b * c[j] + a * s[j];
-            }
-        }
+        for (int64_t h = 0; h < heads; ++h)
+            rope_head_f32(x + r * row_stride + h * d, cos + r * half, sin + r * half, half);
     }
 }
 

@@ -10,7 +10,9 @@ One forward call runs one engine step: every token of every sequence in one
 
 The LM head runs only on batch.logits_indices rows. On CPU, pack() moves every
 matmul to a packed GEMM (native or oneDNN) with the element-wise ops fused in
-(model/linear.py).
+(model/linear.py); and with use_decode_kernel(), a float32 decode step of a few sequences
+whose attention backend reads the pages natively (cpu) runs each layer above in one native
+call (kernels/decode_layer.py), the same pieces without Python between them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from kvserve.model_service.attention.base import AttentionBackend
 from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.kernels.decode_layer import DecodeLayerKernel, Geometry
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service.model.layers import GatedMLP, RMSNorm
 from kvserve.model_service.model.linear import Linear
@@ -80,6 +83,30 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(self.input_layernorm(x), x, cos, sin, k_cache, v_cache, backend, meta)
         return self.mlp(self.post_attention_layernorm(x), x)
 
+    def decode_weights(self) -> dict[str, torch.Tensor | None]:
+        """The layer's tensors as kernels/decode_layer.py binds them: the plain weights the
+        small-batch linear reads (use_small() first), biases in float32, None where absent."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "down": mlp.down_proj}
+        if mlp.gate_up_proj is None:   # packed: gate and up are their own linears
+            linears.update(gate=mlp.gate_proj, up=mlp.up_proj)
+        if any(linear.plain is None for linear in linears.values()) or (
+                mlp.gate_up_proj is not None and mlp.gate_up_proj.plain is None):
+            raise ValueError("the fused decode layer reads the small-batch linear's plain weights: use_small() first")
+        out: dict[str, torch.Tensor | None] = {}
+        for name, linear in linears.items():
+            out[name], out[f"{name}_bias"] = linear.plain.weight, linear.plain.bias
+        if mlp.gate_up_proj is not None:   # [gate; up] in one matrix: its two halves, rows contiguous
+            fused, size = mlp.gate_up_proj.plain, mlp.intermediate_size
+            for name, rows in (("gate", slice(0, size)), ("up", slice(size, None))):
+                out[name] = fused.weight[rows]
+                out[f"{name}_bias"] = None if fused.bias is None else fused.bias[rows]
+        out["input_norm"] = self.input_layernorm.weight.detach()
+        out["post_norm"] = self.post_attention_layernorm.weight.detach()
+        out["q_norm"] = None if attn.q_norm is None else attn.q_norm.weight.detach()
+        out["k_norm"] = None if attn.k_norm is None else attn.k_norm.weight.detach()
+        return out
+
 
 class CausalLM(nn.Module):
     """Parameter names follow HF's with "model." dropped and q/k/v, gate/up fused."""
@@ -117,6 +144,18 @@ class CausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.rope_kernel = rope
 
+    def use_decode_kernel(self, kernel: DecodeLayerKernel | None) -> None:
+        """Decode steps of a few rows run each layer in one call of `kernel` (kernels/decode_layer.py),
+        float32, where the backend decodes natively; None: module by module. After use_small()."""
+        if kernel is None:
+            self.decode_kernel = self.decode_layers = None
+            return
+        c = self.config
+        self.decode_geometry = Geometry(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                        c.intermediate_size, c.rms_norm_eps)
+        self.decode_layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
+        self.decode_kernel = kernel
+
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""
         for layer in self.layers:
@@ -131,8 +170,25 @@ class CausalLM(nn.Module):
         """-> logits (S, vocab) float32 for the rows batch.logits_indices names."""
         x = self.embed_tokens(batch.input_ids)            # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions, batch.max_seqlen_k)      # (T, 1, D/2) each, shared by all layers
+        step = self._decode_step(batch, x, cos, sin, kv_caches, backend, meta)
         per_layer = getattr(meta, "for_layer", None)   # layers that mask differently (some slide)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
+            if step is not None:   # the whole layer in one native call, x in place
+                self.decode_layers[i](x, step, k_cache, v_cache)
+            else:
+                x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
         x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row
         return self.lm_head(x).float()                    # (S, vocab)
+
+    decode_kernel: DecodeLayerKernel | None = None
+    decode_layers: list | None = None
+
+    def _decode_step(self, batch: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_caches: KVCaches, backend: AttentionBackend, meta: Any):
+        """The fused decode layers' step arguments, or None where this step runs module by module."""
+        if self.decode_kernel is None:
+            return None
+        pages = backend.native_decode(meta)   # (tables, lens) of a decode-only step, or None
+        if pages is None:
+            return None
+        return self.decode_kernel.step(self.decode_geometry, x, cos, sin, batch.slot_mapping, *pages, kv_caches[0][0])

@@ -25,6 +25,7 @@ from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service import choices
 from kvserve.model_service.kernels import rms_norm as rms_norm_kernel
 from kvserve.model_service.kernels import rope as rope_kernel
+from kvserve.model_service.kernels import decode_layer as decode_layer_kernel
 from kvserve.model_service.kernels import small_linear as small_linear_kernel
 from kvserve.model_service.kernels.gemm import choose_gemm
 from kvserve.model_service.kernels.library import KernelUnavailable
@@ -40,7 +41,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
                small_linear: bool = True) -> tuple[CausalLM, ModelConfig]:
     """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (kernels/gemm.py;
     ValueError if the one named cannot run here). small_linear: on CPU, matmuls of a few rows
-    run on the small-batch kernel where it loads (model/linear.py), float32 and bfloat16."""
+    run on the small-batch kernel where it loads (model/linear.py), float32 and bfloat16; and in
+    float32 a decode step of a few rows runs each layer in one native call (kernels/decode_layer.py)."""
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
@@ -54,15 +56,19 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if config.tie_word_embeddings or "lm_head.weight" not in hf:
         model.tie_weights()
     del hf, state   # the model holds the weights now: packing frees each plain one as it goes
+    small = None
     if small_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         try:
-            model.use_small(small_linear_kernel.load())
+            small = small_linear_kernel.load()
+            model.use_small(small)
         except KernelUnavailable as exc:
             log.warning("the small-batch linear is unavailable (%s); every matmul runs on %s", exc, gemm)
     if device.type == "cpu":
         model.use_cpu_kernels(_kernel_or_none(rms_norm_kernel.load, "RMSNorm"), _kernel_or_none(rope_kernel.load, "RoPE"))
     if gemm != "torch":
         model.pack(gemm)
+    if small is not None and dtype == torch.float32:   # reads the plain weights use_small() kept
+        model.use_decode_kernel(_kernel_or_none(decode_layer_kernel.load, "fused decode layer"))
     return model.eval(), config
 
 

@@ -31,7 +31,8 @@ def test_every_library_is_built_for_a_named_target() -> None:
     """No level leaves -march to the environment ($CFLAGS) on x86-64; elsewhere only the generic one is built."""
     assert all(march for _, _, march in levels.builds_for("x86_64"))
     assert levels.builds_for("aarch64") == [("paged_decode", "generic", ""), ("small_linear", "generic", ""),
-                                               ("rms_norm", "generic", ""), ("rope", "generic", "")]
+                                               ("rms_norm", "generic", ""), ("rope", "generic", ""),
+                                               ("decode_layer", "generic", "")]
 
 
 @linux_only

@@ -1,0 +1,119 @@
+/* One Llama-family decoder layer for a decode step of a few sequences (one query row each),
+ * float32, in one call on CPU:
+ *
+ *   x += o_proj(attention(rope(qkv(norm(x)))))     K and V of the step written to their slots
+ *   x += down(silu(gate(norm(x))) * up(norm(x)))
+ *
+ * Why: at one row a layer is ten native calls and a dozen small torch ops from Python, each a
+ * few microseconds during which memory sits idle; here the threads stay in one parallel region
+ * and go from one weight matrix to the next with only a barrier between them. The pieces are
+ * the same code the separate kernels run (row_dot.h, rms_row.h, rope_head.h, attend.h), so
+ * results differ from the layer's module-by-module path only where the compiler contracts a
+ * product and a sum differently.
+ *
+ * Layouts: x (rows, hidden); cos, sin (rows, head_dim / 2); slots (rows) int64, the cache slot
+ * (page * page_size + offset) of each row's new token; caches, tables and seq_lens as in
+ * paged_decode.c; scratch (rows, hidden + q + 2 kv + q + intermediate) float32. Weights (out,
+ * in) row-major float32, biases and the q/k norms NULL where the model has none.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "attend.h"
+#include "rms_row.h"
+#include "rope_head.h"
+#include "row_dot.h"
+
+#ifndef KVSERVE_SOURCE_SHA256
+#define KVSERVE_SOURCE_SHA256 ""
+#endif
+/* The SHA-256 of this file and the headers beside it as it was built (setup.py, levels.py's
+   source_digest): kernels/library.py refuses a library built from another version of them. */
+const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
+
+typedef struct {   /* kernels/decode_layer.py's LayerStruct: the same fields in the same order */
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias;
+    const float *post_norm, *gate, *gate_bias, *up, *up_bias, *down, *down_bias;
+} kvserve_layer;
+
+static inline float bias_at(const float *bias, int64_t i) { return bias ? bias[i] : 0.0f; }
+
+void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, const float *cos,
+                              const float *sin, const int64_t *slots, float *k_cache, float *v_cache,
+                              int64_t page_size, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                              float *scratch, int32_t threads)
+{
+    const int64_t H = L->hidden, D = L->head_dim, NH = L->num_heads, NKV = L->num_kv_heads;
+    const int64_t Q = NH * D, KV = NKV * D, N = Q + 2 * KV, I = L->intermediate, half = D / 2;
+    float *xn = scratch, *qkv = xn + rows * H, *att = qkv + rows * N, *h = att + rows * Q;
+    int64_t per_part;
+    const int64_t parts = attend_parts(rows, NKV, threads, &per_part);
+    const attend_fn attend_one = pick_attend(0, D);
+
+    /* Every `omp for` ends in a barrier: each phase reads what the one before wrote. Linear
+       phases split their output columns statically, as small_linear.c does. */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            rms_row_f32(x + r * H, L->input_norm, xn + r * H, H, L->eps);
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < N; c++)
+            for (int64_t r = 0; r < rows; r++)
+                qkv[r * N + c] = dot_row(xn + r * H, L->qkv, 0, H, c) + bias_at(L->qkv_bias, c);
+
+        /* Per head: q/k norm (Qwen3), RoPE; each K head and its V head to the row's slot. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * (NH + NKV); t++) {
+            const int64_t r = t / (NH + NKV), head = t % (NH + NKV);
+            float *v = qkv + r * N + head * D;   /* the q heads, then the k heads */
+            if (L->q_norm)
+                rms_row_f32(v, head < NH ? L->q_norm : L->k_norm, v, D, L->eps);
+            rope_head_f32(v, cos + r * half, sin + r * half, half);
+            if (head >= NH) {
+                const int64_t kh = head - NH, at = slots[r] * KV + kh * D;
+                memcpy(k_cache + at, v, D * sizeof(float));
+                memcpy(v_cache + at, qkv + r * N + Q + KV + kh * D, D * sizeof(float));
+            }
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * parts; task++) {
+            const int64_t r = task / parts, first = task % parts * per_part;
+            const int64_t count = NKV - first < per_part ? NKV - first : per_part;
+            attend_one(qkv + r * N, k_cache, v_cache, tables + r * table_stride, seq_lens[r],
+                       att + r * Q, NH, NKV, D, page_size, L->scale, first, count);
+        }
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t r = 0; r < rows; r++)
+                x[r * H + c] = apply(OP_ADD, dot_row(att + r * Q, L->o, 0, Q, c) + bias_at(L->o_bias, c),
+                                     x[r * H + c]);
+
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            rms_row_f32(x + r * H, L->post_norm, xn + r * H, H, L->eps);
+
+        /* gate, then up: one weight stream at a time, as the separate calls read them */
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < I; c++)
+            for (int64_t r = 0; r < rows; r++)
+                h[r * I + c] = apply(OP_SILU, dot_row(xn + r * H, L->gate, 0, H, c) + bias_at(L->gate_bias, c), 0.0f);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < I; c++)
+            for (int64_t r = 0; r < rows; r++)
+                h[r * I + c] = apply(OP_MUL, dot_row(xn + r * H, L->up, 0, H, c) + bias_at(L->up_bias, c),
+                                     h[r * I + c]);
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t r = 0; r < rows; r++)
+                x[r * H + c] = apply(OP_ADD, dot_row(h + r * I, L->down, 0, I, c) + bias_at(L->down_bias, c),
+                                     x[r * H + c]);
+    }
+}

@@ -1,0 +1,161 @@
+"""The fused decode layer (decode_layer.c), called through ctypes: one Llama-family decoder layer
+of a decode step of at most MAX_ROWS sequences, float32, in one native call.
+
+    kernel = load()
+    layer = kernel.bind(geometry, weights)            once per layer, at load time
+    step = kernel.step(geometry, x, cos, sin, slots, tables, lens, k_cache)   once per step;
+                                                      None: not for this step
+    layer(x, step, k_cache, v_cache)                  per layer: x updated in place
+
+Built when kvserve is installed and loaded by kernels/library.py; where it cannot be, load()
+says why and the layers run module by module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
+from kvserve.model_service.kernels.paged_decode import MAX_HEAD_FLOATS, MAX_PAGE_SIZE
+
+__all__ = ["KernelUnavailable", "DecodeLayerKernel", "Geometry", "load"]
+
+MAX_ROWS = 8   # decode steps of up to this many sequences (model/linear.py's SMALL_ROWS)
+WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
+           "post_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
+
+
+class LayerStruct(ctypes.Structure):   # decode_layer.c's kvserve_layer
+    _fields_ = ([(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                     "intermediate")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in WEIGHTS])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, d, i = self.hidden, self.head_dim, self.intermediate
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        return {"input_norm": (h,), "qkv": (q + 2 * kv, h), "qkv_bias": (q + 2 * kv,), "q_norm": (d,),
+                "k_norm": (d,), "o": (h, q), "o_bias": (h,), "post_norm": (h,), "gate": (i, h), "gate_bias": (i,),
+                "up": (i, h), "up_bias": (i,), "down": (h, i), "down_bias": (h,)}
+
+    def scratch_floats(self, rows: int) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return rows * (self.hidden + q + 2 * kv + q + self.intermediate)
+
+
+@dataclass(slots=True)
+class Step:
+    """One step's per-row arguments, checked once for every layer (DecodeLayerKernel.step)."""
+    rows: int
+    cache_shape: tuple   # (num_pages, page_size, Hk, D): every layer's caches
+    args: tuple   # cos, sin, slots, page size, tables, table stride, seq_lens: pointers and sizes
+    keep: tuple   # the tensors behind the pointers
+
+
+class DecodeLayerKernel:
+    def __init__(self, library: ctypes.CDLL, level: str) -> None:
+        self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
+        fn = library.kvserve_decode_layer_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
+        fn.restype = None
+        self._fn = fn
+
+    def bind(self, geometry: Geometry, weights: dict[str, torch.Tensor | None]) -> BoundLayer:
+        """weights: WEIGHTS' names -> contiguous float32 CPU tensors of geometry.shapes(), or None
+        for a bias or the q/k norms (both or neither) the model does not have."""
+        g = geometry
+        if g.num_heads % g.num_kv_heads or g.head_dim % 2 or g.num_heads * g.head_dim > MAX_HEAD_FLOATS:
+            raise ValueError("decode layer: heads or head_dim out of the kernel's range")
+        shapes = g.shapes()
+        required = {"input_norm", "qkv", "o", "post_norm", "gate", "up", "down"}
+        if (weights.get("q_norm") is None) != (weights.get("k_norm") is None):
+            raise ValueError("decode layer: q_norm and k_norm come together")
+        pointers = {}
+        for name in WEIGHTS:
+            w = weights.get(name)
+            if w is None:
+                if name in required:
+                    raise ValueError(f"decode layer: {name} is required")
+                pointers[name] = None
+                continue
+            if not (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                    and tuple(w.shape) == shapes[name]):
+                raise ValueError(f"decode layer: {name} must be a contiguous float32 CPU tensor of shape "
+                                 f"{shapes[name]}, not {w.dtype} {tuple(w.shape)}")
+            pointers[name] = w.data_ptr()
+        struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps, g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
+        return BoundLayer(self._fn, g, struct, weights)
+
+    @staticmethod
+    def step(geometry: Geometry, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+             tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor) -> Step | None:
+        """The step's rows as every layer takes them, or None where the kernel does not take this
+        step (too many rows, another dtype or layout): the layers then run module by module.
+        x (rows, hidden) float32; cos, sin (rows, 1, head_dim / 2); slots (rows,) int64; tables
+        (rows, >= pages) int32 rows contiguous; seq_lens (rows,) int32, each >= 1 and within tables;
+        k_cache: the first layer's (every layer's has its shape). The C side trusts every index:
+        slots and page ids outside the caches are refused here (ValueError), never written."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        half = geometry.head_dim // 2
+        if not (1 <= rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                and x.shape[1] == geometry.hidden
+                and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == sin.numel() == rows * half
+                and slots.dtype == torch.int64 and slots.shape == (rows,) and slots.is_contiguous()
+                and tables.dtype == seq_lens.dtype == torch.int32 and tables.dim() == 2 and tables.shape[0] == rows
+                and tables.stride(1) == 1 and seq_lens.shape == (rows,) and seq_lens.is_contiguous()
+                and k_cache.dim() == 4 and 0 < k_cache.shape[1] <= MAX_PAGE_SIZE
+                and tuple(k_cache.shape[2:]) == (geometry.num_kv_heads, geometry.head_dim)):
+            return None
+        num_pages, page_size = k_cache.shape[:2]
+        if int(seq_lens.max()) > tables.shape[1] * page_size or int(seq_lens.min()) < 1:
+            return None
+        if not (0 <= int(slots.min()) and int(slots.max()) < num_pages * page_size
+                and 0 <= int(tables.min()) and int(tables.max()) < num_pages):
+            raise ValueError("decode layer: a slot or page id outside the KV cache")
+        args = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), page_size, tables.data_ptr(), tables.stride(0),
+                seq_lens.data_ptr())
+        return Step(rows, tuple(k_cache.shape), args, (cos, sin, slots, tables, seq_lens))
+
+
+class BoundLayer:
+    """One layer's weights and geometry, checked once (DecodeLayerKernel.bind)."""
+
+    def __init__(self, fn, geometry: Geometry, struct: LayerStruct, weights: dict) -> None:
+        self._fn, self.geometry, self._struct = fn, geometry, struct
+        self._weights = weights   # the memory the struct points at
+        self._scratch = torch.empty(geometry.scratch_floats(MAX_ROWS))
+
+    def __call__(self, x: torch.Tensor, step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """x (rows, hidden) as step() took it, updated in place (and returned); the step's K and V
+        written to its slots of k_cache and v_cache, contiguous float32 of the step's cache shape."""
+        if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.shape == v_cache.shape == step.cache_shape
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"decode layer: the caches must be contiguous float32 {step.cache_shape}")
+        cos, sin, slots, page_size, tables, stride, lens = step.args
+        # ctypes drops the GIL for the call, as a torch op does.
+        self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, k_cache.data_ptr(),
+                 v_cache.data_ptr(), page_size, tables, stride, lens, self._scratch.data_ptr(),
+                 torch.get_num_threads())
+        return x
+
+
+def _load() -> DecodeLayerKernel:
+    return DecodeLayerKernel(*load_library("decode_layer", "a CPU it was built for"))
+
+
+load = once_per_process(_load)

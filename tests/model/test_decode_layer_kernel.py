@@ -1,0 +1,132 @@
+"""The fused decode layer (kernels/decode_layer.c): a decode step of a few rows through each
+layer in one native call equals the same step module by module (logits and the K/V written),
+on every tiny architecture (biases, q/k norms, tied heads), at one and several threads; and it
+refuses what it cannot take. Greedy equality with transformers through it is
+test_equivalence.py's, whose cpu-backend decode steps take this path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model_service.attention.select import select_backend, torch_attention
+from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.kernels import decode_layer
+from kvserve.model_service.kv_cache import KVCache
+from tests.model.conftest import Loaded
+from tests.model.native_kernels import load_or_skip
+
+PAGE = 4
+PAGES = 160
+
+
+@pytest.fixture(scope="module")
+def kernel() -> decode_layer.DecodeLayerKernel:
+    return load_or_skip(decode_layer.load, "the fused decode layer")
+
+
+def decode_batch(lens: list[int], vocab: int, seed: int) -> ForwardBatch:
+    """One decode row per sequence at position len - 1, pages drawn at random from the pool."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(PAGES, generator=g).tolist()
+    width = max(-(-n // PAGE) for n in lens)
+    tables, slots = [], []
+    for n in lens:
+        pages, perm = perm[:-(-n // PAGE)], perm[-(-n // PAGE):]
+        slots.append(pages[(n - 1) // PAGE] * PAGE + (n - 1) % PAGE)
+        tables.append(pages + [0] * (width - len(pages)))
+    rows = len(lens)
+    return ForwardBatch(
+        input_ids=torch.randint(3, vocab, (rows,), generator=g), positions=torch.tensor([n - 1 for n in lens]),
+        slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=torch.arange(rows), num_decodes=rows, max_seqlen_q=1, max_seqlen_k=max(lens),
+        query_lens_cpu=[1] * rows, seq_lens_cpu=list(lens))
+
+
+def filled_cache(loaded: Loaded, seed: int) -> KVCache:
+    cache = KVCache(loaded.config, PAGES, PAGE)
+    g = torch.Generator().manual_seed(seed)
+    for k, v in cache.layers:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    return cache
+
+
+def cpu_backend():
+    try:
+        return select_backend("cpu", "cpu", dtype=torch.float32)
+    except RuntimeError as exc:
+        pytest.skip(f"the cpu backend does not run here: {exc}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[37], [5, 61, 18], [9, 1, 30, 47, 22, 64, 13, 2]])
+def test_fused_layers_equal_the_layers_module_by_module(kernel, loaded: Loaded, threads, lens) -> None:
+    model, backend = loaded.model, cpu_backend()
+    assert model.decode_kernel is not None, "the loader binds the fused layer on CPU in float32"
+    batch = decode_batch(lens, loaded.config.vocab_size, seed=len(lens))
+    fused_cache, module_cache = filled_cache(loaded, 1), filled_cache(loaded, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        meta = backend.prepare(batch)
+        x = model.embed_tokens(batch.input_ids)
+        assert model._decode_step(batch, x, *model.rope.lookup(batch.positions), fused_cache.layers,
+                                  backend, meta) is not None, "this step takes the fused path"
+        fused = model(batch, fused_cache.layers, backend, meta)
+        kernel_, layers = model.decode_kernel, model.decode_layers
+        model.use_decode_kernel(None)
+        try:
+            reference = model(batch, module_cache.layers, backend, backend.prepare(batch))
+        finally:
+            model.decode_kernel, model.decode_layers = kernel_, layers
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)   # test_equivalence.py's TOL
+    for (k1, v1), (k2, v2) in zip(fused_cache.layers, module_cache.layers):   # the new K/V slots too
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_it_does_not_take_run_module_by_module(kernel, load_pair) -> None:
+    loaded = load_pair("tiny")
+    model, cache = loaded.model, filled_cache(loaded, 2)
+    geometry = model.decode_geometry
+    batch = decode_batch([3] * 9, loaded.config.vocab_size, seed=3)   # one row more than MAX_ROWS
+    x = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope.lookup(batch.positions)
+    args = (batch.slot_mapping, batch.block_tables, batch.seq_lens, cache.layers[0][0])
+    assert kernel.step(geometry, x, cos, sin, *args) is None
+    assert kernel.step(geometry, x[:8].bfloat16(), cos[:8], sin[:8], *(a[:8] for a in args[:3]), args[3]) is None
+    assert kernel.step(geometry, x[:8], cos[:8], sin[:8], *(a[:8] for a in args[:3]), args[3]) is not None
+    # the torch backend gathers pages itself: no fused step, the same logits as ever
+    assert model._decode_step(batch, x, cos, sin, cache.layers, torch_attention(),
+                              torch_attention().prepare(batch)) is None
+
+
+def test_indices_outside_the_cache_are_refused_not_written(kernel, load_pair) -> None:
+    loaded = load_pair("tiny")
+    model, cache = loaded.model, filled_cache(loaded, 4)
+    batch = decode_batch([6, 10], loaded.config.vocab_size, seed=5)
+    x = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope.lookup(batch.positions)
+    for slots, tables in ((torch.tensor([0, PAGES * PAGE]), batch.block_tables),
+                          (torch.tensor([-1, 0]), batch.block_tables),
+                          (batch.slot_mapping, batch.block_tables.clone().fill_(PAGES))):
+        with pytest.raises(ValueError, match="outside the KV cache"):
+            kernel.step(model.decode_geometry, x, cos, sin, slots, tables, batch.seq_lens, cache.layers[0][0])
+
+
+def test_bind_checks_every_weight(kernel, load_pair) -> None:
+    model = load_pair("tiny-qwen3").model
+    weights = model.layers[0].decode_weights()
+    geometry = model.decode_geometry
+    with pytest.raises(ValueError, match="qkv must be a contiguous float32 CPU tensor"):
+        kernel.bind(geometry, {**weights, "qkv": weights["qkv"].t()})
+    with pytest.raises(ValueError, match="down is required"):
+        kernel.bind(geometry, {**weights, "down": None})
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        kernel.bind(geometry, {**weights, "k_norm": None})
+    with pytest.raises(ValueError, match="float32"):
+        kernel.bind(geometry, {**weights, "o": weights["o"].double()})
