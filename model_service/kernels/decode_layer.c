@@ -1,5 +1,5 @@
 /* One Llama-family decoder layer for a decode step of a few sequences (one query row each),
- * float32, in one call on CPU:
+ * float32 or bfloat16, in one call on CPU:
  *
  *   x += o_proj(attention(rope(qkv(norm(x)))))     K and V of the step written to their slots
  *   x += down(silu(gate(norm(x))) * up(norm(x)))
@@ -14,7 +14,12 @@
  * Layouts: x (rows, hidden); cos, sin (rows, head_dim / 2); slots (rows) int64, the cache slot
  * (page * page_size + offset) of each row's new token; caches, tables and seq_lens as in
  * paged_decode.c; scratch (rows, hidden + q + 2 kv + q + intermediate) float32. Weights (out,
- * in) row-major float32, biases and the q/k norms NULL where the model has none.
+ * in) row-major, biases and the q/k norms NULL where the model has none.
+ *
+ * float32: every tensor float32. bfloat16: x, cos, sin, caches, the norms' weights and the
+ * matrices bfloat16, biases float32 (widened from the checkpoint's bfloat16); each step rounds
+ * where the module-by-module bfloat16 path rounds (model/linear.py, layers.py: every matmul's
+ * output, every op after it), with the sums float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -115,5 +120,95 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
             for (int64_t r = 0; r < rows; r++)
                 x[r * H + c] = apply(OP_ADD, dot_row(h + r * I, L->down, 0, I, c) + bias_at(L->down_bias, c),
                                      x[r * H + c]);
+    }
+}
+
+/* The same layer in bfloat16 (see the header). Activations go through float32 scratch holding
+ * bfloat16 values (xn, att, h), so every matmul reads them as small_linear.c's bfloat16 path does
+ * (x widened, weights widened, float32 sums, one rounding); qkv stays bfloat16 for the attention. */
+void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows, const uint16_t *cos,
+                               const uint16_t *sin, const int64_t *slots, uint16_t *k_cache,
+                               uint16_t *v_cache, int64_t page_size, const int32_t *tables,
+                               int64_t table_stride, const int32_t *seq_lens, float *scratch,
+                               int32_t threads)
+{
+    const int64_t H = L->hidden, D = L->head_dim, NH = L->num_heads, NKV = L->num_kv_heads;
+    const int64_t Q = NH * D, KV = NKV * D, N = Q + 2 * KV, I = L->intermediate, half = D / 2;
+    const uint16_t *input_norm = (const uint16_t *)L->input_norm, *post_norm = (const uint16_t *)L->post_norm;
+    const uint16_t *q_norm = (const uint16_t *)L->q_norm, *k_norm = (const uint16_t *)L->k_norm;
+    float *xn = scratch, *att = xn + rows * H, *h = att + rows * Q;   /* float32 holding bf16 values */
+    uint16_t *qkv = (uint16_t *)(h + rows * I), *normed = qkv + rows * N, *att16 = normed + rows * H;
+    int64_t per_part;
+    const int64_t parts = attend_parts(rows, NKV, threads, &per_part);
+    const attend_fn attend_one = pick_attend(1, D);
+
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_row_bf16(x + r * H, input_norm, normed + r * H, H, L->eps);
+            for (int64_t j = 0; j < H; j++)
+                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
+        }
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < N; c++)
+            for (int64_t r = 0; r < rows; r++)
+                qkv[r * N + c] = f32_to_bf16(dot_row(xn + r * H, L->qkv, 1, H, c) + bias_at(L->qkv_bias, c));
+
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * (NH + NKV); t++) {
+            const int64_t r = t / (NH + NKV), head = t % (NH + NKV);
+            uint16_t *v = qkv + r * N + head * D;
+            if (q_norm)
+                rms_row_bf16(v, head < NH ? q_norm : k_norm, v, D, L->eps);
+            rope_head_bf16(v, cos + r * half, sin + r * half, half);
+            if (head >= NH) {
+                const int64_t kh = head - NH, at = slots[r] * KV + kh * D;
+                memcpy(k_cache + at, v, D * sizeof(uint16_t));
+                memcpy(v_cache + at, qkv + r * N + Q + KV + kh * D, D * sizeof(uint16_t));
+            }
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * parts; task++) {
+            const int64_t r = task / parts, first = task % parts * per_part;
+            const int64_t count = NKV - first < per_part ? NKV - first : per_part;
+            attend_one(qkv + r * N, k_cache, v_cache, tables + r * table_stride, seq_lens[r],
+                       att16 + r * Q, NH, NKV, D, page_size, L->scale, first, count);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * Q; i++)
+            att[i] = bf16_to_f32(att16[i]);
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t r = 0; r < rows; r++) {
+                float y = r16(dot_row(att + r * Q, L->o, 1, Q, c) + bias_at(L->o_bias, c));
+                x[r * H + c] = f32_to_bf16(y + bf16_to_f32(x[r * H + c]));
+            }
+
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_row_bf16(x + r * H, post_norm, normed + r * H, H, L->eps);
+            for (int64_t j = 0; j < H; j++)
+                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
+        }
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < I; c++)
+            for (int64_t r = 0; r < rows; r++)
+                h[r * I + c] = r16(apply(OP_SILU, r16(dot_row(xn + r * H, L->gate, 1, H, c) + bias_at(L->gate_bias, c)), 0.0f));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < I; c++)
+            for (int64_t r = 0; r < rows; r++)
+                h[r * I + c] = r16(r16(dot_row(xn + r * H, L->up, 1, H, c) + bias_at(L->up_bias, c)) * h[r * I + c]);
+
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t r = 0; r < rows; r++) {
+                float y = r16(dot_row(h + r * I, L->down, 1, I, c) + bias_at(L->down_bias, c));
+                x[r * H + c] = f32_to_bf16(y + bf16_to_f32(x[r * H + c]));
+            }
     }
 }

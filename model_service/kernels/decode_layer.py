@@ -1,5 +1,5 @@
 """The fused decode layer (decode_layer.c), called through ctypes: one Llama-family decoder layer
-of a decode step of at most MAX_ROWS sequences, float32, in one native call.
+of a decode step of at most MAX_ROWS sequences, float32 or bfloat16, in one native call.
 
     kernel = load()
     layer = kernel.bind(geometry, weights)            once per layer, at load time
@@ -26,6 +26,8 @@ __all__ = ["KernelUnavailable", "DecodeLayerKernel", "Geometry", "load"]
 MAX_ROWS = 8   # decode steps of up to this many sequences (model/linear.py's SMALL_ROWS)
 WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
            "post_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
+BIASES = frozenset(name for name in WEIGHTS if name.endswith("_bias"))   # float32 whatever the layer's dtype
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LayerStruct(ctypes.Structure):   # decode_layer.c's kvserve_layer
@@ -43,6 +45,7 @@ class Geometry:
     head_dim: int
     intermediate: int
     eps: float
+    dtype: torch.dtype = torch.float32   # activations, caches, norms and matrices (biases: float32)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         h, d, i = self.hidden, self.head_dim, self.intermediate
@@ -52,8 +55,9 @@ class Geometry:
                 "up": (i, h), "up_bias": (i,), "down": (h, i), "down_bias": (h,)}
 
     def scratch_floats(self, rows: int) -> int:
+        """Enough for either dtype's layout (decode_layer.c)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return rows * (self.hidden + q + 2 * kv + q + self.intermediate)
+        return rows * (2 * self.hidden + q + 2 * kv + q + self.intermediate)
 
 
 @dataclass(slots=True)
@@ -68,18 +72,23 @@ class Step:
 class DecodeLayerKernel:
     def __init__(self, library: ctypes.CDLL, level: str) -> None:
         self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
-        fn = library.kvserve_decode_layer_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
-        fn.restype = None
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in zip(DTYPES, ("kvserve_decode_layer_f32", "kvserve_decode_layer_bf16")):
+            fn = getattr(library, name)
+            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
+            fn.restype = None
+            self._fns[dtype] = fn
 
     def bind(self, geometry: Geometry, weights: dict[str, torch.Tensor | None]) -> BoundLayer:
-        """weights: WEIGHTS' names -> contiguous float32 CPU tensors of geometry.shapes(), or None
-        for a bias or the q/k norms (both or neither) the model does not have."""
+        """weights: WEIGHTS' names -> contiguous CPU tensors of geometry.shapes() in geometry.dtype
+        (biases float32), or None for a bias or the q/k norms (both or neither) the model does not
+        have."""
         g = geometry
         if g.num_heads % g.num_kv_heads or g.head_dim % 2 or g.num_heads * g.head_dim > MAX_HEAD_FLOATS:
             raise ValueError("decode layer: heads or head_dim out of the kernel's range")
+        if g.dtype not in DTYPES:
+            raise ValueError(f"decode layer: float32 or bfloat16, not {g.dtype}")
         shapes = g.shapes()
         required = {"input_norm", "qkv", "o", "post_norm", "gate", "up", "down"}
         if (weights.get("q_norm") is None) != (weights.get("k_norm") is None):
@@ -92,33 +101,34 @@ class DecodeLayerKernel:
                     raise ValueError(f"decode layer: {name} is required")
                 pointers[name] = None
                 continue
-            if not (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+            dtype = torch.float32 if name in BIASES else g.dtype
+            if not (w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous()
                     and tuple(w.shape) == shapes[name]):
-                raise ValueError(f"decode layer: {name} must be a contiguous float32 CPU tensor of shape "
+                raise ValueError(f"decode layer: {name} must be a contiguous {dtype} CPU tensor of shape "
                                  f"{shapes[name]}, not {w.dtype} {tuple(w.shape)}")
             pointers[name] = w.data_ptr()
         struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps, g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
-        return BoundLayer(self._fn, g, struct, weights)
+        return BoundLayer(self._fns[g.dtype], g, struct, weights)
 
     @staticmethod
     def step(geometry: Geometry, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
              tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor) -> Step | None:
         """The step's rows as every layer takes them, or None where the kernel does not take this
         step (too many rows, another dtype or layout): the layers then run module by module.
-        x (rows, hidden) float32; cos, sin (rows, 1, head_dim / 2); slots (rows,) int64; tables
+        x (rows, hidden) and cos, sin (rows, 1, head_dim / 2) in geometry.dtype; slots (rows,) int64; tables
         (rows, >= pages) int32 rows contiguous; seq_lens (rows,) int32, each >= 1 and within tables;
         k_cache: the first layer's (every layer's has its shape). The C side trusts every index:
         slots and page ids outside the caches are refused here (ValueError), never written."""
         rows = x.shape[0] if x.dim() == 2 else 0
         half = geometry.head_dim // 2
-        if not (1 <= rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+        if not (1 <= rows <= MAX_ROWS and x.dtype == geometry.dtype and x.device.type == "cpu" and x.is_contiguous()
                 and x.shape[1] == geometry.hidden
-                and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
                 and cos.numel() == sin.numel() == rows * half
                 and slots.dtype == torch.int64 and slots.shape == (rows,) and slots.is_contiguous()
                 and tables.dtype == seq_lens.dtype == torch.int32 and tables.dim() == 2 and tables.shape[0] == rows
                 and tables.stride(1) == 1 and seq_lens.shape == (rows,) and seq_lens.is_contiguous()
-                and k_cache.dim() == 4 and 0 < k_cache.shape[1] <= MAX_PAGE_SIZE
+                and k_cache.dim() == 4 and k_cache.dtype == x.dtype and 0 < k_cache.shape[1] <= MAX_PAGE_SIZE
                 and tuple(k_cache.shape[2:]) == (geometry.num_kv_heads, geometry.head_dim)):
             return None
         num_pages, page_size = k_cache.shape[:2]
@@ -142,10 +152,11 @@ class BoundLayer:
 
     def __call__(self, x: torch.Tensor, step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """x (rows, hidden) as step() took it, updated in place (and returned); the step's K and V
-        written to its slots of k_cache and v_cache, contiguous float32 of the step's cache shape."""
-        if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.shape == v_cache.shape == step.cache_shape
-                and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"decode layer: the caches must be contiguous float32 {step.cache_shape}")
+        written to its slots of k_cache and v_cache, contiguous, of the step's cache shape and dtype."""
+        dtype = self.geometry.dtype
+        if not (k_cache.dtype == v_cache.dtype == dtype and k_cache.shape == v_cache.shape == step.cache_shape
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and x.dtype == dtype):
+            raise ValueError(f"decode layer: the caches must be contiguous {dtype} {step.cache_shape}")
         cos, sin, slots, page_size, tables, stride, lens = step.args
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, k_cache.data_ptr(),

@@ -34,26 +34,6 @@ void kvserve_rms_norm_f32(const float *x, const float *weight, float *y, int64_t
 void kvserve_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t n,
                            float eps, int threads) {
     #pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *xr = x + r * n;
-        uint16_t *yr = y + r * n;
-        float squares = 0.0f, lanes[8] = {0};
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8)
-            for (int l = 0; l < 8; ++l) {
-                float v = bf16_to_f32(xr[j + l]);
-                lanes[l] += v * v;
-            }
-        for (int l = 0; l < 8; ++l)
-            squares += lanes[l];
-        for (; j < n; ++j) {
-            float v = bf16_to_f32(xr[j]);
-            squares += v * v;
-        }
-        float scale = 1.0f / sqrtf(squares / (float)n + eps);
-        for (j = 0; j < n; ++j) {
-            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * scale));
-            yr[j] = f32_to_bf16(bf16_to_f32(weight[j]) * normed);
-        }
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        rms_row_bf16(x + r * n, weight, y + r * n, n, eps);
 }

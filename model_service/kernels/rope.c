@@ -21,8 +21,6 @@ const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
 #define PARALLEL_FROM 65536   /* elements from which a call uses every thread */
 
-static inline float r16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
 /* Row r's heads start at x + r * row_stride, head h at + h * d (d even); cos and sin (rows, d/2).
    Rows are independent: each is rotated by one thread. */
 void kvserve_rope_f32(float *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
@@ -42,15 +40,7 @@ void kvserve_rope_bf16(uint16_t *x, int64_t rows, int64_t heads, int64_t d, int6
     /* a prefill chunk's rows are split between the threads; a decode step's few stay on one */
     #pragma omp parallel for schedule(static) num_threads(rows * heads * d >= PARALLEL_FROM ? threads : 1)
     for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *c = cos + r * half, *s = sin + r * half;
-        for (int64_t h = 0; h < heads; ++h) {
-            uint16_t *x1 = x + r * row_stride + h * d, *x2 = x1 + half;
-            for (int64_t j = 0; j < half; ++j) {
-                float a = bf16_to_f32(x1[j]), b = bf16_to_f32(x2[j]);
-                float cj = bf16_to_f32(c[j]), sj = bf16_to_f32(s[j]);
-                x1[j] = f32_to_bf16(r16(a * cj) - r16(b * sj));
-                x2[j] = f32_to_bf16(r16(b * cj) + r16(a * sj));
-            }
-        }
+        for (int64_t h = 0; h < heads; ++h)
+            rope_head_bf16(x + r * row_stride + h * d, cos + r * half, sin + r * half, half);
     }
 }

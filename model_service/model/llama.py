@@ -10,7 +10,7 @@ One forward call runs one engine step: every token of every sequence in one
 
 The LM head runs only on batch.logits_indices rows. On CPU, pack() moves every
 matmul to a packed GEMM (native or oneDNN) with the element-wise ops fused in
-(model/linear.py); and with use_decode_kernel(), a float32 decode step of a few sequences
+(model/linear.py); and with use_decode_kernel(), a decode step of a few sequences
 whose attention backend reads the pages natively (cpu) runs each layer above in one native
 call (kernels/decode_layer.py), the same pieces without Python between them.
 """
@@ -146,13 +146,14 @@ class CausalLM(nn.Module):
 
     def use_decode_kernel(self, kernel: DecodeLayerKernel | None) -> None:
         """Decode steps of a few rows run each layer in one call of `kernel` (kernels/decode_layer.py),
-        float32, where the backend decodes natively; None: module by module. After use_small()."""
+        float32 or bfloat16, where the backend decodes natively; None: module by module. After
+        use_small() (and pack())."""
         if kernel is None:
             self.decode_kernel = self.decode_layers = None
             return
         c = self.config
         self.decode_geometry = Geometry(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                        c.intermediate_size, c.rms_norm_eps)
+                                        c.intermediate_size, c.rms_norm_eps, self.norm.weight.dtype)
         self.decode_layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
         self.decode_kernel = kernel
 

@@ -41,8 +41,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
                small_linear: bool = True) -> tuple[CausalLM, ModelConfig]:
     """gemm: what runs the matmuls on CPU, auto | native | onednn | torch (kernels/gemm.py;
     ValueError if the one named cannot run here). small_linear: on CPU, matmuls of a few rows
-    run on the small-batch kernel where it loads (model/linear.py), float32 and bfloat16; and in
-    float32 a decode step of a few rows runs each layer in one native call (kernels/decode_layer.py)."""
+    run on the small-batch kernel where it loads (model/linear.py), float32 and bfloat16, and a
+    decode step of a few rows runs each layer in one native call (kernels/decode_layer.py)."""
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
@@ -67,7 +67,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
         model.use_cpu_kernels(_kernel_or_none(rms_norm_kernel.load, "RMSNorm"), _kernel_or_none(rope_kernel.load, "RoPE"))
     if gemm != "torch":
         model.pack(gemm)
-    if small is not None and dtype == torch.float32:   # reads the plain weights use_small() kept
+    if small is not None:   # reads the plain weights use_small() kept
         model.use_decode_kernel(_kernel_or_none(decode_layer_kernel.load, "fused decode layer"))
     return model.eval(), config
 

@@ -1,7 +1,7 @@
 """The fused decode layer (kernels/decode_layer.c): a decode step of a few rows through each
 layer in one native call equals the same step module by module (logits and the K/V written),
-on every tiny architecture (biases, q/k norms, tied heads), at one and several threads; and it
-refuses what it cannot take. Greedy equality with transformers through it is
+on every tiny architecture (biases, q/k norms, tied heads), at one and several threads, in
+float32 and in bfloat16 (rounded where the modules round); and it refuses what it cannot take. Greedy equality with transformers through it is
 test_equivalence.py's, whose cpu-backend decode steps take this path."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from kvserve.model_service.attention.select import select_backend, torch_attenti
 from kvserve.model_service.batch import ForwardBatch
 from kvserve.model_service.kernels import decode_layer
 from kvserve.model_service.kv_cache import KVCache
+from kvserve.model_service.model.loader import load_model
+from tests.conftest import ARCH_PRESETS
 from tests.model.conftest import Loaded
 from tests.model.native_kernels import load_or_skip
 
@@ -44,8 +46,8 @@ def decode_batch(lens: list[int], vocab: int, seed: int) -> ForwardBatch:
         query_lens_cpu=[1] * rows, seq_lens_cpu=list(lens))
 
 
-def filled_cache(loaded: Loaded, seed: int) -> KVCache:
-    cache = KVCache(loaded.config, PAGES, PAGE)
+def filled_cache(loaded: Loaded, seed: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    cache = KVCache(loaded.config, PAGES, PAGE, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     for k, v in cache.layers:
         k.copy_(torch.randn(k.shape, generator=g))
@@ -53,20 +55,21 @@ def filled_cache(loaded: Loaded, seed: int) -> KVCache:
     return cache
 
 
-def cpu_backend():
+def cpu_backend(dtype: torch.dtype = torch.float32):
     try:
-        return select_backend("cpu", "cpu", dtype=torch.float32)
+        return select_backend("cpu", "cpu", dtype=dtype)
     except RuntimeError as exc:
         pytest.skip(f"the cpu backend does not run here: {exc}")
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("lens", [[37], [5, 61, 18], [9, 1, 30, 47, 22, 64, 13, 2]])
-def test_fused_layers_equal_the_layers_module_by_module(kernel, loaded: Loaded, threads, lens) -> None:
-    model, backend = loaded.model, cpu_backend()
-    assert model.decode_kernel is not None, "the loader binds the fused layer on CPU in float32"
-    batch = decode_batch(lens, loaded.config.vocab_size, seed=len(lens))
-    fused_cache, module_cache = filled_cache(loaded, 1), filled_cache(loaded, 1)
+@pytest.fixture(scope="module")
+def bf16_models(tiny_dirs) -> dict:
+    """name -> our model in bfloat16 (the fused layer binds it as it binds float32)."""
+    return {name: load_model(tiny_dirs[name], torch.bfloat16, "cpu")[0] for name in ARCH_PRESETS}
+
+
+def fused_and_modules(model, batch, backend, fused_cache, module_cache, threads):
+    """The step's logits through the fused layers, then module by module (each on its own cache)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -83,10 +86,40 @@ def test_fused_layers_equal_the_layers_module_by_module(kernel, loaded: Loaded, 
             model.decode_kernel, model.decode_layers = kernel_, layers
     finally:
         torch.set_num_threads(before)
+    return fused, reference
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[37], [5, 61, 18], [9, 1, 30, 47, 22, 64, 13, 2]])
+def test_fused_layers_equal_the_layers_module_by_module(kernel, loaded: Loaded, threads, lens) -> None:
+    model, backend = loaded.model, cpu_backend()
+    assert model.decode_kernel is not None, "the loader binds the fused layer on CPU"
+    batch = decode_batch(lens, loaded.config.vocab_size, seed=len(lens))
+    fused_cache, module_cache = filled_cache(loaded, 1), filled_cache(loaded, 1)
+    fused, reference = fused_and_modules(model, batch, backend, fused_cache, module_cache, threads)
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)   # test_equivalence.py's TOL
     for (k1, v1), (k2, v2) in zip(fused_cache.layers, module_cache.layers):   # the new K/V slots too
         torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[37], [5, 61, 18, 40]])
+def test_bfloat16_fused_layers_round_as_the_modules_do(kernel, loaded: Loaded, bf16_models, threads, lens) -> None:
+    """Every product and sum rounded to bfloat16 where the module path rounds it: the same
+    logits but for the odd last-bit difference (exp and the q/k norm's sum order), far inside
+    what bfloat16 itself moves them (a random bf16 step moves these logits by ~1e-1)."""
+    model, backend = bf16_models[loaded.path.name], cpu_backend(torch.bfloat16)
+    batch = decode_batch(lens, loaded.config.vocab_size, seed=7 + len(lens))
+    fused_cache = filled_cache(loaded, 3, torch.bfloat16)
+    module_cache = filled_cache(loaded, 3, torch.bfloat16)
+    fused, reference = fused_and_modules(model, batch, backend, fused_cache, module_cache, threads)
+    assert fused.dtype == torch.float32
+    diff = (fused - reference).abs()
+    assert diff.max() <= 0.05 * reference.abs().max(), float(diff.max())
+    assert (diff == 0).float().mean() > 0.9, "nearly every logit bit-identical"
+    for (k1, v1), (k2, v2) in zip(fused_cache.layers, module_cache.layers):
+        assert (k1 != k2).sum() <= 0.01 * k1.numel() and (v1 != v2).sum() <= 0.01 * v1.numel()
 
 
 def test_steps_it_does_not_take_run_module_by_module(kernel, load_pair) -> None:
@@ -122,7 +155,7 @@ def test_bind_checks_every_weight(kernel, load_pair) -> None:
     model = load_pair("tiny-qwen3").model
     weights = model.layers[0].decode_weights()
     geometry = model.decode_geometry
-    with pytest.raises(ValueError, match="qkv must be a contiguous float32 CPU tensor"):
+    with pytest.raises(ValueError, match="qkv must be a contiguous torch.float32 CPU tensor"):
         kernel.bind(geometry, {**weights, "qkv": weights["qkv"].t()})
     with pytest.raises(ValueError, match="down is required"):
         kernel.bind(geometry, {**weights, "down": None})
