@@ -5,6 +5,7 @@ when given), beside the memory-bandwidth roofline measured in the same run.
     .venv/bin/python bench/single_stream.py                          # 32, 512, 2000-token prompts, f32 and bf16
     .venv/bin/python bench/single_stream.py --prompts 512 --dtypes float32 --new-tokens 64
     .venv/bin/python bench/single_stream.py --llama-bench /path/llama-bench --gguf-dir DIR   # + llama.cpp
+    .venv/bin/python bench/single_stream.py --rounds 3 --skip-transformers --llama-bench ... # interleaved
 
 For each dtype and prompt length, one greedy request of --new-tokens tokens (EOS ignored):
   - kvserve's engine alone (in-process manager, no gRPC; a process of its own per dtype): time
@@ -16,6 +17,9 @@ For each dtype and prompt length, one greedy request of --new-tokens tokens (EOS
     streamer;
   - llama.cpp's llama-bench where --llama-bench and --gguf-dir (bench-f32.gguf, bench-f16.gguf,
     converted from the same checkpoint) are given: decode tok/s at the prompt's depth (-d);
+  - with --rounds N, every run above but transformers N times, round after round, the table
+    giving each figure's median over the rounds and the ratio to llama.cpp of each round (this
+    machine's speed drifts by more than the differences measured);
   - the roofline: a decode step reads every linear weight once (the embedding's one row aside)
     and the context's K and V, so its least time is those bytes over the memory bandwidth
     measured here (a 256 MiB sum on every thread, best of several, before and after the runs).
@@ -178,6 +182,29 @@ def llama_cpp(binary: str, gguf: Path, depths: list[int], new_tokens: int) -> di
 
 # ------------------------------------------------------------------------------------- main
 
+def median_run(runs: list[dict]) -> dict:
+    """One prompt's runs over the rounds -> the median of each figure (the first run's phases)."""
+    out = dict(runs[0])
+    for key in ("p50", "p99", "tok_s", "ttft_ms"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def print_round_ratios(rounds: dict, dtypes: list[str], prompts: list[int]) -> None:
+    """Time per token of llama.cpp over kvserve's (engine alone, gRPC), round by round."""
+    print("\nllama.cpp's time per token / kvserve's, round by round (above 1: kvserve faster):")
+    for dtype in dtypes:
+        peer = next((runs for (d, how), runs in rounds.items() if d == dtype and how.startswith("llama.cpp")), None)
+        if peer is None:
+            continue
+        for how in ("engine alone", "gRPC"):
+            for i, n in enumerate(prompts):
+                if (dtype, how) in rounds:
+                    ratios = [p[i]["p50"] / k[i]["p50"] for p, k in zip(peer, rounds[dtype, how])]
+                    print(f"  {dtype}, prompt {n}, {how}: " + ", ".join(f"{r:.2f}" for r in ratios)
+                          + f"   median {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         spec = json.loads(Path(sys.argv[2]).read_text())
@@ -192,6 +219,8 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     ap.add_argument("--gguf-dir", type=Path, default=None, help="bench-f32.gguf and bench-f16.gguf of the same weights")
+    ap.add_argument("--rounds", type=int, default=1, help="run everything but transformers this many times, "
+                                                           "interleaved, and report medians")
     args = ap.parse_args()
 
     from kvserve.model_service.model.config import ModelConfig
@@ -202,18 +231,25 @@ def main() -> None:
     bw = memory_bandwidth()
     print(f"model {model.name}: hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}; "
           f"memory bandwidth {bw / 1e9:.1f} GB/s; {args.new_tokens} new tokens per request", flush=True)
-    results: dict[tuple[str, str], list[dict]] = {}
-    for dtype in args.dtypes:
-        results[dtype, "engine alone"] = engine_alone(model, dtype, prompts, args.new_tokens)
-        if not args.skip_grpc:
-            results[dtype, "gRPC"] = through_grpc(model, dtype, prompts, args.new_tokens)
-        if not args.skip_transformers:
-            results[dtype, "transformers"] = transformers_runs(model, dtype, prompts, args.new_tokens)
-        if args.llama_bench and args.gguf_dir:
-            name = {"float32": "f32", "bfloat16": "f16"}[dtype]
-            rates = llama_cpp(args.llama_bench, args.gguf_dir / f"bench-{name}.gguf", args.prompts, args.new_tokens)
-            results[dtype, f"llama.cpp {name}"] = [{"tok_s": rates[n], "p50": 1e3 / rates[n], "p99": float("nan"),
-                                                    "ttft_ms": float("nan")} for n in args.prompts]
+    rounds: dict[tuple[str, str], list[list[dict]]] = {}   # (dtype, run) -> per round, per prompt
+    for round_ in range(args.rounds):
+        for dtype in args.dtypes:
+            rounds.setdefault((dtype, "engine alone"), []).append(engine_alone(model, dtype, prompts, args.new_tokens))
+            if not args.skip_grpc:
+                rounds.setdefault((dtype, "gRPC"), []).append(through_grpc(model, dtype, prompts, args.new_tokens))
+            if not args.skip_transformers and round_ == 0:
+                rounds[dtype, "transformers"] = [transformers_runs(model, dtype, prompts, args.new_tokens)]
+            if args.llama_bench and args.gguf_dir:
+                name = {"float32": "f32", "bfloat16": "f16"}[dtype]
+                rates = llama_cpp(args.llama_bench, args.gguf_dir / f"bench-{name}.gguf", args.prompts,
+                                  args.new_tokens)
+                rounds.setdefault((dtype, f"llama.cpp {name}"), []).append(
+                    [{"tok_s": rates[n], "p50": 1e3 / rates[n], "p99": float("nan"), "ttft_ms": float("nan")}
+                     for n in args.prompts])
+    results = {key: [median_run([runs[i] for runs in per_round]) for i in range(len(args.prompts))]
+               for key, per_round in rounds.items()}
+    if args.rounds > 1:
+        print_round_ratios(rounds, args.dtypes, args.prompts)
     bw = max(bw, memory_bandwidth())
 
     print("\n| dtype | prompt | run | ms/token p50 | p99 | decode tok/s | TTFT ms | roofline ms/token | % of roofline | vs transformers |")
