@@ -55,9 +55,10 @@ class ModelServiceConfig:
                                  "slows the engine less")
     cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "
                                    "kvserve's measured order", choices=CPU_GEMMS)
-    cpu_small_linear: str = option("auto", "CPU: matmuls of at most 8 rows (decode steps of a few "
+    cpu_small_linear: str = option("auto", "CPU: matmuls of at most 4 rows (decode steps of a few "
                                            "sequences) on kvserve's small-batch kernel, near the memory "
-                                           "bandwidth; with a packed GEMM it keeps the float32 weights twice. "
+                                           "bandwidth, such decode steps one native call per layer; with a "
+                                           "packed GEMM it keeps the float32 weights twice. "
                                            "off: every matmul on --cpu-gemm", choices=("auto", "off"))
     page_size: int | None = option(None, "tokens per page (default 16; 256 for flash-attn 2)")
     num_pages: int | None = option(None, "device KV pages (default: from the memory budget)")

@@ -67,9 +67,12 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
             rms_row_f32(x + r * H, L->input_norm, xn + r * H, H, L->eps);
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < N; c++)
+        for (int64_t c = 0; c < N; c++) {
+            float d[rows];   /* every row against this row of the weight (row_dot.h) */
+            dot_col(xn, rows, L->qkv, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                qkv[r * N + c] = dot_row(xn + r * H, L->qkv, 0, H, c) + bias_at(L->qkv_bias, c);
+                qkv[r * N + c] = d[r] + bias_at(L->qkv_bias, c);
+        }
 
         /* Per head: q/k norm (Qwen3), RoPE; each K head and its V head to the row's slot. */
 #pragma omp for schedule(static)
@@ -95,10 +98,12 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
         }
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < H; c++)
+        for (int64_t c = 0; c < H; c++) {
+            float d[rows];
+            dot_col(att, rows, L->o, 0, Q, c, d);
             for (int64_t r = 0; r < rows; r++)
-                x[r * H + c] = apply(OP_ADD, dot_row(att + r * Q, L->o, 0, Q, c) + bias_at(L->o_bias, c),
-                                     x[r * H + c]);
+                x[r * H + c] = apply(OP_ADD, d[r] + bias_at(L->o_bias, c), x[r * H + c]);
+        }
 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
@@ -106,20 +111,27 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
 
         /* gate, then up: one weight stream at a time, as the separate calls read them */
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < I; c++)
+        for (int64_t c = 0; c < I; c++) {
+            float d[rows];
+            dot_col(xn, rows, L->gate, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                h[r * I + c] = apply(OP_SILU, dot_row(xn + r * H, L->gate, 0, H, c) + bias_at(L->gate_bias, c), 0.0f);
+                h[r * I + c] = apply(OP_SILU, d[r] + bias_at(L->gate_bias, c), 0.0f);
+        }
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < I; c++)
+        for (int64_t c = 0; c < I; c++) {
+            float d[rows];
+            dot_col(xn, rows, L->up, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                h[r * I + c] = apply(OP_MUL, dot_row(xn + r * H, L->up, 0, H, c) + bias_at(L->up_bias, c),
-                                     h[r * I + c]);
+                h[r * I + c] = apply(OP_MUL, d[r] + bias_at(L->up_bias, c), h[r * I + c]);
+        }
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < H; c++)
+        for (int64_t c = 0; c < H; c++) {
+            float d[rows];
+            dot_col(h, rows, L->down, 0, I, c, d);
             for (int64_t r = 0; r < rows; r++)
-                x[r * H + c] = apply(OP_ADD, dot_row(h + r * I, L->down, 0, I, c) + bias_at(L->down_bias, c),
-                                     x[r * H + c]);
+                x[r * H + c] = apply(OP_ADD, d[r] + bias_at(L->down_bias, c), x[r * H + c]);
+        }
     }
 }
 
@@ -152,9 +164,12 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
         }
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < N; c++)
+        for (int64_t c = 0; c < N; c++) {
+            float d[rows];
+            dot_col(xn, rows, L->qkv, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                qkv[r * N + c] = f32_to_bf16(dot_row(xn + r * H, L->qkv, 1, H, c) + bias_at(L->qkv_bias, c));
+                qkv[r * N + c] = f32_to_bf16(d[r] + bias_at(L->qkv_bias, c));
+        }
 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * (NH + NKV); t++) {
@@ -182,11 +197,12 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
             att[i] = bf16_to_f32(att16[i]);
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < H; c++)
-            for (int64_t r = 0; r < rows; r++) {
-                float y = r16(dot_row(att + r * Q, L->o, 1, Q, c) + bias_at(L->o_bias, c));
-                x[r * H + c] = f32_to_bf16(y + bf16_to_f32(x[r * H + c]));
-            }
+        for (int64_t c = 0; c < H; c++) {
+            float d[rows];
+            dot_col(att, rows, L->o, 1, Q, c, d);
+            for (int64_t r = 0; r < rows; r++)
+                x[r * H + c] = f32_to_bf16(r16(d[r] + bias_at(L->o_bias, c)) + bf16_to_f32(x[r * H + c]));
+        }
 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -196,19 +212,26 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
         }
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < I; c++)
+        for (int64_t c = 0; c < I; c++) {
+            float d[rows];
+            dot_col(xn, rows, L->gate, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                h[r * I + c] = r16(apply(OP_SILU, r16(dot_row(xn + r * H, L->gate, 1, H, c) + bias_at(L->gate_bias, c)), 0.0f));
+                h[r * I + c] = r16(apply(OP_SILU, r16(d[r] + bias_at(L->gate_bias, c)), 0.0f));
+        }
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < I; c++)
+        for (int64_t c = 0; c < I; c++) {
+            float d[rows];
+            dot_col(xn, rows, L->up, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                h[r * I + c] = r16(r16(dot_row(xn + r * H, L->up, 1, H, c) + bias_at(L->up_bias, c)) * h[r * I + c]);
+                h[r * I + c] = r16(r16(d[r] + bias_at(L->up_bias, c)) * h[r * I + c]);
+        }
 
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < H; c++)
-            for (int64_t r = 0; r < rows; r++) {
-                float y = r16(dot_row(h + r * I, L->down, 1, I, c) + bias_at(L->down_bias, c));
-                x[r * H + c] = f32_to_bf16(y + bf16_to_f32(x[r * H + c]));
-            }
+        for (int64_t c = 0; c < H; c++) {
+            float d[rows];
+            dot_col(h, rows, L->down, 1, I, c, d);
+            for (int64_t r = 0; r < rows; r++)
+                x[r * H + c] = f32_to_bf16(r16(d[r] + bias_at(L->down_bias, c)) + bf16_to_f32(x[r * H + c]));
+        }
     }
 }

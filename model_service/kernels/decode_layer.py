@@ -20,10 +20,11 @@ import torch
 
 from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
 from kvserve.model_service.kernels.paged_decode import MAX_HEAD_FLOATS, MAX_PAGE_SIZE
+from kvserve.model_service.kernels.small_linear import SMALL_ROWS
 
 __all__ = ["KernelUnavailable", "DecodeLayerKernel", "Geometry", "load"]
 
-MAX_ROWS = 8   # decode steps of up to this many sequences (model/linear.py's SMALL_ROWS)
+MAX_ROWS = SMALL_ROWS   # decode steps of up to this many sequences: beyond, the packed GEMMs win
 WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
            "post_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
 BIASES = frozenset(name for name in WEIGHTS if name.endswith("_bias"))   # float32 whatever the layer's dtype

@@ -63,6 +63,66 @@ static float dot_row(const float *x, const void *w, int bf16, int64_t k, int64_t
     return s;
 }
 
+/* x[i] · W[row] for the m rows of x (row i at x + i * k), 2 <= M <= 8 a constant in each
+   inlined copy: each chunk of the weight row is loaded once and multiplied into every row's
+   accumulator, where dot_row per row of x would load it m times (at a few rows the loads, not
+   the bytes from memory, bound the small-batch linear; docs/benchmarks.md). Two accumulators
+   per row of x up to four rows, one beyond (every accumulator in a register). */
+static inline __attribute__((always_inline)) void
+dot_rows_m(const float *x, const void *w, int bf16, int64_t k, int64_t row, float *out, const int M) {
+    const float *wf = (const float *)w + row * k;
+    const uint16_t *wh = (const uint16_t *)w + row * k;
+    int64_t j = 0;
+    float s[8] = {0};
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a[8], b[8];
+    for (int i = 0; i < M; i++)
+        a[i] = b[i] = _mm256_setzero_ps();
+    if (M <= 4) {
+        for (; j + 16 <= k; j += 16) {
+            __m256 w0 = bf16 ? load8_bf16(wh + j) : load8(wf + j);
+            __m256 w1 = bf16 ? load8_bf16(wh + j + 8) : load8(wf + j + 8);
+            for (int i = 0; i < M; i++) {
+                a[i] = _mm256_fmadd_ps(w0, load8(x + i * k + j), a[i]);
+                b[i] = _mm256_fmadd_ps(w1, load8(x + i * k + j + 8), b[i]);
+            }
+        }
+    }
+    for (; j + 8 <= k; j += 8) {
+        __m256 w0 = bf16 ? load8_bf16(wh + j) : load8(wf + j);
+        for (int i = 0; i < M; i++)
+            a[i] = _mm256_fmadd_ps(w0, load8(x + i * k + j), a[i]);
+    }
+    for (int i = 0; i < M; i++)
+        s[i] = hsum(M <= 4 ? _mm256_add_ps(a[i], b[i]) : a[i]);
+#endif
+    for (; j < k; ++j) {
+        float wj = bf16 ? bf16_to_f32(wh[j]) : wf[j];
+        for (int i = 0; i < M; i++)
+            s[i] += x[i * k + j] * wj;
+    }
+    for (int i = 0; i < M; i++)
+        out[i] = s[i];
+}
+
+/* out[i] = x[i] · W[row] for every row i < m of x (rows k apart): one row as dot_row, 2-8 at
+   once as dot_rows_m, more in groups of 8. */
+static inline void dot_col(const float *x, int64_t m, const void *w, int bf16, int64_t k, int64_t row, float *out) {
+    for (; m > 8; m -= 8, x += 8 * k, out += 8)
+        dot_rows_m(x, w, bf16, k, row, out, 8);
+    switch (m) {
+    case 1: out[0] = dot_row(x, w, bf16, k, row); break;
+    case 2: dot_rows_m(x, w, bf16, k, row, out, 2); break;
+    case 3: dot_rows_m(x, w, bf16, k, row, out, 3); break;
+    case 4: dot_rows_m(x, w, bf16, k, row, out, 4); break;
+    case 5: dot_rows_m(x, w, bf16, k, row, out, 5); break;
+    case 6: dot_rows_m(x, w, bf16, k, row, out, 6); break;
+    case 7: dot_rows_m(x, w, bf16, k, row, out, 7); break;
+    case 8: dot_rows_m(x, w, bf16, k, row, out, 8); break;
+    default: break;
+    }
+}
+
 static inline float apply(int op, float v, float other) {
     switch (op) {
     case OP_SILU: {

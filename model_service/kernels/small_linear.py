@@ -16,6 +16,11 @@ from kvserve.model_service.kernels.library import KernelUnavailable, load_librar
 __all__ = ["KernelUnavailable", "SmallLinear", "load"]
 
 OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+# Rows up to which the model sends a matmul here rather than to its packed GEMM (model/linear.py)
+# and a decode step to the fused layer (decode_layer.py). Measured (docs/benchmarks.md, "Single
+# stream"): on an AVX-512 Zen 4 the packed GEMMs win from about 4 rows on (at 8, 1.3x faster); on
+# an AVX2 Zen 3 this kernel still led oneDNN a little at 8.
+SMALL_ROWS = 4
 
 
 class SmallLinear:

@@ -29,9 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_service.kernels import cpu_gemm, onednn
-from kvserve.model_service.kernels.small_linear import BoundWeight, SmallLinear
-
-SMALL_ROWS = 8   # rows up to which the small-batch kernel beats the packed GEMMs (measured)
+from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, SmallLinear
 
 
 class Linear(nn.Linear):
