@@ -11,7 +11,7 @@
  * results differ from the layer's module-by-module path only where the compiler contracts a
  * product and a sum differently.
  *
- * Layouts: x (rows, hidden); cos, sin (rows, head_dim / 2); slots (rows) int64, the cache slot
+ * Layouts (1 <= rows <= 8): x (rows, hidden); cos, sin (rows, head_dim / 2); slots (rows) int64, the cache slot
  * (page * page_size + offset) of each row's new token; caches, tables and seq_lens as in
  * paged_decode.c; scratch (rows, hidden + q + 2 kv + q + intermediate) float32. Weights (out,
  * in) row-major, biases and the q/k norms NULL where the model has none.
@@ -68,7 +68,7 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < N; c++) {
-            float d[rows];   /* every row against this row of the weight (row_dot.h) */
+            float d[8];   /* every row against this row of the weight (row_dot.h) */
             dot_col(xn, rows, L->qkv, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 qkv[r * N + c] = d[r] + bias_at(L->qkv_bias, c);
@@ -99,7 +99,7 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < H; c++) {
-            float d[rows];
+            float d[8];
             dot_col(att, rows, L->o, 0, Q, c, d);
             for (int64_t r = 0; r < rows; r++)
                 x[r * H + c] = apply(OP_ADD, d[r] + bias_at(L->o_bias, c), x[r * H + c]);
@@ -112,14 +112,14 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
         /* gate, then up: one weight stream at a time, as the separate calls read them */
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < I; c++) {
-            float d[rows];
+            float d[8];
             dot_col(xn, rows, L->gate, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 h[r * I + c] = apply(OP_SILU, d[r] + bias_at(L->gate_bias, c), 0.0f);
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < I; c++) {
-            float d[rows];
+            float d[8];
             dot_col(xn, rows, L->up, 0, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 h[r * I + c] = apply(OP_MUL, d[r] + bias_at(L->up_bias, c), h[r * I + c]);
@@ -127,7 +127,7 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < H; c++) {
-            float d[rows];
+            float d[8];
             dot_col(h, rows, L->down, 0, I, c, d);
             for (int64_t r = 0; r < rows; r++)
                 x[r * H + c] = apply(OP_ADD, d[r] + bias_at(L->down_bias, c), x[r * H + c]);
@@ -165,7 +165,7 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < N; c++) {
-            float d[rows];
+            float d[8];
             dot_col(xn, rows, L->qkv, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 qkv[r * N + c] = f32_to_bf16(d[r] + bias_at(L->qkv_bias, c));
@@ -198,7 +198,7 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < H; c++) {
-            float d[rows];
+            float d[8];
             dot_col(att, rows, L->o, 1, Q, c, d);
             for (int64_t r = 0; r < rows; r++)
                 x[r * H + c] = f32_to_bf16(r16(d[r] + bias_at(L->o_bias, c)) + bf16_to_f32(x[r * H + c]));
@@ -213,14 +213,14 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < I; c++) {
-            float d[rows];
+            float d[8];
             dot_col(xn, rows, L->gate, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 h[r * I + c] = r16(apply(OP_SILU, r16(d[r] + bias_at(L->gate_bias, c)), 0.0f));
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < I; c++) {
-            float d[rows];
+            float d[8];
             dot_col(xn, rows, L->up, 1, H, c, d);
             for (int64_t r = 0; r < rows; r++)
                 h[r * I + c] = r16(r16(d[r] + bias_at(L->up_bias, c)) * h[r * I + c]);
@@ -228,7 +228,7 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < H; c++) {
-            float d[rows];
+            float d[8];
             dot_col(h, rows, L->down, 1, I, c, d);
             for (int64_t r = 0; r < rows; r++)
                 x[r * H + c] = f32_to_bf16(r16(d[r] + bias_at(L->down_bias, c)) + bf16_to_f32(x[r * H + c]));

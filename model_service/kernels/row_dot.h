@@ -105,11 +105,9 @@ dot_rows_m(const float *x, const void *w, int bf16, int64_t k, int64_t row, floa
         out[i] = s[i];
 }
 
-/* out[i] = x[i] · W[row] for every row i < m of x (rows k apart): one row as dot_row, 2-8 at
-   once as dot_rows_m, more in groups of 8. */
+/* out[i] = x[i] · W[row] for every row i < m of x (rows k apart), 1 <= m <= 8: one row as
+   dot_row, 2-8 at once as dot_rows_m. */
 static inline void dot_col(const float *x, int64_t m, const void *w, int bf16, int64_t k, int64_t row, float *out) {
-    for (; m > 8; m -= 8, x += 8 * k, out += 8)
-        dot_rows_m(x, w, bf16, k, row, out, 8);
     switch (m) {
     case 1: out[0] = dot_row(x, w, bf16, k, row); break;
     case 2: dot_rows_m(x, w, bf16, k, row, out, 2); break;

@@ -28,12 +28,14 @@ const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 void kvserve_small_linear(const float *x, int64_t m, int64_t k, const void *w, int bf16, int64_t n,
                           const float *bias, int op, const float *other, float *y, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t col = 0; col < n; ++col) {
-        float d[m];   /* every row of x against this row of W, while it is in L1 */
-        dot_col(x, m, w, bf16, k, col, d);
-        for (int64_t i = 0; i < m; ++i) {
-            float v = d[i] + (bias ? bias[col] : 0.0f);
-            y[i * n + col] = apply(op, v, other ? other[i * n + col] : 0.0f);
+    for (int64_t col = 0; col < n; ++col)
+        for (int64_t i0 = 0; i0 < m; i0 += 8) {   /* up to 8 rows of x against this row of W, in L1 */
+            const int64_t rows = m - i0 < 8 ? m - i0 : 8;
+            float d[8];
+            dot_col(x + i0 * k, rows, w, bf16, k, col, d);
+            for (int64_t i = i0; i < i0 + rows; ++i) {
+                float v = d[i - i0] + (bias ? bias[col] : 0.0f);
+                y[i * n + col] = apply(op, v, other ? other[i * n + col] : 0.0f);
+            }
         }
-    }
 }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import pytest
+import torch
 
 from kvserve.model_service.kernels.library import KernelUnavailable
 
@@ -26,3 +28,14 @@ def load_or_skip(load: Callable[[], K], what: str) -> K:
         return load()
     except KernelUnavailable as exc:
         pytest.skip(f"{what} does not build here: {exc}")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's (and so every kernel's) thread count set to n for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

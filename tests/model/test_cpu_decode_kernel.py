@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_service.kernels import paged_decode
-from tests.model.native_kernels import load_or_skip
+from tests.model.native_kernels import load_or_skip, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +59,8 @@ def test_kernel_matches_reference(kernel, seed, num_kv_heads, group, head_dim, p
                                   extra_columns, threads) -> None:
     q, k_cache, v_cache, tables, seq_lens = random_case(seed, num_kv_heads, group, head_dim, page_size,
                                                         lens, extra_columns)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
-    finally:
-        torch.set_num_threads(before)
     expected = reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -75,12 +71,8 @@ def test_one_sequence_split_by_kv_head(kernel, threads, num_kv_heads) -> None:
     """Fewer sequences than threads: a sequence's KV heads are shared out between tasks (no
     head attended twice or left out, whatever the split's remainder)."""
     q, k_cache, v_cache, tables, seq_lens = random_case(3, num_kv_heads, 2, 64, 16, [200], 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=0.125, max_len=200)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, seq_lens, 0.125),
                                rtol=1e-5, atol=1e-5)
 
@@ -148,12 +140,8 @@ def test_bfloat16_within_one_rounding_of_the_exact_result(kernel, seed, num_kv_h
     bfloat16 step of the exact attention of the same bfloat16 inputs."""
     q, k_cache, v_cache, tables, seq_lens = random_case(seed, num_kv_heads, group, head_dim, page_size, lens, 1)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = kernel(q, k_cache, v_cache, tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
-    finally:
-        torch.set_num_threads(before)
     assert out.dtype == torch.bfloat16
     exact = reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
     step = exact.abs().clamp_min(2.0 ** -126) * 2.0 ** -8          # one bfloat16 ulp at most

@@ -16,7 +16,7 @@ from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from tests.conftest import ARCH_PRESETS
 from tests.model.conftest import Loaded
-from tests.model.native_kernels import load_or_skip
+from tests.model.native_kernels import load_or_skip, torch_threads
 
 PAGE = 4
 PAGES = 160
@@ -70,9 +70,7 @@ def bf16_models(tiny_dirs) -> dict:
 
 def fused_and_modules(model, batch, backend, fused_cache, module_cache, threads):
     """The step's logits through the fused layers, then module by module (each on its own cache)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         meta = backend.prepare(batch)
         x = model.embed_tokens(batch.input_ids)
         assert model._decode_step(batch, x, *model.rope.lookup(batch.positions), fused_cache.layers,
@@ -84,8 +82,6 @@ def fused_and_modules(model, batch, backend, fused_cache, module_cache, threads)
             reference = model(batch, module_cache.layers, backend, backend.prepare(batch))
         finally:
             model.decode_kernel, model.decode_layers = kernel_, layers
-    finally:
-        torch.set_num_threads(before)
     return fused, reference
 
 

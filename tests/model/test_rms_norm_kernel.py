@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvserve.model_service.kernels import rms_norm
 from kvserve.model_service.model.layers import RMSNorm
-from tests.model.native_kernels import load_or_skip
+from tests.model.native_kernels import load_or_skip, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,8 @@ def test_matches_the_torch_ops(kernel, rows, n, bf16, threads, seed) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
     weight = torch.randn(n, generator=g).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = kernel(x, weight, 1e-6)
-    finally:
-        torch.set_num_threads(before)
     want = torch_norm(x, weight, 1e-6)
     assert got.dtype == dtype and got.shape == want.shape
     if bf16:

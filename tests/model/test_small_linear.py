@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvserve.model_service.kernels import small_linear
 from kvserve.model_service.model.linear import SMALL_ROWS, Linear
-from tests.model.native_kernels import load_or_skip
+from tests.model.native_kernels import load_or_skip, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,8 @@ def test_matches_a_float64_reference(kernel, rows, n, k, op, bias, bf16, threads
         w = w.bfloat16()
     b = torch.randn(n, generator=g) if bias else None
     other = torch.randn(rows, n, generator=g) if op in ("mul", "add") else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = kernel(x, w, b, op, other)
-    finally:
-        torch.set_num_threads(before)
     want = reference(x, w, b, op, other)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     scale = want.abs().max().item() + 1.0
