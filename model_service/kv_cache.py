@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.model_service.host_memory import huge_page_zeros
 from kvserve.model_service.model.config import ModelConfig
 
 PagePairs = Sequence[tuple[int, int]]   # (src page id, dst page id)
@@ -50,8 +51,10 @@ class KVCache:
         self.device = torch.device(device)
         self.page_size = page_size
         page_shape = (page_size, config.num_kv_heads, config.head_dim)
-        self.pool = torch.zeros(2, config.num_layers, num_pages, *page_shape,
-                                dtype=dtype, device=self.device)
+        shape = (2, config.num_layers, num_pages, *page_shape)
+        # On CPU on huge pages: a decode step reads pages all over the pool (host_memory.py).
+        self.pool = (huge_page_zeros(shape, dtype) if self.device.type == "cpu"
+                     else torch.zeros(shape, dtype=dtype, device=self.device))
         self.cpu_pool = torch.zeros(2, config.num_layers, cpu_pages, *page_shape, dtype=dtype,
                                     pin_memory=self.device.type == "cuda" and cpu_pages > 0)
         # Per layer (k_cache, v_cache), each (num_pages, page_size, Hk, D): views of pool.

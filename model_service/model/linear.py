@@ -41,12 +41,17 @@ class Linear(nn.Linear):
     small: SmallLinear | None = None     # the small-batch kernel, once use_small() gave it
     plain: BoundWeight | None = None     # the weight as loaded (and the bias in float32), bound to it
 
-    def use_small(self, kernel: SmallLinear) -> None:
-        """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights)."""
+    def use_small(self, kernel: SmallLinear, place=None) -> None:
+        """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights).
+        place: where the weight moves first (a copy function, e.g. host_memory.on_huge_pages);
+        the layer's own weight is then that copy too, so nothing is kept twice."""
         weight = self.weight.detach()
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise ValueError(f"the small-batch linear runs float32 and bfloat16 on CPU, not {weight.dtype} "
                              f"on {weight.device}")
+        if place is not None:
+            weight = place(weight)
+            self.weight.data = weight   # a tied weight's other user (the embedding) moves with it
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         self.small, self.plain = kernel, kernel.bind(weight.contiguous(), bias)
 

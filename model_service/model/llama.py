@@ -131,10 +131,11 @@ class CausalLM(nn.Module):
         return [linear for layer in self.layers
                 for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *layer.mlp.linears())] + [self.lm_head]
 
-    def use_small(self, kernel) -> None:
-        """Matmuls of a few rows on the small-batch kernel (model/linear.py); before pack()."""
+    def use_small(self, kernel, place=None) -> None:
+        """Matmuls of a few rows on the small-batch kernel (model/linear.py); before pack().
+        place: where each weight moves first (Linear.use_small)."""
         for linear in self.linears():
-            linear.use_small(kernel)
+            linear.use_small(kernel, place)
 
     def use_cpu_kernels(self, norm=None, rope=None) -> None:
         """Every RMSNorm and RoPE in one native call each where it can (kernels/rms_norm.py, rope.py)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvserve.model_service.host_memory import on_huge_pages
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service import choices
 from kvserve.model_service.kernels import rms_norm as rms_norm_kernel
@@ -60,7 +61,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if small_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         try:
             small = small_linear_kernel.load()
-            model.use_small(small)
+            model.use_small(small, place=on_huge_pages)   # streamed every decode step
         except KernelUnavailable as exc:
             log.warning("the small-batch linear is unavailable (%s); every matmul runs on %s", exc, gemm)
     if device.type == "cpu":
