@@ -76,7 +76,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     Why: a decode step streams every weight once and reads K/V pages all over the pool, and with
     4 KiB pages each few KB read costs a TLB miss, a two-level page walk in a virtual machine: on
-    a KVM guest the weights on 2 MiB pages made a batch-1 step ~10 % faster (docs/benchmarks.md,
+    a KVM guest the weights on 2 MiB pages made a batch-1 step 5-13 % faster (docs/benchmarks.md,
     "One request at a time and 32 at once"). The pages are faulted in here, not during a step.
     Where the kernel has no MADV_HUGEPAGE (not Linux) or the tensor is under one huge page: torch.zeros.
     """
