@@ -111,6 +111,9 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow HF's with "model." dropped and q/k/v, gate/up fused."""
 
+    decode_kernel: DecodeLayerKernel | None = None   # use_decode_kernel()'s, and each layer bound to it
+    decode_layers: list | None = None
+
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -181,9 +184,6 @@ class CausalLM(nn.Module):
                 x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
         x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row
         return self.lm_head(x).float()                    # (S, vocab)
-
-    decode_kernel: DecodeLayerKernel | None = None
-    decode_layers: list | None = None
 
     def _decode_step(self, batch: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      kv_caches: KVCaches, backend: AttentionBackend, meta: Any):
