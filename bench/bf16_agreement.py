@@ -34,7 +34,8 @@ from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 
 def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
-                   prefix_caching: bool = False, small_linear: str = "auto") -> list[list[int]]:
+                   prefix_caching: bool = False, small_linear: str = "auto", gemm: str = "auto",
+                   attention: str = "auto") -> list[list[int]]:
     from kvserve.model_service.assembly import build_on_a_thread_that_ends
     from kvserve.model_service.config import ModelServiceConfig
     from kvserve.model_service.engine.events import Failed, Finished, Tokens
@@ -43,7 +44,8 @@ def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
 
     stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(model), kvcache="inprocess", device="cpu",
                                                            dtype="bfloat16", prefix_caching=prefix_caching,
-                                                           cpu_small_linear=small_linear))
+                                                           cpu_small_linear=small_linear, cpu_gemm=gemm,
+                                                           attention_backend=attention))
     engine = stack.engine
     engine.start()
     outputs = [[] for _ in prompts]
@@ -92,13 +94,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--cpu-small-linear", default="auto", help="as the model service's flag (auto | off)")
+    ap.add_argument("--cpu-gemm", default="auto", help="as the model service's flag")
+    ap.add_argument("--attention-backend", default="auto", help="as the model service's flag")
     args = ap.parse_args()
 
     model = Path(args.model) if args.model else default_tiny_path("bench")
     from kvserve.model_service.model.config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
     prompts = make_prompts(args.prompts, 32, 512, vocab, seed=7)
-    ours = kvserve_tokens(model, prompts, args.new_tokens, small_linear=args.cpu_small_linear)
+    flags = dict(small_linear=args.cpu_small_linear, gemm=args.cpu_gemm, attention=args.attention_backend)
+    ours = kvserve_tokens(model, prompts, args.new_tokens, **flags)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -114,7 +119,7 @@ def main() -> None:
                                         min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
                                         pad_token_id=0)[0, len(prompt):].tolist())
     asks = [prompt + out[:j] for prompt, out in zip(prompts, theirs) for j in range(args.new_tokens)]
-    forced = [t[0] for t in kvserve_tokens(model, asks, 1, prefix_caching=True, small_linear=args.cpu_small_linear)]
+    forced = [t[0] for t in kvserve_tokens(model, asks, 1, prefix_caching=True, **flags)]
     want = [t for out in theirs for t in out]
     agree = sum(a == b for a, b in zip(forced, want))
     f32_agree = 0
