@@ -14,12 +14,14 @@
  * token of this page: spread out, they keep memory busy while this page is
  * computed. Issued all at once, a page's 256 cache lines queue behind each other;
  * one page ahead measured best of 1-4 (docs/benchmarks.md, "The cpu attention
- * backend"). */
+ * backend"). Into L2 (prefetcht1), not L1: a thread then has more loads in flight, and
+ * 32 sequences' attention ran ~20 % faster (docs/benchmarks.md, "One request at a time and
+ * 32 at once"). */
 static inline void prefetch(const void *p, int64_t bytes)
 {
     const char *c = (const char *)p;
     for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch(c + b);
+        __builtin_prefetch(c + b, 0, 2);
 }
 
 /* Element i of a float32 (bf16 = 0) or bfloat16 array, as float32. bf16 is a constant in
