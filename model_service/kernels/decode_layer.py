@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
-from kvserve.model_service.kernels.paged_decode import MAX_HEAD_FLOATS, MAX_PAGE_SIZE
+from kvserve.model_service.kernels.paged_decode import DTYPES, MAX_HEAD_FLOATS, MAX_PAGE_SIZE
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS
 
 __all__ = ["KernelUnavailable", "DecodeLayerKernel", "Geometry", "load"]
@@ -28,7 +28,6 @@ MAX_ROWS = SMALL_ROWS   # decode steps of up to this many sequences: beyond, the
 WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
            "post_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
 BIASES = frozenset(name for name in WEIGHTS if name.endswith("_bias"))   # float32 whatever the layer's dtype
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LayerStruct(ctypes.Structure):   # decode_layer.c's kvserve_layer
@@ -108,7 +107,8 @@ class DecodeLayerKernel:
                 raise ValueError(f"decode layer: {name} must be a contiguous {dtype} CPU tensor of shape "
                                  f"{shapes[name]}, not {w.dtype} {tuple(w.shape)}")
             pointers[name] = w.data_ptr()
-        struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps, g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
+        struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps,
+                             g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
         return BoundLayer(self._fns[g.dtype], g, struct, weights)
 
     @staticmethod
@@ -133,10 +133,12 @@ class DecodeLayerKernel:
                 and tuple(k_cache.shape[2:]) == (geometry.num_kv_heads, geometry.head_dim)):
             return None
         num_pages, page_size = k_cache.shape[:2]
-        if int(seq_lens.max()) > tables.shape[1] * page_size or int(seq_lens.min()) < 1:
+        (shortest, longest), (lowest_slot, highest_slot), (lowest_page, highest_page) = (
+            map(int, t.aminmax()) for t in (seq_lens, slots, tables))   # one pass over each
+        if shortest < 1 or longest > tables.shape[1] * page_size:
             return None
-        if not (0 <= int(slots.min()) and int(slots.max()) < num_pages * page_size
-                and 0 <= int(tables.min()) and int(tables.max()) < num_pages):
+        if not (0 <= lowest_slot and highest_slot < num_pages * page_size and 0 <= lowest_page
+                and highest_page < num_pages):
             raise ValueError("decode layer: a slot or page id outside the KV cache")
         args = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), page_size, tables.data_ptr(), tables.stride(0),
                 seq_lens.data_ptr())
