@@ -2,7 +2,8 @@
 layer in one native call equals the same step module by module (logits and the K/V written),
 on every tiny architecture (biases, q/k norms, tied heads), at one and several threads, in
 float32 and in bfloat16 (rounded where the modules round); and it refuses what it cannot take.
-Greedy equality with transformers through it is test_equivalence.py's, whose cpu-backend decode steps take this path."""
+Greedy equality with transformers through it is test_equivalence.py's, whose cpu-backend decode
+steps take this path."""
 
 from __future__ import annotations
 
