@@ -11,7 +11,9 @@ so each request computes its last few tokens as decoding does) is asked for one 
 the prompt and the first j tokens of that continuation. Agreement is the share of positions where
 its token is transformers'. Beside it, the same count for transformers in float32 on the same
 sequences: how often bfloat16's own rounding flips a greedy choice on this model (random weights
-give flat distributions with many near-ties). Free-running figures (each side continuing from its
+give flat distributions with many near-ties); and transformers in bfloat16 against itself, the
+whole sequence in one forward where `generate` went a token at a time: how often a change of
+shape alone (the same ops, other blockings of the same sums) flips one. Free-running figures (each side continuing from its
 own tokens) come last: after a first difference the two continue from different text.
 
 Logits: the prompt's last position, kvserve's model against transformers', in bfloat16; beside it
@@ -122,14 +124,19 @@ def main() -> None:
     forced = [t[0] for t in kvserve_tokens(model, asks, 1, prefix_caching=True, **flags)]
     want = [t for out in theirs for t in out]
     agree = sum(a == b for a, b in zip(forced, want))
-    f32_agree = 0
+    f32_agree = whole_agree = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, theirs):
             logits = hf32(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
             f32_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
+            # transformers against itself: the same bfloat16 model over the whole sequence in one
+            # forward, where generate computed the continuation one token at a time
+            logits = hf16(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            whole_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
     print(f"{args.prompts} prompts x {args.new_tokens} positions, teacher-forced on transformers' bfloat16 "
           f"greedy tokens: kvserve bfloat16 agrees on {100 * agree / len(want):.2f} %; transformers float32 "
-          f"on {100 * f32_agree / len(want):.2f} %")
+          f"on {100 * f32_agree / len(want):.2f} %; transformers bfloat16 itself, the whole sequence in one "
+          f"forward, on {100 * whole_agree / len(want):.2f} %")
 
     agree = total = identical = 0
     firsts = []

@@ -117,6 +117,8 @@ class _EngineState:
         yield CounterMetricFamily("kvserve:manager_losses", "Times the KV-cache manager went away and its "
                                   "requests were re-admitted", value=c.manager_losses)
         yield CounterMetricFamily("kvserve:engine_steps", "Engine iterations", value=c.steps)
+        yield CounterMetricFamily("kvserve:engine_manager_steps", "Engine iterations that sent the KV-cache "
+                                  "manager a Step (the others asked it nothing)", value=c.manager_steps)
         yield CounterMetricFamily("kvserve:spec_decode_num_drafts", "Steps in which a sequence verified a draft "
                                   "(--speculative)", value=c.spec_drafts)
         yield CounterMetricFamily("kvserve:spec_decode_num_draft_tokens", "Draft tokens verified",

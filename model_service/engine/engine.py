@@ -5,7 +5,10 @@
 One Step round trip per step, pipelined: step N+1's proposal is built and sent just
 before step N's forward, so the manager works while the model does, and step
 N+1 starts with its plan usually there (scheduler.py says how proposals are built
-ahead of the tokens they wait for).
+ahead of the tokens they wait for). A proposal that asks the manager nothing (every
+sequence decodes inside the pages it holds, no full page to commit, nothing to release)
+is not sent: its plan is empty whoever answers it, and skipping it spares the manager
+and this process a message each way on most decode steps of a small batch.
 
 Other threads (the asyncio servicer) talk to it only through submit() and
 cancel(), which post to an inbox; events go back through each request's sink,
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 from kvserve.kvcache_service.contract.client import KVClient
 from kvserve.kvcache_service.contract.errors import FailedPrecondition, ManagerUnavailable
+from kvserve.kvcache_service.contract.types import StepPlan, StepRequest
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
     InternalError,
@@ -58,6 +62,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineCounters:
     steps: int = 0
+    manager_steps: int = 0     # steps whose proposal went to the manager (the rest asked it nothing)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
@@ -334,7 +339,12 @@ class Engine:
         t0 = clock()
         proposal = self.scheduler.build()
         t1 = clock()
-        self._in_flight = (proposal, self.kv.send_step(proposal.step))
+        if asks_nothing(proposal.step):
+            plan = StepPlan(available_pages=self.scheduler.available_pages)
+            self._in_flight = (proposal, lambda: plan)
+        else:
+            self._in_flight = (proposal, self.kv.send_step(proposal.step))
+            c.manager_steps += 1
         c.schedule_s += t1 - t0
         c.manager_s += clock() - t1
 
@@ -497,6 +507,12 @@ class Engine:
             if r.sink is not None:
                 r.sink(Failed(error))
         self.counters.failed += len(live)
+
+
+def asks_nothing(step: StepRequest) -> bool:
+    """True when the manager's answer to `step` is known: no need, commit, release, truncation
+    or slide, so its plan grants nothing, moves nothing and changes no page."""
+    return not (step.needs or step.commits or step.releases or step.truncations or step.slides)
 
 
 def _members(request: Request) -> list[Request]:
