@@ -8,9 +8,9 @@ and each full page once, so its prefix tree and its stats end where they would h
 
 from __future__ import annotations
 
-from kvserve.kvcache_service.contract.types import Grow, StepRequest, Commit, Truncation
+from kvserve.kvcache_service.contract.types import Commit, Grow, StepRequest, Truncation
 from kvserve.model_service.engine.engine import asks_nothing
-from tests.engine.harness import EngineHarness, wait
+from tests.engine.harness import EngineHarness
 
 PAGE = 4
 PROMPT = [5, 17, 300, 42, 9, 77, 130]   # 7 tokens: the first page fills during the prompt
