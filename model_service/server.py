@@ -95,6 +95,11 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
         stop_at = loop.time() + 2.0
         while engine.num_live() and loop.time() < stop_at:
             await asyncio.sleep(0.02)
+    # The engine is done with them; each call still has to take its last event off its queue
+    # and return (a busy loop can take a while): only then does the server's stop leave it be.
+    stop_at = loop.time() + 5.0
+    while servicer.open_streams and loop.time() < stop_at:
+        await asyncio.sleep(0.02)
     await running.server.stop(1.0)   # the streams' last messages go out
 
 

@@ -50,6 +50,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics_endpoint = None   # where Prometheus scrapes self.metrics, when asked (server.py)
         self.http_front = None   # the OpenAI-compatible HTTP front, when asked (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
+        self.open_streams = 0   # Generate calls not yet returned: a drain waits for them (server.py)
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -61,44 +62,48 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.metrics_endpoint.close()
 
     async def Generate(self, request, context):
-        events: asyncio.Queue = asyncio.Queue()
-        clock = self.metrics.stream()
+        self.open_streams += 1
         try:
-            if self.draining:
-                raise Unavailable("the server is draining: it takes no new requests (another worker, "
-                                  "or this one once restarted, will)")
-            tenant = self._tenant(context)
-            request_id = request.request_id or uuid.uuid4().hex
-            req = await self.builder.build(request, request_id, tenant)
+            events: asyncio.Queue = asyncio.Queue()
+            clock = self.metrics.stream()
             try:
-                self.engine.submit(req, self._relay.sink(events))
-            except DuplicateRequest:   # said with the id the client knows, not the engine's
-                raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
-        except Exception as exc:
-            await abort(context, as_request_failed(exc, "building the request failed"))
-        self.metrics.params_n.observe(req.params.n)
-        left = req.params.n   # sequences still running: the call ends after the last one's finished
-        finished = False
-        try:
-            while not finished:
-                event = await events.get()
-                batch = [event]
-                while not events.empty():  # coalesce what piled up while the client was slow
-                    batch.append(events.get_nowait())
-                # tokens that piled up came together: they share the wait since the last batch
-                clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
-                for e in batch:
-                    if isinstance(e, Finished):
-                        clock.finished(e)
-                for message, ended, failure in _to_messages(request_id, batch):
-                    if failure is not None:
-                        await abort(context, failure)
-                    left -= ended
-                    finished = not left
-                    yield message
+                if self.draining:
+                    raise Unavailable("the server is draining: it takes no new requests (another worker, "
+                                      "or this one once restarted, will)")
+                tenant = self._tenant(context)
+                request_id = request.request_id or uuid.uuid4().hex
+                req = await self.builder.build(request, request_id, tenant)
+                try:
+                    self.engine.submit(req, self._relay.sink(events))
+                except DuplicateRequest:   # said with the id the client knows, not the engine's
+                    raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
+            except Exception as exc:
+                await abort(context, as_request_failed(exc, "building the request failed"))
+            self.metrics.params_n.observe(req.params.n)
+            left = req.params.n   # sequences still running: the call ends after the last one's finished
+            finished = False
+            try:
+                while not finished:
+                    event = await events.get()
+                    batch = [event]
+                    while not events.empty():  # coalesce what piled up while the client was slow
+                        batch.append(events.get_nowait())
+                    # tokens that piled up came together: they share the wait since the last batch
+                    clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
+                    for e in batch:
+                        if isinstance(e, Finished):
+                            clock.finished(e)
+                    for message, ended, failure in _to_messages(request_id, batch):
+                        if failure is not None:
+                            await abort(context, failure)
+                        left -= ended
+                        finished = not left
+                        yield message
+            finally:
+                if not finished:  # cancelled, deadline, client gone: free the pages now
+                    self.engine.cancel(req.request_id)
         finally:
-            if not finished:  # cancelled, deadline, client gone: free the pages now
-                self.engine.cancel(req.request_id)
+            self.open_streams -= 1
 
     def _tenant(self, context) -> str:
         """Whose prefix cache the request uses: its key's tenant, a trusted front's metadata, or

@@ -194,6 +194,35 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
         server.stop()
 
 
+def test_drain_waits_for_every_call_to_return_before_the_server_stops(tiny_dirs, monkeypatch):
+    """The engine has ended a call's request, but the call itself is slow to say so (a busy
+    loop): the drain still lets it return its status instead of cancelling it at stop."""
+    from kvserve.model_service import servicer as servicer_module
+    from kvserve.model_service.server import drain
+    from tests.service.conftest import ModelServerThread
+
+    slow_abort = servicer_module.abort
+
+    async def late(context, error):
+        await asyncio.sleep(1.5)   # longer than the server's own 1 s grace at stop
+        await slow_abort(context, error)
+
+    monkeypatch.setattr(servicer_module, "abort", late)
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            long_call, _ = _stream_until_chunk(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(1900)))
+            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 0.2), server.loop)
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in long_call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+            draining.result(15)
+            assert server.servicer.open_streams == 0
+    finally:
+        server.stop()
+
+
 def test_a_stalled_forward_turns_readiness_and_liveness_not_serving_until_it_moves(tiny_dirs):
     import threading
 
