@@ -216,7 +216,9 @@ def test_drain_waits_for_every_call_to_return_before_the_server_stops(tiny_dirs,
             with pytest.raises(grpc.RpcError) as info:
                 for _ in long_call:
                     pass
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE, "the server shut down before the request finished "
+                "(it was given 0.2 s to finish)"), info.value
             draining.result(15)
             assert server.servicer.open_streams == 0
     finally:
