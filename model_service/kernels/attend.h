@@ -31,6 +31,38 @@ static inline __attribute__((always_inline)) float load(const void *p, int64_t i
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Both attends' start: queries pre-scaled (float32), sums and maxima empty. */
+static inline __attribute__((always_inline)) void
+attend_begin(const void *q, int64_t first_q, int64_t heads, int64_t head_dim, float scale, int bf16,
+             float qs[heads][head_dim], float acc[heads][head_dim], float *running_max, float *denom)
+{
+    for (int64_t h = 0; h < heads; h++) {
+        running_max[h] = -FLT_MAX;     /* not -inf: built with -ffinite-math-only */
+        denom[h] = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) {
+            acc[h][d] = 0.f;
+            qs[h][d] = load(q, first_q + h * head_dim + d, bf16) * scale;
+        }
+    }
+}
+
+/* Both attends' end: each query head's sum over its softmax denominator, rounded once. */
+static inline __attribute__((always_inline)) void
+attend_end(void *out, int64_t first_q, int64_t heads, int64_t head_dim, int bf16,
+           float acc[heads][head_dim], const float *denom)
+{
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = 1.f / denom[h];
+        for (int64_t d = 0; d < head_dim; d++) {
+            const int64_t i = first_q + h * head_dim + d;
+            if (bf16)
+                ((uint16_t *)out)[i] = f32_to_bf16(acc[h][d] * inv);
+            else
+                ((float *)out)[i] = acc[h][d] * inv;
+        }
+    }
+}
+
 /* Inlined into one copy per common head_dim (below), where the constant lets the
  * compiler unroll every dot product and row update: far less arithmetic than
  * with head_dim known only at run time (docs/benchmarks.md).
@@ -54,14 +86,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
     float running_max[heads], denom[heads];
 
     const int64_t first_q = kv_first * group * head_dim;   /* this call's queries and outputs */
-    for (int64_t h = 0; h < heads; h++) {
-        running_max[h] = -FLT_MAX;     /* not -inf: built with -ffinite-math-only */
-        denom[h] = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            acc[h][d] = 0.f;
-            qs[h][d] = load(q, first_q + h * head_dim + d, bf16) * scale;
-        }
-    }
+    attend_begin(q, first_q, heads, head_dim, scale, bf16, qs, acc, running_max, denom);
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
         const int64_t keys = (int64_t)table[p] * page_stride + head_offset;   /* in elements */
@@ -116,16 +141,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
                 }
             }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        const float inv = 1.f / denom[h];
-        for (int64_t d = 0; d < head_dim; d++) {
-            const int64_t i = first_q + h * head_dim + d;
-            if (bf16)
-                ((uint16_t *)out)[i] = f32_to_bf16(acc[h][d] * inv);
-            else
-                ((float *)out)[i] = acc[h][d] * inv;
-        }
-    }
+    attend_end(out, first_q, heads, head_dim, bf16, acc, denom);
 }
 
 #if defined(__AVX512F__)
@@ -183,14 +199,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
     float probs[group][CHUNK] __attribute__((aligned(64)));
     float running_max[heads], denom[heads];
 
-    for (int64_t h = 0; h < heads; h++) {
-        running_max[h] = -FLT_MAX;
-        denom[h] = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            acc[h][d] = 0.f;
-            qs[h][d] = load(q, first_q + h * head_dim + d, bf16) * scale;
-        }
-    }
+    attend_begin(q, first_q, heads, head_dim, scale, bf16, qs, acc, running_max, denom);
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
         const int64_t page = (int64_t)table[p] * page_stride;   /* in elements */
@@ -266,16 +275,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
             }
         }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        const float inv = 1.f / denom[h];
-        for (int64_t d = 0; d < head_dim; d++) {
-            const int64_t i = first_q + h * head_dim + d;
-            if (bf16)
-                ((uint16_t *)out)[i] = f32_to_bf16(acc[h][d] * inv);
-            else
-                ((float *)out)[i] = acc[h][d] * inv;
-        }
-    }
+    attend_end(out, first_q, heads, head_dim, bf16, acc, denom);
 }
 #define ATTEND_FIXED attend_avx512   /* head_dim 64 and 128 */
 #else
