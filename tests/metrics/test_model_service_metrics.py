@@ -55,3 +55,6 @@ def test_series_move_with_requests_and_a_repeated_prompt_hits(served):
         value(before, "kvserve:request_prompt_tokens_bucket", le="50.0") == 2
     assert value(after, "kvserve:num_requests_running") == 0 and value(after, "kvserve:manager_reachable") == 1
     assert value(after, "kvserve:num_preemptions_total", mode="recompute") == 0
+    # most steps of one decoding stream ask the manager nothing and are not sent
+    steps, sent = moved("kvserve:engine_steps_total"), moved("kvserve:engine_manager_steps_total")
+    assert 0 < sent < steps, (sent, steps)
