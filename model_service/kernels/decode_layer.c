@@ -235,3 +235,74 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
         }
     }
 }
+
+/* A whole decode step after the embedding: every layer (the functions above), then the final
+ * RMSNorm and the LM head, in one call, so that no Python runs between the weight streams. The
+ * head's weight is the plain (vocab, hidden) matrix, no bias; logits (rows, vocab) float32, in
+ * bfloat16 rounded to bfloat16 as the module path's bfloat16 logits are. The norm and the head
+ * are the code the separate kernels run (rms_row.h, row_dot.h): the same results. */
+typedef struct {   /* kernels/decode_layer.py's ModelStruct: the same fields in the same order */
+    int64_t num_layers, vocab;
+    float eps;
+    const kvserve_layer *layers;    /* num_layers of them */
+    void *const *k_caches;          /* each layer's */
+    void *const *v_caches;
+    const void *final_norm;         /* (hidden) */
+    const void *head;               /* (vocab, hidden) */
+} kvserve_model;
+
+void kvserve_decode_step_f32(const kvserve_model *M, float *x, int64_t rows, const float *cos,
+                             const float *sin, const int64_t *slots, int64_t page_size, const int32_t *tables,
+                             int64_t table_stride, const int32_t *seq_lens, float *scratch, float *logits,
+                             int32_t threads)
+{
+    for (int64_t l = 0; l < M->num_layers; l++)
+        kvserve_decode_layer_f32(M->layers + l, x, rows, cos, sin, slots, (float *)M->k_caches[l],
+                                 (float *)M->v_caches[l], page_size, tables, table_stride, seq_lens, scratch,
+                                 threads);
+    const int64_t H = M->layers[0].hidden, V = M->vocab;
+    float *xn = scratch;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            rms_row_f32(x + r * H, (const float *)M->final_norm, xn + r * H, H, M->eps);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < V; c++) {
+            float d[8];
+            dot_col(xn, rows, M->head, 0, H, c, d);
+            for (int64_t r = 0; r < rows; r++)
+                logits[r * V + c] = d[r];
+        }
+    }
+}
+
+void kvserve_decode_step_bf16(const kvserve_model *M, uint16_t *x, int64_t rows, const uint16_t *cos,
+                              const uint16_t *sin, const int64_t *slots, int64_t page_size,
+                              const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                              float *scratch, float *logits, int32_t threads)
+{
+    for (int64_t l = 0; l < M->num_layers; l++)
+        kvserve_decode_layer_bf16(M->layers + l, x, rows, cos, sin, slots, (uint16_t *)M->k_caches[l],
+                                  (uint16_t *)M->v_caches[l], page_size, tables, table_stride, seq_lens,
+                                  scratch, threads);
+    const int64_t H = M->layers[0].hidden, V = M->vocab;
+    float *xn = scratch;                                   /* float32 holding bf16 values */
+    uint16_t *normed = (uint16_t *)(xn + rows * H);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_row_bf16(x + r * H, (const uint16_t *)M->final_norm, normed + r * H, H, M->eps);
+            for (int64_t j = 0; j < H; j++)
+                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < V; c++) {
+            float d[8];
+            dot_col(xn, rows, M->head, 1, H, c, d);
+            for (int64_t r = 0; r < rows; r++)
+                logits[r * V + c] = r16(d[r]);
+        }
+    }
+}

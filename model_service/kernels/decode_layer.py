@@ -6,6 +6,8 @@ of a decode step of at most MAX_ROWS sequences, float32 or bfloat16, in one nati
     step = kernel.step(geometry, x, cos, sin, slots, tables, lens, k_cache)   once per step;
                                                       None: not for this step
     layer(x, step, k_cache, v_cache)                  per layer: x updated in place
+    whole = kernel.bind_step(layers, final_norm, head, eps)   or every layer, the final norm and
+    logits = whole(x, step, kv_caches)                 the LM head in one call: (rows, vocab) float32
 
 Built when kvserve is installed and loaded by kernels/library.py; where it cannot be, load()
 says why and the layers run module by module.
@@ -35,6 +37,12 @@ class LayerStruct(ctypes.Structure):   # decode_layer.c's kvserve_layer
                                                      "intermediate")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in WEIGHTS])
+
+
+class ModelStruct(ctypes.Structure):   # decode_layer.c's kvserve_model
+    _fields_ = [("num_layers", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("layers", ctypes.c_void_p), ("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,12 @@ class DecodeLayerKernel:
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
             fn.restype = None
             self._fns[dtype] = fn
+        self._step_fns = {}
+        for dtype, name in zip(DTYPES, ("kvserve_decode_step_f32", "kvserve_decode_step_bf16")):
+            fn = getattr(library, name)
+            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
+            fn.restype = None
+            self._step_fns[dtype] = fn
 
     def bind(self, geometry: Geometry, weights: dict[str, torch.Tensor | None]) -> BoundLayer:
         """weights: WEIGHTS' names -> contiguous CPU tensors of geometry.shapes() in geometry.dtype
@@ -110,6 +124,18 @@ class DecodeLayerKernel:
         struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps,
                              g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
         return BoundLayer(self._fns[g.dtype], g, struct, weights)
+
+    def bind_step(self, layers: list[BoundLayer], final_norm: torch.Tensor, head: torch.Tensor,
+                  eps: float) -> BoundStep:
+        """Every layer (bound by bind(), in order), then the final RMSNorm (weight (hidden,)) and
+        the LM head (weight (vocab, hidden), no bias), in one call per step; both weights
+        contiguous CPU tensors of the layers' dtype."""
+        g = layers[0].geometry
+        for name, w, shape in (("final norm", final_norm, (g.hidden,)), ("LM head", head, (head.shape[0], g.hidden))):
+            if not (w.dtype == g.dtype and w.device.type == "cpu" and w.is_contiguous() and tuple(w.shape) == shape):
+                raise ValueError(f"decode step: the {name} must be a contiguous {g.dtype} CPU tensor of shape "
+                                 f"{shape}, not {w.dtype} {tuple(w.shape)}")
+        return BoundStep(self._step_fns[g.dtype], layers, final_norm, head, eps)
 
     @staticmethod
     def step(geometry: Geometry, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -166,6 +192,50 @@ class BoundLayer:
                  v_cache.data_ptr(), page_size, tables, stride, lens, self._scratch.data_ptr(),
                  torch.get_num_threads())
         return x
+
+
+class BoundStep:
+    """A decode step after the embedding in one call (DecodeLayerKernel.bind_step): every layer,
+    the final norm, the LM head. The caches' pointers are taken once, from the list of (k, v)
+    per layer the model is called with (the KV cache's own, the same every step)."""
+
+    def __init__(self, fn, layers: list[BoundLayer], final_norm: torch.Tensor, head: torch.Tensor,
+                 eps: float) -> None:
+        self._fn, self.geometry, self.vocab, self.eps = fn, layers[0].geometry, head.shape[0], eps
+        self._layers = (LayerStruct * len(layers))(*(layer._struct for layer in layers))
+        self._keep = (layers, final_norm, head)   # the memory the structs point at
+        self._caches: list | None = None          # the list the pointers below came from
+        self._struct: ModelStruct | None = None
+        self._scratch = torch.empty(self.geometry.scratch_floats(MAX_ROWS))
+
+    def _take_caches(self, kv_caches: list) -> None:
+        g, n = self.geometry, len(self._layers)
+        shape = tuple(kv_caches[0][0].shape) if kv_caches else None
+        if len(kv_caches) != n or not all(
+                k.dtype == v.dtype == g.dtype and tuple(k.shape) == tuple(v.shape) == shape
+                and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            raise ValueError(f"decode step: {n} layers' caches, contiguous {g.dtype} of one shape")
+        self._k = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches))
+        self._v = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kv_caches))
+        final_norm, head = self._keep[1:]
+        self._struct = ModelStruct(n, self.vocab, self.eps, ctypes.addressof(self._layers),
+                                   ctypes.addressof(self._k), ctypes.addressof(self._v),
+                                   final_norm.data_ptr(), head.data_ptr())
+        self._caches, self._cache_shape = kv_caches, shape
+
+    def __call__(self, x: torch.Tensor, step: Step, kv_caches: list) -> torch.Tensor:
+        """x (rows, hidden) as step() took it (left as the last layer's output); -> logits (rows,
+        vocab) float32."""
+        if kv_caches is not self._caches:
+            self._take_caches(kv_caches)
+        if step.cache_shape != self._cache_shape or x.dtype != self.geometry.dtype:
+            raise ValueError(f"decode step: the caches must be {self._cache_shape}, x {self.geometry.dtype}")
+        logits = torch.empty(step.rows, self.vocab)
+        cos, sin, slots, page_size, tables, stride, lens = step.args
+        # ctypes drops the GIL for the call, as a torch op does.
+        self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, page_size, tables, stride,
+                 lens, self._scratch.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        return logits
 
 
 def _load() -> DecodeLayerKernel:

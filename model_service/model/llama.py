@@ -113,6 +113,7 @@ class CausalLM(nn.Module):
 
     decode_kernel: DecodeLayerKernel | None = None   # use_decode_kernel()'s, and each layer bound to it
     decode_layers: list | None = None
+    decode_whole = None   # and the whole step after the embedding, where the LM head is plain
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -153,13 +154,17 @@ class CausalLM(nn.Module):
         float32 or bfloat16, where the backend decodes natively; None: module by module. After
         use_small() (and pack())."""
         if kernel is None:
-            self.decode_kernel = self.decode_layers = None
+            self.decode_kernel = self.decode_layers = self.decode_whole = None
             return
         c = self.config
         self.decode_geometry = Geometry(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                         c.intermediate_size, c.rms_norm_eps, self.norm.weight.dtype)
         self.decode_layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
         self.decode_kernel = kernel
+        head = self.lm_head.plain   # the small-batch kernel's weight: no Python between the streams
+        if head is not None and head.bias is None and head.weight.dtype == self.decode_geometry.dtype:
+            self.decode_whole = kernel.bind_step(self.decode_layers, self.norm.weight.detach(), head.weight,
+                                                 self.norm.eps)
 
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""
@@ -176,6 +181,9 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)            # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions, batch.max_seqlen_k)      # (T, 1, D/2) each, shared by all layers
         step = self._decode_step(batch, x, cos, sin, kv_caches, backend, meta)
+        if step is not None and self.decode_whole is not None:   # the rest of the step in one call
+            logits = self.decode_whole(x, step, kv_caches)
+            return logits if len(batch.logits_indices) == step.rows else logits[batch.logits_indices]
         per_layer = getattr(meta, "for_layer", None)   # layers that mask differently (some slide)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if step is not None:   # the whole layer in one native call, x in place
