@@ -46,6 +46,20 @@ typedef struct {   /* kernels/decode_layer.py's LayerStruct: the same fields in 
 
 static inline float bias_at(const float *bias, int64_t i) { return bias ? bias[i] : 0.0f; }
 
+/* bfloat16: each row of x RMSNormed into `normed`, and the same values widened into `xn`, as the
+   matmuls read them. Called inside a parallel region: the rows are shared out (orphaned `omp for`,
+   with its barrier). */
+static inline void norm_rows_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *normed, float *xn,
+                                  int64_t rows, int64_t H, float eps)
+{
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        rms_row_bf16(x + r * H, weight, normed + r * H, H, eps);
+        for (int64_t j = 0; j < H; j++)
+            xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
+    }
+}
+
 void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, const float *cos,
                               const float *sin, const int64_t *slots, float *k_cache, float *v_cache,
                               int64_t page_size, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
@@ -156,12 +170,7 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
 
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            rms_row_bf16(x + r * H, input_norm, normed + r * H, H, L->eps);
-            for (int64_t j = 0; j < H; j++)
-                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
-        }
+        norm_rows_bf16(x, input_norm, normed, xn, rows, H, L->eps);
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < N; c++) {
@@ -204,12 +213,7 @@ void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows
                 x[r * H + c] = f32_to_bf16(r16(d[r] + bias_at(L->o_bias, c)) + bf16_to_f32(x[r * H + c]));
         }
 
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            rms_row_bf16(x + r * H, post_norm, normed + r * H, H, L->eps);
-            for (int64_t j = 0; j < H; j++)
-                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
-        }
+        norm_rows_bf16(x, post_norm, normed, xn, rows, H, L->eps);
 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < I; c++) {
@@ -291,12 +295,7 @@ void kvserve_decode_step_bf16(const kvserve_model *M, uint16_t *x, int64_t rows,
     uint16_t *normed = (uint16_t *)(xn + rows * H);
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            rms_row_bf16(x + r * H, (const uint16_t *)M->final_norm, normed + r * H, H, M->eps);
-            for (int64_t j = 0; j < H; j++)
-                xn[r * H + j] = bf16_to_f32(normed[r * H + j]);
-        }
+        norm_rows_bf16(x, (const uint16_t *)M->final_norm, normed, xn, rows, H, M->eps);
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < V; c++) {
             float d[8];
