@@ -80,24 +80,29 @@ class ModelRunner:
 
     def _build_decodes(self, work: list[Work]) -> ForwardBatch:
         """build() for a step of decodes only (one token each, no draft): the same batch from
-        plain lists, without the varlen index arithmetic (a batch-1 step's every op counts)."""
+        plain lists, without the varlen index arithmetic (a batch-1 step's every op counts), as
+        views of two tensors, one int64 and one int32, each made and moved once."""
         ps = self.page_size
+        n = len(work)
         starts = [w.start for w in work]
         seq_lens = [s + 1 for s in starts]
         width = -(-max(seq_lens) // ps)
         tables = [w.request.page_table[:width] for w in work]
         slots = [t[s // ps] * ps + s % ps for t, s in zip(tables, starts)]
-        tables = [t + [0] * (width - len(t)) for t in tables]
-        n = len(work)
-        dev = self.device
+        samples = [i for i, w in enumerate(work) if w.samples]
+        longs = torch.tensor([w.request.tokens[w.start] for w in work] + starts + slots + samples, dtype=torch.int64)
+        ints = torch.tensor([*range(n + 1), *seq_lens, *(p for t in tables for p in t + [0] * (width - len(t)))],
+                            dtype=torch.int32)
+        if self.device.type != "cpu":
+            longs, ints = longs.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         return ForwardBatch(
-            input_ids=torch.tensor([w.request.tokens[w.start] for w in work], dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
-            logits_indices=torch.tensor([i for i, w in enumerate(work) if w.samples], dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=longs[:n],
+            positions=longs[n:2 * n],
+            slot_mapping=longs[2 * n:3 * n],
+            cu_seqlens_q=ints[:n + 1],
+            seq_lens=ints[n + 1:2 * n + 1],
+            block_tables=ints[2 * n + 1:].view(n, width),
+            logits_indices=longs[3 * n:],
             num_decodes=n,
             max_seqlen_q=1,
             max_seqlen_k=max(seq_lens),
