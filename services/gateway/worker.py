@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -54,15 +55,16 @@ class Worker:
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]))
 
-    @property
+    # One stub each, made on first use: a stub per call cost every routed request its making.
+    @cached_property
     def inference(self) -> pb_grpc.InferenceStub:
         return pb_grpc.InferenceStub(self.channel)
 
-    @property
+    @cached_property
     def cache_events(self) -> kv_pb_grpc.KVCacheEventsStub:
         return kv_pb_grpc.KVCacheEventsStub(self.channel)
 
-    @property
+    @cached_property
     def health(self) -> health_pb2_grpc.HealthStub:
         return health_pb2_grpc.HealthStub(self.channel)
 
