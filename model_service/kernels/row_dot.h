@@ -19,6 +19,10 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+/* 8 weights from element j: of the float32 row or, with bf16, of the bfloat16 one, widened */
+static inline __m256 load8_w(const float *wf, const uint16_t *wh, int64_t j, int bf16) {
+    return bf16 ? load8_bf16(wh + j) : load8(wf + j);
+}
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -37,25 +41,14 @@ static float dot_row(const float *x, const void *w, int bf16, int64_t k, int64_t
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    if (bf16) {
-        for (; j + 32 <= k; j += 32) {
-            a0 = _mm256_fmadd_ps(load8_bf16(wh + j), load8(x + j), a0);
-            a1 = _mm256_fmadd_ps(load8_bf16(wh + j + 8), load8(x + j + 8), a1);
-            a2 = _mm256_fmadd_ps(load8_bf16(wh + j + 16), load8(x + j + 16), a2);
-            a3 = _mm256_fmadd_ps(load8_bf16(wh + j + 24), load8(x + j + 24), a3);
-        }
-        for (; j + 8 <= k; j += 8)
-            a0 = _mm256_fmadd_ps(load8_bf16(wh + j), load8(x + j), a0);
-    } else {
-        for (; j + 32 <= k; j += 32) {
-            a0 = _mm256_fmadd_ps(load8(wf + j), load8(x + j), a0);
-            a1 = _mm256_fmadd_ps(load8(wf + j + 8), load8(x + j + 8), a1);
-            a2 = _mm256_fmadd_ps(load8(wf + j + 16), load8(x + j + 16), a2);
-            a3 = _mm256_fmadd_ps(load8(wf + j + 24), load8(x + j + 24), a3);
-        }
-        for (; j + 8 <= k; j += 8)
-            a0 = _mm256_fmadd_ps(load8(wf + j), load8(x + j), a0);
+    for (; j + 32 <= k; j += 32) {   /* bf16 is loop-invariant: GCC unswitches the loop on it */
+        a0 = _mm256_fmadd_ps(load8_w(wf, wh, j, bf16), load8(x + j), a0);
+        a1 = _mm256_fmadd_ps(load8_w(wf, wh, j + 8, bf16), load8(x + j + 8), a1);
+        a2 = _mm256_fmadd_ps(load8_w(wf, wh, j + 16, bf16), load8(x + j + 16), a2);
+        a3 = _mm256_fmadd_ps(load8_w(wf, wh, j + 24, bf16), load8(x + j + 24), a3);
     }
+    for (; j + 8 <= k; j += 8)
+        a0 = _mm256_fmadd_ps(load8_w(wf, wh, j, bf16), load8(x + j), a0);
     s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
     for (; j < k; ++j)
@@ -80,8 +73,8 @@ dot_rows_m(const float *x, const void *w, int bf16, int64_t k, int64_t row, floa
         a[i] = b[i] = _mm256_setzero_ps();
     if (M <= 4) {
         for (; j + 16 <= k; j += 16) {
-            __m256 w0 = bf16 ? load8_bf16(wh + j) : load8(wf + j);
-            __m256 w1 = bf16 ? load8_bf16(wh + j + 8) : load8(wf + j + 8);
+            __m256 w0 = load8_w(wf, wh, j, bf16);
+            __m256 w1 = load8_w(wf, wh, j + 8, bf16);
             for (int i = 0; i < M; i++) {
                 a[i] = _mm256_fmadd_ps(w0, load8(x + i * k + j), a[i]);
                 b[i] = _mm256_fmadd_ps(w1, load8(x + i * k + j + 8), b[i]);
@@ -89,7 +82,7 @@ dot_rows_m(const float *x, const void *w, int bf16, int64_t k, int64_t row, floa
         }
     }
     for (; j + 8 <= k; j += 8) {
-        __m256 w0 = bf16 ? load8_bf16(wh + j) : load8(wf + j);
+        __m256 w0 = load8_w(wf, wh, j, bf16);
         for (int i = 0; i < M; i++)
             a[i] = _mm256_fmadd_ps(w0, load8(x + i * k + j), a[i]);
     }
