@@ -255,53 +255,36 @@ typedef struct {   /* kernels/decode_layer.py's ModelStruct: the same fields in 
     const void *head;               /* (vocab, hidden) */
 } kvserve_model;
 
-void kvserve_decode_step_f32(const kvserve_model *M, float *x, int64_t rows, const float *cos,
-                             const float *sin, const int64_t *slots, int64_t page_size, const int32_t *tables,
-                             int64_t table_stride, const int32_t *seq_lens, float *scratch, float *logits,
-                             int32_t threads)
+/* bf16 = 0: x, cos, sin, the caches and the weights float32; bf16 = 1: all bfloat16. */
+void kvserve_decode_step(const kvserve_model *M, void *x, int64_t rows, const void *cos, const void *sin,
+                         const int64_t *slots, int64_t page_size, const int32_t *tables, int64_t table_stride,
+                         const int32_t *seq_lens, float *scratch, float *logits, int32_t bf16, int32_t threads)
 {
-    for (int64_t l = 0; l < M->num_layers; l++)
-        kvserve_decode_layer_f32(M->layers + l, x, rows, cos, sin, slots, (float *)M->k_caches[l],
-                                 (float *)M->v_caches[l], page_size, tables, table_stride, seq_lens, scratch,
-                                 threads);
-    const int64_t H = M->layers[0].hidden, V = M->vocab;
-    float *xn = scratch;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            rms_row_f32(x + r * H, (const float *)M->final_norm, xn + r * H, H, M->eps);
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < V; c++) {
-            float d[8];
-            dot_col(xn, rows, M->head, 0, H, c, d);
-            for (int64_t r = 0; r < rows; r++)
-                logits[r * V + c] = d[r];
-        }
+    for (int64_t l = 0; l < M->num_layers; l++) {
+        if (bf16)
+            kvserve_decode_layer_bf16(M->layers + l, x, rows, cos, sin, slots, M->k_caches[l], M->v_caches[l],
+                                      page_size, tables, table_stride, seq_lens, scratch, threads);
+        else
+            kvserve_decode_layer_f32(M->layers + l, x, rows, cos, sin, slots, M->k_caches[l], M->v_caches[l],
+                                     page_size, tables, table_stride, seq_lens, scratch, threads);
     }
-}
-
-void kvserve_decode_step_bf16(const kvserve_model *M, uint16_t *x, int64_t rows, const uint16_t *cos,
-                              const uint16_t *sin, const int64_t *slots, int64_t page_size,
-                              const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                              float *scratch, float *logits, int32_t threads)
-{
-    for (int64_t l = 0; l < M->num_layers; l++)
-        kvserve_decode_layer_bf16(M->layers + l, x, rows, cos, sin, slots, (uint16_t *)M->k_caches[l],
-                                  (uint16_t *)M->v_caches[l], page_size, tables, table_stride, seq_lens,
-                                  scratch, threads);
     const int64_t H = M->layers[0].hidden, V = M->vocab;
-    float *xn = scratch;                                   /* float32 holding bf16 values */
-    uint16_t *normed = (uint16_t *)(xn + rows * H);
+    float *xn = scratch;   /* the normed rows as the head reads them (in bfloat16: bf16 values) */
 #pragma omp parallel num_threads(threads)
     {
-        norm_rows_bf16(x, (const uint16_t *)M->final_norm, normed, xn, rows, H, M->eps);
+        if (bf16) {
+            norm_rows_bf16(x, M->final_norm, (uint16_t *)(xn + rows * H), xn, rows, H, M->eps);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                rms_row_f32((const float *)x + r * H, M->final_norm, xn + r * H, H, M->eps);
+        }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < V; c++) {
             float d[8];
-            dot_col(xn, rows, M->head, 1, H, c, d);
+            dot_col(xn, rows, M->head, bf16, H, c, d);
             for (int64_t r = 0; r < rows; r++)
-                logits[r * V + c] = r16(d[r]);
+                logits[r * V + c] = bf16 ? r16(d[r]) : d[r];
         }
     }
 }

@@ -87,12 +87,10 @@ class DecodeLayerKernel:
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
             fn.restype = None
             self._fns[dtype] = fn
-        self._step_fns = {}
-        for dtype, name in zip(DTYPES, ("kvserve_decode_step_f32", "kvserve_decode_step_bf16")):
-            fn = getattr(library, name)
-            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
-            fn.restype = None
-            self._step_fns[dtype] = fn
+        self._step_fn = library.kvserve_decode_step
+        self._step_fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32,
+                                  ctypes.c_int32]
+        self._step_fn.restype = None
 
     def bind(self, geometry: Geometry, weights: dict[str, torch.Tensor | None]) -> BoundLayer:
         """weights: WEIGHTS' names -> contiguous CPU tensors of geometry.shapes() in geometry.dtype
@@ -135,7 +133,7 @@ class DecodeLayerKernel:
             if not (w.dtype == g.dtype and w.device.type == "cpu" and w.is_contiguous() and tuple(w.shape) == shape):
                 raise ValueError(f"decode step: the {name} must be a contiguous {g.dtype} CPU tensor of shape "
                                  f"{shape}, not {w.dtype} {tuple(w.shape)}")
-        return BoundStep(self._step_fns[g.dtype], layers, final_norm, head, eps)
+        return BoundStep(self._step_fn, layers, final_norm, head, eps)
 
     @staticmethod
     def step(geometry: Geometry, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -234,7 +232,8 @@ class BoundStep:
         cos, sin, slots, page_size, tables, stride, lens = step.args
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, page_size, tables, stride,
-                 lens, self._scratch.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+                 lens, self._scratch.data_ptr(), logits.data_ptr(), int(x.dtype == torch.bfloat16),
+                 torch.get_num_threads())
         return logits
 
 
