@@ -60,7 +60,7 @@ static inline void norm_rows_bf16(const uint16_t *x, const uint16_t *weight, uin
     }
 }
 
-void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, const float *cos,
+static void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, const float *cos,
                               const float *sin, const int64_t *slots, float *k_cache, float *v_cache,
                               int64_t page_size, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                               float *scratch, int32_t threads)
@@ -152,7 +152,7 @@ void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, co
 /* The same layer in bfloat16 (see the header). Activations go through float32 scratch holding
  * bfloat16 values (xn, att, h), so every matmul reads them as small_linear.c's bfloat16 path does
  * (x widened, weights widened, float32 sums, one rounding); qkv stays bfloat16 for the attention. */
-void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows, const uint16_t *cos,
+static void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64_t rows, const uint16_t *cos,
                                const uint16_t *sin, const int64_t *slots, uint16_t *k_cache,
                                uint16_t *v_cache, int64_t page_size, const int32_t *tables,
                                int64_t table_stride, const int32_t *seq_lens, float *scratch,

@@ -1,13 +1,14 @@
 """The fused decode layer (decode_layer.c), called through ctypes: one Llama-family decoder layer
-of a decode step of at most MAX_ROWS sequences, float32 or bfloat16, in one native call.
+of a decode step of at most MAX_ROWS sequences, float32 or bfloat16, every layer and then the
+final norm and the LM head in one native call.
 
     kernel = load()
-    layer = kernel.bind(geometry, weights)            once per layer, at load time
+    layers = [kernel.bind(geometry, weights) ...]     once per layer, at load time
+    whole = kernel.bind_step(layers, final_norm, head, eps)   once, at load time
     step = kernel.step(geometry, x, cos, sin, slots, tables, lens, k_cache)   once per step;
                                                       None: not for this step
-    layer(x, step, k_cache, v_cache)                  per layer: x updated in place
-    whole = kernel.bind_step(layers, final_norm, head, eps)   or every layer, the final norm and
-    logits = whole(x, step, kv_caches)                 the LM head in one call: (rows, vocab) float32
+    logits = whole(x, step, kv_caches)                every layer, the final norm and the LM head
+                                                      in one call: (rows, vocab) float32
 
 Built when kvserve is installed and loaded by kernels/library.py; where it cannot be, load()
 says why and the layers run module by module.
@@ -81,12 +82,6 @@ class DecodeLayerKernel:
     def __init__(self, library: ctypes.CDLL, level: str) -> None:
         self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = {}
-        for dtype, name in zip(DTYPES, ("kvserve_decode_layer_f32", "kvserve_decode_layer_bf16")):
-            fn = getattr(library, name)
-            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
-            fn.restype = None
-            self._fns[dtype] = fn
         self._step_fn = library.kvserve_decode_step
         self._step_fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32,
                                   ctypes.c_int32]
@@ -121,7 +116,7 @@ class DecodeLayerKernel:
             pointers[name] = w.data_ptr()
         struct = LayerStruct(g.hidden, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate, g.eps,
                              g.head_dim ** -0.5, *(pointers[name] for name in WEIGHTS))
-        return BoundLayer(self._fns[g.dtype], g, struct, weights)
+        return BoundLayer(g, struct, weights)
 
     def bind_step(self, layers: list[BoundLayer], final_norm: torch.Tensor, head: torch.Tensor,
                   eps: float) -> BoundStep:
@@ -170,26 +165,11 @@ class DecodeLayerKernel:
 
 
 class BoundLayer:
-    """One layer's weights and geometry, checked once (DecodeLayerKernel.bind)."""
+    """One layer's weights and geometry, checked once (DecodeLayerKernel.bind), for bind_step."""
 
-    def __init__(self, fn, geometry: Geometry, struct: LayerStruct, weights: dict) -> None:
-        self._fn, self.geometry, self._struct = fn, geometry, struct
+    def __init__(self, geometry: Geometry, struct: LayerStruct, weights: dict) -> None:
+        self.geometry, self._struct = geometry, struct
         self._weights = weights   # the memory the struct points at
-        self._scratch = torch.empty(geometry.scratch_floats(MAX_ROWS))
-
-    def __call__(self, x: torch.Tensor, step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """x (rows, hidden) as step() took it, updated in place (and returned); the step's K and V
-        written to its slots of k_cache and v_cache, contiguous, of the step's cache shape and dtype."""
-        dtype = self.geometry.dtype
-        if not (k_cache.dtype == v_cache.dtype == dtype and k_cache.shape == v_cache.shape == step.cache_shape
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and x.dtype == dtype):
-            raise ValueError(f"decode layer: the caches must be contiguous {dtype} {step.cache_shape}")
-        cos, sin, slots, page_size, tables, stride, lens = step.args
-        # ctypes drops the GIL for the call, as a torch op does.
-        self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, k_cache.data_ptr(),
-                 v_cache.data_ptr(), page_size, tables, stride, lens, self._scratch.data_ptr(),
-                 torch.get_num_threads())
-        return x
 
 
 class BoundStep:

@@ -11,8 +11,9 @@ One forward call runs one engine step: every token of every sequence in one
 The LM head runs only on batch.logits_indices rows. On CPU, pack() moves every
 matmul to a packed GEMM (native or oneDNN) with the element-wise ops fused in
 (model/linear.py); and with use_decode_kernel(), a decode step of a few sequences
-whose attention backend reads the pages natively (cpu) runs each layer above in one native
-call (kernels/decode_layer.py), the same pieces without Python between them.
+whose attention backend reads the pages natively (cpu) runs every layer above, the final norm
+and the LM head in one native call (kernels/decode_layer.py), the same pieces without Python
+between them.
 """
 
 from __future__ import annotations
@@ -111,9 +112,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow HF's with "model." dropped and q/k/v, gate/up fused."""
 
-    decode_kernel: DecodeLayerKernel | None = None   # use_decode_kernel()'s, and each layer bound to it
-    decode_layers: list | None = None
-    decode_whole = None   # and the whole step after the embedding, where the LM head is plain
+    decode_kernel: DecodeLayerKernel | None = None   # use_decode_kernel()'s
+    decode_whole = None   # and the step after the embedding bound to it: every layer, norm, LM head
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -150,21 +150,20 @@ class CausalLM(nn.Module):
                 module.rope_kernel = rope
 
     def use_decode_kernel(self, kernel: DecodeLayerKernel | None) -> None:
-        """Decode steps of a few rows run each layer in one call of `kernel` (kernels/decode_layer.py),
-        float32 or bfloat16, where the backend decodes natively; None: module by module. After
-        use_small() (and pack())."""
-        if kernel is None:
-            self.decode_kernel = self.decode_layers = self.decode_whole = None
+        """Decode steps of a few rows, where the backend decodes natively, run every layer, the final
+        norm and the LM head in one call of `kernel` (kernels/decode_layer.py), float32 or bfloat16;
+        None (or an LM head off the small-batch kernel): module by module. After use_small() (and
+        pack())."""
+        self.decode_kernel = self.decode_whole = None
+        head = self.lm_head.plain   # the small-batch kernel's weight, which the step streams
+        if kernel is None or head is None or head.bias is not None or head.weight.dtype != self.norm.weight.dtype:
             return
         c = self.config
         self.decode_geometry = Geometry(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                         c.intermediate_size, c.rms_norm_eps, self.norm.weight.dtype)
-        self.decode_layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
+        layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
+        self.decode_whole = kernel.bind_step(layers, self.norm.weight.detach(), head.weight, self.norm.eps)
         self.decode_kernel = kernel
-        head = self.lm_head.plain   # the small-batch kernel's weight: no Python between the streams
-        if head is not None and head.bias is None and head.weight.dtype == self.decode_geometry.dtype:
-            self.decode_whole = kernel.bind_step(self.decode_layers, self.norm.weight.detach(), head.weight,
-                                                 self.norm.eps)
 
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""
@@ -181,15 +180,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)            # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions, batch.max_seqlen_k)      # (T, 1, D/2) each, shared by all layers
         step = self._decode_step(batch, x, cos, sin, kv_caches, backend, meta)
-        if step is not None and self.decode_whole is not None:   # the rest of the step in one call
+        if step is not None:   # the rest of the step in one native call
             logits = self.decode_whole(x, step, kv_caches)
             return logits if len(batch.logits_indices) == step.rows else logits[batch.logits_indices]
         per_layer = getattr(meta, "for_layer", None)   # layers that mask differently (some slide)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if step is not None:   # the whole layer in one native call, x in place
-                self.decode_layers[i](x, step, k_cache, v_cache)
-            else:
-                x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
+            x = layer(x, cos, sin, k_cache, v_cache, backend, meta if per_layer is None else per_layer(i))
         x = self.norm(x[batch.logits_indices])            # (S, hidden): norm is per row
         return self.lm_head(x).float()                    # (S, vocab)
 
