@@ -41,7 +41,7 @@ static float dot_row(const float *x, const void *w, int bf16, int64_t k, int64_t
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; j + 32 <= k; j += 32) {   /* bf16 is loop-invariant: GCC unswitches the loop on it */
+    for (; j + 32 <= k; j += 32) {
         a0 = _mm256_fmadd_ps(load8_w(wf, wh, j, bf16), load8(x + j), a0);
         a1 = _mm256_fmadd_ps(load8_w(wf, wh, j + 8, bf16), load8(x + j + 8), a1);
         a2 = _mm256_fmadd_ps(load8_w(wf, wh, j + 16, bf16), load8(x + j + 16), a2);
