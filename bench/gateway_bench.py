@@ -22,10 +22,11 @@ Printed per routing: time to first token (mean, p90) as the client sees it, the 
 (cached / prompt tokens, from each PrefillDone), the prompt tokens actually computed, and
 output tokens per second over the run.
 
-Overhead: 200 one-token requests of 16 tokens to a worker directly and 200 through the gateway
-(cache routing), the two alternating so that the machine's drift falls on both; p50 and p90 of
-the whole call, and the median of the paired differences: what the gateway adds (hashing,
-routing, one more hop).
+Overhead: 200 one-token requests of 16 tokens to a worker directly, 200 through the bare relay
+(bench/bare_relay.py: the same hop with nothing else, the floor of a Python gRPC proxy) and 200
+through the gateway (cache routing), taking turns so that the machine's drift falls on all; p50
+and p90 of the whole call, and the median of the paired differences from the direct call: what
+the hop costs, and what the gateway adds to it (hashing, routing, its queue, failover's books).
 """
 
 from __future__ import annotations
@@ -161,28 +162,48 @@ async def conversations(address: str, args, vocab: int) -> dict:
                 hit=cached / prompt, computed=prompt - cached, prompt=prompt, tok_s=generated / wall, wall=wall)
 
 
-def latencies(direct: str, gateway: str, n: int = 200) -> tuple[tuple[float, float], tuple[float, float], float]:
-    """One 16-token request, 1 token out, to a worker directly and through the gateway, the two
-    alternating so that the machine's drift falls on both: (direct p50, p90), (gateway p50, p90),
-    and the median of the paired differences."""
+class BareRelay:
+    """bench/bare_relay.py in front of one worker: the floor of any Python gRPC hop."""
+
+    def __init__(self, upstream: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_relay.py"), self.address, upstream])
+        with grpc.insecure_channel(self.address) as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def latencies(targets: dict[str, str], n: int = 200) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """One 16-token request, 1 token out, to each target in turn (a worker directly, the bare
+    relay, the gateway), their order rotating so that the machine's drift falls on all: p50 and
+    p90 of each, and the median of each target's paired differences from the first."""
     rng = random.Random(3)
-    times: dict[str, list[float]] = {direct: [], gateway: []}
-    with grpc.insecure_channel(direct) as a, grpc.insecure_channel(gateway) as b:
-        stubs = {direct: pb_grpc.InferenceStub(a), gateway: pb_grpc.InferenceStub(b)}
+    names = list(targets)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    channels = {name: grpc.insecure_channel(address) for name, address in targets.items()}
+    try:
+        stubs = {name: pb_grpc.InferenceStub(ch) for name, ch in channels.items()}
         for i in range(n + 10):
-            for address in (direct, gateway) if i % 2 else (gateway, direct):
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 ids = [rng.randrange(3, 1000) for _ in range(16)]
                 start = time.perf_counter()
-                for _ in stubs[address].Generate(request(ids, 1), timeout=60):
+                for _ in stubs[name].Generate(request(ids, 1), timeout=60):
                     pass
                 if i >= 10:   # warm-up
-                    times[address].append(time.perf_counter() - start)
-    paired = statistics.median(g - d for d, g in zip(times[direct], times[gateway]))
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        for ch in channels.values():
+            ch.close()
+    first = names[0]
+    paired = {name: statistics.median(t - d for d, t in zip(times[first], times[name])) for name in names[1:]}
 
     def p50_p90(xs: list[float]) -> tuple[float, float]:
         xs = sorted(xs)
         return xs[len(xs) // 2], xs[int(0.9 * (len(xs) - 1))]
-    return p50_p90(times[direct]), p50_p90(times[gateway]), paired
+    return {name: p50_p90(xs) for name, xs in times.items()}, paired
 
 
 def main() -> None:
@@ -225,7 +246,12 @@ def main() -> None:
                         results[routing] = asyncio.run(conversations(gateway.address, args, vocab))
                     if routing == "cache":
                         workers.reset()
-                        direct, via, added = latencies(workers.addresses[0], gateway.address, args.overhead_requests)
+                        relay = BareRelay(workers.addresses[0])
+                        try:
+                            overhead = latencies({"direct": workers.addresses[0], "bare relay": relay.address,
+                                                  "gateway": gateway.address}, args.overhead_requests)
+                        finally:
+                            relay.close()
                 finally:
                     gateway.close()
             print(f"\n{n} workers:")
@@ -243,10 +269,12 @@ def main() -> None:
                       f"prompt tokens computed {c['computed'] / r['computed']:.2f}x, tok/s "
                       f"{c['tok_s'] / r['tok_s']:.2f}x")
             if "cache" in args.routings:
-                print(f"  one 16-token request, 1 token out, alternating: direct p50 {direct[0] * 1e3:.2f} ms (p90 "
-                      f"{direct[1] * 1e3:.2f}), through the gateway p50 {via[0] * 1e3:.2f} ms (p90 "
-                      f"{via[1] * 1e3:.2f}): the gateway adds {(via[0] - direct[0]) * 1e3:.2f} ms at p50, "
-                      f"{added * 1e3:.2f} ms as the median of paired differences")
+                (p50s, paired) = overhead
+                print("  one 16-token request, 1 token out, the three in turn: " + ", ".join(
+                    f"{name} p50 {p[0] * 1e3:.2f} ms (p90 {p[1] * 1e3:.2f})" for name, p in p50s.items()))
+                print(f"  added to a direct call (median of paired differences): the bare relay "
+                      f"{paired['bare relay'] * 1e3:+.2f} ms, the gateway {paired['gateway'] * 1e3:+.2f} ms; "
+                      f"the gateway's own work {(paired['gateway'] - paired['bare relay']) * 1e3:+.2f} ms")
         finally:
             workers.close()
 
