@@ -81,6 +81,8 @@ def run_stats(args: argparse.Namespace) -> int:
     hit = f"{s.cached_tokens / s.prompt_tokens:.0%}" if s.prompt_tokens else "-"
     console.print(f"running {s.running}, waiting {s.waiting}, prompt tokens {s.prompt_tokens:,} "
                   f"({hit} from cache)" + (f", queued at the gateway {s.queued}" if s.workers else ""))
+    if not s.serving:
+        console.print(f"NOT SERVING: {s.not_serving}", markup=False)
     if not s.workers:
         console.print(f"requests finished {s.requests_finished:,}, aborted {s.requests_aborted:,}, failed "
                       f"{s.requests_failed:,}; manager {'reachable' if s.manager_reachable else 'UNREACHABLE'}")

@@ -172,6 +172,8 @@ class ServerStats:
     manager_reachable: bool = True  # false while the engine waits for its manager (kvcache is then None)
     workers: tuple[WorkerStats, ...] = ()  # a gateway's workers (empty from a model service)
     queued: int = 0                # requests waiting in a gateway's queue
+    serving: bool = True           # takes new requests now (a gateway: while a worker does)
+    not_serving: str = ""          # why not, when serving is false
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

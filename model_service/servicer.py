@@ -26,6 +26,7 @@ from kvserve.model_service.request_builder import RequestBuilder, scoped_request
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
+from kvserve.services.plumbing import stats_watch
 from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token, metadata_value
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -150,9 +151,36 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             max_num_seqs=s.config.max_num_seqs)
 
     async def GetServerStats(self, request, context):
+        return await self._stats()
+
+    async def WatchServerStats(self, request, context):
+        e = self.engine
+        async for stats in stats_watch.watch(
+                request, context, self._stats,
+                load=lambda: (e.num_running, self._waiting(), e.num_swapped, e.scheduler.available_pages,
+                              not self._not_serving()),
+                done=lambda: self.draining and not self.open_streams):   # its last Generate returned
+            yield stats
+
+    def _waiting(self) -> int:
+        """Requests here and not running: the engine's queue as of its last step, and those
+        submitted since (counted the moment Generate hands them over, so that a gateway's
+        report does not miss a request it routed here before the engine's next step)."""
+        e = self.engine
+        return max(0, e.num_live() - e.num_running - e.num_swapped)
+
+    def _not_serving(self) -> str:
+        """Why health says NOT_SERVING (its source: engine.problem() and the drain), or ""."""
+        if self.draining or (self.health is not None and self.health.draining):
+            return "the server is draining"
+        return self.engine.problem() or ""
+
+    async def _stats(self) -> pb.ServerStats:
         e, c = self.engine, self.engine.counters
+        not_serving = self._not_serving()
         stats = pb.ServerStats(
-            running=e.num_running, waiting=e.num_waiting, swapped=e.num_swapped,
+            serving=not not_serving, not_serving=not_serving,
+            running=e.num_running, waiting=self._waiting(), swapped=e.num_swapped,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, cached_tokens=c.cached_tokens,
             requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
             schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,

@@ -36,8 +36,9 @@ class GatewayConfig:
                                      "mid-stream (0: never; it then ends UNAVAILABLE)")
     no_worker_timeout_s: float = option(30.0, "seconds a request may wait while no worker is serving before it "
                                               "ends UNAVAILABLE", flag="--no-worker-timeout")
-    poll_interval_s: float = option(0.1, "seconds between reads of each worker's load and health",
-                                    flag="--poll-interval")
+    poll_interval_s: float = option(0.05, "seconds between looks at each worker's load and health: each worker "
+                                          "pushes a report when they changed, at most this often (a worker "
+                                          "without WatchServerStats is polled this often)", flag="--poll-interval")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     metrics_listen: str = server_flags.metrics_listen()

@@ -6,9 +6,13 @@ worker. A new epoch (its manager reset or restarted), a gap in the numbers (it f
 lost stream drops the worker's entries at once, and a new subscription rebuilds them from a new
 snapshot. A worker whose manager runs in-process publishes no events: it is routed by load only.
 
-Load and health: GetServerStats and grpc.health.v1 every --poll-interval. A worker that does not
-answer is down: its running streams are moved to other workers (relay.py) and it gets nothing
-new until it answers again; NOT_SERVING (draining, its manager lost, stalled) gets nothing new.
+Load and health: the worker's WatchServerStats stream, a report whenever its load or health
+changes (looked at every --poll-interval) and a heartbeat every second: nothing is asked per
+report, and a fleet of quiet workers costs the gateway almost nothing. A worker without it
+(an older version) is polled instead: GetServerStats and grpc.health.v1 every --poll-interval.
+A worker whose stream or poll fails, or whose stream stays silent for three heartbeats, is
+down: its running streams are moved to other workers (relay.py) and it gets nothing new until
+it answers again; NOT_SERVING (draining, its manager lost, stalled) gets nothing new.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, Load, Worker
+from kvserve.services.plumbing import stats_watch
 
 log = logging.getLogger(__name__)
 
 RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
+LOAD_HEARTBEAT_MS = 1000
+LOAD_SILENCE_S = 3.0          # three heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
 
 
 class EventCursor:
@@ -75,6 +82,7 @@ class Follower:
         self.poll_s = poll_s
         self.on_change = on_change
         self.on_down = on_down
+        self.pushed = True   # the worker pushes its load (WatchServerStats); False: it is polled
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -146,20 +154,55 @@ class Follower:
                     if not w.hashes_match:
                         log.error("worker %s hashes its pages with another extra_key (--cache-salt) than this "
                                   "gateway's: its cache cannot be matched, it is routed by load only", w.address)
-                stats = await w.inference.GetServerStats(pb.GetServerStatsRequest(), timeout=2)
-                health = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                kv = stats.kvcache
-                w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages,
-                              kv.tree_pages, asked))
-                state = SERVING if health.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
-                if state != w.state:
-                    log.info("worker %s: %s", w.address, state)
-                w.state = state
+                if self.pushed:
+                    await self._watch_load()   # until the worker ends it: it drained
+                else:
+                    stats = await w.inference.GetServerStats(pb.GetServerStatsRequest(), timeout=2)
+                    health = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    self._take(stats, health.status == health_pb2.HealthCheckResponse.SERVING, asked)
             except grpc.aio.AioRpcError as exc:
-                if w.state != DOWN:
-                    log.warning("worker %s is down (%s: %s)", w.address, exc.code().name, exc.details())
-                    w.state = DOWN
-                    w.info = None
-                    self.on_down(w)
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.pushed:
+                    log.info("worker %s does not push its load (no WatchServerStats); polling it every %g s",
+                             w.address, self.poll_s)
+                    self.pushed = False
+                    continue
+                self._down(f"{exc.code().name}: {exc.details()}")
+            except asyncio.TimeoutError:
+                self._down(f"its load stream sent nothing for {LOAD_SILENCE_S:g} s")
             self.on_change()
             await asyncio.sleep(self.poll_s)
+
+    async def _watch_load(self) -> None:
+        """The worker's WatchServerStats: a report whenever its load changes (looked at every
+        --poll-interval), a heartbeat every second; silence past LOAD_SILENCE_S is a hung worker."""
+        call = self.worker.inference.WatchServerStats(pb.WatchServerStatsRequest(
+            interval_ms=max(stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), heartbeat_ms=LOAD_HEARTBEAT_MS))
+        try:
+            while True:
+                stats = await asyncio.wait_for(call.read(), LOAD_SILENCE_S)
+                if stats is grpc.aio.EOF:
+                    return
+                # It counts what was routed there an interval before it came: a request routed
+                # since may not have reached the worker yet. Held too long, a routing is counted
+                # twice until the worker's next report (its next change, or its heartbeat).
+                self._take(stats, stats.serving, time.monotonic() - self.poll_s)
+                self.on_change()
+        finally:
+            call.cancel()
+
+    def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
+        w, kv = self.worker, stats.kvcache
+        w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
+                      asked))
+        state = SERVING if serving else NOT_SERVING
+        if state != w.state:
+            log.info("worker %s: %s%s", w.address, state, f" ({stats.not_serving})" if stats.not_serving else "")
+        w.state = state
+
+    def _down(self, why: str) -> None:
+        w = self.worker
+        if w.state != DOWN:
+            log.warning("worker %s is down (%s)", w.address, why)
+            w.state = DOWN
+            w.info = None
+            self.on_down(w)

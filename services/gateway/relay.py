@@ -5,7 +5,7 @@ so the client sees neither a gap nor a repeat: one prefill_done, every token onc
 
 A worker fails when its call ends UNAVAILABLE (killed, draining past its grace period, its
 manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it), or
-when the gateway's poll finds it down (it stopped answering: the call is cancelled here). Any
+when its load stream finds it down (it failed or went silent: the call is cancelled here). Any
 other status is the request's own and reaches the client as the worker gave it.
 """
 

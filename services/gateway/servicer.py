@@ -1,7 +1,7 @@
 """kvserve.inference.v1.Inference on the gateway: the workers' API, so every client works
 unchanged. Generate goes through the fleet (relay.py); Cancel follows the request to its worker;
 Tokenize answers here, with the workers' tokenizer; GetModelInfo is a worker's; GetServerStats
-sums the workers and lists each."""
+(and WatchServerStats, as it changes) sums the workers and lists each."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
+from kvserve.services.plumbing import stats_watch
 from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,33 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         return info
 
     async def GetServerStats(self, request, context):
+        return self._stats()
+
+    async def WatchServerStats(self, request, context):
+        fleet = self.fleet
+
+        async def stats() -> pb.ServerStats:
+            return self._stats()
+
+        def load() -> tuple:
+            return (len(fleet.queue), self._not_serving() == "", *(
+                (w.address, w.state, w.load.running, w.load.waiting, w.load.free_pages + w.load.cached_pages)
+                for w in fleet.workers.values()))
+        async for out in stats_watch.watch(request, context, stats, load,
+                                           done=lambda: self.draining and not self.relays):
+            yield out
+
+    def _not_serving(self) -> str:
+        if self.draining:
+            return "the gateway is draining"
+        return "" if self.fleet.serving() else "no worker is serving"
+
+    def _stats(self) -> pb.ServerStats:
         workers = list(self.fleet.workers.values())
+        not_serving = self._not_serving()
         out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()),
-                             generated_tokens=self.fleet.generated_tokens)
+                             generated_tokens=self.fleet.generated_tokens, serving=not not_serving,
+                             not_serving=not_serving)
         for w in workers:
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running

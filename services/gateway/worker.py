@@ -20,14 +20,14 @@ STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "do
 
 @dataclass
 class Load:
-    """What the worker reported in its last GetServerStats."""
+    """What the worker reported last (its WatchServerStats stream, or a GetServerStats poll)."""
     running: int = 0
     waiting: int = 0
     free_pages: int = 0
     cached_pages: int = 0
     used_pages: int = 0
     tree_pages: int = 0
-    asked_at: float = 0.0     # when the gateway sent the call that brought it
+    asked_at: float = 0.0     # it counts the requests routed there before this moment
 
 
 @dataclass(eq=False)

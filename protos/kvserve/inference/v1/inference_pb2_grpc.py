@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.FromString,
                 _registered_method=True)
+        self.WatchServerStats = channel.unary_stream(
+                '/kvserve.inference.v1.Inference/WatchServerStats',
+                request_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.WatchServerStatsRequest.SerializeToString,
+                response_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -99,6 +104,18 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchServerStats(self, request, context):
+        """GetServerStats as it changes: one message at once, then one whenever the
+        load (running, waiting, swapped, free pages, serving) has changed, looked
+        at every interval_ms, and one at least every heartbeat_ms however quiet
+        the server is. A gateway follows each worker's instead of polling it; a
+        stream that stays silent past its heartbeat means a server that hangs.
+        Ends (OK) once the server drains and its last request has returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +142,11 @@ def add_InferenceServicer_to_server(servicer, server):
             'GetServerStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerStats,
                     request_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.GetServerStatsRequest.FromString,
+                    response_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.SerializeToString,
+            ),
+            'WatchServerStats': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchServerStats,
+                    request_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.WatchServerStatsRequest.FromString,
                     response_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.SerializeToString,
             ),
     }
@@ -262,6 +284,33 @@ class Inference:
             target,
             '/kvserve.inference.v1.Inference/GetServerStats',
             kvserve_dot_inference_dot_v1_dot_inference__pb2.GetServerStatsRequest.SerializeToString,
+            kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchServerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.inference.v1.Inference/WatchServerStats',
+            kvserve_dot_inference_dot_v1_dot_inference__pb2.WatchServerStatsRequest.SerializeToString,
             kvserve_dot_inference_dot_v1_dot_inference__pb2.ServerStats.FromString,
             options,
             channel_credentials,

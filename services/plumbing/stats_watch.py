@@ -1,0 +1,53 @@
+"""Inference.WatchServerStats, for a model service and a gateway alike: a ServerStats at once,
+then one whenever the load has changed (looked at every interval), and one at least every
+heartbeat however quiet the server is, so that a silent stream means a server that hangs.
+
+Only the load decides when to send (the caller's `load` key: requests running and waiting,
+free pages, serving): the counters that move with every token would otherwise send a message
+at every look."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+
+import grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+
+DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
+MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
+
+
+def periods(request: pb.WatchServerStatsRequest) -> tuple[float, float]:
+    """(interval, heartbeat) in seconds; ValueError saying which is out of range."""
+    interval = request.interval_ms or DEFAULT_INTERVAL_MS
+    heartbeat = request.heartbeat_ms or max(DEFAULT_HEARTBEAT_MS, interval)
+    if not MIN_INTERVAL_MS <= interval <= MAX_PERIOD_MS:
+        raise ValueError(f"interval_ms is {interval}; it must be 0 (for {DEFAULT_INTERVAL_MS}) or "
+                         f"{MIN_INTERVAL_MS} to {MAX_PERIOD_MS}")
+    if not interval <= heartbeat <= MAX_PERIOD_MS:
+        raise ValueError(f"heartbeat_ms is {heartbeat}; it must be 0 (for {DEFAULT_HEARTBEAT_MS}) or from "
+                         f"interval_ms ({interval}) to {MAX_PERIOD_MS}")
+    return interval / 1e3, heartbeat / 1e3
+
+
+async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerContext,
+                stats: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable],
+                done: Callable[[], bool]) -> AsyncIterator[pb.ServerStats]:
+    """The stream: `stats()` builds a message, `load()` is what a change of means a message is
+    due, `done()` ends the stream (after one last message)."""
+    try:
+        interval, heartbeat = periods(request)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    loop = asyncio.get_running_loop()
+    told, told_at = None, 0.0
+    while True:
+        key, now, last = load(), loop.time(), done()
+        if told is None or key != told or now - told_at >= heartbeat or last:
+            yield await stats()
+            told, told_at = key, now
+        if last:
+            return
+        await asyncio.sleep(interval)

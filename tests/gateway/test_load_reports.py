@@ -1,0 +1,114 @@
+"""How the gateway learns each worker's load and health: pushed by the worker (WatchServerStats),
+nothing polled; polled from a worker without it; a worker whose stream goes silent is down; and
+the gateway's own WatchServerStats over its fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.model_service.servicer import InferenceServicer
+from tests.gateway.conftest import GatewayThread, make_fleet
+from tests.server_thread import LoopThread
+from tests.service.util import generate, greedy, request, wait_until
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+def count_polls(monkeypatch) -> list[int]:
+    """Counts the GetServerStats calls every worker answers from now on."""
+    polls = [0]
+    answer = InferenceServicer.GetServerStats
+
+    async def counted(self, request, context):
+        polls[0] += 1
+        return await answer(self, request, context)
+
+    monkeypatch.setattr(InferenceServicer, "GetServerStats", counted)
+    return polls
+
+
+def busy_worker(fleet):
+    return next((w for w in fleet.gateway.fleet.workers.values() if w.load.running), None)
+
+
+def test_workers_push_their_load_and_are_never_polled(tiny_dirs, monkeypatch):
+    polls = count_polls(monkeypatch)
+    for fleet in make_fleet(tiny_dirs["tiny"], 2):
+        call = fleet.stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)
+        wait_until(lambda: busy_worker(fleet) is not None, what="a worker's report of the running request")
+        call.cancel()
+        wait_until(lambda: busy_worker(fleet) is None, what="the report that it ended")
+        assert len(generate(fleet.stub, request(token_ids=PROMPT, **greedy(3))).tokens) == 3
+        assert polls[0] == 0
+
+
+def test_a_worker_without_the_stream_is_polled(tiny_dirs, monkeypatch, caplog):
+    async def unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        yield
+
+    monkeypatch.setattr(InferenceServicer, "WatchServerStats", unimplemented)
+    polls = count_polls(monkeypatch)
+    caplog.set_level("INFO", logger="kvserve.services.gateway.follow")
+    for fleet in make_fleet(tiny_dirs["tiny"], 2):   # serving (health read by polls) and following events
+        call = fleet.stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)
+        wait_until(lambda: busy_worker(fleet) is not None, what="a polled report of the running request")
+        call.cancel()
+        assert polls[0] > 0
+        assert "does not push its load (no WatchServerStats); polling it every 0.05 s" in caplog.text
+
+
+class HangingWorker(pb_grpc.InferenceServicer):
+    """Answers GetModelInfo, sends one load report, then says nothing more: a hung worker
+    whose connection stays up."""
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(page_size=4, max_num_seqs=4, extra_key_digest=extra_key_digest(""))
+
+    async def WatchServerStats(self, request, context):
+        yield pb.ServerStats(serving=True, kvcache=kv_pb.Stats(free_pages=100, total_pages=100))
+        await asyncio.sleep(3600)
+
+
+def test_a_worker_whose_stream_goes_silent_is_down(tiny_dirs, monkeypatch, caplog):
+    from kvserve.services.gateway import follow
+
+    monkeypatch.setattr(follow, "LOAD_SILENCE_S", 0.5)
+    worker = LoopThread("hanging worker")
+    gateway = None
+    try:
+        async def start():
+            server = grpc.aio.server()
+            pb_grpc.add_InferenceServicer_to_server(HangingWorker(), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+        server, port = worker.call(start())
+        gateway = GatewayThread([f"127.0.0.1:{port}"], model=str(tiny_dirs["tiny"]))
+        states = lambda: {w.state for w in gateway.fleet.workers.values()}  # noqa: E731
+        wait_until(lambda: states() == {"serving"}, what="the worker's first report")
+        wait_until(lambda: states() == {"down"}, what="the silent worker marked down")
+        assert "its load stream sent nothing for 0.5 s" in caplog.text
+        worker.call(server.stop(None))
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.close()
+
+
+def test_the_gateway_streams_its_fleets_stats(two_workers):
+    fleet = two_workers
+    reports = fleet.stub.WatchServerStats(pb.WatchServerStatsRequest(interval_ms=10), timeout=60)
+    first = next(reports)
+    assert first.serving and len(first.workers) == 2 and {w.state for w in first.workers} == {"serving"}
+    call = fleet.stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)
+    assert next(r for r in reports if r.running == 1).serving
+    call.cancel()
+    assert next(r for r in reports if r.running == 0).running == 0
+    reports.cancel()

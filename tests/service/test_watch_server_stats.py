@@ -1,0 +1,111 @@
+"""WatchServerStats on the model service, over a real socket: a report at once, one whenever
+the load changes (a request arriving counts the moment Generate hands it over, before the
+engine's next step), heartbeats while nothing changes, a clear INVALID_ARGUMENT for periods
+out of range, and an orderly end when the server drains."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.service.util import greedy, request, rpc_error, wait_until
+
+PROMPT = [17, 4, 250, 999, 31, 8, 77]
+
+
+class Watch:
+    """A WatchServerStats call read on a thread: its reports in a queue, its end status."""
+
+    def __init__(self, stub, **periods) -> None:
+        self.reports: queue.Queue = queue.Queue()
+        self.code = None
+        self.call = stub.WatchServerStats(pb.WatchServerStatsRequest(**periods), timeout=120)
+        self.ended = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            for stats in self.call:
+                self.reports.put(stats)
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code = exc.code()
+        self.ended.set()
+
+    def next_where(self, check, timeout: float = 30) -> pb.ServerStats:
+        while True:
+            stats = self.reports.get(timeout=timeout)
+            if check(stats):
+                return stats
+
+
+def test_a_report_at_once_then_one_per_change_of_load(small_server):
+    with grpc.insecure_channel(small_server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        watch = Watch(stub, interval_ms=10)
+        first = watch.reports.get(timeout=10)
+        assert first.serving and first.not_serving == ""
+        assert (first.running, first.waiting) == (0, 0)
+        assert first.kvcache.total_pages == 512 and first.manager_reachable
+        long_calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(1500)), timeout=120) for i in range(2)]
+        # one sequence runs at a time (max_num_seqs 1): the other is reported waiting
+        busy = watch.next_where(lambda s: (s.running, s.waiting) == (1, 1))
+        assert busy.serving
+        for call in long_calls:
+            call.cancel()
+        watch.next_where(lambda s: (s.running, s.waiting) == (0, 0))
+        watch.call.cancel()
+
+
+def test_a_quiet_server_still_sends_heartbeats(model_server):
+    with grpc.insecure_channel(model_server.address) as ch:
+        watch = Watch(pb_grpc.InferenceStub(ch), interval_ms=10, heartbeat_ms=50)
+        reports = [watch.reports.get(timeout=10) for _ in range(4)]   # nothing changed between them
+        assert len({(r.running, r.waiting, r.kvcache.free_pages) for r in reports}) == 1
+        watch.call.cancel()
+
+
+@pytest.mark.parametrize("periods, words", [
+    (dict(interval_ms=5), "interval_ms is 5; it must be 0 (for 50) or 10 to 60000"),
+    (dict(interval_ms=100, heartbeat_ms=50), "heartbeat_ms is 50; it must be 0 (for 1000) or from interval_ms (100)"),
+    (dict(interval_ms=70_000), "interval_ms is 70000"),
+])
+def test_periods_out_of_range_are_invalid_argument(model_server, periods, words):
+    with grpc.insecure_channel(model_server.address) as ch:
+        err = rpc_error(lambda: list(pb_grpc.InferenceStub(ch).WatchServerStats(
+            pb.WatchServerStatsRequest(**periods), timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.details()
+
+
+def test_a_drain_is_reported_not_serving_and_the_stream_ends_once_the_last_call_returned(tiny_dirs, capsys):
+    from kvserve.model_service.server import drain
+    from kvserve.services.cli.main import main
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            watch = Watch(stub, interval_ms=10)
+            assert watch.reports.get(timeout=10).serving
+            call = stub.Generate(request(token_ids=PROMPT, **greedy(40)), timeout=60)
+            wait_until(lambda: server.servicer.engine.num_live() == 1, what="the request running")
+            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 30.0), server.loop)
+            told = watch.next_where(lambda s: not s.serving)
+            assert told.not_serving == "the server is draining"
+            assert not stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).serving
+            assert main(["stats", "--address", server.address]) == 0
+            assert "NOT SERVING: the server is draining" in capsys.readouterr().out
+            assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH   # it still finishes
+            assert watch.ended.wait(30)
+            assert watch.code == grpc.StatusCode.OK
+            draining.result(30)
+    finally:
+        server.stop()
