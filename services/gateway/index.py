@@ -3,40 +3,50 @@
 Mechanism only: the follower (follow.py) decides when a worker's entries are replaced or
 dropped; the router (router.py) reads matches. Only a stored event (or a snapshot) credits a
 worker with a page; routing a request there never does.
+
+Compact, as a gateway follows every page of every worker: each worker has a slot (the lowest
+free one), and a page's holders are one int with a bit per slot, not a set of addresses (a set
+per page cost ~370 bytes per page and worker; docs/benchmarks.md has both). A prefix match is
+then an AND per page over every holder at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
 
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
-        self._held: dict[str, set[int]] = {}
+        self._holders: dict[int, int] = {}    # page hash -> bit (1 << slot) of each worker holding it
+        self._slots: dict[str, int] = {}      # worker -> its slot
+        self._names: list[str | None] = []    # slot -> worker
+        self._held: list[set[int]] = []       # slot -> the pages it holds
+        self._free: list[int] = []            # slots given back, lowest first
 
     def add(self, worker: str, hashes: Iterable[int]) -> None:
-        held = self._held.setdefault(worker, set())
+        slot = self._slots.get(worker)
+        if slot is None:
+            slot = self._take_slot(worker)
+        bit, held, holders = 1 << slot, self._held[slot], self._holders
         for h in hashes:
             held.add(h)
-            self._holders.setdefault(h, set()).add(worker)
+            holders[h] = holders.get(h, 0) | bit
 
     def remove(self, worker: str, hashes: Iterable[int]) -> None:
-        held = self._held.get(worker)
-        if held is None:
-            return
-        for h in hashes:
-            held.discard(h)
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    del self._holders[h]
+        slot = self._slots.get(worker)
+        if slot is not None:
+            self._clear(slot, [h for h in hashes if h in self._held[slot]])
 
     def drop(self, worker: str) -> None:
-        """Forgets everything `worker` held, at once."""
-        self.remove(worker, list(self._held.get(worker, ())))
-        self._held.pop(worker, None)
+        """Forgets everything `worker` held, at once; its slot is free again."""
+        slot = self._slots.pop(worker, None)
+        if slot is None:
+            return
+        self._clear(slot, self._held[slot])
+        self._held[slot] = set()
+        self._names[slot] = None
+        heapq.heappush(self._free, slot)
 
     def replace(self, worker: str, hashes: Iterable[int]) -> None:
         self.drop(worker)
@@ -45,29 +55,74 @@ class PrefixIndex:
     def holders(self, hashes: Sequence[int]) -> dict[str, int]:
         """The workers holding at least the first page of `hashes`, each with how many of the
         leading pages it holds: as many entries as holders, whatever the fleet's size."""
-        first = self._holders.get(hashes[0]) if hashes else None
-        return self.matches(hashes, first) if first else {}
+        first = self._holders.get(hashes[0], 0) if hashes else 0
+        return self._depths(hashes, first) if first else {}
 
     def matches(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many of the leading pages of `hashes` it holds."""
         out = dict.fromkeys(workers, 0)
-        active = set(out)
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            active &= holders
-            if not active:
-                break
-            for w in active:
-                out[w] = i + 1
+        mask = 0
+        for w in out:
+            slot = self._slots.get(w)
+            if slot is not None:
+                mask |= 1 << slot
+        out.update(self._depths(hashes, mask))
         return out
 
     def pages_of(self, worker: str) -> int:
-        return len(self._held.get(worker, ()))
+        slot = self._slots.get(worker)
+        return 0 if slot is None else len(self._held[slot])
 
     def holds(self, worker: str, page_hash: int) -> bool:
-        return page_hash in self._held.get(worker, ())
+        slot = self._slots.get(worker)
+        return slot is not None and page_hash in self._held[slot]
 
     def __len__(self) -> int:
         return len(self._holders)
+
+    # ------------------------------------------------------------ slots and bits
+
+    def _take_slot(self, worker: str) -> int:
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._names[slot] = worker
+        else:
+            slot = len(self._names)
+            self._names.append(worker)
+            self._held.append(set())
+        self._slots[worker] = slot
+        return slot
+
+    def _clear(self, slot: int, hashes: Iterable[int]) -> None:
+        keep, held, holders = ~(1 << slot), self._held[slot], self._holders
+        for h in list(hashes):
+            held.discard(h)
+            rest = holders.get(h, 0) & keep
+            if rest:
+                holders[h] = rest
+            else:
+                holders.pop(h, None)
+
+    def _depths(self, hashes: Sequence[int], active: int) -> dict[str, int]:
+        """Each worker of the `active` bits with at least one leading page: how many it holds."""
+        out: dict[str, int] = {}
+        holders = self._holders
+        for i, h in enumerate(hashes):
+            still = active & holders.get(h, 0)
+            if still != active:
+                if i:
+                    for slot in _bits(active & ~still):
+                        out[self._names[slot]] = i
+                active = still
+                if not active:
+                    return out
+        for slot in _bits(active):
+            out[self._names[slot]] = len(hashes)
+        return out
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
