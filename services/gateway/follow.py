@@ -201,6 +201,7 @@ class Follower:
 
     def _down(self, why: str) -> None:
         w = self.worker
+        self.pushed = True   # what answers next may be a newer version
         if w.state != DOWN:
             log.warning("worker %s is down (%s)", w.address, why)
             w.state = DOWN
