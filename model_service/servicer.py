@@ -52,6 +52,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.http_front = None   # the OpenAI-compatible HTTP front, when asked (server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
         self.open_streams = 0   # Generate calls not yet returned: a drain waits for them (server.py)
+        self._shared_stats = stats_watch.SharedStats(self._stats, self._load)   # WatchServerStats' messages
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -154,13 +155,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._stats()
 
     async def WatchServerStats(self, request, context):
+        async for stats in stats_watch.watch(request, context, self._shared_stats,
+                                             done=lambda: self.draining and not self.open_streams):
+            yield stats   # (done: its last Generate returned)
+
+    def _load(self) -> tuple:
+        """What a WatchServerStats message is sent for when it changes."""
         e = self.engine
-        async for stats in stats_watch.watch(
-                request, context, self._stats,
-                load=lambda: (e.num_running, self._waiting(), e.num_swapped, e.scheduler.available_pages,
-                              not self._not_serving()),
-                done=lambda: self.draining and not self.open_streams):   # its last Generate returned
-            yield stats
+        return e.num_running, self._waiting(), e.num_swapped, e.scheduler.available_pages, not self._not_serving()
 
     def _waiting(self) -> int:
         """Requests here and not running: the engine's queue as of its last step, and those

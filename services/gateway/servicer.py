@@ -34,6 +34,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self.migration_limit = migration_limit
         self.relays: dict[tuple[str, str], Relay] = {}   # (tenant, request id): each tenant's ids are its own
         self.draining = False
+        self._shared_stats = stats_watch.SharedStats(self._built_stats, self._load)   # WatchServerStats' messages
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -102,18 +103,18 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         return self._stats()
 
     async def WatchServerStats(self, request, context):
-        fleet = self.fleet
-
-        async def stats() -> pb.ServerStats:
-            return self._stats()
-
-        def load() -> tuple:
-            return (len(fleet.queue), self._not_serving() == "", *(
-                (w.address, w.state, w.load.running, w.load.waiting, w.load.free_pages + w.load.cached_pages)
-                for w in fleet.workers.values()))
-        async for out in stats_watch.watch(request, context, stats, load,
+        async for out in stats_watch.watch(request, context, self._shared_stats,
                                            done=lambda: self.draining and not self.relays):
             yield out
+
+    def _load(self) -> tuple:
+        """What a WatchServerStats message is sent for when it changes."""
+        return (len(self.fleet.queue), self._not_serving() == "", *(
+            (w.address, w.state, w.load.running, w.load.waiting, w.load.free_pages + w.load.cached_pages)
+            for w in self.fleet.workers.values()))
+
+    async def _built_stats(self) -> pb.ServerStats:
+        return self._stats()
 
     def _not_serving(self) -> str:
         if self.draining:

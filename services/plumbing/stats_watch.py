@@ -4,7 +4,7 @@ heartbeat however quiet the server is, so that a silent stream means a server th
 
 Only the load decides when to send (the caller's `load` key: requests running and waiting,
 free pages, serving): the counters that move with every token would otherwise send a message
-at every look."""
+at every look. One build serves every stream that sends at the same load (SharedStats)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,28 @@ def periods(request: pb.WatchServerStatsRequest) -> tuple[float, float]:
     return interval / 1e3, heartbeat / 1e3
 
 
-async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerContext,
-                stats: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable],
+class SharedStats:
+    """The server's stats as its streams send them: built once for every stream that wants a
+    message at the same load within MIN_INTERVAL_MS, so that several gateways following one
+    worker cost it one build (a call to its manager) per change, not one each."""
+
+    def __init__(self, build: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable]) -> None:
+        self.build, self.load = build, load
+        self._lock = asyncio.Lock()
+        self._last: tuple[Hashable, float, pb.ServerStats] | None = None   # (load, built at, stats)
+
+    async def get(self, load: Hashable) -> pb.ServerStats:
+        async with self._lock:   # a stream that waited here finds what the one before it built
+            now = asyncio.get_running_loop().time()
+            if self._last is None or self._last[0] != load or now - self._last[1] > MIN_INTERVAL_MS / 1e3:
+                self._last = (load, now, await self.build())
+            return self._last[2]
+
+
+async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerContext, stats: SharedStats,
                 done: Callable[[], bool]) -> AsyncIterator[pb.ServerStats]:
-    """The stream: `stats()` builds a message, `load()` is what a change of means a message is
-    due, `done()` ends the stream (after one last message)."""
+    """The stream: a message from `stats` whenever its load changed or a heartbeat is due;
+    `done()` ends the stream (after one last message)."""
     try:
         interval, heartbeat = periods(request)
     except ValueError as exc:
@@ -44,9 +61,9 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
     loop = asyncio.get_running_loop()
     told, told_at = None, 0.0
     while True:
-        key, now, last = load(), loop.time(), done()
+        key, now, last = stats.load(), loop.time(), done()
         if told is None or key != told or now - told_at >= heartbeat or last:
-            yield await stats()
+            yield await stats.get(key)
             told, told_at = key, now
         if last:
             return

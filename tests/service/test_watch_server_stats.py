@@ -39,10 +39,16 @@ class Watch:
         self.ended.set()
 
     def next_where(self, check, timeout: float = 30) -> pb.ServerStats:
+        seen = []
         while True:
-            stats = self.reports.get(timeout=timeout)
+            try:
+                stats = self.reports.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no such report in {timeout} s; seen (running, waiting): "
+                                     f"{[(s.running, s.waiting) for s in seen]}, the stream {self.code}") from None
             if check(stats):
                 return stats
+            seen.append(stats)
 
 
 def test_a_report_at_once_then_one_per_change_of_load(small_server):
@@ -53,8 +59,11 @@ def test_a_report_at_once_then_one_per_change_of_load(small_server):
         assert first.serving and first.not_serving == ""
         assert (first.running, first.waiting) == (0, 0)
         assert first.kvcache.total_pages == 512 and first.manager_reachable
-        long_calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(1500)), timeout=120) for i in range(2)]
-        # one sequence runs at a time (max_num_seqs 1): the other is reported waiting
+        # one sequence runs at a time (max_num_seqs 1) and one may wait (max_waiting 1): the second
+        # is sent once the first runs, and is reported waiting
+        long_calls = [stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)]
+        watch.next_where(lambda s: (s.running, s.waiting) == (1, 0))
+        long_calls.append(stub.Generate(request(token_ids=PROMPT + [1], **greedy(1500)), timeout=120))
         busy = watch.next_where(lambda s: (s.running, s.waiting) == (1, 1))
         assert busy.serving
         for call in long_calls:
@@ -95,9 +104,9 @@ def test_a_drain_is_reported_not_serving_and_the_stream_ends_once_the_last_call_
             stub = pb_grpc.InferenceStub(ch)
             watch = Watch(stub, interval_ms=10)
             assert watch.reports.get(timeout=10).serving
-            call = stub.Generate(request(token_ids=PROMPT, **greedy(40)), timeout=60)
+            call = stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)   # runs past the checks
             wait_until(lambda: server.servicer.engine.num_live() == 1, what="the request running")
-            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 30.0), server.loop)
+            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 100.0), server.loop)
             told = watch.next_where(lambda s: not s.serving)
             assert told.not_serving == "the server is draining"
             assert not stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).serving
@@ -106,6 +115,28 @@ def test_a_drain_is_reported_not_serving_and_the_stream_ends_once_the_last_call_
             assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH   # it still finishes
             assert watch.ended.wait(30)
             assert watch.code == grpc.StatusCode.OK
-            draining.result(30)
+            draining.result(100)
     finally:
         server.stop()
+
+
+def test_streams_sending_at_the_same_load_share_one_build():
+    """Several gateways follow one worker: a change costs it one build (a manager call), not one
+    per stream; another load, or a build older than the shortest interval, is built anew."""
+    from kvserve.services.plumbing.stats_watch import SharedStats
+
+    builds = []
+
+    async def build() -> pb.ServerStats:
+        builds.append(1)
+        return pb.ServerStats(running=len(builds))
+
+    async def run():
+        shared = SharedStats(build, load=lambda: None)
+        first, second = await asyncio.gather(shared.get((1, 0)), shared.get((1, 0)))
+        assert first is second and len(builds) == 1
+        assert (await shared.get((2, 0))).running == 2
+        await asyncio.sleep(0.05)
+        assert (await shared.get((2, 0))).running == 3
+
+    asyncio.run(run())
