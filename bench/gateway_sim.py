@@ -8,8 +8,10 @@ evictions), its events in the wire format (converted to protobuf, read by the ga
 `EventCursor`), the gateway's `PrefixIndex`, `Worker` load bookkeeping and `router.choose`.
 What is simulated: time. A worker computes a request in (uncached prompt tokens × --prefill-us +
 reply tokens × --decode-us) of simulated time, several at once up to --max-num-seqs, and reports
-its load every --report-ms, and the gateway's index receives its events at those reports too
-(a pessimistic lag: over gRPC they arrive within milliseconds); conversations arrive at --rate per simulated second, each a shared
+its load every --report-ms (default 50: real workers push a changed load at most every
+--poll-interval, 50 ms, so this is the slowest a report comes), and the gateway's index receives
+its events at those reports too (a pessimistic lag: over gRPC they arrive within milliseconds);
+conversations arrive at --rate per simulated second, each a shared
 system prompt (one of --systems) and --turns turns of user tokens and replies.
 
 Printed per fleet size: the hit rate (cached / prompt tokens, as the managers counted it)
@@ -193,7 +195,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--prefill-us", type=float, default=100.0)
     ap.add_argument("--decode-us", type=float, default=20_000.0)
-    ap.add_argument("--report-ms", type=float, default=100.0)
+    ap.add_argument("--report-ms", type=float, default=50.0,
+                    help="simulated milliseconds between load reports (100: the gateway's old polling)")
     ap.add_argument("--balance-slack", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
