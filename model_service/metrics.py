@@ -87,7 +87,9 @@ class _EngineState:
     def collect(self):
         e, c = self.engine, self.engine.counters
         yield GaugeMetricFamily("kvserve:num_requests_running", "Requests in the running batch", value=e.num_running)
-        yield GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting for pages", value=e.num_waiting)
+        yield GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting to run (submitted ones "
+                                "included), as GetServerStats counts them",
+                                value=max(0, e.num_queued() - e.num_swapped))
         yield GaugeMetricFamily("kvserve:num_requests_swapped", "Requests swapped to CPU pages", value=e.num_swapped)
         reachable = GaugeMetricFamily("kvserve:manager_reachable", "1 while the KV-cache manager answers")
         try:

@@ -165,11 +165,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return e.num_running, self._waiting(), e.num_swapped, e.scheduler.available_pages, not self._not_serving()
 
     def _waiting(self) -> int:
-        """Requests here and not running: the engine's queue as of its last step, and those
-        submitted since (counted the moment Generate hands them over, so that a gateway's
-        report does not miss a request it routed here before the engine's next step)."""
-        e = self.engine
-        return max(0, e.num_live() - e.num_running - e.num_swapped)
+        """Requests here waiting to run, those submitted since the engine's last step included:
+        a gateway's report then counts a request routed here before that step sees it."""
+        return max(0, self.engine.num_queued() - self.engine.num_swapped)
 
     def _not_serving(self) -> str:
         """Why health says NOT_SERVING (its source: engine.problem() and the drain), or ""."""

@@ -162,7 +162,7 @@ class Engine:
         with self._lock:
             if request.request_id in self._live:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already in flight")
-            if len(self._live) - self.num_running >= self.max_waiting:
+            if self.num_queued() >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting; try again later")
             self._live[request.request_id] = request
         request.sink = sink
@@ -184,6 +184,12 @@ class Engine:
     def num_live(self) -> int:
         """Requests submitted and not yet ended."""
         return len(self._live)
+
+    def num_queued(self) -> int:
+        """Live requests not running as of the last step: waiting, swapped out, and those
+        submitted since (counted the moment submit() takes them, before any step sees them).
+        What --max-waiting bounds, and what a report of this worker's load counts as waiting."""
+        return max(0, len(self._live) - self.num_running)
 
     def problem(self) -> str | None:
         """Why this engine cannot make progress now (for readiness), or None."""
