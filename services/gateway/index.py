@@ -36,14 +36,16 @@ class PrefixIndex:
     def remove(self, worker: str, hashes: Iterable[int]) -> None:
         slot = self._slots.get(worker)
         if slot is not None:
-            self._clear(slot, [h for h in hashes if h in self._held[slot]])
+            gone = self._held[slot].intersection(hashes)
+            self._held[slot] -= gone
+            self._unset(slot, gone)
 
     def drop(self, worker: str) -> None:
         """Forgets everything `worker` held, at once; its slot is free again."""
         slot = self._slots.pop(worker, None)
         if slot is None:
             return
-        self._clear(slot, self._held[slot])
+        self._unset(slot, self._held[slot])
         self._held[slot] = set()
         self._names[slot] = None
         heapq.heappush(self._free, slot)
@@ -93,15 +95,15 @@ class PrefixIndex:
         self._slots[worker] = slot
         return slot
 
-    def _clear(self, slot: int, hashes: Iterable[int]) -> None:
-        keep, held, holders = ~(1 << slot), self._held[slot], self._holders
-        for h in list(hashes):
-            held.discard(h)
-            rest = holders.get(h, 0) & keep
+    def _unset(self, slot: int, hashes: Iterable[int]) -> None:
+        """Clears the slot's bit on each of `hashes` (pages it held); a page nobody holds goes."""
+        keep, holders = ~(1 << slot), self._holders
+        for h in hashes:
+            rest = holders[h] & keep
             if rest:
                 holders[h] = rest
             else:
-                holders.pop(h, None)
+                del holders[h]
 
     def _depths(self, hashes: Sequence[int], active: int) -> dict[str, int]:
         """Each worker of the `active` bits with at least one leading page: how many it holds."""
