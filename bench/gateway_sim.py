@@ -18,8 +18,9 @@ Printed per fleet size: the hit rate (cached / prompt tokens, as the managers co
 against an oracle that knows every cache at the moment of each request (fed every event at
 once) and counts the longest prefix any worker holds (ignoring load: an upper bound on hits),
 and against random routing on the same trace; the routing decision time per request (p50, p99: index lookups and
-the choice, measured with perf_counter); the index's memory (tracemalloc, the allocations of
-index.py) and its pages; the load spread (requests per worker: min, max, coefficient of
+the choice, measured with perf_counter); the index's memory (its own dicts, lists, sets and the
+ints in them, each counted once, by sys.getsizeof: tracemalloc, used before, slowed every
+allocation and so every decision timed beside it ~3.5x) and its pages; the load spread (requests per worker: min, max, coefficient of
 variation). Workers' caches are small (--pages) so that evictions happen.
 """
 
@@ -30,7 +31,6 @@ import random
 import statistics
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +106,24 @@ class SimWorker:
         self.view.routed_at.clear()   # a simulated report counts every request routed before it
 
 
+def object_bytes(root) -> int:
+    """What `root`'s attributes take in memory: every dict, list, set and int reachable from
+    them, each object counted once."""
+    seen, total, stack = set(), 0, [vars(root)]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, set, tuple)):
+            stack.extend(obj)
+    return total
+
+
 def trace(args, rng: random.Random) -> list[tuple[float, int, int]]:
     """(arrival time, conversation, turn), conversations arriving at --rate, turns --think-s apart."""
     out = []
@@ -125,7 +143,6 @@ def simulate(n: int, args, routing: str) -> dict:
     conv_system = [rng.randrange(args.systems) for _ in range(args.conversations)]
     users = {}
     history: dict[int, list[int]] = {}
-    tracemalloc.start()
     index, oracle = PrefixIndex(), PrefixIndex()
     workers = [SimWorker(i, args.pages, args.max_num_seqs, index, oracle) for i in range(n)]
     by_address = {w.address: w for w in workers}
@@ -169,10 +186,7 @@ def simulate(n: int, args, routing: str) -> dict:
         prompt_total += len(ids)
         cached_total += cached
         history[c] = ids + reply
-    # both indexes allocate in index.py and hold the same pages: half is the gateway's
-    memory = sum(s.size for s in tracemalloc.take_snapshot().filter_traces(
-        [tracemalloc.Filter(True, "*gateway/index.py")]).statistics("filename")) / 2
-    tracemalloc.stop()
+    memory = object_bytes(index)
     served = [w.served for w in workers]
     decisions.sort()
     return dict(hit=cached_total / prompt_total, queued=queued / len(decisions), oracle=oracle_total / prompt_total,
