@@ -42,6 +42,7 @@ from kvserve.kvcache_service.contract.hashing import page_hashes  # noqa: E402
 from kvserve.kvcache_service.contract.types import Admit, Commit, StepRequest  # noqa: E402
 from kvserve.kvcache_service.core import ManagerConfig  # noqa: E402
 from kvserve.kvcache_service.core.manager import KVCacheManager  # noqa: E402
+from kvserve.services.gateway.board import LoadBoard  # noqa: E402
 from kvserve.services.gateway.follow import EventCursor  # noqa: E402
 from kvserve.services.gateway.index import PrefixIndex  # noqa: E402
 from kvserve.services.gateway.router import Choice, Policy, choose  # noqa: E402
@@ -104,6 +105,7 @@ class SimWorker:
                               cached_pages=s.cached_pages, used_pages=s.used_pages, tree_pages=s.tree_pages,
                               asked_at=now))
         self.view.routed_at.clear()   # a simulated report counts every request routed before it
+        self.view.changed()
 
 
 def object_bytes(root) -> int:
@@ -145,6 +147,9 @@ def simulate(n: int, args, routing: str) -> dict:
     history: dict[int, list[int]] = {}
     index, oracle = PrefixIndex(), PrefixIndex()
     workers = [SimWorker(i, args.pages, args.max_num_seqs, index, oracle) for i in range(n)]
+    board = LoadBoard()   # the gateway's: each worker keeps its place current
+    for w in workers:
+        board.add(w.view)
     by_address = {w.address: w for w in workers}
     policy = Policy(PAGE, 1.0, worker_queue_depth=2, balance_slack=args.balance_slack)
     decisions, prompt_total, cached_total, oracle_total, queued = [], 0, 0, 0, 0
@@ -169,14 +174,14 @@ def simulate(n: int, args, routing: str) -> dict:
         if routing == "cache":
             hashes = page_hashes(ids, PAGE)   # the gateway hashes each request itself: timed
             matches = index.holders(hashes)
-            choice = choose([w.view for w in workers], matches, len(ids), policy, hashes[0].to_bytes(8, "little"),
+            choice = choose(board, matches, len(ids), policy, hashes[0].to_bytes(8, "little"),
                             mean_request_tokens=mean)
         else:
             choice = None
         decisions.append(time.perf_counter() - t0)
         if routing == "cache" and choice is None:   # no room anywhere: the queue would hand it to the
             queued += 1                              # first worker to free room, the least busy one
-            choice = Choice(min((w.view for w in workers), key=lambda v: v.active), 0)
+            choice = Choice(next(board.least_busy(PAGE)), 0)
         w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
         w.view.routed(len(ids))
         cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)

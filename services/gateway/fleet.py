@@ -10,6 +10,7 @@ import random
 from collections import OrderedDict
 
 from kvserve.kvcache_service.contract.hashing import page_hashes, tenant_extra_key
+from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
@@ -38,6 +39,7 @@ class Fleet:
         self.queue = queue
         self.index = PrefixIndex()
         self.workers: dict[str, Worker] = {}
+        self.board = LoadBoard()   # the serving ones, least busy first
         self._followers: dict[str, Follower] = {}
         self._closing: set[asyncio.Task] = set()   # channels of removed workers, closed once idle
         self._sessions: OrderedDict[str, str] = OrderedDict()   # session id -> worker address
@@ -53,6 +55,7 @@ class Fleet:
             return
         worker = Worker.connect(address, self.worker_tls)
         self.workers[address] = worker
+        self.board.add(worker)
         follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off)
         self._followers[address] = follower
         follower.start()
@@ -68,6 +71,7 @@ class Fleet:
             log.info("worker %s removed", address)
         if worker is None:
             return
+        self.board.remove(worker)
         if worker.relays and let_streams_finish:
             task = asyncio.create_task(self._close_when_idle(worker), name=f"close {address}")
             self._closing.add(task)
@@ -96,8 +100,7 @@ class Fleet:
 
     @property
     def page_size(self) -> int | None:
-        sizes = {w.info.page_size for w in self.workers.values() if w.info is not None}
-        return min(sizes) if sizes else None
+        return self.board.page_size
 
     def hashes(self, ids: list[int], tenant: str = "") -> list[int]:
         """The pages' hashes as the worker computes them: the same salt, the same tenant."""
@@ -108,10 +111,6 @@ class Fleet:
         ps = self.page_size
         if ps is None:
             return None
-        candidates = [w for w in self.workers.values()
-                      if w.info is not None and w.info.page_size == ps and w is not avoid]
-        if avoid is not None and not candidates and avoid.address in self.workers:
-            candidates = [avoid]
         matches = {a: n for a, n in self.index.holders(hashes).items()
                    if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live}
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
@@ -122,9 +121,9 @@ class Fleet:
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack)
         if self.routing == "cache":
-            choice = choose(candidates, matches, len(ids), policy, key, sticky, mean)
+            choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid)
         else:
-            choice = choose_blind(candidates, len(ids), policy, self.routing, self._turn, self._rng)
+            choice = choose_blind(self.board, len(ids), policy, self.routing, self._turn, self._rng, avoid)
             self._turn += choice is not None
         if choice is not None and self.routing != "cache":   # what it finds there, for the stats
             choice = Choice(choice.worker, matches.get(choice.worker.address, 0))

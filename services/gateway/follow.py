@@ -150,6 +150,7 @@ class Follower:
             try:
                 if w.info is None:
                     w.info = await w.inference.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+                    w.changed()
                     w.hashes_match = w.info.extra_key_digest == self.digest
                     if not w.hashes_match:
                         log.error("worker %s hashes its pages with another extra_key (--cache-salt) than this "
@@ -192,12 +193,12 @@ class Follower:
 
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache
-        w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
-                      asked))
         state = SERVING if serving else NOT_SERVING
         if state != w.state:
             log.info("worker %s: %s%s", w.address, state, f" ({stats.not_serving})" if stats.not_serving else "")
         w.state = state
+        w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
+                      asked))
 
     def _down(self, why: str) -> None:
         w = self.worker
@@ -206,4 +207,5 @@ class Follower:
             log.warning("worker %s is down (%s)", w.address, why)
             w.state = DOWN
             w.info = None
+            w.changed()
             self.on_down(w)

@@ -25,10 +25,11 @@ A session sticks to its last worker while that worker has room.
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
+from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.worker import SERVING, Worker
 
 
@@ -54,15 +55,18 @@ def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
             and ld.free_pages + ld.cached_pages >= pages_needed)
 
 
-def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
-           key: bytes, sticky: Worker | None = None, mean_request_tokens: float = 0.0) -> Choice | None:
+def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
+           key: bytes, sticky: Worker | None = None, mean_request_tokens: float = 0.0,
+           avoid: Worker | None = None) -> Choice | None:
     """The worker for a request of `prompt_tokens` whose leading pages `matches` says each
     worker holds; None when no worker has room. `key` names the request (its first page, or
-    its session) for the last tie-break."""
+    its session) for the last tie-break; `avoid` (the worker it just failed on) is chosen only
+    when no other worker serves."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
-    workers = shortlist(workers, matches, sticky)
-    room = [w for w in workers if has_room(w, policy, total_pages - matches.get(w.address, 0))]
+    board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
+    room = [w for w in shortlist(board, matches, sticky, ps, avoid)
+            if has_room(w, policy, total_pages - matches.get(w.address, 0))]
     if not room:
         return None
     least = min(w.active for w in room)
@@ -92,27 +96,31 @@ def choose(workers: Iterable[Worker], matches: Mapping[str, int], prompt_tokens:
 SHORTLIST_LEAST_BUSY = 8
 
 
-def shortlist(workers: Iterable[Worker], matches: Mapping[str, int], sticky: Worker | None) -> list[Worker]:
+def shortlist(board: LoadBoard, matches: Mapping[str, int], sticky: Worker | None, page_size: int,
+              avoid: Worker | None = None) -> list[Worker]:
     """The workers worth weighing: those holding part of the prompt, the session's, and the
-    least busy few. A large fleet's choice then costs a pass over the workers' request counts,
-    not a full evaluation of each."""
-    workers = list(workers)
-    if len(workers) <= 2 * SHORTLIST_LEAST_BUSY:
-        return workers
-    picked = {id(w): w for w in heapq.nsmallest(SHORTLIST_LEAST_BUSY, workers, key=lambda w: w.active)}
-    for w in workers:
-        if matches.get(w.address):
-            picked[id(w)] = w
-    if sticky is not None:
-        picked[id(sticky)] = sticky
-    return list(picked.values())
+    least busy few (every one, in a fleet of up to twice as many). Read off the board, so a
+    large fleet's choice costs what a small one's does."""
+    few = SHORTLIST_LEAST_BUSY if len(board) > 2 * SHORTLIST_LEAST_BUSY else len(board)
+    picked = dict.fromkeys(islice(board.least_busy(page_size, avoid), few))
+    for address in matches:
+        w = board.get(address)
+        if w is not None and w is not avoid and w.info.page_size == page_size:
+            picked[w] = None
+    if sticky is not None and sticky in board and sticky is not avoid:
+        picked[sticky] = None
+    if not picked and avoid is not None and avoid in board:
+        return [avoid]
+    return list(picked)
 
 
-def choose_blind(workers: Iterable[Worker], prompt_tokens: int, policy: Policy, how: str, turn: int,
-                 rng) -> Choice | None:
+def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, policy: Policy, how: str, turn: int,
+                 rng, avoid: Worker | None = None) -> Choice | None:
     """The peers cache-aware routing is measured against: round-robin (the `turn`-th worker with
     room, in address order) or random among workers with room; neither looks at any cache."""
-    room = sorted((w for w in workers if has_room(w, policy, -(-prompt_tokens // policy.page_size))),
+    board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
+    candidates = list(board.least_busy(policy.page_size, avoid)) or ([avoid] if avoid in board else [])
+    room = sorted((w for w in candidates if has_room(w, policy, -(-prompt_tokens // policy.page_size))),
                   key=lambda w: w.address)
     if not room:
         return None

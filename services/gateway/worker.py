@@ -1,11 +1,14 @@
 """One worker as the gateway knows it: its connection, what it reported last, and the gateway's
-own counts. Plain state; follow.py updates it, router.py reads it."""
+own counts. Plain state; follow.py updates it, router.py reads it. Whoever changes its state or
+info calls changed(), as its own load methods do, so that its place on the fleet's board
+(board.py) follows."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -14,6 +17,9 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
+
+if TYPE_CHECKING:
+    from kvserve.services.gateway.board import LoadBoard
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
 
@@ -48,6 +54,7 @@ class Worker:
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
+    board: LoadBoard | None = field(default=None, repr=False)   # the fleet's, once added to it
 
     @classmethod
     def connect(cls, address: str, tls: ClientTLS | None = None) -> Worker:
@@ -79,10 +86,16 @@ class Worker:
         less this gateway's streams that ended since, plus those it sent since."""
         return max(0, self.load.running + self.load.waiting - self.ended_since_report) + self.pending
 
+    def changed(self) -> None:
+        """Its state, info or load changed: its place on the board moves."""
+        if self.board is not None:
+            self.board.update(self)
+
     def loaded(self, load: Load) -> None:
         self.load = load
         self.routed_at = [t for t in self.routed_at if t >= load.asked_at]
         self.ended_since_report = 0
+        self.changed()
 
     def routed(self, prompt_tokens: int) -> float:
         """Counts a request sent here; returns its mark for ended()."""
@@ -91,6 +104,7 @@ class Worker:
         self.last_routed = now
         self.requests_routed += 1
         self.prompt_tokens += prompt_tokens
+        self.changed()
         return now
 
     def ended(self, mark: float) -> None:
@@ -100,6 +114,7 @@ class Worker:
             self.routed_at.remove(mark)
         except ValueError:
             self.ended_since_report += 1
+        self.changed()
 
     def stats(self, index_pages: int) -> pb.WorkerStats:
         ld = self.load

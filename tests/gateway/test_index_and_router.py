@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Policy, choose
 from kvserve.services.gateway.worker import NOT_SERVING, SERVING, Load, Worker
@@ -17,7 +18,7 @@ COSTED = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=10, balance_
 
 def worker(name: str, used: int = 0, waiting: int = 0, free: int = 100, tree: int = 10, state: str = SERVING,
            last: float = 0.0) -> Worker:
-    w = Worker(name, channel=None, state=state, info=pb.ModelInfo(max_num_seqs=1))
+    w = Worker(name, channel=None, state=state, info=pb.ModelInfo(max_num_seqs=1, page_size=4))
     w.load = Load(running=0, waiting=waiting, free_pages=free, cached_pages=0, used_pages=used, tree_pages=tree)
     w.last_routed = last
     return w
@@ -185,7 +186,16 @@ def test_a_large_fleet_weighs_only_the_holders_the_session_and_the_least_busy():
     fleet = [worker(f"w{i}") for i in range(50)]
     for i, w in enumerate(fleet):
         w.load.running = 50 - i        # the last ones are the least busy
-    picked = {w.address for w in shortlist(fleet, index.holders([1, 2, 3]), sticky=fleet[0])}
+    board = LoadBoard(fleet)
+    picked = {w.address for w in shortlist(board, index.holders([1, 2, 3]), sticky=fleet[0], page_size=4)}
     assert picked == {"w0", "w40", "w41"} | {f"w{i}" for i in range(50 - SHORTLIST_LEAST_BUSY, 50)}
+    assert "w49" not in {w.address for w in shortlist(board, {}, None, page_size=4, avoid=fleet[49])}
     small = fleet[:10]
-    assert shortlist(small, {}, None) == small
+    assert shortlist(LoadBoard(small), {}, None, page_size=4) == small[::-1]   # least busy first
+
+
+def test_a_failed_worker_is_chosen_again_only_when_no_other_serves():
+    a, b = worker("a"), worker("b")
+    assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a).worker is b
+    b.state = NOT_SERVING
+    assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a).worker is a

@@ -1,0 +1,89 @@
+"""The workers a request may go to, kept in order of how busy each is: the least busy few are
+found without a pass over the fleet, so a routing decision costs the same at 1,000 workers as
+at 10 (docs/benchmarks.md). Mechanism only: router.py decides whom to weigh.
+
+A worker is on the board while it is serving and its model (page size, batch) is known. Its
+place is Worker.active, the requests running or waiting there as the gateway counts them; a
+worker added to a board (`add`) tells the board itself whenever that or its state changes
+(Worker.changed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+from kvserve.services.gateway.worker import SERVING, Worker
+
+
+class LoadBoard:
+    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+        """A board of `workers` as they are now (they do not report their changes to it: for
+        one choice among them; `add` makes a worker keep its place current)."""
+        self._place: dict[Worker, tuple[int, int]] = {}     # worker -> (its active count, its page size)
+        self._rows: dict[int, dict[Worker, None]] = {}      # active count -> its workers, oldest move first
+        self._page_sizes: Counter[int] = Counter()
+        self._by_address: dict[str, Worker] = {}
+        for w in workers:
+            self.update(w)
+
+    def add(self, worker: Worker) -> None:
+        worker.board = self
+        self.update(worker)
+
+    def remove(self, worker: Worker) -> None:
+        worker.board = None
+        self._take_off(worker)
+
+    def update(self, worker: Worker) -> None:
+        """Puts `worker` where its state and load say: in its row, or off the board."""
+        self._take_off(worker)
+        if worker.state != SERVING or worker.info is None:
+            return
+        active, size = worker.active, worker.info.page_size
+        self._place[worker] = active, size
+        row = self._rows.get(active)
+        if row is None:
+            row = self._rows[active] = {}
+        row[worker] = None
+        self._page_sizes[size] += 1
+        self._by_address[worker.address] = worker
+
+    def least_busy(self, page_size: int, avoid: Worker | None = None) -> Iterator[Worker]:
+        """The workers of `page_size` but `avoid`, the least busy first; among equals, the one
+        whose load moved least recently first (so that idle workers take turns)."""
+        for active in sorted(self._rows):
+            for w in self._rows[active]:
+                if w is not avoid and self._place[w][1] == page_size:
+                    yield w
+
+    def get(self, address: str) -> Worker | None:
+        return self._by_address.get(address)
+
+    @property
+    def page_size(self) -> int | None:
+        """The smallest page size on the board: requests are hashed and matched in it."""
+        return min(self._page_sizes) if self._page_sizes else None
+
+    def __contains__(self, worker: Worker) -> bool:
+        return worker in self._place
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._place)
+
+    def __len__(self) -> int:
+        return len(self._place)
+
+    def _take_off(self, worker: Worker) -> None:
+        place = self._place.pop(worker, None)
+        if place is None:
+            return
+        active, size = place
+        row = self._rows[active]
+        del row[worker]
+        if not row:
+            del self._rows[active]
+        self._page_sizes[size] -= 1
+        if not self._page_sizes[size]:
+            del self._page_sizes[size]
+        del self._by_address[worker.address]
