@@ -175,20 +175,43 @@ class Follower:
 
     async def _watch_load(self) -> None:
         """The worker's WatchServerStats: a report whenever its load changes (looked at every
-        --poll-interval), a heartbeat every second; silence past LOAD_SILENCE_S is a hung worker."""
+        --poll-interval), a heartbeat every second; silence past LOAD_SILENCE_S is a hung worker
+        (asyncio.TimeoutError). One timer per stream watches for it, re-armed only when it
+        fires, so a report costs only the note of when it came."""
         call = self.worker.inference.WatchServerStats(pb.WatchServerStatsRequest(
             interval_ms=max(stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), heartbeat_ms=LOAD_HEARTBEAT_MS))
+        loop = asyncio.get_running_loop()
+        heard, silent = loop.time(), False
+
+        def watchdog() -> None:
+            nonlocal timer, silent
+            quiet = loop.time() - heard
+            if quiet >= LOAD_SILENCE_S:
+                silent = True
+                call.cancel()
+            else:
+                timer = loop.call_later(LOAD_SILENCE_S - quiet, watchdog)
+
+        timer = loop.call_later(LOAD_SILENCE_S, watchdog)
         try:
             while True:
-                stats = await asyncio.wait_for(call.read(), LOAD_SILENCE_S)
+                try:
+                    stats = await call.read()
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if silent and not (task is not None and task.cancelling()):
+                        raise asyncio.TimeoutError from None
+                    raise
                 if stats is grpc.aio.EOF:
                     return
+                heard = loop.time()
                 # It counts what was routed there an interval before it came: a request routed
                 # since may not have reached the worker yet. Held too long, a routing is counted
                 # twice until the worker's next report (its next change, or its heartbeat).
                 self._take(stats, stats.serving, time.monotonic() - self.poll_s)
                 self.on_change()
         finally:
+            timer.cancel()
             call.cancel()
 
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
