@@ -12,17 +12,25 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from kvserve.services.gateway.worker import SERVING, Worker
+
+
+class Shape(NamedTuple):
+    """What a worker can take, from its ModelInfo."""
+    page_size: int
+    max_model_len: int
+    num_pages: int
 
 
 class LoadBoard:
     def __init__(self, workers: Iterable[Worker] = ()) -> None:
         """A board of `workers` as they are now (they do not report their changes to it: for
         one choice among them; `add` makes a worker keep its place current)."""
-        self._place: dict[Worker, tuple[int, int]] = {}     # worker -> (its active count, its page size)
+        self._place: dict[Worker, tuple[int, Shape]] = {}   # worker -> (its active count, its shape)
         self._rows: dict[int, dict[Worker, None]] = {}      # active count -> its workers, oldest move first
-        self._page_sizes: Counter[int] = Counter()
+        self._shapes: Counter[Shape] = Counter()           # a few distinct ones, whatever the fleet's size
         self._by_address: dict[str, Worker] = {}
         for w in workers:
             self.update(w)
@@ -40,13 +48,14 @@ class LoadBoard:
         self._take_off(worker)
         if worker.state != SERVING or worker.info is None:
             return
-        active, size = worker.active, worker.info.page_size
-        self._place[worker] = active, size
+        info = worker.info
+        active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages)
+        self._place[worker] = active, shape
         row = self._rows.get(active)
         if row is None:
             row = self._rows[active] = {}
         row[worker] = None
-        self._page_sizes[size] += 1
+        self._shapes[shape] += 1
         self._by_address[worker.address] = worker
 
     def least_busy(self, page_size: int, avoid: Worker | None = None) -> Iterator[Worker]:
@@ -54,7 +63,7 @@ class LoadBoard:
         whose load moved least recently first (so that idle workers take turns)."""
         for active in sorted(self._rows):
             for w in self._rows[active]:
-                if w is not avoid and self._place[w][1] == page_size:
+                if w is not avoid and self._place[w][1].page_size == page_size:
                     yield w
 
     def get(self, address: str) -> Worker | None:
@@ -63,7 +72,21 @@ class LoadBoard:
     @property
     def page_size(self) -> int | None:
         """The smallest page size on the board: requests are hashed and matched in it."""
-        return min(self._page_sizes) if self._page_sizes else None
+        return min(s.page_size for s in self._shapes) if self._shapes else None
+
+    def never_fits(self, prompt_tokens: int) -> str | None:
+        """Why no worker on the board could ever take a prompt of `prompt_tokens` (None: one
+        could, or the board is empty and nothing is known yet), as the workers would say it."""
+        if not self._shapes:
+            return None
+        longest = max(s.max_model_len for s in self._shapes)
+        if longest and prompt_tokens >= longest:
+            return (f"the prompt has {prompt_tokens} tokens; the model length is {longest}, which leaves no "
+                    "room for output")
+        if all(s.num_pages and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):
+            most = max(s.num_pages * s.page_size for s in self._shapes)
+            return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {most}"
+        return None
 
     def __contains__(self, worker: Worker) -> bool:
         return worker in self._place
@@ -78,12 +101,13 @@ class LoadBoard:
         place = self._place.pop(worker, None)
         if place is None:
             return
-        active, size = place
+        active, shape = place
         row = self._rows[active]
         del row[worker]
         if not row:
             del self._rows[active]
-        self._page_sizes[size] -= 1
-        if not self._page_sizes[size]:
-            del self._page_sizes[size]
-        del self._by_address[worker.address]
+        self._shapes[shape] -= 1
+        if not self._shapes[shape]:
+            del self._shapes[shape]
+        if self._by_address.get(worker.address) is worker:   # not another worker of the same address
+            del self._by_address[worker.address]

@@ -60,7 +60,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
             raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
-        for name in ("dns_interval_s", "poll_interval_s", "no_worker_timeout_s"):
+        if not 0.01 <= self.poll_interval_s <= 60:   # what WatchServerStats allows a look's interval
+            raise ValueError(f"--poll-interval must be from 0.01 to 60 seconds, got {self.poll_interval_s:g}")
+        for name in ("dns_interval_s", "no_worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
         for name in ("worker_queue_depth", "max_queued", "tokenizer_threads"):

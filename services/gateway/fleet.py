@@ -62,27 +62,36 @@ class Fleet:
         log.info("worker %s added", address)
 
     async def remove(self, address: str, let_streams_finish: bool = True) -> None:
-        """No new requests go there; streams running on it go on until they end (their channel
-        is closed after them, in the background), unless the gateway itself is closing."""
+        """No new requests go there; streams running on it go on until they end (its load still
+        watched, so that they move if it fails; its channel closed after them, in the
+        background), unless the gateway itself is closing."""
         follower = self._followers.pop(address, None)
         worker = self.workers.pop(address, None)
+        if worker is not None:
+            self.board.remove(worker)   # before any await: from now on nothing is routed there
         if follower is not None:
-            await follower.stop()
+            await follower.stop_events()
             log.info("worker %s removed", address)
         if worker is None:
             return
-        self.board.remove(worker)
         if worker.relays and let_streams_finish:
-            task = asyncio.create_task(self._close_when_idle(worker), name=f"close {address}")
+            task = asyncio.create_task(self._close_when_idle(worker, follower), name=f"close {address}")
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         else:
-            await worker.channel.close()
+            await self._close(worker, follower)
+
+    async def _close_when_idle(self, worker: Worker, follower: Follower | None) -> None:
+        try:
+            while worker.relays:
+                await asyncio.sleep(0.5)
+        finally:
+            await self._close(worker, follower)
 
     @staticmethod
-    async def _close_when_idle(worker: Worker) -> None:
-        while worker.relays:
-            await asyncio.sleep(0.5)
+    async def _close(worker: Worker, follower: Follower | None) -> None:
+        if follower is not None:
+            await follower.stop()
         await worker.channel.close()
 
     async def close(self) -> None:
@@ -101,6 +110,10 @@ class Fleet:
     @property
     def page_size(self) -> int | None:
         return self.board.page_size
+
+    def never_fits(self, prompt_tokens: int) -> str | None:
+        """Why no serving worker could ever take a prompt this long; None when one could."""
+        return self.board.never_fits(prompt_tokens)
 
     def hashes(self, ids: list[int], tenant: str = "") -> list[int]:
         """The pages' hashes as the worker computes them: the same salt, the same tenant."""

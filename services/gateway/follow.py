@@ -36,8 +36,14 @@ log = logging.getLogger(__name__)
 
 RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
-LOAD_HEARTBEAT_MS = 1000
+LOAD_HEARTBEAT_MS = 1000     # or the look interval, if longer
 LOAD_SILENCE_S = 3.0          # three heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class EventCursor:
@@ -83,18 +89,23 @@ class Follower:
         self.on_change = on_change
         self.on_down = on_down
         self.pushed = True   # the worker pushes its load (WatchServerStats); False: it is polled
-        self._tasks: list[asyncio.Task] = []
+        self._events: asyncio.Task | None = None
+        self._load: asyncio.Task | None = None
 
     def start(self) -> None:
         name = self.worker.address
-        self._tasks = [asyncio.create_task(self._follow_events(), name=f"events {name}"),
-                       asyncio.create_task(self._follow_load(), name=f"load {name}")]
+        self._events = asyncio.create_task(self._follow_events(), name=f"events {name}")
+        self._load = asyncio.create_task(self._follow_load(), name=f"load {name}")
+
+    async def stop_events(self) -> None:
+        """Its cache routes nothing more: the event stream ends and its pages leave the index. Its
+        load is still watched, so that streams still running there move if it fails."""
+        await _cancel(self._events)
+        self.index.drop(self.worker.address)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.index.drop(self.worker.address)
+        await self.stop_events()
+        await _cancel(self._load)
 
     # ------------------------------------------------------------ events
 
@@ -169,30 +180,32 @@ class Follower:
                     continue
                 self._down(f"{exc.code().name}: {exc.details()}")
             except asyncio.TimeoutError:
-                self._down(f"its load stream sent nothing for {LOAD_SILENCE_S:g} s")
+                self._down(f"its load stream sent nothing for {self._silence_s():g} s")
             self.on_change()
             await asyncio.sleep(self.poll_s)
 
     async def _watch_load(self) -> None:
         """The worker's WatchServerStats: a report whenever its load changes (looked at every
-        --poll-interval), a heartbeat every second; silence past LOAD_SILENCE_S is a hung worker
+        --poll-interval), a heartbeat every second; silence for three heartbeats is a hung worker
         (asyncio.TimeoutError). One timer per stream watches for it, re-armed only when it
         fires, so a report costs only the note of when it came."""
+        interval_ms, heartbeat_ms = self._periods_ms()
         call = self.worker.inference.WatchServerStats(pb.WatchServerStatsRequest(
-            interval_ms=max(stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), heartbeat_ms=LOAD_HEARTBEAT_MS))
+            interval_ms=interval_ms, heartbeat_ms=heartbeat_ms))
+        silence_s = self._silence_s()
         loop = asyncio.get_running_loop()
         heard, silent = loop.time(), False
 
         def watchdog() -> None:
             nonlocal timer, silent
             quiet = loop.time() - heard
-            if quiet >= LOAD_SILENCE_S:
+            if quiet >= silence_s:
                 silent = True
                 call.cancel()
             else:
-                timer = loop.call_later(LOAD_SILENCE_S - quiet, watchdog)
+                timer = loop.call_later(silence_s - quiet, watchdog)
 
-        timer = loop.call_later(LOAD_SILENCE_S, watchdog)
+        timer = loop.call_later(silence_s, watchdog)
         try:
             while True:
                 try:
@@ -213,6 +226,15 @@ class Follower:
         finally:
             timer.cancel()
             call.cancel()
+
+    def _periods_ms(self) -> tuple[int, int]:
+        """(interval, heartbeat) to ask for: the look every --poll-interval, a heartbeat each
+        second or each look, whichever is rarer (the worker refuses a heartbeat more frequent)."""
+        interval = min(max(stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), stats_watch.MAX_PERIOD_MS)
+        return interval, max(LOAD_HEARTBEAT_MS, interval)
+
+    def _silence_s(self) -> float:
+        return LOAD_SILENCE_S * self._periods_ms()[1] / LOAD_HEARTBEAT_MS
 
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache

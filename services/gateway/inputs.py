@@ -27,12 +27,18 @@ class Inputs:
         if kind == "token_ids":
             return list(msg.token_ids.ids)
         if kind == "prompt":
-            if msg.ByteSize() > 4 * self.max_prompt_chars + 1024 and len(msg.prompt) > self.max_prompt_chars:
+            # the encoded size first: reading the field builds a str, and it has at least as many bytes as characters
+            if msg.ByteSize() > self.max_prompt_chars and len(msg.prompt) > self.max_prompt_chars:
                 raise InputError(f"the prompt has {len(msg.prompt):,} characters; at most "
-                                 f"{self.max_prompt_chars:,} are allowed")
+                                 f"{self.max_prompt_chars:,} are allowed (--max-prompt-chars)")
             return await self._run(prompt_tokens.encode, self.tokenizer, msg.prompt, add_special_tokens)
         if kind == "messages":
-            chat = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+            messages = msg.messages.messages
+            if msg.messages.ByteSize() > self.max_prompt_chars and \
+                    (chars := sum(len(m.content) for m in messages)) > self.max_prompt_chars:
+                raise InputError(f"the chat messages have {chars:,} characters; at most "
+                                 f"{self.max_prompt_chars:,} are allowed (--max-prompt-chars)")
+            chat = [{"role": m.role, "content": m.content} for m in messages]
             if not chat:
                 raise InputError("messages is empty")
             try:
@@ -40,6 +46,10 @@ class Inputs:
             except ValueError as exc:
                 raise InputError(str(exc)) from None
         raise InputError("set one input: prompt, token_ids or messages")
+
+    async def tokens(self, ids: list[int]) -> list[str]:
+        """The ids as the tokenizer's token strings, off the event loop."""
+        return await self._run(self.tokenizer.convert_ids_to_tokens, ids)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

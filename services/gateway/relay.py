@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -27,6 +28,8 @@ from kvserve.services.plumbing.api_keys import TENANT_METADATA
 log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+CANCEL_TIMEOUT_S = 1.0
+ABORTED = pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
 
 
 class Refused(Exception):
@@ -63,23 +66,28 @@ class Relay:
     def end(self, why: str) -> None:
         """The gateway stops: the stream ends UNAVAILABLE with `why`, wherever it is."""
         self.ended = why
-        self.fleet.queue.wake()
+        self.fleet.queue.wake_all()
         if self._call is not None:
             self._call.cancel()
 
-    async def cancel(self) -> bool:
-        """Cancel(request_id): on the worker that streams it, or here while it waits."""
+    async def cancel(self) -> None:
+        """Cancel(request_id). Waiting here, it leaves the queue; on a worker, the worker cancels
+        it and its stream ends ABORT with the usage so far. A worker that does not know the id yet
+        (routed a moment ago) or does not answer within CANCEL_TIMEOUT_S has the call to it ended
+        here instead, and the stream ends ABORT all the same. Either way it goes nowhere else."""
+        self.cancelled = True
+        self.fleet.queue.wake_all()
         worker = self.worker
         if worker is None:
-            self.cancelled = True
-            self.fleet.queue.wake()
-            return True
+            return
         try:
-            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=5,
+            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=CANCEL_TIMEOUT_S,
                                           metadata=self._metadata)   # the worker checks the tenant
-            return True
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            log.info("request %s: the worker's Cancel failed (%s); ending its call here", self.request_id,
+                     exc.code().name)
+            if self._call is not None:
+                self._call.cancel()
 
     async def run(self, time_left) -> AsyncIterator[pb.GenerateResponse]:
         fleet = self.fleet
@@ -96,25 +104,41 @@ class Relay:
         left = self.request.sampling.n or 1   # sequences to finish: the call ends after the last
         moves = 0
         avoid: Worker | None = None
+
+        def route() -> Choice | None:
+            why = fleet.never_fits(len(self.ids))   # a queue's head that no worker can take would stall it
+            if why is not None and prefill_sent:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
+            if why is not None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
+            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid)
+
+        # Tokens a gateway in front of this one streamed before it moved the request here: a move
+        # from here goes on after them and after ours.
+        earlier = list(self.request.continuation.ids)
         while True:
+            if self.cancelled:   # while it moved
+                yield ABORTED
+                return
             choice = None
             # A moved stream waits at the head of the queue, and its client is not told: to it the
             # stream only pauses.
-            async for item in self._acquire(lambda: fleet.choose(self.ids, hashes_for(), self.request.session_id,
-                                                                 avoid), front=prefill_sent):
-                if isinstance(item, Choice):
-                    choice = item
-                elif not prefill_sent:
-                    yield item
+            # closed on the way out, so that it leaves the queue even if run() is closed while it waits
+            async with aclosing(self._acquire(route, front=prefill_sent)) as acquired:
+                async for item in acquired:
+                    if isinstance(item, Choice):
+                        choice = item
+                    elif not prefill_sent:
+                        yield item
             if choice is None:   # cancelled while it waited
-                yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
+                yield ABORTED
                 return
             worker = choice.worker
             msg = self.request   # the client's own message, forwarded as it is but for these two
             msg.request_id = self.request_id
             if sent:
                 del msg.continuation.ids[:]
-                msg.continuation.ids.extend(sent)
+                msg.continuation.ids.extend(earlier + sent)
             self.worker, self._moved = worker, False
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
@@ -145,6 +169,9 @@ class Relay:
                     raise
                 if self.ended is not None:
                     raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended) from None
+                if self.cancelled:   # cancel() ended the call here
+                    yield ABORTED
+                    return
                 if not self._moved:
                     raise
                 why = "it stopped answering"
@@ -190,7 +217,7 @@ class Relay:
             while not self.cancelled:
                 if self.ended is not None:
                     raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended)
-                if self.fleet.serving():
+                if len(self.fleet.board):
                     alone_since = None
                 elif alone_since is None:
                     alone_since = loop.time()
@@ -206,6 +233,6 @@ class Relay:
                     told = position
                     yield pb.GenerateResponse(queued=pb.QueueStatus(position=position,
                                                                     eta_ms=queue.eta_ms(position)))
-                await queue.changed(timeout_s=1.0)
+                await queue.changed(waiter, timeout_s=1.0)
         finally:
             queue.leave(waiter)

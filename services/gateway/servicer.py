@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import aclosing
 
 import grpc
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 MAX_REQUEST_ID_CHARS = 256
+MAX_SESSION_ID_CHARS = 256
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
@@ -45,6 +47,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             if len(request_id) > MAX_REQUEST_ID_CHARS:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the request id has {len(request_id)} characters; "
                               f"at most {MAX_REQUEST_ID_CHARS} are allowed")
+            if len(request.session_id) > MAX_SESSION_ID_CHARS:   # each one is remembered (Fleet._sessions)
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the session id has {len(request.session_id)} "
+                              f"characters; at most {MAX_SESSION_ID_CHARS} are allowed")
+            if request.WhichOneof("input") == "token_ids" and \
+                    (why := self.fleet.never_fits(len(request.token_ids.ids))) is not None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)   # before a list of them is made
             try:
                 ids = await self.inputs.ids(request)
             except InputError as exc:
@@ -56,8 +64,10 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[tenant, request_id] = relay
         try:
-            async for response in relay.run(context.time_remaining):
-                yield response
+            # closed here, not whenever it is collected, if the client goes away while this waits to send
+            async with aclosing(relay.run(context.time_remaining)) as responses:
+                async for response in responses:
+                    yield response
         except Refused as exc:
             if exc.trailers:
                 context.set_trailing_metadata(exc.trailers)
@@ -80,9 +90,10 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         except Refused as exc:
             await context.abort(exc.code, exc.message)
         relay = self.relays.get((tenant, request.request_id))   # another tenant's is not there for this one
-        if relay is None or not await relay.cancel():
+        if relay is None:
             shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
+        await relay.cancel()
         return pb.CancelResponse()
 
     async def Tokenize(self, request, context):
@@ -91,7 +102,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             ids = await self.inputs.ids(request, add_special)
         except InputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids, tokens=self.inputs.tokenizer.convert_ids_to_tokens(ids))
+        return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))
 
     async def GetModelInfo(self, request, context):
         info = next((w.info for w in self.fleet.serving() if w.info is not None), None)

@@ -1,10 +1,11 @@
 """The gateway's queue: requests that found no worker with room wait here, first in, first out,
 and are told where they stand.
 
-Mechanism: positions, a wake-up for everyone when room may have freed (a worker's report, a
-stream's end), and the rate at which room frees, measured from the ends of streams over the
-last minute, for each waiter's estimate. Only the head may take a worker: a later request never
-overtakes an earlier one.
+Mechanism: positions; wake-ups, of the head alone when room may have freed (a worker's report,
+a stream's end: only the head may take a worker, so a later request never overtakes an earlier
+one, and a report costs one waiter's look, not the whole queue's), of everyone when positions
+move or a waiter must notice it was cancelled; and the rate at which room frees, measured from
+the ends of streams over the last minute, for each waiter's estimate.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class WaitQueue:
         self.max_queued = max_queued
         self.on_leave = on_leave   # given the seconds each waiter waited
         self._waiters: deque[Waiter] = deque()
-        self._changed = asyncio.Event()
+        self._room = asyncio.Event()    # set when room may have freed (and whenever _moved is)
+        self._moved = asyncio.Event()   # set when positions moved, or for everyone to look again
         self._ends: deque[float] = deque()   # when streams ended, within WINDOW_S
 
     def __len__(self) -> int:
@@ -48,6 +50,7 @@ class WaitQueue:
         waiter = Waiter(request_id)
         if front:
             self._waiters.appendleft(waiter)
+            self.wake_all()   # everyone moved down
         else:
             self._waiters.append(waiter)
         return waiter
@@ -59,7 +62,7 @@ class WaitQueue:
             return
         if self.on_leave is not None:
             self.on_leave(time.monotonic() - waiter.since)
-        self.wake()   # everyone behind moved up
+        self.wake_all()   # everyone behind moved up
 
     def passed(self) -> None:
         """A request found room without waiting: it counts as a wait of 0 s."""
@@ -74,12 +77,21 @@ class WaitQueue:
         return next((w for w in self._waiters if w.request_id == request_id), None)
 
     def wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Room may have freed: the head looks."""
+        self._room.set()
+        self._room = asyncio.Event()
 
-    async def changed(self, timeout_s: float) -> None:
+    def wake_all(self) -> None:
+        """Every waiter looks again: positions moved, or one was cancelled, or the gateway stops."""
+        self.wake()
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def changed(self, waiter: Waiter, timeout_s: float) -> None:
+        """Until `waiter` has something to look at (or `timeout_s`)."""
+        event = self._room if self._waiters and self._waiters[0] is waiter else self._moved
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            await asyncio.wait_for(event.wait(), timeout_s)
         except TimeoutError:
             pass
 

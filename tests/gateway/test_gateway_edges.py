@@ -1,0 +1,218 @@
+"""The gateway where requests and workers misbehave, against scripted workers over real gRPC
+(what each one streams, fails or answers is set by the test): a Cancel the worker does not know
+yet, a move that must keep a client's own continuation, prompts no worker can ever take, a
+worker removed with streams on it, a look interval longer than a heartbeat, and the queue's
+wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
+from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.services.gateway.inputs import InputError, Inputs
+from kvserve.services.gateway.waiting import WaitQueue
+from kvserve.services.plumbing import stats_watch
+from tests.gateway.conftest import GatewayThread
+from tests.server_thread import LoopThread
+from tests.service.util import greedy, request, rpc_error, wait_until
+
+
+class ScriptedWorker(pb_grpc.InferenceServicer):
+    """Streams `tokens` one every `delay_s` (failing UNAVAILABLE before token `fail_at`), reports
+    `running` requests and room for more, answers Cancel NOT_FOUND (as a worker does for an id it
+    has not registered yet), and records what it was sent."""
+
+    def __init__(self, tokens=(5, 6, 7, 8), delay_s=0.0, fail_at=None, running=0, max_model_len=1000,
+                 num_pages=100) -> None:
+        self.tokens, self.delay_s, self.fail_at, self.running = list(tokens), delay_s, fail_at, running
+        self.max_model_len, self.num_pages = max_model_len, num_pages
+        self.requests: list[pb.GenerateRequest] = []
+        self.cancels: list[str] = []
+        self.calls_cancelled = 0
+        self.watching = 0
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(page_size=4, max_num_seqs=4, max_model_len=self.max_model_len, num_pages=self.num_pages,
+                            extra_key_digest=extra_key_digest(""))
+
+    async def WatchServerStats(self, request, context):
+        try:
+            _, heartbeat_s = stats_watch.periods(request)   # refused as a real worker refuses it
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.watching += 1
+        try:
+            while True:
+                yield pb.ServerStats(serving=True, running=self.running,
+                                     kvcache=kv_pb.Stats(free_pages=self.num_pages, total_pages=self.num_pages))
+                await asyncio.sleep(heartbeat_s)
+        finally:
+            self.watching -= 1
+
+    async def Generate(self, request, context):
+        copy = pb.GenerateRequest()
+        copy.CopyFrom(request)
+        self.requests.append(copy)
+        try:
+            yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+            for i, token in enumerate(self.tokens):
+                if i == self.fail_at:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+                await asyncio.sleep(self.delay_s)
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token]))
+            yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH))
+        except asyncio.CancelledError:
+            self.calls_cancelled += 1
+            raise
+
+    async def Cancel(self, request, context):
+        self.cancels.append(request.request_id)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+
+
+@contextmanager
+def scripted_fleet(tiny_dirs, *workers: ScriptedWorker, **gateway_config):
+    """The workers on one private loop, a gateway in front; yields (gateway, stub, addresses)."""
+    loop = LoopThread("scripted workers")
+    servers, gateway, channel = [], None, None
+    try:
+        async def start(servicer):
+            server = grpc.aio.server()
+            pb_grpc.add_InferenceServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, f"127.0.0.1:{port}"
+        started = [loop.call(start(w)) for w in workers]
+        servers = [s for s, _ in started]
+        addresses = [a for _, a in started]
+        gateway = GatewayThread(addresses, model=str(tiny_dirs["tiny"]), **gateway_config)
+        wait_until(lambda: len(gateway.fleet.board) == len(workers), what="every worker serving")
+        channel = grpc.insecure_channel(gateway.address)
+        yield gateway, pb_grpc.InferenceStub(channel), addresses
+    finally:
+        if channel is not None:
+            channel.close()
+        if gateway is not None:
+            gateway.stop()
+        for server in servers:
+            loop.call(server.stop(None))
+        loop.close()
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids]
+
+
+def test_a_cancel_the_worker_does_not_know_yet_still_ends_the_stream(tiny_dirs):
+    worker = ScriptedWorker(tokens=range(10, 60), delay_s=0.05)
+    with scripted_fleet(tiny_dirs, worker) as (_, stub, _):
+        stream = stub.Generate(request(token_ids=[1, 2, 3], request_id="r1", **greedy(50)), timeout=30)
+        first = [next(stream), next(stream)]      # prefill_done, the first token
+        stub.Cancel(pb.CancelRequest(request_id="r1"), timeout=10)
+        rest = list(stream)
+        assert tokens_of(first) == [10] and rest[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+        assert worker.cancels == ["r1"]
+        wait_until(lambda: worker.calls_cancelled == 1, what="the call to the worker ended")
+        err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="r1"), timeout=10))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_move_keeps_the_continuation_a_gateway_in_front_sent(tiny_dirs):
+    failing = ScriptedWorker(tokens=[5, 6, 7, 8], fail_at=2)
+    busier = ScriptedWorker(tokens=[7, 8], running=3)    # chosen only once the first fails
+    with scripted_fleet(tiny_dirs, failing, busier, migration_limit=1) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], **greedy(6))
+        msg.continuation.ids.extend([41, 42])             # streamed before, by another gateway's worker
+        events = list(stub.Generate(msg, timeout=30))
+        assert tokens_of(events) == [5, 6, 7, 8]
+        assert list(failing.requests[0].continuation.ids) == [41, 42]
+        assert list(busier.requests[0].continuation.ids) == [41, 42, 5, 6]
+
+
+def test_a_prompt_no_worker_can_take_is_refused_and_the_queue_goes_on(tiny_dirs):
+    small = ScriptedWorker(max_model_len=64, num_pages=10)   # 40 tokens of cache
+    with scripted_fleet(tiny_dirs, small) as (_, stub, _):
+        err = rpc_error(lambda: stub.Generate(request(token_ids=[5] * 64, **greedy(4)), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the prompt has 64 tokens; the model length is 64" in err.details()
+        err = rpc_error(lambda: stub.Generate(request(token_ids=[5] * 48, **greedy(4)), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache holds 40" in err.details()
+        err = rpc_error(lambda: stub.Generate(request(prompt="hello " * 100, **greedy(4)), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the model length is 64" in err.details()
+        assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
+
+
+def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):
+    with scripted_fleet(tiny_dirs, ScriptedWorker()) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], **greedy(4))
+        msg.session_id = "s" * 257
+        err = rpc_error(lambda: stub.Generate(msg, timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "session id has 257 characters" in err.details()
+
+
+def test_a_removed_workers_streams_stay_watched_until_they_end(tiny_dirs):
+    slow, other = ScriptedWorker(tokens=range(10, 50), delay_s=0.05), ScriptedWorker(running=3)
+    with scripted_fleet(tiny_dirs, slow, other) as (gateway, stub, (slow_address, _)):
+        stream = stub.Generate(request(token_ids=[1, 2, 3], **greedy(40)), timeout=30)
+        assert tokens_of([next(stream), next(stream)]) == [10]
+        gateway.call(gateway.fleet.remove(slow_address))
+        assert slow_address not in {w.address for w in gateway.fleet.board}
+        time.sleep(0.5)                             # a stream closed on removal would have ended by now
+        assert slow.watching == 1                   # its load still followed: a failure would move the stream
+        assert len(list(stream)) == 40              # 39 tokens and the end
+        wait_until(lambda: slow.watching == 0, what="the load stream of the removed worker closed")
+        assert len(other.requests) == 0
+
+
+def test_a_look_interval_longer_than_a_heartbeat_is_asked_for_as_the_worker_allows(tiny_dirs):
+    with scripted_fleet(tiny_dirs, ScriptedWorker(), poll_interval_s=2.0) as (gateway, stub, _):
+        assert {w.state for w in gateway.fleet.workers.values()} == {"serving"}
+        assert tokens_of(stub.Generate(request(token_ids=[1, 2, 3], **greedy(4)), timeout=10)) == [5, 6, 7, 8]
+
+
+def test_look_intervals_out_of_range_are_refused_at_start():
+    from kvserve.services.gateway.config import GatewayConfig
+
+    for bad in (0.001, 61.0, float("nan")):
+        with pytest.raises(ValueError, match="--poll-interval must be from 0.01 to 60 seconds"):
+            GatewayConfig(worker=("127.0.0.1:1",), poll_interval_s=bad)
+
+
+def test_prompts_and_chats_over_the_character_limit_are_refused_before_tokenizing():
+    inputs = Inputs(tokenizer=None, threads=1, max_prompt_chars=100)   # never reached: no tokenizer needed
+    try:
+        with pytest.raises(InputError, match="the prompt has 101 characters; at most 100"):
+            asyncio.run(inputs.ids(request(prompt="x" * 101)))
+        chat = request(messages=[("user", "x" * 60), ("assistant", "y" * 60)])
+        with pytest.raises(InputError, match="the chat messages have 120 characters; at most 100"):
+            asyncio.run(inputs.ids(chat))
+    finally:
+        inputs.close()
+
+
+def test_room_wakes_only_the_head_and_a_move_wakes_everyone():
+    async def scenario():
+        queue = WaitQueue(8)
+        head, second = queue.enter("a"), queue.enter("b")
+        looks = {"a": 0, "b": 0}
+
+        async def wait(waiter, name):
+            await queue.changed(waiter, timeout_s=5)
+            looks[name] += 1
+        tasks = [asyncio.create_task(wait(head, "a")), asyncio.create_task(wait(second, "b"))]
+        await asyncio.sleep(0)
+        queue.wake()                                # room: the head looks, the second has nothing to see
+        await asyncio.sleep(0.01)
+        assert looks == {"a": 1, "b": 0}
+        queue.leave(head)                           # positions move: the second looks
+        await asyncio.wait_for(tasks[1], 1)
+        assert looks == {"a": 1, "b": 1}
+    asyncio.run(scenario())
