@@ -38,7 +38,8 @@ class GatewayConfig:
                                               "ends UNAVAILABLE", flag="--no-worker-timeout")
     poll_interval_s: float = option(0.05, "seconds between looks at each worker's load and health: each worker "
                                           "pushes a report when they changed, at most this often (a worker "
-                                          "without WatchServerStats is polled this often)", flag="--poll-interval")
+                                          "without WatchServerStats is polled this often); 0.01 to 60",
+                                   flag="--poll-interval")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     metrics_listen: str = server_flags.metrics_listen()
