@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--decode-us", type=float, default=20_000.0)
     ap.add_argument("--report-ms", type=float, default=50.0,
                     help="simulated milliseconds between load reports (100: the gateway's old polling)")
-    ap.add_argument("--balance-slack", type=int, default=2)
+    ap.add_argument("--balance-slack", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"{args.conversations:,} conversations x {args.turns} turns, {args.systems} system prompts of "

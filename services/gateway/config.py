@@ -27,7 +27,7 @@ class GatewayConfig:
                           choices=ROUTINGS)
     overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
                                         "its decode load")
-    balance_slack: int = option(2, "requests a worker may have beyond the least busy one and still be chosen "
+    balance_slack: int = option(4, "requests a worker may have beyond the least busy one and still be chosen "
                                    "for what its cache holds")
     worker_queue_depth: int = option(2, "requests waiting at one worker before the gateway keeps new ones in "
                                         "its own queue")

@@ -25,7 +25,7 @@ MAX_SESSIONS = 100_000
 
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
-                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 2,
+                 queue: WaitQueue, routing: str = "cache", balance_slack: int = 4,
                  worker_tls: ClientTLS | None = None) -> None:
         self.worker_tls = worker_tls
         self.balance_slack = balance_slack

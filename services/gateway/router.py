@@ -5,7 +5,7 @@ A worker with room (serving, fewer requests running or waiting there than its --
 plus --worker-queue-depth, counting those sent since its last report, pages enough for what it
 must compute) and no more than --balance-slack requests busier than the least busy such worker
 (so that no cache, however warm, draws everything to one worker while others idle; what the
-default, 2, costs and gains against 0 and 4 is in docs/benchmarks.md) costs
+default, 4, costs and gains against 0 and 2 is in docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
@@ -45,7 +45,7 @@ class Policy:
     page_size: int
     overlap_weight: float = 1.0
     worker_queue_depth: int = 2
-    balance_slack: int = 2
+    balance_slack: int = 4
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
