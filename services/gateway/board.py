@@ -36,11 +36,11 @@ class LoadBoard:
             self.update(w)
 
     def add(self, worker: Worker) -> None:
-        worker.board = self
+        worker.on_change = self.update
         self.update(worker)
 
     def remove(self, worker: Worker) -> None:
-        worker.board = None
+        worker.on_change = None
         self._take_off(worker)
 
     def update(self, worker: Worker) -> None:

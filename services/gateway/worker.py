@@ -1,14 +1,14 @@
 """One worker as the gateway knows it: its connection, what it reported last, and the gateway's
 own counts. Plain state; follow.py updates it, router.py reads it. Whoever changes its state or
 info calls changed(), as its own load methods do, so that its place on the fleet's board
-(board.py) follows."""
+(board.py, which sets on_change) follows."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -17,9 +17,6 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
-
-if TYPE_CHECKING:
-    from kvserve.services.gateway.board import LoadBoard
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
 
@@ -54,7 +51,7 @@ class Worker:
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
-    board: LoadBoard | None = field(default=None, repr=False)   # the fleet's, once added to it
+    on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
 
     @classmethod
     def connect(cls, address: str, tls: ClientTLS | None = None) -> Worker:
@@ -88,8 +85,8 @@ class Worker:
 
     def changed(self) -> None:
         """Its state, info or load changed: its place on the board moves."""
-        if self.board is not None:
-            self.board.update(self)
+        if self.on_change is not None:
+            self.on_change(self)
 
     def loaded(self, load: Load) -> None:
         self.load = load

@@ -47,7 +47,7 @@ def test_only_serving_workers_with_a_known_model_are_on_it():
     starting.changed()
     assert list(board.least_busy(16)) == [starting]
     board.remove(b)
-    assert len(board) == 1 and b.board is None
+    assert len(board) == 1 and b.on_change is None
     b.routed(10)                         # a removed worker no longer moves anything
     assert set(board) == {starting} and board.page_size == 16
 
@@ -55,7 +55,7 @@ def test_only_serving_workers_with_a_known_model_are_on_it():
 def test_a_board_made_of_workers_does_not_follow_them():
     a = worker("a")
     board = LoadBoard([a])
-    assert a.board is None and list(board.least_busy(16)) == [a]
+    assert a.on_change is None and list(board.least_busy(16)) == [a]
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["route", "end", "report", "state"]), st.integers(0, 4),
