@@ -48,11 +48,14 @@ class Policy:
     balance_slack: int = 4
 
 
-def has_room(w: Worker, policy: Policy, pages_needed: int) -> bool:
-    ld = w.load
-    batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
+def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
+    """Room for a request now: serving, its queue not full, pages enough, and a model length that
+    leaves the prompt room for output (a fleet may mix --max-model-len)."""
+    ld, info = w.load, w.info
+    batch = info.max_num_seqs if info is not None and info.max_num_seqs else 1
+    longest = info.max_model_len if info is not None else 0
     return (w.state == SERVING and w.active < batch + policy.worker_queue_depth
-            and ld.free_pages + ld.cached_pages >= pages_needed)
+            and ld.free_pages + ld.cached_pages >= pages_needed and (not longest or prompt_tokens < longest))
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
@@ -66,7 +69,7 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
     total_pages = -(-prompt_tokens // ps)
     board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
     room = [w for w in shortlist(board, matches, sticky, ps, avoid)
-            if has_room(w, policy, total_pages - matches.get(w.address, 0))]
+            if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens)]
     if not room:
         return None
     least = min(w.active for w in room)
@@ -120,7 +123,7 @@ def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, poli
     room, in address order) or random among workers with room; neither looks at any cache."""
     board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
     candidates = list(board.least_busy(policy.page_size, avoid)) or ([avoid] if avoid in board else [])
-    room = sorted((w for w in candidates if has_room(w, policy, -(-prompt_tokens // policy.page_size))),
+    room = sorted((w for w in candidates if has_room(w, policy, -(-prompt_tokens // policy.page_size), prompt_tokens)),
                   key=lambda w: w.address)
     if not room:
         return None

@@ -194,6 +194,16 @@ def test_a_large_fleet_weighs_only_the_holders_the_session_and_the_least_busy():
     assert shortlist(LoadBoard(small), {}, None, page_size=4) == small[::-1]   # least busy first
 
 
+def test_a_prompt_goes_only_to_workers_whose_model_length_leaves_it_room():
+    short, long_ = worker("short"), worker("long")
+    short.info.max_model_len, long_.info.max_model_len = 40, 4096
+    assert choose([short, long_], {"short": 9}, 40, POLICY, b"k").worker is long_
+    assert choose([short, long_], {"short": 9}, 39, POLICY, b"k").worker is short
+    from kvserve.services.gateway.router import choose_blind
+    assert {choose_blind([short, long_], 40, POLICY, "round-robin", t, None).worker.address for t in range(4)} == \
+        {"long"}
+
+
 def test_a_failed_worker_is_chosen_again_only_when_no_other_serves():
     a, b = worker("a"), worker("b")
     assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a).worker is b
