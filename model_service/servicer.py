@@ -162,7 +162,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _load(self) -> tuple:
         """What a WatchServerStats message is sent for when it changes."""
         e = self.engine
-        return e.num_running, self._waiting(), e.num_swapped, e.scheduler.available_pages, not self._not_serving()
+        return (e.num_running, self._waiting(), e.num_swapped,
+                stats_watch.pages_key(e.scheduler.available_pages, self.stack.num_pages), not self._not_serving())
 
     def _waiting(self) -> int:
         """Requests here waiting to run, those submitted since the engine's last step included:

@@ -3,8 +3,8 @@ then one whenever the load has changed (looked at every interval), and one at le
 heartbeat however quiet the server is, so that a silent stream means a server that hangs.
 
 Only the load decides when to send (the caller's `load` key: requests running and waiting,
-free pages, serving): the counters that move with every token would otherwise send a message
-at every look. One build serves every stream that sends at the same load (SharedStats)."""
+free pages in steps (pages_key), serving): the counters that move with every token would
+otherwise send a message at every look. One build serves every stream that sends at the same load (SharedStats)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ from kvserve.inference.v1 import inference_pb2 as pb
 
 DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
 MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
+
+
+def pages_key(available: int, total: int) -> tuple[bool, int]:
+    """Available pages as far as a report is worth sending for: in steps of 1/64 of the cache,
+    so that a decoding batch taking a page every few tokens does not send one at every look
+    (docs/benchmarks.md); exact once fewer than four steps are left, where a gateway must not
+    send what cannot fit. The report itself carries the exact count."""
+    step = max(1, total // 64)
+    return (True, available) if available < 4 * step else (False, available // step)
 
 
 def periods(request: pb.WatchServerStatsRequest) -> tuple[float, float]:

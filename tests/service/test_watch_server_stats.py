@@ -140,3 +140,13 @@ def test_streams_sending_at_the_same_load_share_one_build():
         assert (await shared.get((2, 0))).running == 3
 
     asyncio.run(run())
+
+
+def test_pages_taken_one_by_one_by_a_decoding_batch_send_no_report_until_a_step_of_the_cache():
+    from kvserve.services.plumbing.stats_watch import pages_key
+
+    total = 6400                                   # steps of 100 pages; exact below 400
+    assert len({pages_key(free, total) for free in range(5000, 5100)}) == 1
+    assert pages_key(4999, total) != pages_key(5000, total)
+    assert len({pages_key(free, total) for free in range(300, 400)}) == 100   # nearly full: every page
+    assert len({pages_key(free, 20) for free in range(20)}) == 20             # a tiny cache: every page
