@@ -15,7 +15,7 @@ from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.gateway.worker import SERVING, Worker
+from kvserve.services.gateway.worker import Worker
 from kvserve.services.plumbing.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -153,4 +153,5 @@ class Fleet:
         return choice
 
     def serving(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.state == SERVING]
+        """The workers on the board: serving, their model known (a report comes only after it)."""
+        return list(self.board)

@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 
 RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
-LOAD_HEARTBEAT_MS = 1000     # or the look interval, if longer
-LOAD_SILENCE_S = 3.0          # three heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
+LOAD_SILENCE_S = 3.0   # three default heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
 
 
 async def _cancel(task: asyncio.Task | None) -> None:
@@ -180,7 +179,7 @@ class Follower:
                     continue
                 self._down(f"{exc.code().name}: {exc.details()}")
             except asyncio.TimeoutError:
-                self._down(f"its load stream sent nothing for {self._silence_s():g} s")
+                self._down(f"its load stream sent nothing for {self._load_watch()[1]:g} s")
             self.on_change()
             await asyncio.sleep(self.poll_s)
 
@@ -189,10 +188,8 @@ class Follower:
         --poll-interval), a heartbeat every second; silence for three heartbeats is a hung worker
         (asyncio.TimeoutError). One timer per stream watches for it, re-armed only when it
         fires, so a report costs only the note of when it came."""
-        interval_ms, heartbeat_ms = self._periods_ms()
-        call = self.worker.inference.WatchServerStats(pb.WatchServerStatsRequest(
-            interval_ms=interval_ms, heartbeat_ms=heartbeat_ms))
-        silence_s = self._silence_s()
+        request, silence_s = self._load_watch()
+        call = self.worker.inference.WatchServerStats(request)
         loop = asyncio.get_running_loop()
         heard, silent = loop.time(), False
 
@@ -227,14 +224,14 @@ class Follower:
             timer.cancel()
             call.cancel()
 
-    def _periods_ms(self) -> tuple[int, int]:
-        """(interval, heartbeat) to ask for: the look every --poll-interval, a heartbeat each
-        second or each look, whichever is rarer (the worker refuses a heartbeat more frequent)."""
-        interval = min(max(stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), stats_watch.MAX_PERIOD_MS)
-        return interval, max(LOAD_HEARTBEAT_MS, interval)
-
-    def _silence_s(self) -> float:
-        return LOAD_SILENCE_S * self._periods_ms()[1] / LOAD_HEARTBEAT_MS
+    def _load_watch(self) -> tuple[pb.WatchServerStatsRequest, float]:
+        """The stream to ask for (a look every --poll-interval, the worker's default heartbeat:
+        each second or each look, whichever is rarer) and the silence that means it hangs: three
+        heartbeats, by the rule the worker itself applies (stats_watch.periods)."""
+        request = pb.WatchServerStatsRequest(interval_ms=min(max(
+            stats_watch.MIN_INTERVAL_MS, round(self.poll_s * 1e3)), stats_watch.MAX_PERIOD_MS))
+        _, heartbeat_s = stats_watch.periods(request)
+        return request, LOAD_SILENCE_S * heartbeat_s / (stats_watch.DEFAULT_HEARTBEAT_MS / 1e3)
 
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache

@@ -67,7 +67,7 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
     when no other worker serves."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
-    board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
+    board = _as_board(workers)
     room = [w for w in shortlist(board, matches, sticky, ps, avoid)
             if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens)]
     if not room:
@@ -121,13 +121,18 @@ def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, poli
                  rng, avoid: Worker | None = None) -> Choice | None:
     """The peers cache-aware routing is measured against: round-robin (the `turn`-th worker with
     room, in address order) or random among workers with room; neither looks at any cache."""
-    board = workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
+    board = _as_board(workers)
     candidates = list(board.least_busy(policy.page_size, avoid)) or ([avoid] if avoid in board else [])
-    room = sorted((w for w in candidates if has_room(w, policy, -(-prompt_tokens // policy.page_size), prompt_tokens)),
-                  key=lambda w: w.address)
+    pages = -(-prompt_tokens // policy.page_size)
+    room = sorted((w for w in candidates if has_room(w, policy, pages, prompt_tokens)), key=lambda w: w.address)
     if not room:
         return None
     return Choice(room[turn % len(room)] if how == "round-robin" else rng.choice(room), 0)
+
+
+def _as_board(workers: LoadBoard | Iterable[Worker]) -> LoadBoard:
+    """The fleet's board, or one made of `workers` as they are now (tests, one-off choices)."""
+    return workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
 
 
 def _rendezvous(key: bytes, address: str) -> bytes:

@@ -4,7 +4,8 @@ heartbeat however quiet the server is, so that a silent stream means a server th
 
 Only the load decides when to send (the caller's `load` key: requests running and waiting,
 free pages in steps (pages_key), serving): the counters that move with every token would
-otherwise send a message at every look. One build serves every stream that sends at the same load (SharedStats)."""
+otherwise send a message at every look. One build serves every stream that sends at the same
+load (SharedStats)."""
 
 from __future__ import annotations
 
