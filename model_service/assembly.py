@@ -32,8 +32,6 @@ from kvserve.services.plumbing.api_keys import read_token
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PAGE_SIZE = 16
-
 
 @dataclass
 class ModelStack:
@@ -82,7 +80,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                              mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm,
                              windowed=any(mcfg.layer_windows))
     multiple = backend.page_size_multiple()
-    page_size = cfg.page_size or max(DEFAULT_PAGE_SIZE, multiple)
+    page_size = cfg.page_size or backend.default_page_size()
     if page_size % multiple:
         raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
     backend.set_window(window, cfg.attention_sink, page_size, mcfg.layer_windows)

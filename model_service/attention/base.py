@@ -24,6 +24,11 @@ class AttentionBackend(Protocol):
         """The page size must be a multiple of this (flash-attn 2's paged kernels: 256)."""
         ...
 
+    def default_page_size(self) -> int:
+        """The page size used when none is given: a multiple of page_size_multiple() that the
+        backend's kernels read fastest."""
+        ...
+
     def prepare(self, batch: ForwardBatch) -> Any:
         """Per-step metadata (masks, index tensors), built once and shared by every layer."""
         ...

@@ -92,6 +92,11 @@ class FlashAttnBackend:
     def page_size_multiple(self) -> int:
         return 256 if self.api.version == 2 else 1
 
+    def default_page_size(self) -> int:
+        # flash-attn 4 loads a page by TMA when it holds exactly one key tile (128 rows for head
+        # dims up to 128 on Hopper); other sizes take its slower cp.async path.
+        return 256 if self.api.version == 2 else 128
+
     def prepare(self, batch: ForwardBatch) -> FlashAttnMeta:
         seq_lens = batch.seq_lens.to(torch.int32)
         cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)

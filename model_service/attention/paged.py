@@ -70,6 +70,9 @@ class PagedAttention:
     def page_size_multiple(self) -> int:
         return 1
 
+    def default_page_size(self) -> int:
+        return 16
+
     def prepare(self, batch: ForwardBatch):
         nd = batch.num_decodes
         chunks = nd < batch.num_seqs

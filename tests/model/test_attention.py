@@ -24,25 +24,27 @@ from tests.model.native_kernels import load_or_skip, why_not
 H, HK, D, PAGE, PAGES = 8, 2, 16, 4, 64
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int], num_decodes: int, seed: int = 0) -> ForwardBatch:
+def make_batch(query_lens: list[int], seq_lens: list[int], num_decodes: int, seed: int = 0,
+               page_size: int = PAGE, pages: int = PAGES, device: str = "cpu") -> ForwardBatch:
+    """Each sequence on pages drawn at random from the pool, its last query_len tokens the step's."""
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(PAGES, generator=g).tolist()
+    perm = torch.randperm(pages, generator=g).tolist()
     tables, slots, positions = [], [], []
     for q_len, s_len in zip(query_lens, seq_lens):
-        n = -(-s_len // PAGE)
+        n = -(-s_len // page_size)
         table, perm = perm[:n], perm[n:]
         tables.append(table)
         for p in range(s_len - q_len, s_len):
-            slots.append(table[p // PAGE] * PAGE + p % PAGE)
+            slots.append(table[p // page_size] * page_size + p % page_size)
             positions.append(p)
     width = max(map(len, tables))
     cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
     return ForwardBatch(
-        input_ids=torch.zeros(sum(query_lens), dtype=torch.int64),
-        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-        cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        logits_indices=cu[1:].long() - 1, num_decodes=num_decodes,
+        input_ids=torch.zeros(sum(query_lens), dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, device=device), slot_mapping=torch.tensor(slots, device=device),
+        cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        logits_indices=(cu[1:].long() - 1).to(device), num_decodes=num_decodes,
         max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
         query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
 
@@ -202,6 +204,7 @@ def test_flash_backend_passes_flash_attn_what_it_expects(monkeypatch, version: i
     monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(version, calls))
     backend = FlashAttnBackend()
     assert backend.page_size_multiple() == (256 if version == 2 else 1)
+    assert backend.default_page_size() == (256 if version == 2 else 128)
     query_lens, seq_lens, num_decodes = CASES[case]
     batch = make_batch(query_lens, seq_lens, num_decodes)
     q, k, v, k_cache, v_cache = random_qkv(sum(query_lens), torch.bfloat16)
