@@ -58,6 +58,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
     "bench": ("llama", {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
                         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1536,
                         "vocab_size": 32000, "max_position_embeddings": 4096}, 0),
+    # ~1.1B parameters in bfloat16 (2.2 GB written): the GPU benchmark's larger model.
+    "bench-1b": ("llama", {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                           "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+                           "vocab_size": 32000, "max_position_embeddings": 4096,
+                           "torch_dtype": "bfloat16"}, 0),
 }
 
 
@@ -84,7 +89,9 @@ def make_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, **o
                   eos_token_id=[special["</s>"], special[END_OF_TURN]])
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generator = torch.Generator().manual_seed(seed)
-    save_file(random_weights(config, generator), path / "model.safetensors", metadata={"format": "pt"})
+    dtype = getattr(torch, config["torch_dtype"])   # drawn in float32, stored as the config says
+    weights = {name: t.to(dtype) for name, t in random_weights(config, generator).items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
