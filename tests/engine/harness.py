@@ -97,7 +97,8 @@ def wait(outcomes: list[Outcome], timeout: float = 120.0) -> None:
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation (EOS ignored) and the top-2 logit margin at each step."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        ids = torch.tensor([prompt], device=hf_model.device)
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=None, pad_token_id=0, output_scores=True,
                                 return_dict_in_generate=True)
