@@ -52,16 +52,12 @@ from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 from bench.llama_cpp_peer import run_llama_server  # noqa: E402
+from bench.prompts import make_prompts  # noqa: E402
 from bench.throughput_report import (  # noqa: E402
     ALONE, HONEST, print_gemm_comparison, print_goals, print_steps, print_throughput, print_turns)
 
 
 # ----------------------------------------------------------------------------- workload
-
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
-
 
 def weight_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
     """2 x weights x tokens: every prompt token through the layers, one LM-head row per
@@ -222,16 +218,18 @@ async def generate(stub, prompt: list[int], new_tokens: int) -> pb.Finished:
     return finished
 
 
-async def send_all(address: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[pb.Finished]]:
-    """Every prompt at once from one asyncio client, timed until the last stream ends. On 2
-    cores the client shares the server's CPU: one loop costs less of it than a sync-gRPC thread
-    per stream (docs/benchmarks.md)."""
+async def send_all(address: str, prompts: list[list[int]], new_tokens: int, one=None) -> tuple[float, list]:
+    """Every prompt at once from one asyncio client, timed until the last stream ends; each
+    stream's result as `one(stub, prompt, new_tokens)` gives it (default: generate, its
+    Finished). On 2 cores the client shares the server's CPU: one loop costs less of it than a
+    sync-gRPC thread per stream (docs/benchmarks.md)."""
+    one = one or generate
     async with grpc.aio.insecure_channel(address) as channel:
         await channel.channel_ready()
         stub = pb_grpc.InferenceStub(channel)
         start = time.perf_counter()
-        finished = await asyncio.gather(*(generate(stub, p, new_tokens) for p in prompts))
-        return time.perf_counter() - start, finished
+        results = await asyncio.gather(*(one(stub, p, new_tokens) for p in prompts))
+        return time.perf_counter() - start, results
 
 
 def cpu_seconds(pid: int | None = None) -> float:
