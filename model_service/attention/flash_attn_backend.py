@@ -49,6 +49,12 @@ def load_flash_api() -> FlashApi | None:
         return None
 
 
+def paged_fa4_here() -> bool:
+    """Whether this machine's GPU is one flash-attn 4 runs paged attention on (its interface
+    refuses page tables on compute capability 8.x and 12.x)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10, 11)
+
+
 @dataclass(slots=True)
 class FlashAttnMeta:
     slot_mapping: torch.Tensor     # (T,) int64
@@ -87,6 +93,10 @@ class FlashAttnBackend:
             raise RuntimeError("the flash_attn backend needs flash-attn 2 (`flash_attn`) or "
                                "flash-attn 4 (`flash_attn.cute`) and a CUDA GPU; neither imports "
                                "here. Use the torch backend.")
+        if api.version == 4 and not paged_fa4_here():
+            raise RuntimeError("flash-attn 4 reads paged KV on Hopper and Blackwell data-center GPUs "
+                               "(compute capability 9.x to 11.x), not on this one; install flash-attn 2 "
+                               "or use the torch backend")
         self.api = api
 
     def page_size_multiple(self) -> int:

@@ -43,11 +43,15 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
     if device.type == "cuda" and load_flash_api() is not None:
-        backend = FlashAttnBackend()
-        if page_size is None or page_size % backend.page_size_multiple() == 0:
-            return backend
-        log.info("attention: flash_attn wants page_size %% %d == 0, got %d; using torch",
-                 backend.page_size_multiple(), page_size)
+        try:
+            backend = FlashAttnBackend()
+        except RuntimeError as exc:   # it imports, but not for this GPU
+            log.info("attention: %s; using torch", exc)
+        else:
+            if page_size is None or page_size % backend.page_size_multiple() == 0:
+                return backend
+            log.info("attention: flash_attn wants page_size %% %d == 0, got %d; using torch",
+                     backend.page_size_multiple(), page_size)
     if device.type == "cpu" and windowed:
         log.info("attention: a sliding-window model; using torch (the cpu kernel attends the whole context)")
     elif device.type == "cpu":   # _cpu_backend says why not (float16, no kernel built, ...)

@@ -202,6 +202,7 @@ def batch_from(cu_q: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor)
 def test_flash_backend_passes_flash_attn_what_it_expects(monkeypatch, version: int, case: str) -> None:
     calls: list[str] = []
     monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(version, calls))
+    monkeypatch.setattr(flash_attn_backend, "paged_fa4_here", lambda: True)
     backend = FlashAttnBackend()
     assert backend.page_size_multiple() == (256 if version == 2 else 1)
     assert backend.default_page_size() == (256 if version == 2 else 128)
@@ -268,6 +269,20 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_load(monkeypatch) -> No
     assert select_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="kernel is unavailable: the paged_decode kernel was not built"):
         select_backend("cpu", "cpu")
+
+
+def test_flash_attn_4_is_refused_on_a_gpu_whose_paged_kernels_it_lacks(monkeypatch) -> None:
+    from kvserve.model_service.attention import select
+
+    for module in (select, flash_attn_backend):
+        monkeypatch.setattr(module, "load_flash_api", lambda: fake_flash_api(4, []))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for major, ok in ((8, False), (9, True), (10, True), (12, False)):   # Ampere, Hopper, Blackwell, RTX 50
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, m=major: (m, 0))
+        assert select_backend("auto", "cuda").name == ("flash_attn" if ok else "torch")
+        if not ok:
+            with pytest.raises(RuntimeError, match="Hopper and Blackwell"):
+                select_backend("flash_attn", "cuda")
 
 
 def test_auto_picks_flash_on_cuda_when_it_imports_and_fits_the_page_size(monkeypatch) -> None:
