@@ -22,7 +22,7 @@ held until a valid character follows); `flush()` at the end of a request release
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 # How many prompt tokens precede the first output token in the decode window (vLLM uses 5).
@@ -36,6 +36,17 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def decoder_of(tokenizer: Tokenizer) -> Callable[..., str]:
+    """`tokenizer.decode`, or the Rust `tokenizers.Tokenizer.decode` underneath a transformers
+    fast tokenizer where that gives the same text (no clean-up pass configured): it skips
+    transformers' argument conversion, two thirds of a short window's decode (docs/benchmarks.md),
+    and a stream decodes twice per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -43,7 +54,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = decoder_of(tokenizer)
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = context       # window context + output ids, never trimmed below
@@ -89,4 +100,4 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        return self._decode_ids(self._ids[start:end], skip_special_tokens=self._skip_special)

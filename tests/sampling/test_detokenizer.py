@@ -1,7 +1,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer
+from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer, decoder_of
 from tests.sampling.conftest import CORPUS
 
 FFFD = "\ufffd"
@@ -102,3 +102,14 @@ def test_works_with_a_bare_tokenizers_tokenizer(tokenizer):
     ids = tokenizer.encode("你好 🌍 world", add_special_tokens=False)
     _, chunks = _stream(bare, ids)
     assert "".join(chunks) == "你好 🌍 world"
+
+
+def test_the_rust_decode_stands_in_only_where_it_gives_transformers_text(tokenizer, monkeypatch):
+    assert decoder_of(tokenizer) == tokenizer.backend_tokenizer.decode   # no clean-up configured
+    ids = tokenizer.encode(" ".join(CORPUS), add_special_tokens=False)
+    for skip in (True, False):
+        assert decoder_of(tokenizer)(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)   # it rewrites spaces: its own path
+    assert decoder_of(tokenizer) == tokenizer.decode
+    bare = tokenizer.backend_tokenizer
+    assert decoder_of(bare) == bare.decode
