@@ -10,6 +10,7 @@ the same address is found within about a second), and the next Step opens a new 
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -164,11 +165,27 @@ class RemoteKVClient:
 
 
 class _StepStream:
-    """Request in, response out, over one bidirectional stream: no per-call setup."""
+    """Request in, response out, over one bidirectional stream: no per-call setup.
+
+    A reader thread takes each answer off the stream as it arrives, so that when the engine asks
+    for it, it is usually waiting in a queue. Read on demand (`next()` on the call), the read
+    only starts when the engine asks, and the engine then waits for gRPC's threads to take the
+    GIL in turn behind everything else the process runs: under 256 streams that was most of the
+    engine's wait for a manager that answers in 1 ms (docs/benchmarks.md)."""
 
     def __init__(self, stub, metadata: tuple = ()) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = stub.StepStream(iter(self._requests.get, None), metadata=metadata)
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()   # responses, then how the stream ended
+        threading.Thread(target=self._read, name="kvserve-step-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._responses:
+                self._answers.put(response)
+            self._answers.put(StopIteration())   # the manager closed the stream
+        except BaseException as exc:   # grpc.RpcError: cancelled (close), or the manager lost
+            self._answers.put(exc)
 
     def send(self, request) -> None:
         self._requests.put(request)
@@ -176,7 +193,11 @@ class _StepStream:
     def receive(self):
         # No per-message deadline on a stream: a dead manager is caught by the channel's
         # keepalive pings, a stalled one by the engine, which interrupts the wait.
-        return next(self._responses)
+        answer = self._answers.get()
+        if isinstance(answer, BaseException):
+            self._answers.put(answer)   # every later receive ends the same way
+            raise answer
+        return answer
 
     def close(self) -> None:
         self._requests.put(None)
