@@ -1,12 +1,16 @@
-"""The manager's client, in-process: its answers and its errors reach the caller as the remote
-client's do, where the answer is awaited."""
+"""The manager's clients: in-process, its answers and its errors reach the caller as the remote
+client's do, where the answer is awaited; remote, answers are read off the StepStream as they
+arrive, and a wait ends with ManagerUnavailable when the watchdog interrupts it or the manager
+stops."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from kvserve.kvcache_service.contract.client import InProcessKVClient
-from kvserve.kvcache_service.contract.errors import FailedPrecondition
+from kvserve.kvcache_service.contract.errors import FailedPrecondition, ManagerUnavailable
 from kvserve.kvcache_service.contract.types import Admit, StepRequest
 from kvserve.kvcache_service.core import KVCacheManager, ManagerConfig
 
@@ -25,3 +29,50 @@ def test_a_refused_step_raises_its_error_where_it_is_awaited() -> None:
     answer = client.send_step(StepRequest(2))   # a stale epoch
     with pytest.raises(FailedPrecondition, match="stale epoch 2"):
         answer()
+
+
+# -- the remote client's StepStream ---------------------------------------------------
+
+@pytest.fixture
+def remote(tmp_path):
+    from kvserve.kvcache_service.contract.client import RemoteKVClient
+    from tests.kvcache.conftest import GRPC_CONFIG, ServerThread
+
+    server = ServerThread(f"unix://{tmp_path}/kv.sock", GRPC_CONFIG)
+    client = RemoteKVClient(server.address, timeout_s=10)
+    client.register(1, GRPC_CONFIG.page_size, GRPC_CONFIG.num_pages)
+    yield server, client
+    client.close()
+    if not getattr(server, "stopped", False):   # a test may have stopped it already
+        server.stop()
+
+
+def test_answers_are_read_as_they_arrive_not_when_awaited(remote) -> None:
+    """The engine sends a Step before its forward and awaits the answer after: the answer must be
+    off the stream by then, not read only when awaited (docs/architecture.md)."""
+    _, client = remote
+    answers = [client.send_step(StepRequest(1, needs=[Admit(f"r{i}", [i + 1] * 3)])) for i in range(3)]
+    deadline = time.monotonic() + 10
+    while client._stream._answers.qsize() < 3:   # read with nobody waiting for them
+        assert time.monotonic() < deadline, "answers were not read ahead"
+        time.sleep(0.01)
+    assert [answer().results[0].page_ids for answer in answers] == [[0], [1], [2]]   # in order
+
+
+def test_an_interrupted_wait_ends_unavailable_and_the_next_step_opens_a_new_stream(remote) -> None:
+    _, client = remote
+    assert client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3])]))().results[0].page_ids == [0]
+    client.interrupt()   # what the watchdog does to a wait that took too long
+    with pytest.raises(ManagerUnavailable):   # on the stream the interrupt closed
+        client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))()
+    assert client.send_step(StepRequest(1, needs=[Admit("c", [7, 8, 9])]))().results[0].page_ids == [1]
+
+
+def test_a_stopped_manager_ends_a_waiting_answer_unavailable(remote) -> None:
+    server, client = remote
+    answer = client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3])]))
+    assert answer().results[0].page_ids == [0]
+    server.stop()
+    server.stopped = True
+    with pytest.raises(ManagerUnavailable):
+        client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))()
