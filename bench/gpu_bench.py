@@ -55,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 from bench.prompts import make_prompts  # noqa: E402
 from kvserve.model_service.tiny_model import make_preset  # noqa: E402
 
-# The gRPC parts import grpc and kvserve's stubs where they run (kvserve_part): the other parts
-# need neither, so they run on a machine whose grpcio is older than the stubs want.
+# Only the kvserve part needs grpc and kvserve's stubs (bench/stream_timing.py, imported there):
+# the other parts run on a machine whose grpcio is older than the stubs want.
 
 PARTS = ("bandwidth", "agreement", "hf", "kvserve")
 
