@@ -19,7 +19,7 @@ import grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from kvserve.kvcache_service.contract import convert
-from kvserve.kvcache_service.contract.errors import InvalidArgument
+from kvserve.kvcache_service.contract.errors import InvalidArgument, ManagerUnavailable
 from kvserve.kvcache_service.contract.status import error_from_rpc
 from kvserve.kvcache_service.contract.types import Stats, StepPlan, StepRequest
 from kvserve.services.plumbing.tls import ClientTLS, channel as tls_channel
@@ -51,6 +51,11 @@ class KVClient(Protocol):
         """From another thread: a wait for an answer ends now, with ManagerUnavailable."""
         ...
 
+    def reset(self) -> None:
+        """Forgets the Steps sent and not awaited (the engine dropped them): the next Step's
+        answer is its own, not one of theirs."""
+        ...
+
     def stats(self, timeout_s: float | None = None) -> Stats: ...
     def close(self) -> None: ...
 
@@ -80,6 +85,9 @@ class InProcessKVClient:
 
     def interrupt(self) -> None:
         pass   # an in-process Step is answered before send_step returns
+
+    def reset(self) -> None:
+        pass   # nothing is left unanswered
 
     def stats(self, timeout_s: float | None = None) -> Stats:
         return self.manager.stats()
@@ -143,8 +151,13 @@ class RemoteKVClient:
 
     def interrupt(self) -> None:
         stream = self._stream
-        if stream is not None:
-            stream.close()   # a receive() waiting on it raises CANCELLED: ManagerUnavailable
+        if stream is not None:   # a receive() waiting on it raises CANCELLED: ManagerUnavailable
+            self._drop(stream)   # and the next Step opens a new stream, not this closed one
+
+    def reset(self) -> None:
+        stream = self._stream
+        if stream is not None:   # answers to the dropped Steps would come first on it
+            self._drop(stream)
 
     def _drop(self, stream: _StepStream) -> None:
         stream.close()
@@ -183,7 +196,7 @@ class _StepStream:
         try:
             for response in self._responses:
                 self._answers.put(response)
-            self._answers.put(StopIteration())   # the manager closed the stream
+            self._answers.put(ManagerUnavailable("the KV-cache manager ended the Step stream"))
         except BaseException as exc:   # grpc.RpcError: cancelled (close), or the manager lost
             self._answers.put(exc)
 
@@ -200,5 +213,5 @@ class _StepStream:
         return answer
 
     def close(self) -> None:
+        self._responses.cancel()   # first: ended requests alone would let the manager end it cleanly
         self._requests.put(None)
-        self._responses.cancel()

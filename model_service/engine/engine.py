@@ -289,7 +289,7 @@ class Engine:
     def _lose_manager(self, error: Exception) -> None:
         """Every request waits again, in arrival order, until a manager takes a new epoch."""
         self.link.lose()
-        self._in_flight = None
+        self._drop_in_flight()
         held = self.scheduler.requeue_all()
         self.counters.manager_losses += 1
         log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
@@ -324,7 +324,7 @@ class Engine:
         error = InternalError(what)
         log.exception("%s (incident %s); ending the %d requests in flight", what, error.incident, len(self._live))
         self._fail_all(error)
-        self._in_flight = None   # the state may be what the bug broke: start clean, under a new epoch
+        self._drop_in_flight()   # the state may be what the bug broke: start clean, under a new epoch
         old = self.scheduler
         self.scheduler = Scheduler(old.config, preemptions=self.counters.preemptions, drafter=self.drafter)
         self.scheduler.forks, self.scheduler.slid_pages = old.forks, old.slid_pages
@@ -336,6 +336,13 @@ class Engine:
         except Exception:
             log.exception("registering again after incident %s failed", error.incident)
             self.link.lose()
+
+    def _drop_in_flight(self) -> None:
+        """Forgets the Step sent ahead, and tells the client so: its answer, still to come on
+        the stream, must not be taken for the next Step's."""
+        if self._in_flight is not None:
+            self._in_flight = None
+            self.kv.reset()
 
     def _has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()

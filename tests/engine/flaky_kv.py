@@ -75,6 +75,9 @@ class FlakyKV:
     def interrupt(self) -> None:
         self._interrupted.set()
 
+    def reset(self) -> None:
+        self.inner.reset()
+
     def stats(self, timeout_s=None):
         if self.down.is_set():
             raise self._unavailable()

@@ -5,6 +5,7 @@ stops."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -60,12 +61,17 @@ def test_answers_are_read_as_they_arrive_not_when_awaited(remote) -> None:
 
 
 def test_an_interrupted_wait_ends_unavailable_and_the_next_step_opens_a_new_stream(remote) -> None:
-    _, client = remote
+    server, client = remote
     assert client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3])]))().results[0].page_ids == [0]
-    client.interrupt()   # what the watchdog does to a wait that took too long
-    with pytest.raises(ManagerUnavailable):   # on the stream the interrupt closed
-        client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))()
-    assert client.send_step(StepRequest(1, needs=[Admit("c", [7, 8, 9])]))().results[0].page_ids == [1]
+    server.loop.call_soon_threadsafe(time.sleep, 1.0)   # the manager stalls: the next answer is late
+    answer = client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))
+    threading.Timer(0.2, client.interrupt).start()   # what the watchdog does to a wait that took too long
+    start = time.monotonic()
+    with pytest.raises(ManagerUnavailable):
+        answer()
+    assert time.monotonic() - start < 0.9, "the wait ran on after the interrupt"
+    # b may have reached the manager before its stream closed: c comes after it either way
+    assert client.send_step(StepRequest(1, needs=[Admit("c", [7, 8, 9])]))().results[0].page_ids in ([1], [2])
 
 
 def test_a_stopped_manager_ends_a_waiting_answer_unavailable(remote) -> None:
@@ -76,3 +82,21 @@ def test_a_stopped_manager_ends_a_waiting_answer_unavailable(remote) -> None:
     server.stopped = True
     with pytest.raises(ManagerUnavailable):
         client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))()
+
+
+def test_a_stream_the_manager_ends_cleanly_ends_the_wait_unavailable(remote) -> None:
+    """The manager ends the stream with OK once the client's requests end: a wait on it is a
+    lost manager to the engine, not a StopIteration it would take for a bug."""
+    _, client = remote
+    assert client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3])]))().results[0].page_ids == [0]
+    client._stream._requests.put(None)   # the requests end; the stream is not cancelled
+    with pytest.raises(ManagerUnavailable, match="ended the Step stream"):
+        client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))()
+
+
+def test_after_a_reset_the_next_answer_is_the_next_steps(remote) -> None:
+    _, client = remote
+    client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3]), Admit("b", [4, 5, 6])]))   # never awaited
+    client.reset()   # the engine dropped that Step
+    answer = client.send_step(StepRequest(1, needs=[Admit("c", [7, 8, 9])]))()
+    assert len(answer.results) == 1   # c's answer, not the two admissions before it

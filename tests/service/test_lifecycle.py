@@ -253,3 +253,32 @@ def test_a_stalled_forward_turns_readiness_and_liveness_not_serving_until_it_mov
     finally:
         release.set()
         server.stop()
+
+
+def test_a_failed_step_with_a_remote_manager_leaves_no_stale_answer_behind(tiny_dirs, tmp_path):
+    """The 5th forward fails with the next Step already sent to a manager in its own server: its
+    answer still comes on the stream, and the engine, starting clean, must not take it for the
+    answer to its next Step."""
+    from kvserve.kvcache_service.core import ManagerConfig
+    from tests.kvcache.conftest import ServerThread
+    from tests.service.conftest import ModelServerThread
+
+    manager = ServerThread(f"unix://{tmp_path}/kv.sock", ManagerConfig(num_pages=512, page_size=4, max_seqs=64))
+    model = ModelServerThread(tiny_dirs["tiny"], kvcache=manager.address)   # 512 pages of 4, as the manager
+    try:
+        with grpc.insecure_channel(model.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            solo = generate(stub, request(token_ids=PROMPT, **greedy(12))).tokens
+            _fail_fifth_forward(model.servicer)
+            calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(40)), timeout=30) for i in range(3)]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.INTERNAL
+            for _ in range(3):   # every later step answered with its own plan
+                assert generate(stub, request(token_ids=PROMPT, **greedy(12))).tokens == solo
+        assert model.servicer.engine.counters.failed == 3
+    finally:
+        model.stop()
+        manager.stop()
