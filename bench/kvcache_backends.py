@@ -192,10 +192,14 @@ class GrpcBackend:
         if stream:  # what the engine uses: one long-lived StepStream
             from kvserve.kvcache_service.contract.client import _StepStream
             self._stream = _StepStream(self.stub)
-            self._step = self._stream.call
+            self._step = self._stream_step
         else:
             self._stream = None
             self._step = self.stub.Step
+
+    def _stream_step(self, msg):
+        self._stream.send(msg)
+        return self._stream.receive()
 
     def build(self, d: StepDesc):
         return build_pb(self.pb, d)
