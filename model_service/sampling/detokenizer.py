@@ -36,15 +36,27 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+# Where transformers' fast tokenizers define decode and _decode: a class that overrides either
+# (a few rewrite the text) keeps its own path.
+_TRANSFORMERS_BASES = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
+                       "transformers.tokenization_utils_tokenizers")
+
+
 def decoder_of(tokenizer: Tokenizer) -> Callable[..., str]:
     """`tokenizer.decode`, or the Rust `tokenizers.Tokenizer.decode` underneath a transformers
-    fast tokenizer where that gives the same text (no clean-up pass configured): it skips
-    transformers' argument conversion, two thirds of a short window's decode (docs/benchmarks.md),
-    and a stream decodes twice per token."""
+    fast tokenizer where that gives the same text (transformers' own decode, no clean-up pass
+    configured): it skips transformers' argument conversion, two thirds of a short window's decode
+    (docs/benchmarks.md), and a stream decodes twice per token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
+            or not all(_defined_in(type(tokenizer), name, _TRANSFORMERS_BASES) for name in ("decode", "_decode"))):
         return tokenizer.decode
     return backend.decode
+
+
+def _defined_in(cls: type, name: str, modules: tuple[str, ...]) -> bool:
+    owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+    return owner is not None and owner.__module__ in modules
 
 
 class IncrementalDetokenizer:

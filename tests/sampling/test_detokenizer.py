@@ -111,5 +111,13 @@ def test_the_rust_decode_stands_in_only_where_it_gives_transformers_text(tokeniz
         assert decoder_of(tokenizer)(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)   # it rewrites spaces: its own path
     assert decoder_of(tokenizer) == tokenizer.decode
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", False)
+
+    class Rewrites(type(tokenizer)):   # a class that changes the text its decode gives
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    rewriting = Rewrites(tokenizer_object=tokenizer.backend_tokenizer)
+    assert decoder_of(rewriting) == rewriting.decode
     bare = tokenizer.backend_tokenizer
     assert decoder_of(bare) == bare.decode
