@@ -60,7 +60,8 @@ class ModelServiceConfig:
                                            "bandwidth, such decode steps one native call per layer; with a "
                                            "packed GEMM it keeps the float32 weights twice. "
                                            "off: every matmul on --cpu-gemm", choices=("auto", "off"))
-    page_size: int | None = option(None, "tokens per page (default 16; 256 for flash-attn 2)")
+    page_size: int | None = option(None, "tokens per page (default: the attention backend's: 16; "
+                                          "flash_attn 128 with flash-attn 4, 256 with flash-attn 2)")
     num_pages: int | None = option(None, "device KV pages (default: from the memory budget)")
     kv_cache_memory: int | None = option(None, "bytes for KV pages, e.g. 2GiB (default 1GiB on CPU; "
                                                "profiled on CUDA)", parse=parse_bytes)

@@ -49,10 +49,39 @@ def load_flash_api() -> FlashApi | None:
         return None
 
 
-def paged_fa4_here() -> bool:
-    """Whether this machine's GPU is one flash-attn 4 runs paged attention on (its interface
-    refuses page tables on compute capability 8.x and 12.x)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10, 11)
+FA4_VERIFIED = "4.0.0b36"   # the release verified on Hopper (docs/benchmarks.md); earlier ones refused paged KV there
+
+
+def fa4_unfit(device: torch.device | str | None = None) -> str | None:
+    """Why flash-attn 4 cannot run paged attention on `device`, or None: its interface refuses
+    page tables on compute capability 8.x and 12.x, and releases before FA4_VERIFIED on Hopper."""
+    if not torch.cuda.is_available():
+        return "flash-attn 4 needs a CUDA GPU"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10, 11):
+        return (f"flash-attn 4 reads paged KV on Hopper and Blackwell data-center GPUs (compute capability "
+                f"9.x to 11.x), not on this one ({major}.x)")
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.version import Version
+        installed = version("flash-attn-4")
+    except (ImportError, PackageNotFoundError):   # a build from source: nothing to compare
+        return None
+    if Version(installed) < Version(FA4_VERIFIED):
+        return f"flash-attn-4 {installed} predates {FA4_VERIFIED}, the release verified with paged KV here"
+    return None
+
+
+def why_not_flash(device: torch.device | str | None = None) -> str | None:
+    """Why the flash_attn backend cannot run here (on `device`), or None when it can."""
+    if not torch.cuda.is_available():
+        return "the flash_attn backend needs CUDA"
+    try:
+        FlashAttnBackend(device)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass(slots=True)
@@ -87,16 +116,17 @@ class FlashAttnBackend:
     def _window(self) -> dict:
         return {"window_size": (self.window - 1, 0)} if self.window else {}
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        """device: the GPU it will run on (default: the current one)."""
         api = load_flash_api()
         if api is None:
             raise RuntimeError("the flash_attn backend needs flash-attn 2 (`flash_attn`) or "
                                "flash-attn 4 (`flash_attn.cute`) and a CUDA GPU; neither imports "
                                "here. Use the torch backend.")
-        if api.version == 4 and not paged_fa4_here():
-            raise RuntimeError("flash-attn 4 reads paged KV on Hopper and Blackwell data-center GPUs "
-                               "(compute capability 9.x to 11.x), not on this one; install flash-attn 2 "
-                               "or use the torch backend")
+        if api.version == 4:
+            why = fa4_unfit(device)
+            if why is not None:
+                raise RuntimeError(f"{why}; install flash-attn 2 or use the torch backend")
         self.api = api
 
     def page_size_multiple(self) -> int:

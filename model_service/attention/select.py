@@ -37,14 +37,14 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", page_
     if name == "flash_attn":
         if device.type != "cuda":
             raise RuntimeError(f"the flash_attn backend runs on CUDA only, not on {device}")
-        return FlashAttnBackend()
+        return FlashAttnBackend(device)
     if name == "cpu":
         return _cpu_backend(device, page_size, dtype, head_floats, gemm)
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
     if device.type == "cuda" and load_flash_api() is not None:
         try:
-            backend = FlashAttnBackend()
+            backend = FlashAttnBackend(device)
         except RuntimeError as exc:   # it imports, but not for this GPU
             log.info("attention: %s; using torch", exc)
         else:

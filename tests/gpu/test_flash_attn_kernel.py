@@ -13,15 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model_service.attention.flash_attn_backend import FlashAttnBackend, load_flash_api
+from kvserve.model_service.attention.flash_attn_backend import FlashAttnBackend, why_not_flash
 from kvserve.model_service.attention.select import torch_attention
 from tests.model.test_attention import make_batch
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash_attn backend needs CUDA"),
-    pytest.mark.skipif(torch.cuda.is_available() and load_flash_api() is None,
-                       reason="flash-attn (flash_attn or flash_attn.cute) does not import here"),
-]
+WHY_NOT = why_not_flash()   # no CUDA, no flash-attn, or one that cannot page on this GPU
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 CASES = {
     "decodes only": ([1] * 6, [1, 130, 255, 256, 257, 700]),

@@ -202,7 +202,7 @@ def batch_from(cu_q: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor)
 def test_flash_backend_passes_flash_attn_what_it_expects(monkeypatch, version: int, case: str) -> None:
     calls: list[str] = []
     monkeypatch.setattr(flash_attn_backend, "load_flash_api", lambda: fake_flash_api(version, calls))
-    monkeypatch.setattr(flash_attn_backend, "paged_fa4_here", lambda: True)
+    monkeypatch.setattr(flash_attn_backend, "fa4_unfit", lambda device=None: None)
     backend = FlashAttnBackend()
     assert backend.page_size_multiple() == (256 if version == 2 else 1)
     assert backend.default_page_size() == (256 if version == 2 else 128)
@@ -307,3 +307,14 @@ def test_torch_backend_works_in_and_out_of_inference_mode() -> None:
         inside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
     outside = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
     torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+
+
+def test_flash_attn_4_before_the_verified_release_is_refused(monkeypatch) -> None:
+    import importlib.metadata
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b20")
+    assert "predates 4.0.0b36" in flash_attn_backend.fa4_unfit("cuda")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.1")
+    assert flash_attn_backend.fa4_unfit("cuda") is None

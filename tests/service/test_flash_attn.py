@@ -25,19 +25,15 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import torch
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.model_service.attention.flash_attn_backend import load_flash_api
+from kvserve.model_service.attention.flash_attn_backend import why_not_flash
 from tests.service.conftest import ModelServerThread
 from tests.service.util import assert_pages_free, generate, greedy, request
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash_attn backend needs CUDA"),
-    pytest.mark.skipif(torch.cuda.is_available() and load_flash_api() is None,
-                       reason="flash-attn (flash_attn or flash_attn.cute) does not import here"),
-]
+WHY_NOT = why_not_flash()   # no CUDA, no flash-attn, or one that cannot page on this GPU
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 GPU_CONFIG = dict(device="cuda", dtype="bfloat16", page_size=256, num_pages=64)
 NEW_TOKENS = 32
