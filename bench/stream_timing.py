@@ -22,7 +22,7 @@ async def timed_stream(stub, prompt: list[int], new_tokens: int) -> tuple[pb.Fin
     async for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)):
         if r.HasField("finished"):
             finished = r.finished
-        else:
+        elif r.HasField("chunk"):   # tokens (not prefill_done, not a queued place)
             times.append(time.perf_counter())
     return finished, times
 
@@ -38,7 +38,8 @@ def kvserve_run(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
     tokens = sum(f.usage.completion_tokens for f in finished)
     assert tokens == len(prompts) * new_tokens, "a request stopped early"
     assert not any(f.usage.cached_tokens for f in finished), "the workload hit the prefix cache"
-    gaps = [b - a for _, times in results for a, b in zip(times[1:], times[2:])]   # past the first token
+    # gaps from the second token on: the first one may hold other prompts' prefill chunks
+    gaps = [b - a for _, times in results for a, b in zip(times[1:], times[2:])]
     phases = {name: getattr(after, f"{name}_seconds") - getattr(before, f"{name}_seconds")
               for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
     steps = after.steps - before.steps
