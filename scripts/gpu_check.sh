@@ -35,6 +35,7 @@ mkdir -p "$RESULTS" "$MODELS"
 export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 
 SITE="$(mktemp -d /tmp/kvserve-gpu-site.XXXXXX)"
+trap 'rm -rf "$SITE"' EXIT
 if [ -n "${WHEELS:-}" ]; then
     for wheel in "$WHEELS"/*.whl; do "$PY" -m zipfile -e "$wheel" "$SITE"; done
 fi
@@ -45,7 +46,8 @@ fi
 PYPATH="$SITE"
 [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ] && PYPATH="$PYPATH:$SITE/nvidia_cutlass_dsl/dsl_packages"
 export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import kvserve.model_service" 2>/dev/null; then
+# kvserve from this checkout: an installed one elsewhere (another checkout's editable install) is not it.
+if ! "$PY" -c "import sys, kvserve.model_service as m; sys.exit(not m.__file__.startswith(sys.argv[1]))" "$ROOT" 2>/dev/null; then
     mkdir -p "$SITE/kvserve"
     for entry in "$ROOT"/protos/kvserve/*; do ln -s "$entry" "$SITE/kvserve/"; done
     for folder in services kvcache_service model_service clients; do ln -s "$ROOT/$folder" "$SITE/kvserve/$folder"; done
@@ -104,5 +106,4 @@ for name in ('tiny', 'bench', 'bench-1b'):
         [ $rc -ne 0 ] && { echo "=== $p failed ($rc)"; status=$rc; }
     done
 done
-rm -rf "$SITE"
 exit $status
