@@ -148,7 +148,7 @@ class Tally:
 
 
 def agreement(path: Path, device: torch.device, backend_name: str, n_prompts: int, lo: int, hi: int,
-              steps: int) -> dict:
+              steps: int, prompts: list[list[int]] | None = None) -> dict:
     """Teacher-forced greedy agreement and logit differences against the torch backend in bfloat16,
     step by step, as the engine batches (see the module's docstring), of: the candidate backend
     in the same steps; our model in float32; our bf16 model over each whole sequence in one pass
@@ -164,7 +164,7 @@ def agreement(path: Path, device: torch.device, backend_name: str, n_prompts: in
 
     bf16, _ = load_model(path, torch.bfloat16, device)
     f32, cfg = load_model(path, torch.float32, device)
-    prompts = make_prompts(n_prompts, lo, hi, cfg.vocab_size, seed=7)
+    prompts = prompts or make_prompts(n_prompts, lo, hi, cfg.vocab_size, seed=7)
     candidate = select_backend(backend_name, device, None, torch.bfloat16)
     page_size = candidate.default_page_size()   # every run on the pages the candidate reads fastest
     per_seq = -(-(hi + steps) // page_size)
@@ -280,6 +280,9 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None, help="where the presets are written (kept)")
     ap.add_argument("--agreement-models", nargs="+", default=None,
                     help="presets the agreement part measures (default: the first of --models)")
+    ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                    help="agreement on the preset trained this many steps on a synthetic language "
+                         "(bench/trained_model.py), with prompts in it: decisive choices, as a trained model's")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
@@ -324,10 +327,20 @@ def main() -> None:
     if "agreement" in args.parts:
         steps, n = (8, 4) if args.quick else (64, 32)
         for preset in args.agreement_models or args.models[:1]:
-            result = agreement(model(preset), device, args.attention_backend, n, lo, hi, steps)
-            merge(args.json, {"agreement": {preset: result}})
+            path, prompts, name = model(preset), None, preset
+            if args.trained:   # the same shape, trained on a synthetic language; prompts in it
+                from bench.trained_model import prompts as chain_prompts, train
+
+                name = f"{preset}, trained {args.trained} steps"
+                trained = args.model_dir / f"{preset}-trained-{args.trained}"
+                if not (trained / "chain.json").is_file():
+                    print("training:", json.dumps(train(preset, trained, args.trained, 512, 32, 256, args.device)),
+                          flush=True)
+                path, prompts = trained, chain_prompts(trained, n, lo, hi)
+            result = agreement(path, device, args.attention_backend, n, lo, hi, steps, prompts)
+            merge(args.json, {"agreement": {name: result}})
             release(device)   # the memory the kvserve part's profile run will look for
-            print(f"agreement {preset}:", json.dumps(result), flush=True)
+            print(f"agreement {name}:", json.dumps(result), flush=True)
     for preset in args.models:
         path = model(preset)
         vocab = model_config(path).vocab
