@@ -81,7 +81,7 @@ def train(preset: str, out: Path, steps: int, tokens: int, batch: int, length: i
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
-    model.eval().save_pretrained(out, safe_serialization=True)
+    model.eval().save_pretrained(out)   # safetensors
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(start_dir / name, out / name)
     shutil.rmtree(start_dir)
