@@ -80,7 +80,7 @@ def train(preset: str, out: Path, steps: int, tokens: int, batch: int, length: i
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     model.eval().save_pretrained(out)   # safetensors
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(start_dir / name, out / name)
