@@ -66,7 +66,7 @@ for name in ("transformers", "grpcio", "protobuf", "flash-attn-4", "flash-attn",
         print(name, "-")
 import kvserve.model_service.attention.flash_attn_backend as fa
 api = fa.load_flash_api()
-print("flash-attn API:", None if api is None else api.version)
+print("flash-attn API:", None if api is None else api.version, "| backend:", fa.why_not_flash() or "usable")
 if api is None:
     try:
         import flash_attn.cute  # noqa: F401  (why not, in full)
