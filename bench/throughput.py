@@ -209,26 +209,27 @@ def request(prompt: list[int], new_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
-async def generate(stub, prompt: list[int], new_tokens: int) -> pb.Finished:
-    """One streamed request through a grpc.aio stub; its Finished message."""
-    finished = None
+async def generate(stub, prompt: list[int], new_tokens: int) -> tuple[pb.Finished, list[float]]:
+    """One streamed request through a grpc.aio stub; its Finished message and when each message
+    with tokens arrived (not prefill_done)."""
+    finished, times = None, []
     async for r in stub.Generate(request(prompt, new_tokens)):
         if r.HasField("finished"):
             finished = r.finished
-    return finished
+        elif r.HasField("chunk"):
+            times.append(time.perf_counter())
+    return finished, times
 
 
-async def send_all(address: str, prompts: list[list[int]], new_tokens: int, one=None) -> tuple[float, list]:
+async def send_all(address: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
     """Every prompt at once from one asyncio client, timed until the last stream ends; each
-    stream's result as `one(stub, prompt, new_tokens)` gives it (default: generate, its
-    Finished). On 2 cores the client shares the server's CPU: one loop costs less of it than a
-    sync-gRPC thread per stream (docs/benchmarks.md)."""
-    one = one or generate
+    stream's (Finished, token arrival times). On 2 cores the client shares the server's CPU: one
+    loop costs less of it than a sync-gRPC thread per stream (docs/benchmarks.md)."""
     async with grpc.aio.insecure_channel(address) as channel:
         await channel.channel_ready()
         stub = pb_grpc.InferenceStub(channel)
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(stub, p, new_tokens) for p in prompts))
+        results = await asyncio.gather(*(generate(stub, p, new_tokens) for p in prompts))
         return time.perf_counter() - start, results
 
 
@@ -247,9 +248,10 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
     before = stack.stub.GetServerStats(pb.GetServerStatsRequest())
     pids = {**stack.children(), "client": None}
     cpu = {name: -cpu_seconds(pid) for name, pid in pids.items()}
-    wall, finished = asyncio.run(send_all(stack.address, prompts, new_tokens))
+    wall, results = asyncio.run(send_all(stack.address, prompts, new_tokens))
     cpu = {name: cpu[name] + cpu_seconds(pid) for name, pid in pids.items()}
     after = stack.stub.GetServerStats(pb.GetServerStatsRequest())
+    finished = [f for f, _ in results]
     tokens = sum(f.usage.completion_tokens for f in finished)
     assert tokens == len(prompts) * new_tokens, "a request stopped early"
     # transformers prefills every prompt; a prefix hit would skip work it does.
@@ -257,8 +259,11 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
     phases = {name: getattr(after, f"{name}_seconds") - getattr(before, f"{name}_seconds")
               for name in ("schedule", "manager", "copy", "forward", "sample", "emit")}
     steps = after.steps - before.steps
+    # a stream's gaps from its second token on: the first may hold other prompts' prefill chunks
+    gaps = [b - a for _, times in results for a, b in zip(times[1:], times[2:])]
     return {"tok_s": tokens / wall, "wall": wall, "steps": steps, "phases": phases, "cpu": cpu,
-            "ttft_ms": sorted(f.ttft_ms for f in finished)}
+            "ttft_ms": sorted(f.ttft_ms for f in finished),
+            "decode_step_ms": 1e3 * statistics.median(gaps) if gaps else float("nan")}
 
 
 def engine_alone(model: Path, requests: int, new_tokens: int) -> dict:
