@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_bench import sync  # noqa: E402
 from kvserve.model_service.tiny_model import make_preset  # noqa: E402
 
 
@@ -48,11 +49,6 @@ class TimedBackend:
             return self.backend.forward(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ Parts (results merge into one JSON file, so parts may run as separate invocation
   Unix socket), every request at once from one asyncio gRPC client, streamed token by token.
   Decode step: the median gap between a stream's consecutive tokens. Manager share: the engine's
   time waiting for the manager's answer (pipelined Step) over its step time (GetServerStats).
-  Roofline share: the bytes a decode step must read (every weight but the embedding table, once,
+  Roofline share: the bytes a decode step must read (every matmul weight once,
   and every sequence's K and V so far, at the run's mean context) over the measured bandwidth,
   divided by the measured step.
 
@@ -52,7 +52,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.model_size import matmul_params  # noqa: E402
 from bench.prompts import make_prompts  # noqa: E402
+from kvserve.model_service.kv_cache import bytes_per_token  # noqa: E402
+from kvserve.model_service.model.config import ModelConfig  # noqa: E402
 from kvserve.model_service.tiny_model import make_preset  # noqa: E402
 
 # Only the kvserve part needs grpc and kvserve's stubs (bench/stream_timing.py, imported there):
@@ -91,20 +94,12 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 10) 
     return 2 * nbytes / best
 
 
-def model_config(path: Path) -> SimpleNamespace:
-    c = json.loads((path / "config.json").read_text())
-    return SimpleNamespace(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
-                           kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                           intermediate=c["intermediate_size"], vocab=c["vocab_size"])
-
-
-def decode_bytes(c: SimpleNamespace, context_tokens: float, dtype_bytes: int = 2) -> float:
-    """What one decode step must read: every weight but the embedding table (a step reads only
-    its rows) once, and the K and V of `context_tokens` tokens in every layer."""
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    layer = c.hidden * (q + 2 * kv) + q * c.hidden + 3 * c.hidden * c.intermediate + 2 * c.hidden
-    weights = c.layers * layer + c.hidden * c.vocab + c.hidden
-    return dtype_bytes * (weights + context_tokens * 2 * c.layers * kv)
+def step_bytes(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """What one decode step must read: (every matmul weight once, the K and V of each token of
+    context in every layer); a ModelConfig, or anything with its fields."""
+    layer, head = matmul_params(cfg)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize * (cfg.num_layers * layer + head), bytes_per_token(cfg, dtype)
 
 
 def merge(path: Path, update: dict) -> dict:
@@ -343,7 +338,8 @@ def main() -> None:
             print(f"agreement {name}:", json.dumps(result), flush=True)
     for preset in args.models:
         path = model(preset)
-        vocab = model_config(path).vocab
+        cfg = ModelConfig.from_pretrained(path)
+        vocab = cfg.vocab_size
         workloads = {c: make_prompts(c, lo, hi, vocab, seed=c) for c in args.concurrency}
         if "kvserve" in args.parts:
             from bench.stream_timing import run_stack
@@ -360,7 +356,8 @@ def main() -> None:
                 release(device)
                 merge(args.json, {"hf": {f"{preset}/{c}": result}})
                 print(f"hf {preset} {c}:", json.dumps(result), flush=True)
-        merge(args.json, {"models": {preset: {**vars(model_config(path)),
+        weights, per_token = step_bytes(cfg)
+        merge(args.json, {"models": {preset: {"weight_bytes": weights, "kv_bytes_per_token": per_token,
                                               "mean_prompt": {str(c): statistics.mean(map(len, p))
                                                               for c, p in workloads.items()}}}})
     merge(args.json, {"new_tokens": args.new_tokens})
@@ -400,9 +397,9 @@ def report(data: dict) -> None:
         share = ""
         if r and bw and preset in data.get("models", {}):
             m = data["models"][preset]
-            cfg = SimpleNamespace(**{k: v for k, v in m.items() if k != "mean_prompt"})
             context = int(c) * (m["mean_prompt"][c] + (new - 1) / 2)
-            share = f"{100 * decode_bytes(cfg, context) / bw / (r['decode_step_ms'] / 1e3):.0f}%"
+            step = m["weight_bytes"] + context * m["kv_bytes_per_token"]
+            share = f"{100 * step / bw / (r['decode_step_ms'] / 1e3):.0f}%"
         if h and h.get("batches", 1) > 1:
             print(f"({key}: transformers ran in {h['batches']} batches for memory; its step is one batch's)")
         print(f"{key:<16} {r['tok_s'] if r else float('nan'):>13.0f} {h['tok_s'] if h else float('nan'):>9.0f} "

@@ -52,6 +52,7 @@ from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 from bench.llama_cpp_peer import run_llama_server  # noqa: E402
+from bench.model_size import matmul_params  # noqa: E402
 from bench.prompts import make_prompts  # noqa: E402
 from bench.throughput_report import (  # noqa: E402
     ALONE, HONEST, print_gemm_comparison, print_goals, print_steps, print_throughput, print_turns)
@@ -62,10 +63,8 @@ from bench.throughput_report import (  # noqa: E402
 def weight_flops(cfg, prompts: list[list[int]], new_tokens: int) -> float:
     """2 x weights x tokens: every prompt token through the layers, one LM-head row per
     sequence at the end of its prefill, then (new_tokens - 1) decode tokens through all."""
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    q = cfg.num_heads * cfg.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
-    layers, head = cfg.num_layers * layer, h * cfg.vocab_size
+    layer, head = matmul_params(cfg)
+    layers = cfg.num_layers * layer
     n = len(prompts)
     prefill = sum(map(len, prompts)) * layers + n * head
     decode = n * (new_tokens - 1) * (layers + head)
@@ -119,13 +118,12 @@ def roofline_seconds(cfg, prompts: list[list[int]], new_tokens: int, rate: float
     Prefill: every prompt token through every weight (compute-bound). Decode: step k (k = 1 ..
     new_tokens - 1) gives every sequence its k-th token, reading every linear weight once and
     every sequence's K and V so far."""
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    q = cfg.num_heads * cfg.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
-    weights = cfg.num_layers * layer + h * cfg.vocab_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    layer, head = matmul_params(cfg)
+    weights = cfg.num_layers * layer + head
     per_pair = 2 * 2 * cfg.head_dim * cfg.num_heads * cfg.num_layers
     lengths = [len(p) for p in prompts]
-    prefill_flops = 2.0 * (sum(lengths) * cfg.num_layers * layer + len(prompts) * h * cfg.vocab_size) \
+    prefill_flops = 2.0 * (sum(lengths) * cfg.num_layers * layer + len(prompts) * head) \
         + per_pair * sum(n * (n + 1) // 2 for n in lengths)
     prefill = max(prefill_flops / rate, dtype_bytes * weights / bandwidth)
     decode = 0.0

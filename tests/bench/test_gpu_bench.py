@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.gpu_bench import agreement, decode_bytes, merge
+from bench.gpu_bench import agreement, merge, step_bytes
 from bench.trained_model import Chain, prompts, train
 
 
@@ -33,10 +33,11 @@ def test_results_merge_at_every_depth(tmp_path):
 
 
 def test_a_decode_step_reads_the_weights_once_and_every_token_of_kv():
-    c = SimpleNamespace(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000)
-    weights = decode_bytes(c, 0)
+    c = SimpleNamespace(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                        intermediate_size=8192, vocab_size=32000)
+    weights, per_token = step_bytes(c)
     assert 2.0e9 < weights < 2.2e9                                # ~1.04B parameters in bf16
-    assert decode_bytes(c, 1000) - weights == 1000 * 2 * 16 * 8 * 64 * 2   # K and V, every layer
+    assert 1000 * per_token == 1000 * 2 * 16 * 8 * 64 * 2          # K and V, every layer
 
 
 def test_the_chain_is_the_same_when_drawn_again_and_stays_in_its_ids():
