@@ -150,14 +150,12 @@ class RemoteKVClient:
         return answer
 
     def interrupt(self) -> None:
-        stream = self._stream
-        if stream is not None:   # a receive() waiting on it raises CANCELLED: ManagerUnavailable
-            self._drop(stream)   # and the next Step opens a new stream, not this closed one
+        self.reset()   # a receive() waiting on the stream raises CANCELLED: ManagerUnavailable
 
     def reset(self) -> None:
         stream = self._stream
-        if stream is not None:   # answers to the dropped Steps would come first on it
-            self._drop(stream)
+        if stream is not None:   # answers to the dropped Steps would come first on it;
+            self._drop(stream)   # the next Step opens a new stream
 
     def _drop(self, stream: _StepStream) -> None:
         stream.close()
