@@ -227,6 +227,8 @@ class Relay:
                 position = queue.position(waiter)
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)
+                    if told not in (None, 1):   # a client told its place sees it reach the head
+                        yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=0))
                     yield choice
                     return
                 if position != told:

@@ -173,12 +173,11 @@ def test_with_every_worker_full_requests_wait_in_order_and_see_their_place(tiny_
         for s in busy + queued:
             assert s.done.wait(120)
             assert s.code == grpc.StatusCode.OK
-        # each saw its place fall (two that leave before a waiter's task runs again move it two
-        # places in one event; one that reaches the head while a worker has room is routed at once,
-        # without an event for place 1: on a loaded machine that happens to any of them)
+        # each saw its place fall to the head, and they started in the order they came (two that
+        # leave before a waiter's task runs again move it two places in one event)
         for i, q in enumerate(queued):
             p = q.positions
-            assert p[0] == i + 1 and all(a > b for a, b in zip(p, p[1:])), p
+            assert p[0] == i + 1 and p[-1] == 1 and all(a > b for a, b in zip(p, p[1:])), p
         assert fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).queued == 0
 
 
