@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bf16_agreement.py                 # 32 prompts, 64 new tokens
     .venv/bin/python bench/bf16_agreement.py --prompts 8 --new-tokens 16
+    .venv/bin/python bench/bf16_agreement.py --trained 60   # the bench shape trained first (minutes)
 
 Tokens, teacher-forced: transformers' `generate` gives each prompt (32-512 random tokens) its
 greedy continuation in bfloat16; then, for every position j of it, kvserve's engine (in-process
@@ -19,6 +20,12 @@ own tokens) come last: after a first difference the two continue from different 
 Logits: the prompt's last position, kvserve's model against transformers', in bfloat16; beside it
 transformers in bfloat16 against transformers in float32, the scale bfloat16 rounding alone
 explains.
+
+`--trained STEPS`: the same shape trained that many steps on a synthetic language first
+(bench/trained_model.py; kept under `--trained-dir`), with prompts drawn in that language. A
+trained model's greedy choices are decisive where random weights' are near-ties, so this is the
+agreement a real checkpoint would see; random weights measure mostly how often rounding breaks a
+tie.
 """
 
 from __future__ import annotations
@@ -98,12 +105,25 @@ def main() -> None:
     ap.add_argument("--cpu-small-linear", default="auto", help="as the model service's flag (auto | off)")
     ap.add_argument("--cpu-gemm", default="auto", help="as the model service's flag")
     ap.add_argument("--attention-backend", default="auto", help="as the model service's flag")
+    ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                    help="train the bench shape this many steps on a synthetic language first, prompts in it")
+    ap.add_argument("--trained-dir", type=Path, default=Path.home() / ".cache" / "kvserve" / "trained",
+                    help="where --trained keeps its checkpoints (one per step count)")
     args = ap.parse_args()
 
     model = Path(args.model) if args.model else default_tiny_path("bench")
-    from kvserve.model_service.model.config import ModelConfig
-    vocab = ModelConfig.from_pretrained(model).vocab_size
-    prompts = make_prompts(args.prompts, 32, 512, vocab, seed=7)
+    if args.trained:
+        from bench.trained_model import prompts as chain_prompts, train
+
+        model = args.trained_dir / f"bench-{args.trained}"
+        if not (model / "chain.json").is_file():
+            print("training:", train("bench", model, args.trained, 512, 32, 256, "cpu"), flush=True)
+        prompts = chain_prompts(model, args.prompts, 32, 512)
+    else:
+        from kvserve.model_service.model.config import ModelConfig
+        vocab = ModelConfig.from_pretrained(model).vocab_size
+        prompts = make_prompts(args.prompts, 32, 512, vocab, seed=7)
+    print(f"model {model}", flush=True)
     flags = dict(small_linear=args.cpu_small_linear, gemm=args.cpu_gemm, attention=args.attention_backend)
     ours = kvserve_tokens(model, prompts, args.new_tokens, **flags)
 
