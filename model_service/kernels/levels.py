@@ -52,6 +52,7 @@ KERNELS = {
     "rms_norm": ("avx512", "avx2", "generic"),       # vectorised by the compiler
     "rope": ("avx512", "avx2", "generic"),
     "decode_layer": ("avx512", "avx2", "generic"),   # small_linear's row dot, paged_decode's attention
+    "row_argmax": ("avx512", "avx2", "generic"),     # vectorised by the compiler
 }
 
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c11", "-mtune=generic")

@@ -32,7 +32,7 @@ def test_every_library_is_built_for_a_named_target() -> None:
     assert all(march for _, _, march in levels.builds_for("x86_64"))
     assert levels.builds_for("aarch64") == [("paged_decode", "generic", ""), ("small_linear", "generic", ""),
                                                ("rms_norm", "generic", ""), ("rope", "generic", ""),
-                                               ("decode_layer", "generic", "")]
+                                               ("decode_layer", "generic", ""), ("row_argmax", "generic", "")]
 
 
 @linux_only

@@ -3,6 +3,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.model_service.sampling import sampler as sampler_module
 from kvserve.model_service.sampling.params import SamplingParams
@@ -11,6 +13,7 @@ from kvserve.model_service.sampling.sampler import (
     exponential_noise,
     make_generator,
     min_p_mask,
+    row_argmax,
     seeded_for,
     top_k_top_p_mask,
 )
@@ -31,6 +34,40 @@ def test_greedy_fast_path_is_argmax(dtype):
     out = Sampler()(logits, [SamplingParams(temperature=0)] * 16)
     assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
     assert out.logprobs == [None] * 16
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, 3.5, float("inf"), float("-inf"), float("nan")])
+
+
+@st.composite
+def logit_rows(draw):
+    width = draw(st.integers(1, 40))
+    value = st.one_of(SPECIAL, st.floats(-1e3, 1e3, width=32))
+    return draw(st.lists(st.lists(value, min_size=width, max_size=width), min_size=1, max_size=6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(logit_rows())
+def test_row_argmax_is_torch_argmax_ties_infinities_and_nan_included(rows):
+    x = torch.tensor(rows, dtype=torch.float32)
+    got = row_argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == torch.argmax(x, dim=-1).tolist()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native kernel", "numpy"])
+def test_row_argmax_takes_views_other_dtypes_and_tensors_that_need_grad(monkeypatch, native):
+    if not native:   # where the kernel does not build: numpy's argmax for every CPU float32 tensor
+        monkeypatch.setattr(sampler_module, "_native_argmax", lambda: None)
+    x = _logits(5, 8)
+    assert row_argmax(x).tolist() == torch.argmax(x, dim=-1).tolist()
+    assert row_argmax(x[::2, 1::3]).tolist() == torch.argmax(x[::2, 1::3], dim=-1).tolist()   # not contiguous
+    assert row_argmax(x.t()).tolist() == torch.argmax(x.t(), dim=-1).tolist()
+    assert row_argmax(x.to(torch.bfloat16)).tolist() == torch.argmax(x.to(torch.bfloat16), dim=-1).tolist()
+    assert row_argmax(x.clone().requires_grad_()).tolist() == torch.argmax(x, dim=-1).tolist()
+    with torch.inference_mode():
+        y = _logits(6, 3)
+        assert row_argmax(y).tolist() == torch.argmax(y, dim=-1).tolist()
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax():
