@@ -39,6 +39,11 @@ class AttentionBackend(Protocol):
         layer may attend itself (kernels/decode_layer.py). None otherwise."""
         ...
 
+    def decodes_natively(self) -> bool:
+        """Whether native_decode() answers for every step of decodes only, so that such a step
+        may go to a fused layer from plain ints without prepare() (kernels/decode_layer.DirectStep)."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,        # (T, num_heads, head_dim)

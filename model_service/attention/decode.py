@@ -1,6 +1,7 @@
 """Decode attention on pages: one query per sequence, two ways behind one shape.
 
     gathers                              whether prepare needs the int64 page tables
+    native                               whether its meta hands the pages to a fused layer
     prepare(batch, tables) -> meta       once per step (with decodes), shared by every layer
     __call__(q, k_cache, v_cache, meta, scale) -> out      q, out (Bd, H, D)
 
@@ -57,6 +58,7 @@ class DecodeGroup:
 
 class GatheredDecode:
     gathers = True
+    native = False
     windowed = True   # takes a sliding window (and sinks) through its mask
 
     def __init__(self, gather: PageGather) -> None:
@@ -152,6 +154,7 @@ class KernelDecodeMeta:
 
 class KernelDecode:
     gathers = False   # the kernel reads the int32 tables as they are
+    native = True     # and so may a fused decode layer (kernels/decode_layer.py)
     windowed = False  # the kernel attends every key up to the sequence's length
 
     def __init__(self, kernel: PagedDecodeKernel) -> None:

@@ -104,6 +104,9 @@ class FlashAttnBackend:
     def native_decode(self, meta) -> None:
         return None   # flash-attn attends on the GPU: no fused CPU layer
 
+    def decodes_natively(self) -> bool:
+        return False
+
     def set_window(self, window: int | None, sinks: int = 0, page_size: int = 0,
                    layer_windows: tuple = ()) -> None:
         if window is None and any(layer_windows):

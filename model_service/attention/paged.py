@@ -114,6 +114,9 @@ class PagedAttention:
             prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, matmul, bias))
         return prefills
 
+    def decodes_natively(self) -> bool:
+        return self.decode.native and not self.layer_windows
+
     def native_decode(self, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
         if isinstance(meta, PagedMeta) and not meta.prefills and isinstance(meta.decode, KernelDecodeMeta):
             return meta.decode.tables, meta.decode.lens

@@ -1,7 +1,10 @@
 """Turns a step's work into one packed ForwardBatch and runs the model on it.
 
 Everything is built once per step with a handful of tensor ops; the only
-Python loops are over sequences (to gather their token ids and page tables).
+Python loops are over sequences (to gather their token ids and page tables). A step of a few
+decodes, where the model has the fused decode step and the backend's decode reads pages
+natively, builds no tensor at all: its ints go straight to the model's DirectStep
+(kernels/decode_layer.py), the same native call without the step's tensor ops around it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.device = device
+        natively = backend is not None and backend.decodes_natively()
+        self.direct = getattr(model, "decode_ints", None) if natively else None   # kernels/decode_layer.DirectStep
 
     def build(self, work: list[Work]) -> ForwardBatch:
         if all(w.count == 1 for w in work):   # one token each: no draft, no prefill
@@ -110,10 +115,29 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
 
-    @torch.inference_mode()
     def execute(self, work: list[Work]) -> torch.Tensor:
         """Logits (S, vocab) for the work items that sample, in order: one row each, 1 + len(draft)
         for an item with a draft."""
+        if self.direct is not None and len(work) <= self.direct.max_rows and all(w.count == 1 for w in work):
+            logits = self._decode_directly(work)
+            if logits is not None:
+                return logits
+        return self._execute(work)
+
+    def _decode_directly(self, work: list[Work]) -> torch.Tensor | None:
+        ps = self.page_size
+        positions = [w.start for w in work]
+        lens = [p + 1 for p in positions]
+        tables = [w.request.page_table[:-(-n // ps)] for w, n in zip(work, lens)]
+        slots = [t[p // ps] * ps + p % ps for t, p in zip(tables, positions)]
+        logits = self.direct([w.request.tokens[w.start] for w in work], positions, slots, tables, lens,
+                             self.kv_cache.layers)
+        if logits is None or all(w.samples for w in work):
+            return logits
+        return logits[[i for i, w in enumerate(work) if w.samples]]
+
+    @torch.inference_mode()
+    def _execute(self, work: list[Work]) -> torch.Tensor:
         batch = self.build(work)
         meta = self.backend.prepare(batch)
         return self.model(batch, self.kv_cache.layers, self.backend, meta)

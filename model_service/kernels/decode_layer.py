@@ -9,6 +9,10 @@ final norm and the LM head in one native call.
                                                       None: not for this step
     logits = whole(x, step, kv_caches)                every layer, the final norm and the LM head
                                                       in one call: (rows, vocab) float32
+    direct = DirectStep(whole, embedding, rope_tables)   once, at load time
+    logits = direct(ids, positions, slots, tables, lens, kv_caches)   the same step from plain ints:
+                                                      the embedding rows and RoPE angles copied
+                                                      here, no tensor built (None: not this step)
 
 Built when kvserve is installed and loaded by kernels/library.py; where it cannot be, load()
 says why and the layers run module by module.
@@ -17,6 +21,7 @@ says why and the layers run module by module.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +30,7 @@ from kvserve.model_service.kernels.library import KernelUnavailable, load_librar
 from kvserve.model_service.kernels.paged_decode import DTYPES, MAX_HEAD_FLOATS, MAX_PAGE_SIZE
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS
 
-__all__ = ["KernelUnavailable", "DecodeLayerKernel", "Geometry", "load"]
+__all__ = ["KernelUnavailable", "DecodeLayerKernel", "DirectStep", "Geometry", "load"]
 
 MAX_ROWS = SMALL_ROWS   # decode steps of up to this many sequences: beyond, the packed GEMMs win
 WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
@@ -186,6 +191,13 @@ class BoundStep:
         self._struct: ModelStruct | None = None
         self._scratch = torch.empty(self.geometry.scratch_floats(MAX_ROWS))
 
+    def take_caches(self, kv_caches: list) -> tuple:
+        """The caches' pointers from `kv_caches` where they are not this list's already; -> their
+        shape (num_pages, page_size, Hk, D)."""
+        if kv_caches is not self._caches:
+            self._take_caches(kv_caches)
+        return self._cache_shape
+
     def _take_caches(self, kv_caches: list) -> None:
         g, n = self.geometry, len(self._layers)
         shape = tuple(kv_caches[0][0].shape) if kv_caches else None
@@ -204,8 +216,7 @@ class BoundStep:
     def __call__(self, x: torch.Tensor, step: Step, kv_caches: list) -> torch.Tensor:
         """x (rows, hidden) as step() took it (left as the last layer's output); -> logits (rows,
         vocab) float32."""
-        if kv_caches is not self._caches:
-            self._take_caches(kv_caches)
+        self.take_caches(kv_caches)
         if step.cache_shape != self._cache_shape or x.dtype != self.geometry.dtype:
             raise ValueError(f"decode step: the caches must be {self._cache_shape}, x {self.geometry.dtype}")
         logits = torch.empty(step.rows, self.vocab)
@@ -215,6 +226,78 @@ class BoundStep:
                  lens, self._scratch.data_ptr(), logits.data_ptr(), int(x.dtype == torch.bfloat16),
                  torch.get_num_threads())
         return logits
+
+    def call(self, x: int, rows: int, cos: int, sin: int, slots: int, page_size: int, tables: int, stride: int,
+             lens: int) -> torch.Tensor:
+        """__call__ on raw pointers, checked by the caller (DirectStep): -> logits (rows, vocab)."""
+        logits = torch.empty(rows, self.vocab)
+        self._fn(ctypes.byref(self._struct), x, rows, cos, sin, slots, page_size, tables, stride, lens,
+                 self._scratch.data_ptr(), logits.data_ptr(), int(self.geometry.dtype == torch.bfloat16),
+                 torch.get_num_threads())
+        return logits
+
+
+class DirectStep:
+    """A decode step of at most MAX_ROWS sequences from plain ints, for a batch of one or a few
+    where every tensor op before the native call shows in the time per token: the embedding rows
+    and the RoPE angles are copied into buffers of its own and the indices into ctypes arrays,
+    checked here as DecodeLayerKernel.step checks them, then BoundStep's one call. The same
+    arguments reach the same C, so the logits and K/V are those of the tensor path, bit for bit."""
+
+    max_rows = MAX_ROWS
+
+    def __init__(self, whole: BoundStep, embedding: torch.Tensor,
+                 rope_tables: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """embedding (vocab, hidden), contiguous, of the layers' dtype; rope_tables() -> the model's
+        cos, sin tables now (max_len, head_dim / 2), of that dtype (they grow: asked per step)."""
+        g = whole.geometry
+        if not (embedding.dtype == g.dtype and embedding.device.type == "cpu" and embedding.is_contiguous()
+                and embedding.dim() == 2 and embedding.shape[1] == g.hidden):
+            raise ValueError(f"direct decode step: the embedding must be a contiguous {g.dtype} CPU tensor of "
+                             f"(vocab, {g.hidden}), not {embedding.dtype} {tuple(embedding.shape)}")
+        self._whole, self._embedding, self._rope_tables = whole, embedding, rope_tables
+        self._kv_shape = (g.num_kv_heads, g.head_dim)
+        self.vocab = embedding.shape[0]
+        size = embedding.element_size()
+        self._row_bytes, self._half_bytes = g.hidden * size, g.head_dim // 2 * size
+        self._x = torch.empty(MAX_ROWS, g.hidden, dtype=g.dtype)
+        self._cos = torch.empty(MAX_ROWS, g.head_dim // 2, dtype=g.dtype)
+        self._sin = torch.empty(MAX_ROWS, g.head_dim // 2, dtype=g.dtype)
+
+    def __call__(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                 tables: Sequence[Sequence[int]], lens: Sequence[int], kv_caches: list) -> torch.Tensor | None:
+        """One row per sequence: its token id, position, the cache slot its K/V go to, its page
+        table and length (position + 1). -> logits (rows, vocab) float32, or None where the step
+        is not this path's (too many rows, a position past the RoPE table, a length past its
+        table): the tensor path takes it. An id outside the vocabulary, or a slot or page outside
+        the caches, is refused (ValueError), never read or written."""
+        rows = len(ids)
+        cos, sin = self._rope_tables()
+        if not (1 <= rows <= MAX_ROWS and max(positions) < cos.shape[0] and cos.dtype == self._x.dtype
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        num_pages, page_size, *kv_shape = self._whole.take_caches(kv_caches)
+        width = max(map(len, tables))
+        if not (0 < page_size <= MAX_PAGE_SIZE and tuple(kv_shape) == self._kv_shape and min(lens) >= 1
+                and max(lens) <= width * page_size):
+            return None
+        if min(ids) < 0 or max(ids) >= self.vocab:
+            raise ValueError("decode step: a token id outside the vocabulary")
+        flat = [page for table in tables for page in (*table, *(0,) * (width - len(table)))]
+        if not (0 <= min(slots) and max(slots) < num_pages * page_size and 0 <= min(flat)
+                and max(flat) < num_pages):
+            raise ValueError("decode layer: a slot or page id outside the KV cache")
+        x, c, s, e = self._x.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), self._embedding.data_ptr()
+        rb, hb, cos_at, sin_at = self._row_bytes, self._half_bytes, cos.data_ptr(), sin.data_ptr()
+        move = ctypes.memmove
+        for i, (token, position) in enumerate(zip(ids, positions)):
+            move(x + i * rb, e + token * rb, rb)
+            move(c + i * hb, cos_at + position * hb, hb)
+            move(s + i * hb, sin_at + position * hb, hb)
+        slots_c, lens_c = (ctypes.c_int64 * rows)(*slots), (ctypes.c_int32 * rows)(*lens)
+        tables_c = (ctypes.c_int32 * len(flat))(*flat)
+        return self._whole.call(x, rows, c, s, ctypes.addressof(slots_c), page_size, ctypes.addressof(tables_c),
+                                width, ctypes.addressof(lens_c))
 
 
 def _load() -> DecodeLayerKernel:

@@ -25,7 +25,7 @@ from torch import nn
 
 from kvserve.model_service.attention.base import AttentionBackend
 from kvserve.model_service.batch import ForwardBatch
-from kvserve.model_service.kernels.decode_layer import DecodeLayerKernel, Geometry
+from kvserve.model_service.kernels.decode_layer import DecodeLayerKernel, DirectStep, Geometry
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service.model.layers import GatedMLP, RMSNorm
 from kvserve.model_service.model.linear import Linear
@@ -114,6 +114,7 @@ class CausalLM(nn.Module):
 
     decode_kernel: DecodeLayerKernel | None = None   # use_decode_kernel()'s
     decode_whole = None   # and the step after the embedding bound to it: every layer, norm, LM head
+    decode_ints: DirectStep | None = None   # and the same step from plain ints, embedding included
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -154,7 +155,7 @@ class CausalLM(nn.Module):
         norm and the LM head in one call of `kernel` (kernels/decode_layer.py), float32 or bfloat16;
         None (or an LM head off the small-batch kernel): module by module. After use_small() (and
         pack())."""
-        self.decode_kernel = self.decode_whole = None
+        self.decode_kernel = self.decode_whole = self.decode_ints = None
         head = self.lm_head.plain   # the small-batch kernel's weight, which the step streams
         if kernel is None or head is None or head.bias is not None or head.weight.dtype != self.norm.weight.dtype:
             return
@@ -164,6 +165,9 @@ class CausalLM(nn.Module):
         layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
         self.decode_whole = kernel.bind_step(layers, self.norm.weight.detach(), head.weight, self.norm.eps)
         self.decode_kernel = kernel
+        embedding = self.embed_tokens.weight.detach()
+        if embedding.dtype == self.decode_geometry.dtype and embedding.is_contiguous():
+            self.decode_ints = DirectStep(self.decode_whole, embedding, lambda: (self.rope.cos, self.rope.sin))
 
     def pack(self, gemm: str) -> None:
         """Every matmul to a packed CPU GEMM, "native" or "onednn" (model/linear.py). Irreversible."""

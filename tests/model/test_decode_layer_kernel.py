@@ -77,12 +77,12 @@ def fused_and_modules(model, batch, backend, fused_cache, module_cache, threads)
         assert model._decode_step(batch, x, *model.rope.lookup(batch.positions), fused_cache.layers,
                                   backend, meta) is not None, "this step takes the fused path"
         fused = model(batch, fused_cache.layers, backend, meta)
-        kernel_, whole = model.decode_kernel, model.decode_whole
+        kept = model.decode_kernel, model.decode_whole, model.decode_ints
         model.use_decode_kernel(None)
         try:
             reference = model(batch, module_cache.layers, backend, backend.prepare(batch))
         finally:
-            model.decode_kernel, model.decode_whole = kernel_, whole
+            model.decode_kernel, model.decode_whole, model.decode_ints = kept
     return fused, reference
 
 
@@ -162,3 +162,50 @@ def test_bind_checks_every_weight(kernel, load_pair) -> None:
         kernel.bind(geometry, {**weights, "k_norm": None})
     with pytest.raises(ValueError, match="float32"):
         kernel.bind(geometry, {**weights, "o": weights["o"].double()})
+
+
+def direct_args(batch: ForwardBatch) -> tuple:
+    """The step's plain ints, as ModelRunner hands them to DirectStep: each row's table cut to its length."""
+    lens = batch.seq_lens_cpu
+    tables = [row[:-(-n // PAGE)] for row, n in zip(batch.block_tables.tolist(), lens)]
+    return (batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist(), tables, list(lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[37], [5, 61, 18], [9, 1, 30, 47]])
+def test_the_direct_step_is_the_tensor_step_bit_for_bit(kernel, loaded: Loaded, bf16_models, dtype, lens) -> None:
+    """The same native call from plain ints (the embedding rows and RoPE angles copied, the
+    indices in ctypes arrays): the same logits and K/V, to the bit."""
+    model = loaded.model if dtype == torch.float32 else bf16_models[loaded.path.name]
+    backend = cpu_backend(dtype)
+    assert model.decode_ints is not None and backend.decodes_natively()
+    batch = decode_batch(lens, loaded.config.vocab_size, seed=11 + len(lens))
+    tensor_cache, direct_cache = filled_cache(loaded, 5, dtype), filled_cache(loaded, 5, dtype)
+    expected = model(batch, tensor_cache.layers, backend, backend.prepare(batch))
+    got = model.decode_ints(*direct_args(batch), direct_cache.layers)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    for (k1, v1), (k2, v2) in zip(tensor_cache.layers, direct_cache.layers):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_direct_step_refuses_bad_indices_and_passes_on_steps_it_does_not_take(kernel, load_pair) -> None:
+    loaded = load_pair("tiny")
+    model, cache = loaded.model, filled_cache(loaded, 6)
+    direct = model.decode_ints
+    ids, positions, slots, tables, lens = direct_args(decode_batch([6, 10], loaded.config.vocab_size, seed=5))
+    before = [(k.clone(), v.clone()) for k, v in cache.layers]
+    for bad_ids, bad_slots, bad_tables, match in (
+            ([ids[0], loaded.config.vocab_size], slots, tables, "outside the vocabulary"),
+            ([-1, ids[1]], slots, tables, "outside the vocabulary"),
+            (ids, [slots[0], PAGES * PAGE], tables, "outside the KV cache"),
+            (ids, [-1, slots[1]], tables, "outside the KV cache"),
+            (ids, slots, [tables[0], [PAGES] * len(tables[1])], "outside the KV cache")):
+        with pytest.raises(ValueError, match=match):
+            direct(bad_ids, positions, bad_slots, bad_tables, lens, cache.layers)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(cache.layers, before))
+    many = decode_layer.MAX_ROWS + 1   # the tensor path's (the packed GEMMs) from here
+    assert direct([ids[0]] * many, [positions[0]] * many, [slots[0]] * many, [tables[0]] * many,
+                  [lens[0]] * many, cache.layers) is None
+    past = model.rope.cos.shape[0]   # past the RoPE table: the tensor path grows it
+    assert direct(ids[:1], [past], slots[:1], tables[:1], [past + 1], cache.layers) is None
+    assert direct(ids, positions, slots, tables, lens, cache.layers) is not None
