@@ -115,3 +115,33 @@ def test_identical_prompts_in_one_batch_agree(tiny_dirs, hf_refs):
     for o in outcomes:
         assert_same_tokens(o.tokens, ref, margins, "identical prompts")
     assert len({tuple(o.tokens) for o in outcomes}) == 1
+
+
+# tiny-mistral slides a window: it runs on the torch backend, whose decode gathers pages itself
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "tiny-mistral"])
+def test_decode_steps_of_a_few_requests_go_straight_to_the_fused_step(tiny_dirs, hf_refs, arch):
+    """Where the fused decode step and the cpu backend run, steps of at most 4 decodes take the
+    runner's DirectStep (plain ints, no tensors built): the same greedy tokens as transformers,
+    one request alone and three together."""
+    _, refs = hf_refs(arch)
+    h = EngineHarness(tiny_dirs[arch], page_size=4)
+    try:
+        runner = h.engine.runner
+        direct = runner.direct
+        if direct is None:
+            pytest.skip("the native kernels do not build here: every step builds its tensors")
+        rows: list[int] = []
+
+        class Counting:
+            max_rows = direct.max_rows
+
+            def __call__(self, ids, *rest):
+                rows.append(len(ids))
+                return direct(ids, *rest)
+
+        runner.direct = Counting()
+        check_all(h.run(PROMPTS[:1], NEW_TOKENS), refs[:1], f"{arch}, one request")
+        check_all(h.run(PROMPTS[1:4], NEW_TOKENS), refs[1:4], f"{arch}, three requests")
+        assert rows.count(1) >= NEW_TOKENS - 1 and 3 in rows, rows
+    finally:
+        h.close()
