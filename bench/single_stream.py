@@ -62,13 +62,33 @@ def step_bytes(cfg, dtype_bytes: int, context: int) -> float:
 
 # ------------------------------------------------------------------------------ engine alone
 
+def greedy_token_times(engine, prompt: list[int], n: int, tag: str) -> list[float]:
+    """One greedy request of n tokens (EOS ignored) through a started engine: when each token
+    event arrived (perf_counter)."""
+    from kvserve.model_service.engine.events import Failed, Finished, Tokens
+    from kvserve.model_service.engine.request import Request
+    from kvserve.model_service.sampling.params import SamplingParams
+
+    times: list[float] = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        if isinstance(event, Tokens):
+            times.append(time.perf_counter())
+        elif isinstance(event, (Finished, Failed)):
+            assert isinstance(event, Finished), event
+            done.set()
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    engine.submit(Request(tag, list(prompt), n, params), sink)
+    done.wait()
+    return times
+
+
 def engine_child(model: str, dtype: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """In this process: the model service's own build, one request at a time."""
     from kvserve.model_service.assembly import build_on_a_thread_that_ends
     from kvserve.model_service.config import ModelServiceConfig
-    from kvserve.model_service.engine.events import Failed, Finished, Tokens
-    from kvserve.model_service.engine.request import Request
-    from kvserve.model_service.sampling.params import SamplingParams
 
     stack = build_on_a_thread_that_ends(ModelServiceConfig(model=model, kvcache="inprocess", device="cpu",
                                                            dtype=dtype))
@@ -76,20 +96,7 @@ def engine_child(model: str, dtype: str, prompts: list[list[int]], new_tokens: i
     engine.start()
 
     def one(prompt: list[int], n: int, tag: str) -> list[float]:
-        times: list[float] = []
-        done = threading.Event()
-
-        def sink(event) -> None:
-            if isinstance(event, Tokens):
-                times.append(time.perf_counter())
-            elif isinstance(event, (Finished, Failed)):
-                assert isinstance(event, Finished), event
-                done.set()
-
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.submit(Request(tag, list(prompt), n, params), sink)
-        done.wait()
-        return times
+        return greedy_token_times(engine, prompt, n, tag)
 
     out = []
     try:

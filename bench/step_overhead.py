@@ -21,8 +21,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +30,10 @@ MODES = ("before", "direct", "direct+argmax")
 
 
 def child(dtype: str, prompt_len: int, new_tokens: int, rounds: int) -> None:
+    from bench.single_stream import greedy_token_times
     from kvserve.model_service.assembly import build_on_a_thread_that_ends
     from kvserve.model_service.config import ModelServiceConfig
-    from kvserve.model_service.engine.events import Failed, Finished, Tokens
-    from kvserve.model_service.engine.request import Request
     from kvserve.model_service.sampling import sampler
-    from kvserve.model_service.sampling.params import SamplingParams
     from kvserve.model_service.tiny_model import default_tiny_path
 
     stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(default_tiny_path("bench")), kvcache="inprocess",
@@ -52,19 +48,7 @@ def child(dtype: str, prompt_len: int, new_tokens: int, rounds: int) -> None:
     def one(prompt: list[int], n: int) -> list[float]:
         nonlocal sent
         sent += 1
-        times, done = [], threading.Event()
-
-        def sink(event) -> None:
-            if isinstance(event, Tokens):
-                times.append(time.perf_counter())
-            elif isinstance(event, (Finished, Failed)):
-                assert isinstance(event, Finished), event
-                done.set()
-
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.submit(Request(f"r{sent}", prompt, n, params), sink)
-        done.wait()
-        return times
+        return greedy_token_times(engine, prompt, n, f"r{sent}")
 
     one(list(range(3, 40)), 8)   # warm-up
     results = {mode: [] for mode in MODES}
