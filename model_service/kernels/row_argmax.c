@@ -3,7 +3,7 @@
  * Why: the logits of a decode step are written by every thread of the step's last matmul (the
  * fused step's LM head splits the vocabulary into one contiguous range per thread, as
  * `omp for schedule(static)` does), so one thread reading them all first pulls the other
- * threads' ranges from their cores' caches: for 32,000 logits that costs ~20x the scan itself
+ * threads' ranges from their cores' caches, which costs far more than the scan itself
  * (docs/benchmarks.md). Here each thread scans the same range the LM head gave it, where it
  * is still in that thread's cache, and the threads' answers are then combined in column order.
  *
@@ -74,7 +74,6 @@ void kvserve_row_argmax(const float *logits, int64_t rows, int64_t n, int32_t th
     uint32_t *keys = malloc(sizeof *keys * rows * team);
     int64_t *cols = malloc(sizeof *cols * rows * team);
     if (keys == NULL || cols == NULL) {   /* no memory for the threads' answers: one thread */
-        team = 1;
         free(keys);
         free(cols);
         for (int64_t r = 0; r < rows; r++) {

@@ -10,7 +10,7 @@ Per row, in this order (vLLM v1's, but with min-p after top-k/top-p):
 Greedy. A row with temperature 0 takes the argmax of its penalised logits; with no penalties
 that is exactly `torch.argmax` of the raw logits (upcasting is exact, ties go to the first id).
 A batch that is all greedy with no penalties takes a fast path that is just that argmax. On CPU
-every argmax here is numpy's (row_argmax): the same choice, ties and NaN included, at a tenth of
+every argmax here is row_argmax's: the same choice, ties and NaN included, in a fraction of
 torch's reduction's time (docs/benchmarks.md).
 
 Sampling. `argmax(probs / q)` with q ~ Exp(1) i.i.d. draws a token with probability `probs`
@@ -45,8 +45,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """(R, V) -> (R,) int64: each row's index of its largest value, the first where tied, a NaN
     counting as the largest: torch.argmax's answer. CPU float32 rows go to the native kernel
     (kernels/row_argmax.c: each thread scans the logits it wrote) or, without it or for a view,
-    to numpy's argmax; either takes a tenth or less of torch's reduction's time for 32,000
-    logits (docs/benchmarks.md)."""
+    to numpy's argmax; either is far faster there than torch's reduction (docs/benchmarks.md)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not x.requires_grad:
         native = _native_argmax()
         if native is not None and native.runs(x):
