@@ -55,6 +55,21 @@ class LlamaServer:
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.loads(r.read())["tokens_predicted"]
 
+    def stream(self, prompt: list[int], new_tokens: int) -> list[float]:
+        """Greedy, EOS ignored, streamed (server-sent events, a message per token): when each
+        token arrived (perf_counter), as a gRPC client of kvserve sees its stream."""
+        body = json.dumps({"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True,
+                           "cache_prompt": False, "stream": True}).encode()
+        req = urllib.request.Request(f"{self.url}/completion", data=body, headers={"Content-Type": "application/json"})
+        times: list[float] = []
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    message = json.loads(line[6:])
+                    if not message.get("stop"):
+                        times += [time.perf_counter()] * len(message.get("tokens") or [0])
+        return times
+
     def close(self) -> None:
         self.proc.terminate()
         try:

@@ -16,7 +16,11 @@ For each dtype and prompt length, one greedy request of --new-tokens tokens (EOS
   - transformers `generate` on the same weights and dtype, one request, per-token times from a
     streamer;
   - llama.cpp's llama-bench where --llama-bench and --gguf-dir (bench-f32.gguf, bench-f16.gguf,
-    converted from the same checkpoint) are given: decode tok/s at the prompt's depth (-d);
+    converted from the same checkpoint) are given: decode tok/s at the prompt's depth (-d), the
+    peer of the engine alone (no client, no server);
+  - llama.cpp's server where --llama-server and --gguf-dir are given: the same request streamed
+    over HTTP (a message per token) to `llama-server`, the gaps as its client receives them, the
+    peer of kvserve through gRPC (a server and a client on the same cores);
   - with --rounds N, every run above but transformers N times, round after round, the table
     giving each figure's median over the rounds and the ratio to llama.cpp of each round (this
     machine's speed drifts by more than the differences measured);
@@ -178,6 +182,24 @@ def transformers_runs(model: Path, dtype: str, prompts: list[list[int]], new_tok
 
 # -------------------------------------------------------------------------------- llama.cpp
 
+def llama_cpp_server(binary: str, gguf: Path, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """One streamed request at a time to llama-server (one slot, every core)."""
+    from bench.llama_cpp_peer import LlamaServer
+
+    server = LlamaServer(binary, gguf, 1, max(map(len, prompts)) + new_tokens + 16)
+    try:
+        server.stream(list(range(3, 40)), 8)   # warm-up
+        out = []
+        for prompt in prompts:
+            start = time.perf_counter()
+            times = server.stream(prompt, new_tokens)
+            out.append({**summary([(b - a) * 1e3 for a, b in zip(times, times[1:])]),
+                        "ttft_ms": (times[0] - start) * 1e3})
+        return out
+    finally:
+        server.close()
+
+
 def llama_cpp(binary: str, gguf: Path, depths: list[int], new_tokens: int) -> dict[int, float]:
     """Decode tok/s at each depth (llama-bench -n new_tokens -d depth), on every core."""
     import os
@@ -198,17 +220,20 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def print_round_ratios(rounds: dict, dtypes: list[str], prompts: list[int]) -> None:
-    """Time per token of llama.cpp over kvserve's (engine alone, gRPC), round by round."""
+    """Time per token of llama.cpp over kvserve's, round by round: the engine alone against
+    llama-bench, kvserve through gRPC against llama-server (against llama-bench without it)."""
     print("\nllama.cpp's time per token / kvserve's, round by round (above 1: kvserve faster):")
     for dtype in dtypes:
-        peer = next((runs for (d, how), runs in rounds.items() if d == dtype and how.startswith("llama.cpp")), None)
-        if peer is None:
-            continue
-        for how in ("engine alone", "gRPC"):
+        bench_runs = next((runs for (d, how), runs in rounds.items()
+                           if d == dtype and how.startswith("llama.cpp") and "server" not in how), None)
+        server_runs = next((runs for (d, how), runs in rounds.items() if d == dtype and "llama.cpp server" in how),
+                           None)
+        for how, peer, against in (("engine alone", bench_runs, "llama-bench"),
+                                   ("gRPC", server_runs or bench_runs, "llama-server" if server_runs else "llama-bench")):
             for i, n in enumerate(prompts):
-                if (dtype, how) in rounds:
+                if peer is not None and (dtype, how) in rounds:
                     ratios = [p[i]["p50"] / k[i]["p50"] for p, k in zip(peer, rounds[dtype, how])]
-                    print(f"  {dtype}, prompt {n}, {how}: " + ", ".join(f"{r:.2f}" for r in ratios)
+                    print(f"  {dtype}, prompt {n}, {how} against {against}: " + ", ".join(f"{r:.2f}" for r in ratios)
                           + f"   median {statistics.median(ratios):.2f}")
 
 
@@ -225,6 +250,7 @@ def main() -> None:
     ap.add_argument("--skip-grpc", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (with --gguf-dir)")
     ap.add_argument("--gguf-dir", type=Path, default=None, help="bench-f32.gguf and bench-f16.gguf of the same weights")
     ap.add_argument("--rounds", type=int, default=1, help="run everything but transformers this many times, "
                                                            "interleaved, and report medians")
@@ -253,6 +279,10 @@ def main() -> None:
                 rounds.setdefault((dtype, f"llama.cpp {name}"), []).append(
                     [{"tok_s": rates[n], "p50": 1e3 / rates[n], "p99": float("nan"), "ttft_ms": float("nan")}
                      for n in args.prompts])
+            if args.llama_server and args.gguf_dir:
+                name = {"float32": "f32", "bfloat16": "f16"}[dtype]
+                rounds.setdefault((dtype, f"llama.cpp server {name}"), []).append(llama_cpp_server(
+                    args.llama_server, args.gguf_dir / f"bench-{name}.gguf", prompts, args.new_tokens))
     results = {key: [median_run([runs[i] for runs in per_round]) for i in range(len(args.prompts))]
                for key, per_round in rounds.items()}
     if args.rounds > 1:
