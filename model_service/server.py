@@ -19,7 +19,8 @@ from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront, PrivateSocket
 from kvserve.services.plumbing.metrics_server import serve_metrics
-from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
+from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
+                                                   wait_for_signal)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     stop_at = loop.time() + 5.0
     while servicer.open_streams and loop.time() < stop_at:
         await asyncio.sleep(0.02)
-    await running.server.stop(1.0)   # the streams' last messages go out
+    await running.server.stop(LAST_MESSAGES_S)
 
 
 async def serve(config: ModelServiceConfig) -> None:

@@ -22,7 +22,8 @@ from kvserve.services.http.server import HttpFront, PrivateSocket
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
-from kvserve.services.plumbing.grpc_server import RunningServer, ServiceSpec, create_server as _create, wait_for_signal
+from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
+                                                   wait_for_signal)
 
 log = logging.getLogger(__name__)
 
@@ -135,4 +136,4 @@ async def drain(gateway: Gateway, grace_s: float) -> None:
     stop_at = loop.time() + 2.0
     while servicer.relays and loop.time() < stop_at:
         await asyncio.sleep(0.02)
-    await gateway.running.server.stop(1.0)
+    await gateway.running.server.stop(LAST_MESSAGES_S)

@@ -141,6 +141,12 @@ async def serve_until_signal(
     await stop_gracefully(server, health, grace_s)
 
 
+# The last stop of a draining server: every handler has returned, but a stream's last messages
+# (its ending status among them) may still sit behind what a slow client has not read yet. The
+# stop waits only while they go out, so a generous bound costs nothing when none is slow.
+LAST_MESSAGES_S = 5.0
+
+
 async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None) -> signal.Signals | None:
     """Returns on SIGTERM or SIGINT (which it returns), or when the server stops (None). A server
     that drains in its own way (the model service) starts from here; `grace_s` is for the log."""
