@@ -219,17 +219,12 @@ class BoundStep:
         self.take_caches(kv_caches)
         if step.cache_shape != self._cache_shape or x.dtype != self.geometry.dtype:
             raise ValueError(f"decode step: the caches must be {self._cache_shape}, x {self.geometry.dtype}")
-        logits = torch.empty(step.rows, self.vocab)
-        cos, sin, slots, page_size, tables, stride, lens = step.args
-        # ctypes drops the GIL for the call, as a torch op does.
-        self._fn(ctypes.byref(self._struct), x.data_ptr(), step.rows, cos, sin, slots, page_size, tables, stride,
-                 lens, self._scratch.data_ptr(), logits.data_ptr(), int(x.dtype == torch.bfloat16),
-                 torch.get_num_threads())
-        return logits
+        return self.call(x.data_ptr(), step.rows, *step.args)
 
     def call(self, x: int, rows: int, cos: int, sin: int, slots: int, page_size: int, tables: int, stride: int,
              lens: int) -> torch.Tensor:
-        """__call__ on raw pointers, checked by the caller (DirectStep): -> logits (rows, vocab)."""
+        """The step on raw pointers, checked by the caller (__call__, DirectStep): -> logits (rows,
+        vocab). ctypes drops the GIL for the call, as a torch op does."""
         logits = torch.empty(rows, self.vocab)
         self._fn(ctypes.byref(self._struct), x, rows, cos, sin, slots, page_size, tables, stride, lens,
                  self._scratch.data_ptr(), logits.data_ptr(), int(self.geometry.dtype == torch.bfloat16),

@@ -54,7 +54,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-@functools.cache
+@functools.cache   # load() is once per process too, but re-raises where it cannot: not per step
 def _native_argmax():
     try:
         return row_argmax_kernel.load()
