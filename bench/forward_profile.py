@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="a checkpoint directory instead of a preset")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the pages' dtype (as the model service's option)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=700)
@@ -64,6 +65,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvserve.model_service.attention.select import select_backend
+    from kvserve.model_service.dtype_choice import pick_kv_cache_dtype
     from kvserve.model_service.engine.runner import ModelRunner
     from kvserve.model_service.engine.scheduler import Work
     from kvserve.model_service.kv_cache import KVCache
@@ -77,7 +79,8 @@ def main() -> None:
                              model.lm_head.gemm)
     page_size = backend.default_page_size()
     per_seq = -(-(args.context + 1) // page_size)
-    kv = KVCache(cfg, args.batch * per_seq, page_size, dtype, device)
+    kv_dtype = pick_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    kv = KVCache(cfg, args.batch * per_seq, page_size, kv_dtype, device)
     timed = TimedBackend(backend)
     runner = ModelRunner(model, timed, kv, page_size, device)
     work = [Work(SimpleNamespace(tokens=[3] * (args.context + 1),
@@ -102,7 +105,7 @@ def main() -> None:
         runner.execute(work)
         sync(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}; {path.name}, {args.dtype}, backend {backend.name}, page size "
+    print(f"{name}, torch {torch.__version__}; {path.name}, {args.dtype}, pages {kv_dtype}, backend {backend.name}, page size "
           f"{page_size}; {args.batch} sequences x {args.context} tokens of context; {cfg.num_layers} layers")
     h, w = statistics.median(host), statistics.median(wall)
     print(f"host (until forward returns) {1e3 * h:.2f} ms/step, wall (device done) {1e3 * w:.2f} ms/step; "

@@ -55,7 +55,7 @@ from bench.llama_cpp_peer import run_llama_server  # noqa: E402
 from bench.model_size import matmul_params  # noqa: E402
 from bench.prompts import make_prompts  # noqa: E402
 from bench.throughput_report import (  # noqa: E402
-    ALONE, HONEST, print_gemm_comparison, print_goals, print_steps, print_throughput, print_turns)
+    ALONE, HONEST, print_comparison, print_goals, print_steps, print_throughput, print_turns)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -112,12 +112,12 @@ def memory_bandwidth(reps: int = 7) -> float:
 
 
 def roofline_seconds(cfg, prompts: list[list[int]], new_tokens: int, rate: float, bandwidth: float,
-                     dtype_bytes: int = 4) -> tuple[float, float]:
+                     dtype_bytes: int = 4, kv_bytes: int | None = None) -> tuple[float, float]:
     """The least time the workload can take, (prefill, decode): each phase the larger of its
     matmul FLOPs over the best GEMM rate and the bytes it must read over the memory bandwidth.
     Prefill: every prompt token through every weight (compute-bound). Decode: step k (k = 1 ..
     new_tokens - 1) gives every sequence its k-th token, reading every linear weight once and
-    every sequence's K and V so far."""
+    every sequence's K and V so far (kv_bytes an element: dtype_bytes unless the cache is narrower)."""
     kv = cfg.num_kv_heads * cfg.head_dim
     layer, head = matmul_params(cfg)
     weights = cfg.num_layers * layer + head
@@ -130,7 +130,7 @@ def roofline_seconds(cfg, prompts: list[list[int]], new_tokens: int, rate: float
     for k in range(1, new_tokens):
         context = sum(lengths) + len(lengths) * k
         flops = 2.0 * weights * len(lengths) + per_pair * context
-        bytes_read = dtype_bytes * (weights + 2 * cfg.num_layers * kv * context)
+        bytes_read = dtype_bytes * weights + (kv_bytes or dtype_bytes) * 2 * cfg.num_layers * kv * context
         decode += max(flops / rate, bytes_read / bandwidth)
     return prefill, decode
 
@@ -264,13 +264,14 @@ def run_kvserve(stack: Stack, prompts: list[list[int]], new_tokens: int) -> dict
             "decode_step_ms": 1e3 * statistics.median(gaps) if gaps else float("nan")}
 
 
-def engine_alone(model: Path, requests: int, new_tokens: int) -> dict:
-    """bench/engine_alone.py in a process of its own (it must be the first to run torch there)."""
+def engine_alone(model: Path, requests: int, new_tokens: int, extra: list[str] = ()) -> dict:
+    """bench/engine_alone.py in a process of its own (it must be the first to run torch there);
+    extra: its options, as a variant's (--cpu-gemm X, --kv-cache-dtype X)."""
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         out = Path(tmp) / "alone.json"
         subprocess.run([sys.executable, str(ROOT / "bench" / "engine_alone.py"), "--model", str(model),
                         "--requests", str(requests), "--new-tokens", str(new_tokens),
-                        "--max-num-seqs", str(max(64, requests)), "--json", str(out)],
+                        "--max-num-seqs", str(max(64, requests)), "--json", str(out), *extra],
                        cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -360,12 +361,18 @@ def main() -> None:
     ap.add_argument("--skip-engine-alone", action="store_true", help="skip the engine-alone peer run")
     ap.add_argument("--cpu-gemms", nargs="+", default=None, metavar="GEMM",
                     help="run kvserve with each of these --cpu-gemm values, interleaved, and compare them")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=None, metavar="DTYPE",
+                    help="run kvserve and the engine alone with each of these --kv-cache-dtype values, "
+                         "interleaved, and compare them")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="with --cpu-gemms: this many runs of each, the order alternating round by round")
+                    help="with --cpu-gemms or --kv-cache-dtypes: this many runs of each, the order "
+                         "alternating round by round")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: run it as a peer")
     ap.add_argument("--gguf", type=Path, default=None, help="with --llama-server: a GGUF of the same weights")
     args = ap.parse_args()
+    if args.cpu_gemms and args.kv_cache_dtypes:
+        ap.error("compare GEMMs or KV cache dtypes, not both at once")
     if args.quick:
         args.requests, args.new_tokens, args.turns, args.conversations = 8, [16], 3, 2
 
@@ -389,27 +396,29 @@ def main() -> None:
     print("GEMM rate on the model's layer shapes, 2048 rows: "
           + ", ".join(f"{name} {r / 1e9:.1f} GFLOP/s" for name, r in rates.items()))
     server = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
-    gemms = args.cpu_gemms or [None]
+    # (label, options) of each variant compared: "GEMM native", ["--cpu-gemm", "native"]; or one, plain
+    variants = ([(f"GEMM {g}", ["--cpu-gemm", g]) for g in args.cpu_gemms or ()]
+                + [(f"KV {d}", ["--kv-cache-dtype", d]) for d in args.kv_cache_dtypes or ()]) or [("", [])]
     results: dict[tuple[int, str], list[dict]] = {}
     peers: dict[int, dict] = {}   # new tokens -> llama.cpp's run
     for n in args.new_tokens:
-        for round_ in range(args.rounds if args.cpu_gemms else 1):
-            for gemm in gemms if round_ % 2 == 0 else gemms[::-1]:
+        for round_ in range(args.rounds if len(variants) > 1 else 1):
+            for label, extra in variants if round_ % 2 == 0 else variants[::-1]:
                 for interval in args.stream_intervals:  # a fresh stack each: a last run's prompts would be hits
-                    how = f"gRPC, interval {interval}" + (f", GEMM {gemm}" if gemm else "")
-                    stack = Stack(path, server + ["--stream-interval", str(interval)]
-                                  + (["--cpu-gemm", gemm] if gemm else []))
+                    how = f"gRPC, interval {interval}" + (f", {label}" if label else "")
+                    stack = Stack(path, server + ["--stream-interval", str(interval)] + extra)
                     try:
                         results.setdefault((n, how), []).append(run_kvserve(stack, prompts, n))
                     finally:
                         stack.close()
-        if not args.skip_engine_alone:
-            results[n, ALONE] = [engine_alone(path, args.requests, n)]
+                if not args.skip_engine_alone:
+                    how = ALONE + (f", {label}" if label else "")
+                    results.setdefault((n, how), []).append(engine_alone(path, args.requests, n, extra))
         if args.llama_server and args.gguf:
             peers[n] = run_llama_server(args.llama_server, args.gguf, prompts, n)
             print(f"llama.cpp server, {n} new tokens: {peers[n]['tok_s']:.1f} tok/s", flush=True)
-    if args.cpu_gemms:
-        print_gemm_comparison(results, args.cpu_gemms)
+    if len(variants) > 1:
+        print_comparison(results, [label for label, _ in variants])
     rows = []
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for n in args.new_tokens:
@@ -435,7 +444,8 @@ def main() -> None:
     rows = [(n, how, k, static, batch, {**{name: args.requests * n / (matmul_flops(cfg, prompts, n) / r)
                                            for name, r in rates.items()},
                                         HONEST: args.requests * n / sum(roofline_seconds(
-                                            cfg, prompts, n, max(rates.values()), bandwidth))})
+                                            cfg, prompts, n, max(rates.values()), bandwidth,
+                                            kv_bytes=2 if how.endswith("KV bfloat16") else 4))})
             for n, how, k, static, batch in rows]
     print_throughput(rows)
     print_steps(rows)

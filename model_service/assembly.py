@@ -26,7 +26,7 @@ from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service import dummy_step, host_memory, sizing
-from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype
+from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype, pick_kv_cache_dtype
 from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
 from kvserve.services.plumbing.api_keys import read_token
 
@@ -49,6 +49,7 @@ class ModelStack:
     num_pages: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    kv_cache_dtype: torch.dtype    # the pages' (--kv-cache-dtype): the model's, or narrower
 
 
 def pick_device(name: str) -> torch.device:
@@ -66,6 +67,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     path = resolve_model_path(cfg.model)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device, checkpoint_dtype(path))
+    kv_dtype = pick_kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)   # before the model loads: a wrong pair fails fast
     if device.type == "cpu":
         host_memory.keep_freed_memory()   # before the first big allocation
         if cfg.cpu_threads:
@@ -89,13 +91,13 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if cfg.num_pages is not None:
         num_pages = cfg.num_pages
     elif device.type == "cuda":
-        num_pages = sizing.cuda_pages(model, mcfg, backend, dtype, device, page_size,
+        num_pages = sizing.cuda_pages(model, mcfg, backend, kv_dtype, device, page_size,
                                       cfg.max_num_batched_tokens, cfg.gpu_memory_utilization,
                                       cfg.kv_cache_memory)
     else:
-        num_pages = sizing.cpu_pages(mcfg, dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
+        num_pages = sizing.cpu_pages(mcfg, kv_dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
     if device.type == "cpu":   # CUDA's profile run (sizing) has done the same
-        dummy_step.warm_up(model, mcfg, backend, dtype, device, page_size,
+        dummy_step.warm_up(model, mcfg, backend, kv_dtype, device, page_size,
                            min(cfg.max_num_batched_tokens, model_len))
     max_chunk = None
     if window:   # pages past the window go back as a sequence runs: it holds a bounded number
@@ -112,7 +114,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if cfg.sizing_file:
         _write_atomically(cfg.sizing_file, {"num_pages": num_pages, "page_size": page_size})
 
-    kv_cache = KVCache(mcfg, num_pages, page_size, dtype, device, cpu_pages=cfg.swap_pages)
+    kv_cache = KVCache(mcfg, num_pages, page_size, kv_dtype, device, cpu_pages=cfg.swap_pages)
     kv = _connect(cfg, num_pages, page_size)
     tokenizer = load_tokenizer(path)
     eos = set(mcfg.eos_token_ids)
@@ -137,11 +139,11 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         on_step_end=on_step_end,
         drafter=NgramDrafter(cfg.num_draft_tokens) if cfg.speculative == "ngram" else None,
     )
-    log.info("model %s (%s, %s, %s): %d pages of %d tokens, backend %s, GEMM %s, max_model_len %d",
-             path.name, mcfg.architecture, dtype, device, num_pages, page_size, backend.name,
+    log.info("model %s (%s, %s, %s): %d pages of %d tokens (%s), backend %s, GEMM %s, max_model_len %d",
+             path.name, mcfg.architecture, dtype, device, num_pages, page_size, kv_dtype, backend.name,
              model.lm_head.gemm, max_model_len)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
-                      page_size, num_pages, max_model_len, eos_ids)
+                      page_size, num_pages, max_model_len, eos_ids, kv_dtype)
 
 
 def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:

@@ -4,6 +4,7 @@ kernels/gemm.py) refuse anything else with the same lists. No imports: the comma
 them without loading torch."""
 
 DTYPES = ("float32", "bfloat16", "float16")                  # besides "auto"
+KV_CACHE_DTYPES = DTYPES                                     # besides "auto"; which pairs run: dtype_choice.py
 ATTENTION_BACKENDS = ("torch", "cpu", "flash_attn")          # besides "auto"
 CPU_GEMMS = ("onednn", "native", "torch")                    # besides "auto"; auto's order (kernels/gemm.py)
 PREEMPTION_MODES = ("recompute", "swap")

@@ -1,4 +1,4 @@
-"""`--dtype auto`: which dtype the weights and KV pages take.
+"""`--dtype auto`: which dtype the weights and KV pages take; `--kv-cache-dtype`: the pages' own.
 
 - CUDA: bfloat16.
 - CPU: the checkpoint's own dtype where the CPU computes it natively, else float32. A bfloat16
@@ -10,6 +10,11 @@
   such CPUs upcast. A float32 checkpoint stays float32 everywhere on CPU: that is the exact
   path, the one the equality tests against transformers use. float16 has no fast CPU path here
   and upcasts to float32.
+
+The KV pages take the weights' dtype unless `--kv-cache-dtype bfloat16` narrows a float32 model's
+on CPU: half the bytes a decode step's attention reads and twice the tokens in the same memory,
+each K/V value rounded once as it is written (llama.cpp's server keeps an f16 cache by default).
+The exact path, the one the equality tests use, stays float32 pages.
 """
 
 from __future__ import annotations
@@ -44,3 +49,23 @@ def pick_dtype(name: str, device: torch.device, checkpoint: str | None = None) -
     if checkpoint == "bfloat16" and native_bf16_cpu():
         return torch.bfloat16
     return torch.float32
+
+
+def pick_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype NAME -> the pages' dtype: auto (or the model's own) is the model's; bfloat16
+    under a float32 model on CPU, where the kernels widen pages as they read them. Anything else is
+    refused with the reason (ValueError)."""
+    if name == "auto" or getattr(torch, name) == model_dtype:
+        return model_dtype
+    dtype = getattr(torch, name)
+    model = str(model_dtype).removeprefix("torch.")
+    if dtype.itemsize > model_dtype.itemsize:
+        raise ValueError(f"--kv-cache-dtype {name}: wider than the model's {model} activations, it would "
+                         f"hold nothing more than {model} pages; leave it auto")
+    if device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype {name} under a {model} model runs on CPU only: on {device.type} "
+                         "the attention kernels read queries and pages of one dtype")
+    if not (model_dtype == torch.float32 and dtype == torch.bfloat16):
+        raise ValueError(f"--kv-cache-dtype {name} under a {model} model: the CPU kernels narrow only float32 "
+                         "pages, to bfloat16")
+    return dtype

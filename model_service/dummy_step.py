@@ -38,7 +38,7 @@ def prompt_batch(tokens: int, page_size: int, device: torch.device) -> ForwardBa
 @torch.inference_mode()
 def dummy_step(model, config, backend, dtype: torch.dtype, device: torch.device,
                page_size: int, tokens: int) -> None:
-    """Forwards one `tokens`-long prompt on a scratch cache, freed on return."""
+    """Forwards one `tokens`-long prompt on a scratch cache of `dtype` (the KV pages'), freed on return."""
     scratch = KVCache(config, -(-tokens // page_size), page_size, dtype, device)
     batch = prompt_batch(tokens, page_size, device)
     model(batch, scratch.layers, backend, backend.prepare(batch))

@@ -18,8 +18,9 @@ attend every row up to the longest context; a few groups of sorted lengths cut t
 scheduler sends decodes longest first, so each group is a row range, sliced; rows in any other
 order are indexed.
 
-KernelDecode (the cpu backend; float32): kernels/paged_decode.c reads each page once, straight
-from the cache, with an online softmax, one OpenMP task per sequence.
+KernelDecode (the cpu backend; float32 or bfloat16, and float32 queries over bfloat16 pages):
+kernels/paged_decode.c reads each page once, straight from the cache, with an online softmax,
+one OpenMP task per sequence.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ class GatheredDecode:
         page_size, hk = k_cache.shape[1], k_cache.shape[2]
         end = group.skip + group.length
         tables = group.tables[:, :-(-end // page_size)]                     # (n, P)
-        keys = self.gather(0, k_cache, tables, end)[:, group.skip:].transpose(1, 2)    # (n, Hk, L, D)
-        values = self.gather(1, v_cache, tables, end)[:, group.skip:].transpose(1, 2)  # (n, Hk, L, D)
+        # Pages narrower than q (--kv-cache-dtype) widened for SDPA; .to is a no-op else.
+        keys = self.gather(0, k_cache, tables, end)[:, group.skip:].to(q.dtype).transpose(1, 2)    # (n, Hk, L, D)
+        values = self.gather(1, v_cache, tables, end)[:, group.skip:].to(q.dtype).transpose(1, 2)  # (n, Hk, L, D)
         grouped = q.view(n, hk, h // hk, d)                                 # (n, Hk, G, D)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.mask,
                                              scale=scale)                   # (n, Hk, G, D)

@@ -126,8 +126,9 @@ class PagedAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: PagedMeta, scale: float) -> torch.Tensor:
         hk, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k)       # (pages*page, Hk, D)
-        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v)
+        # A cache narrower than the model (--kv-cache-dtype) takes each K/V rounded once; .to is a no-op else.
+        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))   # (pages*page, Hk, D)
+        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if not meta.prefills:
             return self.decode(q, k_cache, v_cache, meta.decode, scale)
         out = torch.empty_like(q)                                           # (T, H, D)
@@ -150,8 +151,8 @@ class PagedAttention:
         # SDPA gets 4-D inputs: with 3-D ones torch's CPU SDPA takes its slow math path.
         grouped = q.view(length, hk, g, d).permute(1, 2, 0, 3)              # (Hk, G, L, D)
         shape = (hk, g, chunk.seq_len, d)
-        keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
-        values = self.gather(1, v_cache, pages, chunk.seq_len)[0].transpose(0, 1)[:, None].expand(shape)
+        keys = self.gather(0, k_cache, pages, chunk.seq_len)[0].to(q.dtype).transpose(0, 1)[:, None].expand(shape)
+        values = self.gather(1, v_cache, pages, chunk.seq_len)[0].to(q.dtype).transpose(0, 1)[:, None].expand(shape)
         if chunk.matmul and q.dtype == torch.float32:
             out = self.chunks(grouped, keys[:, 0], values[:, 0], chunk, scale)
         elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)

@@ -1,5 +1,5 @@
 /* One sequence's decode attention over its pages (the online-softmax loop), float32 or
- * bfloat16, shared by paged_decode.c and decode_layer.c (included, never built alone).
+ * bfloat16 queries over float32 or bfloat16 pages, shared by paged_decode.c and decode_layer.c (included, never built alone).
  * Layout: paged_decode.c's header comment. */
 #ifndef KVSERVE_ATTEND_H
 #define KVSERVE_ATTEND_H
@@ -71,9 +71,9 @@ attend_end(void *out, int64_t first_q, int64_t heads, int64_t head_dim, int bf16
 static inline __attribute__((always_inline)) void
 attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
        int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-       int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int bf16)
+       int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int q16, int kv16)
 {
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kv16 ? 2 : 4;   /* a cache element's bytes */
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = kv_count * group;          /* the query heads of this call */
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -86,7 +86,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
     float running_max[heads], denom[heads];
 
     const int64_t first_q = kv_first * group * head_dim;   /* this call's queries and outputs */
-    attend_begin(q, first_q, heads, head_dim, scale, bf16, qs, acc, running_max, denom);
+    attend_begin(q, first_q, heads, head_dim, scale, q16, qs, acc, running_max, denom);
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
         const int64_t keys = (int64_t)table[p] * page_stride + head_offset;   /* in elements */
@@ -106,7 +106,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
                     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                     for (int64_t d = 0; d < head_dim; d++)
-                        dot += qs[h][d] * load(k_cache, k + d, bf16);
+                        dot += qs[h][d] * load(k_cache, k + d, kv16);
                     scores[h][t] = dot;
                 }
             }
@@ -137,11 +137,11 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
                     const float w = scores[h][t];
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; d++)
-                        acc[h][d] += w * load(v_cache, v + d, bf16);
+                        acc[h][d] += w * load(v_cache, v + d, kv16);
                 }
             }
     }
-    attend_end(out, first_q, heads, head_dim, bf16, acc, denom);
+    attend_end(out, first_q, heads, head_dim, q16, acc, denom);
 }
 
 #if defined(__AVX512F__)
@@ -182,11 +182,11 @@ static inline __m512 load16(const void *p, int bf16)
 static inline __attribute__((always_inline)) void
 attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
               int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-              int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int bf16)
+              int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int q16, int kv16)
 {
     enum { CHUNK = 16 };
     const int64_t NV = head_dim / 16;                /* vectors per head */
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kv16 ? 2 : 4;   /* a cache element's bytes */
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = kv_count * group;
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -199,7 +199,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
     float probs[group][CHUNK] __attribute__((aligned(64)));
     float running_max[heads], denom[heads];
 
-    attend_begin(q, first_q, heads, head_dim, scale, bf16, qs, acc, running_max, denom);
+    attend_begin(q, first_q, heads, head_dim, scale, q16, qs, acc, running_max, denom);
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
         const int64_t page = (int64_t)table[p] * page_stride;   /* in elements */
@@ -214,7 +214,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                 for (int64_t t = 0; t < m; t++) {
                     for (int64_t j = 0; j < NV; j++)
                         _mm512_store_ps(&kf[t][16 * j],
-                                        load16((const char *)k_cache + (base + t * token_stride + 16 * j) * elem, bf16));
+                                        load16((const char *)k_cache + (base + t * token_stride + 16 * j) * elem, kv16));
                 }
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
@@ -258,7 +258,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                 for (int64_t t = 0; t < m; t++)   /* the values, widened once */
                     for (int64_t j = 0; j < NV; j++)
                         _mm512_store_ps(&kf[t][16 * j],
-                                        load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, bf16));
+                                        load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, kv16));
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
                     __m512 a[NV];
@@ -275,28 +275,33 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
             }
         }
     }
-    attend_end(out, first_q, heads, head_dim, bf16, acc, denom);
+    attend_end(out, first_q, heads, head_dim, q16, acc, denom);
 }
 #define ATTEND_FIXED attend_avx512   /* head_dim 64 and 128 */
 #else
 #define ATTEND_FIXED attend
 #endif
 
-#define ATTEND_WITH(name, how, dim, bf16)                                                   \
+#define ATTEND_WITH(name, how, dim, q16, kv16)                                              \
     static void name(const void *q, const void *k_cache, const void *v_cache,               \
                      const int32_t *table, int64_t len, void *out, int64_t num_heads,       \
                      int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale, \
                      int64_t kv_first, int64_t kv_count)                                    \
     {                                                                                       \
         how(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, dim,             \
-            page_size, scale, kv_first, kv_count, bf16);                                    \
+            page_size, scale, kv_first, kv_count, q16, kv16);                               \
     }
-ATTEND_WITH(attend_d64, ATTEND_FIXED, 64, 0)
-ATTEND_WITH(attend_d128, ATTEND_FIXED, 128, 0)
-ATTEND_WITH(attend_any, attend, head_dim, 0)
-ATTEND_WITH(attend_d64_bf16, ATTEND_FIXED, 64, 1)
-ATTEND_WITH(attend_d128_bf16, ATTEND_FIXED, 128, 1)
-ATTEND_WITH(attend_any_bf16, attend, head_dim, 1)
+/* q and out float32 or bfloat16, the caches float32 or bfloat16: the three pairs kvserve runs
+   (a float32 model's cache may be bfloat16, --kv-cache-dtype; a bfloat16 model's never float32). */
+ATTEND_WITH(attend_d64, ATTEND_FIXED, 64, 0, 0)
+ATTEND_WITH(attend_d128, ATTEND_FIXED, 128, 0, 0)
+ATTEND_WITH(attend_any, attend, head_dim, 0, 0)
+ATTEND_WITH(attend_d64_bf16, ATTEND_FIXED, 64, 1, 1)
+ATTEND_WITH(attend_d128_bf16, ATTEND_FIXED, 128, 1, 1)
+ATTEND_WITH(attend_any_bf16, attend, head_dim, 1, 1)
+ATTEND_WITH(attend_d64_kv16, ATTEND_FIXED, 64, 0, 1)
+ATTEND_WITH(attend_d128_kv16, ATTEND_FIXED, 128, 0, 1)
+ATTEND_WITH(attend_any_kv16, attend, head_dim, 0, 1)
 
 typedef void (*attend_fn)(const void *, const void *, const void *, const int32_t *, int64_t,
                           void *, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t);
@@ -314,10 +319,14 @@ static inline int64_t attend_parts(int64_t num_seqs, int64_t num_kv_heads, int64
     return (num_kv_heads + *per_part - 1) / *per_part;   /* no empty part */
 }
 
-static inline attend_fn pick_attend(int bf16, int64_t head_dim)
+/* q16: q and out bfloat16 (then so are the caches); kv16: the caches bfloat16. */
+static inline attend_fn pick_attend(int q16, int kv16, int64_t head_dim)
 {
-    return bf16 ? (head_dim == 64 ? attend_d64_bf16 : head_dim == 128 ? attend_d128_bf16 : attend_any_bf16)
-                : (head_dim == 64 ? attend_d64 : head_dim == 128 ? attend_d128 : attend_any);
+    if (q16)
+        return head_dim == 64 ? attend_d64_bf16 : head_dim == 128 ? attend_d128_bf16 : attend_any_bf16;
+    if (kv16)
+        return head_dim == 64 ? attend_d64_kv16 : head_dim == 128 ? attend_d128_kv16 : attend_any_kv16;
+    return head_dim == 64 ? attend_d64 : head_dim == 128 ? attend_d128 : attend_any;
 }
 
 #endif

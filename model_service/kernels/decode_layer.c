@@ -16,7 +16,7 @@
  * paged_decode.c; scratch (rows, hidden + q + 2 kv + q + intermediate) float32. Weights (out,
  * in) row-major, biases and the q/k norms NULL where the model has none.
  *
- * float32: every tensor float32. bfloat16: x, cos, sin, caches, the norms' weights and the
+ * float32: every tensor float32, the caches float32 or bfloat16. bfloat16: x, cos, sin, caches, the norms' weights and the
  * matrices bfloat16, biases float32 (widened from the checkpoint's bfloat16); each step rounds
  * where the module-by-module bfloat16 path rounds (model/linear.py, layers.py: every matmul's
  * output, every op after it), with the sums float32.
@@ -60,8 +60,10 @@ static inline void norm_rows_bf16(const uint16_t *x, const uint16_t *weight, uin
     }
 }
 
+/* kv16: the caches bfloat16 (--kv-cache-dtype): each new K/V row rounded once as it is written,
+   the pages widened as the attention reads them. */
 static void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t rows, const float *cos,
-                              const float *sin, const int64_t *slots, float *k_cache, float *v_cache,
+                              const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv16,
                               int64_t page_size, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                               float *scratch, int32_t threads)
 {
@@ -70,7 +72,7 @@ static void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t r
     float *xn = scratch, *qkv = xn + rows * H, *att = qkv + rows * N, *h = att + rows * Q;
     int64_t per_part;
     const int64_t parts = attend_parts(rows, NKV, threads, &per_part);
-    const attend_fn attend_one = pick_attend(0, D);
+    const attend_fn attend_one = pick_attend(0, kv16, D);
 
     /* Every `omp for` ends in a barrier: each phase reads what the one before wrote. Linear
        phases split their output columns statically, as small_linear.c does. */
@@ -98,8 +100,16 @@ static void kvserve_decode_layer_f32(const kvserve_layer *L, float *x, int64_t r
             rope_head_f32(v, cos + r * half, sin + r * half, half);
             if (head >= NH) {
                 const int64_t kh = head - NH, at = slots[r] * KV + kh * D;
-                memcpy(k_cache + at, v, D * sizeof(float));
-                memcpy(v_cache + at, qkv + r * N + Q + KV + kh * D, D * sizeof(float));
+                const float *val = qkv + r * N + Q + KV + kh * D;
+                if (kv16) {
+                    for (int64_t d = 0; d < D; d++) {
+                        ((uint16_t *)k_cache)[at + d] = f32_to_bf16(v[d]);
+                        ((uint16_t *)v_cache)[at + d] = f32_to_bf16(val[d]);
+                    }
+                } else {
+                    memcpy((float *)k_cache + at, v, D * sizeof(float));
+                    memcpy((float *)v_cache + at, val, D * sizeof(float));
+                }
             }
         }
 
@@ -166,7 +176,7 @@ static void kvserve_decode_layer_bf16(const kvserve_layer *L, uint16_t *x, int64
     uint16_t *qkv = (uint16_t *)(h + rows * I), *normed = qkv + rows * N, *att16 = normed + rows * H;
     int64_t per_part;
     const int64_t parts = attend_parts(rows, NKV, threads, &per_part);
-    const attend_fn attend_one = pick_attend(1, D);
+    const attend_fn attend_one = pick_attend(1, 1, D);
 
 #pragma omp parallel num_threads(threads)
     {
@@ -255,17 +265,19 @@ typedef struct {   /* kernels/decode_layer.py's ModelStruct: the same fields in 
     const void *head;               /* (vocab, hidden) */
 } kvserve_model;
 
-/* bf16 = 0: x, cos, sin, the caches and the weights float32; bf16 = 1: all bfloat16. */
+/* bf16 = 0: x, cos, sin and the weights float32, the caches float32 (kv16 = 0) or bfloat16 (kv16 = 1);
+   bf16 = 1: all bfloat16. */
 void kvserve_decode_step(const kvserve_model *M, void *x, int64_t rows, const void *cos, const void *sin,
                          const int64_t *slots, int64_t page_size, const int32_t *tables, int64_t table_stride,
-                         const int32_t *seq_lens, float *scratch, float *logits, int32_t bf16, int32_t threads)
+                         const int32_t *seq_lens, float *scratch, float *logits, int32_t bf16, int32_t kv16,
+                         int32_t threads)
 {
     for (int64_t l = 0; l < M->num_layers; l++) {
         if (bf16)
             kvserve_decode_layer_bf16(M->layers + l, x, rows, cos, sin, slots, M->k_caches[l], M->v_caches[l],
                                       page_size, tables, table_stride, seq_lens, scratch, threads);
         else
-            kvserve_decode_layer_f32(M->layers + l, x, rows, cos, sin, slots, M->k_caches[l], M->v_caches[l],
+            kvserve_decode_layer_f32(M->layers + l, x, rows, cos, sin, slots, M->k_caches[l], M->v_caches[l], kv16,
                                      page_size, tables, table_stride, seq_lens, scratch, threads);
     }
     const int64_t H = M->layers[0].hidden, V = M->vocab;

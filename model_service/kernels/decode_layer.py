@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
-from kvserve.model_service.kernels.paged_decode import DTYPES, MAX_HEAD_FLOATS, MAX_PAGE_SIZE
+from kvserve.model_service.kernels.paged_decode import DTYPES, MAX_HEAD_FLOATS, MAX_PAGE_SIZE, cache_dtypes_for
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS
 
 __all__ = ["KernelUnavailable", "DecodeLayerKernel", "DirectStep", "Geometry", "load"]
@@ -59,7 +59,8 @@ class Geometry:
     head_dim: int
     intermediate: int
     eps: float
-    dtype: torch.dtype = torch.float32   # activations, caches, norms and matrices (biases: float32)
+    dtype: torch.dtype = torch.float32   # activations, norms and matrices (biases: float32); the caches
+                                         # this dtype, or bfloat16 under float32 (cache_dtypes_for)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         h, d, i = self.hidden, self.head_dim, self.intermediate
@@ -89,7 +90,7 @@ class DecodeLayerKernel:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._step_fn = library.kvserve_decode_step
         self._step_fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32,
-                                  ctypes.c_int32]
+                                  ctypes.c_int32, ctypes.c_int32]
         self._step_fn.restype = None
 
     def bind(self, geometry: Geometry, weights: dict[str, torch.Tensor | None]) -> BoundLayer:
@@ -142,7 +143,8 @@ class DecodeLayerKernel:
         step (too many rows, another dtype or layout): the layers then run module by module.
         x (rows, hidden) and cos, sin (rows, 1, head_dim / 2) in geometry.dtype; slots (rows,) int64; tables
         (rows, >= pages) int32 rows contiguous; seq_lens (rows,) int32, each >= 1 and within tables;
-        k_cache: the first layer's (every layer's has its shape). The C side trusts every index:
+        k_cache: the first layer's (every layer's has its shape and dtype: the layers' own, or bfloat16
+        under float32 layers, paged_decode.cache_dtypes_for). The C side trusts every index:
         slots and page ids outside the caches are refused here (ValueError), never written."""
         rows = x.shape[0] if x.dim() == 2 else 0
         half = geometry.head_dim // 2
@@ -153,7 +155,8 @@ class DecodeLayerKernel:
                 and slots.dtype == torch.int64 and slots.shape == (rows,) and slots.is_contiguous()
                 and tables.dtype == seq_lens.dtype == torch.int32 and tables.dim() == 2 and tables.shape[0] == rows
                 and tables.stride(1) == 1 and seq_lens.shape == (rows,) and seq_lens.is_contiguous()
-                and k_cache.dim() == 4 and k_cache.dtype == x.dtype and 0 < k_cache.shape[1] <= MAX_PAGE_SIZE
+                and k_cache.dim() == 4 and k_cache.dtype in cache_dtypes_for(x.dtype)
+                and 0 < k_cache.shape[1] <= MAX_PAGE_SIZE
                 and tuple(k_cache.shape[2:]) == (geometry.num_kv_heads, geometry.head_dim)):
             return None
         num_pages, page_size = k_cache.shape[:2]
@@ -189,6 +192,7 @@ class BoundStep:
         self._keep = (layers, final_norm, head)   # the memory the structs point at
         self._caches: list | None = None          # the list the pointers below came from
         self._struct: ModelStruct | None = None
+        self._kv16 = 0                            # whether those caches are bfloat16
         self._scratch = torch.empty(self.geometry.scratch_floats(MAX_ROWS))
 
     def take_caches(self, kv_caches: list) -> tuple:
@@ -201,10 +205,13 @@ class BoundStep:
     def _take_caches(self, kv_caches: list) -> None:
         g, n = self.geometry, len(self._layers)
         shape = tuple(kv_caches[0][0].shape) if kv_caches else None
-        if len(kv_caches) != n or not all(
-                k.dtype == v.dtype == g.dtype and tuple(k.shape) == tuple(v.shape) == shape
+        dtype = kv_caches[0][0].dtype if kv_caches else None
+        if len(kv_caches) != n or dtype not in cache_dtypes_for(g.dtype) or not all(
+                k.dtype == v.dtype == dtype and tuple(k.shape) == tuple(v.shape) == shape
                 and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
-            raise ValueError(f"decode step: {n} layers' caches, contiguous {g.dtype} of one shape")
+            raise ValueError(f"decode step: {n} layers' caches, contiguous, of one shape and one dtype "
+                             f"of {cache_dtypes_for(g.dtype)}")
+        self._kv16 = int(dtype == torch.bfloat16)
         self._k = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches))
         self._v = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kv_caches))
         final_norm, head = self._keep[1:]
@@ -228,7 +235,7 @@ class BoundStep:
         logits = torch.empty(rows, self.vocab)
         self._fn(ctypes.byref(self._struct), x, rows, cos, sin, slots, page_size, tables, stride, lens,
                  self._scratch.data_ptr(), logits.data_ptr(), int(self.geometry.dtype == torch.bfloat16),
-                 torch.get_num_threads())
+                 self._kv16, torch.get_num_threads())
         return logits
 
 

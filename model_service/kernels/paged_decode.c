@@ -13,7 +13,8 @@
  *   seq_lens            (num_seqs,) keys to attend, int32, >= 1
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA).
  * In bfloat16 (q, caches and out), keys and values are widened to float32 as they are read,
- * every sum is float32, and the output is rounded once, as torch's SDPA does on CPU.
+ * every sum is float32, and the output is rounded once, as torch's SDPA does on CPU. A float32
+ * model's caches may be bfloat16 (--kv-cache-dtype): q and out float32, pages widened as read.
  */
 #include <float.h>
 #include <math.h>
@@ -28,23 +29,23 @@
    source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
-/* bf16 = 0: q, caches and out float32; bf16 = 1: all four bfloat16. */
+/* q16: q and out bfloat16 (else float32); kv16: the caches bfloat16 (else float32); q16 implies kv16. */
 void kvserve_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                           const int32_t *tables, int64_t table_stride,
                           const int32_t *seq_lens, void *out, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t page_size, float scale, int32_t bf16, int32_t num_threads)
+                          int64_t page_size, float scale, int32_t q16, int32_t kv16, int32_t num_threads)
 {
     /* Tasks as attend_parts() shares them out; dynamic scheduling evens out sequences of
      * different lengths. */
-    const attend_fn attend_one = pick_attend(bf16, head_dim);
+    const attend_fn attend_one = pick_attend(q16, kv16, head_dim);
     int64_t per_part;
     const int64_t parts = attend_parts(num_seqs, num_kv_heads, num_threads, &per_part);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < num_seqs * parts; task++) {
         const int64_t s = task / parts, first = task % parts * per_part;
         const int64_t count = num_kv_heads - first < per_part ? num_kv_heads - first : per_part;
-        const int64_t at = s * num_heads * head_dim * (bf16 ? 2 : 4);   /* bytes */
+        const int64_t at = s * num_heads * head_dim * (q16 ? 2 : 4);   /* bytes */
         attend_one((const char *)q + at, k_cache, v_cache, tables + s * table_stride,
                    seq_lens[s], (char *)out + at, num_heads, num_kv_heads,
                    head_dim, page_size, scale, first, count);

@@ -16,7 +16,13 @@ MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a th
 MAX_PAGE_SIZE = 256       # the page's scores live on the stack too
 DTYPES = (torch.float32, torch.bfloat16)   # the decode's; the chunk softmax is float32
 
-__all__ = ["KernelUnavailable", "PagedDecodeKernel", "load"]
+
+def cache_dtypes_for(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache dtypes the kernels read beside queries of `dtype`: their own, and bfloat16 pages
+    under float32 queries (a float32 model with --kv-cache-dtype bfloat16); none for another dtype."""
+    return {torch.float32: DTYPES, torch.bfloat16: (torch.bfloat16,)}.get(dtype, ())
+
+__all__ = ["KernelUnavailable", "PagedDecodeKernel", "cache_dtypes_for", "load"]
 
 
 class PagedDecodeKernel:
@@ -28,7 +34,7 @@ class PagedDecodeKernel:
         self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
         fn = library.kvserve_paged_decode
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32, i32]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32, i32, i32]
         fn.restype = None
         self._fn = fn
         softmax = library.kvserve_chunk_softmax_f32
@@ -38,7 +44,8 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
-        """q and the caches float32, or all bfloat16 (out is q's dtype); tables (n, >= pages)
+        """q and the caches float32, or all bfloat16, or q float32 over bfloat16 caches
+        (cache_dtypes_for; out is q's dtype); tables (n, >= pages)
         int32 with rows contiguous, seq_lens (n,) int32, each >= 1; max_len: the longest of
         seq_lens (the caller has it as a Python int)."""
         n, h, d = q.shape
@@ -49,14 +56,15 @@ class PagedDecodeKernel:
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
                 and seq_lens.is_contiguous() and tables.dtype == seq_lens.dtype == torch.int32
                 and h % k_cache.shape[2] == 0 and k_cache.shape[3] == d
-                and q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES and q.device.type == "cpu"
+                and k_cache.dtype == v_cache.dtype and k_cache.dtype in cache_dtypes_for(q.dtype)
+                and q.device.type == "cpu"
                 and h * d <= MAX_HEAD_FLOATS and k_cache.shape[1] <= MAX_PAGE_SIZE
                 and max_len <= tables.shape[1] * k_cache.shape[1]):
             raise ValueError("paged decode kernel: inconsistent shapes, strides or dtypes")
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
                  seq_lens.data_ptr(), out.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1],
-                 scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                 scale, int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 

@@ -140,6 +140,24 @@ def test_cpu_backends_match_reference(case: str, name: str) -> None:
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, batch, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["torch", "cpu", "cpu+gemm"])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_queries_over_bfloat16_pages(case: str, name: str) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the step's K/V are written rounded once,
+    and every path (decode kernel, gathered SDPA, cached-prefix matmul) attends to exactly the
+    values the pages hold, widened: the float32 reference over those values."""
+    query_lens, seq_lens, num_decodes = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_decodes)
+    q, k, v, k_cache, v_cache = random_qkv(sum(query_lens))
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    backend = make_backend(name)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch), scale=0.3)
+    assert out.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k.bfloat16())
+    assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v.bfloat16())
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, batch, 0.3), rtol=1e-5, atol=1e-5)
+
+
 def test_only_mid_sized_cached_chunks_take_the_onednn_matmul_path() -> None:
     if not onednn_available(torch.float32):
         pytest.skip("oneDNN linears do not run here")

@@ -152,3 +152,27 @@ def test_bfloat16_refuses_mixed_dtypes(kernel) -> None:
     q, k_cache, v_cache, tables, seq_lens = random_case(1, 2, 2, 64, 16, [20], 0)
     with pytest.raises(ValueError, match="inconsistent"):
         kernel(q.bfloat16(), k_cache, v_cache, tables, seq_lens, scale=0.125, max_len=20)
+    with pytest.raises(ValueError, match="inconsistent"):   # the two caches of one dtype
+        kernel(q, k_cache.bfloat16(), v_cache, tables, seq_lens, scale=0.125, max_len=20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), num_kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
+       head_dim=st.sampled_from([8, 16, 64, 80, 128]), page_size=st.sampled_from([1, 3, 16, 32]),
+       lens=st.lists(st.integers(1, 150), min_size=1, max_size=6), threads=st.sampled_from([1, 2, 3]))
+def test_float32_queries_over_bfloat16_pages(kernel, seed, num_kv_heads, group, head_dim, page_size, lens,
+                                             threads) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the pages are widened as read and every
+    sum is float32, so the float32 output is the exact attention of those bfloat16 values, as the
+    float32 kernel's is of float32 ones."""
+    q, k_cache, v_cache, tables, seq_lens = random_case(seed, num_kv_heads, group, head_dim, page_size, lens, 1)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    with torch_threads(threads):
+        out = kernel(q, k16, v16, tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
+    assert out.dtype == torch.float32
+    expected = reference(q, k16, v16, tables, seq_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # and it is the float32 kernel's answer over the same values widened ahead of time
+    with torch_threads(threads):
+        widened = kernel(q, k16.float(), v16.float(), tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
+    torch.testing.assert_close(out, widened, rtol=1e-6, atol=1e-6)

@@ -119,6 +119,27 @@ def test_bfloat16_fused_layers_round_as_the_modules_do(kernel, loaded: Loaded, b
         assert (k1 != k2).sum() <= 0.01 * k1.numel() and (v1 != v2).sum() <= 0.01 * v1.numel()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[37], [5, 61, 18, 40]])
+def test_float32_fused_layers_over_bfloat16_pages(kernel, loaded: Loaded, threads, lens) -> None:
+    """A float32 model with --kv-cache-dtype bfloat16: the fused layer rounds each new K/V value
+    once as it writes it and widens the pages as it reads them, as the module path does
+    (index_copy_ of the rounded rows, the paged kernel's bfloat16 pages)."""
+    model, backend = loaded.model, cpu_backend()
+    batch = decode_batch(lens, loaded.config.vocab_size, seed=13 + len(lens))
+    fused_cache = filled_cache(loaded, 4, torch.bfloat16)
+    module_cache = filled_cache(loaded, 4, torch.bfloat16)
+    fused, reference = fused_and_modules(model, batch, backend, fused_cache, module_cache, threads)
+    torch.testing.assert_close(fused, reference, rtol=1e-3, atol=1e-3)
+    for (k1, v1), (k2, v2) in zip(fused_cache.layers, module_cache.layers):
+        assert k1.dtype == torch.bfloat16
+        # the new rows are the same float32 values rounded the same way, but for a last-bit
+        # difference where the C and the module path contract a product differently
+        assert (k1 != k2).sum() <= 0.01 * k1.numel() and (v1 != v2).sum() <= 0.01 * v1.numel()
+    before = filled_cache(loaded, 4, torch.bfloat16).layers[0][0].flatten(0, 1)[batch.slot_mapping]
+    assert not torch.equal(fused_cache.layers[0][0].flatten(0, 1)[batch.slot_mapping], before), "K rows written"
+
+
 def test_steps_it_does_not_take_run_module_by_module(kernel, load_pair) -> None:
     loaded = load_pair("tiny")
     model, cache = loaded.model, filled_cache(loaded, 2)
@@ -171,16 +192,18 @@ def direct_args(batch: ForwardBatch) -> tuple:
     return (batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist(), tables, list(lens))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("lens", [[37], [5, 61, 18], [9, 1, 30, 47]])
-def test_the_direct_step_is_the_tensor_step_bit_for_bit(kernel, loaded: Loaded, bf16_models, dtype, lens) -> None:
+def test_the_direct_step_is_the_tensor_step_bit_for_bit(kernel, loaded: Loaded, bf16_models, dtype, cache_dtype,
+                                                        lens) -> None:
     """The same native call from plain ints (the embedding rows and RoPE angles copied, the
     indices in ctypes arrays): the same logits and K/V, to the bit."""
     model = loaded.model if dtype == torch.float32 else bf16_models[loaded.path.name]
     backend = cpu_backend(dtype)
     assert model.decode_ints is not None and backend.decodes_natively()
     batch = decode_batch(lens, loaded.config.vocab_size, seed=11 + len(lens))
-    tensor_cache, direct_cache = filled_cache(loaded, 5, dtype), filled_cache(loaded, 5, dtype)
+    tensor_cache, direct_cache = filled_cache(loaded, 5, cache_dtype), filled_cache(loaded, 5, cache_dtype)
     expected = model(batch, tensor_cache.layers, backend, backend.prepare(batch))
     got = model.decode_ints(*direct_args(batch), direct_cache.layers)
     assert got.dtype == torch.float32 and torch.equal(got, expected)

@@ -255,7 +255,7 @@ def test_get_model_info(stub, tokenizer):
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.vocab_size == 1024
     assert info.page_size == 4
-    assert info.dtype == "float32"
+    assert info.dtype == info.kv_cache_dtype == "float32"
     assert info.attention_backend == select_backend("auto", "cpu").name   # cpu where its kernel builds
     assert info.cpu_gemm == choose_gemm("auto", torch.float32, torch.device("cpu"))   # onednn where it runs
     assert info.device == "cpu"
