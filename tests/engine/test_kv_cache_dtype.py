@@ -1,10 +1,11 @@
 """--kv-cache-dtype bfloat16 under a float32 model (CPU): pages of half the bytes, so twice the
 tokens in the same memory, each K/V value rounded once as it is written and widened as read.
 
-Greedy tokens through the real engine stay transformers' float32 ones but where transformers'
-own top-2 margin is within what that rounding moves a logit (measured on these models: the
-first differing position's margin was at most 0.016); pairs the kernels do not run are refused
-before the model loads, with the reason."""
+Greedy tokens through the real engine (many requests, chunked prefill, preemption by swap and
+by recompute, prefix hits) stay transformers' float32 ones but where transformers' own top-2
+margin is within what that rounding moves a logit (measured on these models: the first
+differing position's margin was at most 0.016); pairs the kernels do not run are refused before
+the model loads, with the reason."""
 
 from __future__ import annotations
 
@@ -75,7 +76,47 @@ def test_greedy_tokens_are_transformers_float32_ones_but_at_near_ties(tiny_dirs,
         outcomes = h.run(PROMPTS, NEW_TOKENS)
     finally:
         h.close()
+    check_near(outcomes, refs, f"{arch}, {backend}")
+
+
+def check_near(outcomes, refs, what) -> None:
     for i, (o, (ref, margins)) in enumerate(zip(outcomes, refs)):
         assert o.finished.reason == "length" and o.finished.completion_tokens == NEW_TOKENS
         near = [m if m >= BF16_KV_TIE else 0.0 for m in margins]   # bfloat16 K/V's ties count as ties
-        assert_same_tokens(o.tokens, ref, near, f"{arch}, {backend}, prompt {i}")
+        assert_same_tokens(o.tokens, ref, near, f"{what}, prompt {i}")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_keep_their_bfloat16_pages(tiny_dirs, hf_float32, mode) -> None:
+    """A pool too small for the eight requests: swapped pages go to a bfloat16 CPU pool and back
+    byte for byte, recomputed ones are written again, and the tokens stay transformers'."""
+    swap = {"swap_pages": 64} if mode == "swap" else {}
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, num_pages=24, preemption_mode=mode,
+                      kv_cache_dtype="bfloat16", **swap)
+    try:
+        assert h.engine.runner.kv_cache.cpu_pool.dtype == torch.bfloat16
+        outcomes = h.run(PROMPTS, NEW_TOKENS)
+        stats = h.stats()
+    finally:
+        h.close()
+    check_near(outcomes, hf_float32("tiny"), f"preempted by {mode}")
+    assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
+    assert stats.used_pages == 0
+
+
+def test_a_prefix_hit_reads_the_cached_bfloat16_pages(tiny_dirs) -> None:
+    """The second request's prompt shares nine full pages with the first's: it attends to them
+    as they were written (rounded), and its tokens stay transformers' but at bfloat16's ties."""
+    from transformers import AutoModelForCausalLM
+
+    system = list(range(40, 77))
+    first, second = system + [5, 6, 7], system + [8, 9, 10, 11]
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, kv_cache_dtype="bfloat16")
+    try:
+        (cold,) = h.run([first], NEW_TOKENS)
+        (hit,) = h.run([second], NEW_TOKENS)
+    finally:
+        h.close()
+    assert cold.prefill.cached_tokens == 0 and hit.prefill.cached_tokens == 36
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["tiny"], dtype=torch.float32).eval()
+    check_near([cold, hit], [hf_greedy(hf, p, NEW_TOKENS) for p in (first, second)], "prefix hit")
