@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""bfloat16 on CPU against transformers in bfloat16: greedy tokens and logits, on the bench model.
+"""bfloat16 on CPU (weights, or KV pages under float32 weights) against transformers: tokens, logits.
 
     .venv/bin/python bench/bf16_agreement.py                 # 32 prompts, 64 new tokens
     .venv/bin/python bench/bf16_agreement.py --prompts 8 --new-tokens 16
     .venv/bin/python bench/bf16_agreement.py --trained 60   # the bench shape trained first (minutes)
+    .venv/bin/python bench/bf16_agreement.py --dtype float32 --kv-cache-dtype bfloat16 --trained 40
 
 Tokens, teacher-forced: transformers' `generate` gives each prompt (32-512 random tokens) its
 greedy continuation in bfloat16; then, for every position j of it, kvserve's engine (in-process
@@ -20,6 +21,10 @@ own tokens) come last: after a first difference the two continue from different 
 Logits: the prompt's last position, kvserve's model against transformers', in bfloat16; beside it
 transformers in bfloat16 against transformers in float32, the scale bfloat16 rounding alone
 explains.
+
+`--dtype float32 --kv-cache-dtype bfloat16`: the other bfloat16 kvserve offers, float32 weights
+over bfloat16 KV pages, against transformers in float32 (the reference then; transformers in
+bfloat16 the scale of what rounding everything to bfloat16 would do).
 
 `--trained STEPS`: the same shape trained that many steps on a synthetic language first
 (bench/trained_model.py; kept under `--trained-dir`), with prompts drawn in that language. A
@@ -44,7 +49,7 @@ from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
                    prefix_caching: bool = False, small_linear: str = "auto", gemm: str = "auto",
-                   attention: str = "auto") -> list[list[int]]:
+                   attention: str = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> list[list[int]]:
     from kvserve.model_service.assembly import build_on_a_thread_that_ends
     from kvserve.model_service.config import ModelServiceConfig
     from kvserve.model_service.engine.events import Failed, Finished, Tokens
@@ -52,7 +57,8 @@ def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
     from kvserve.model_service.sampling.params import SamplingParams
 
     stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(model), kvcache="inprocess", device="cpu",
-                                                           dtype="bfloat16", prefix_caching=prefix_caching,
+                                                           dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                                           prefix_caching=prefix_caching,
                                                            cpu_small_linear=small_linear, cpu_gemm=gemm,
                                                            attention_backend=attention))
     engine = stack.engine
@@ -78,8 +84,8 @@ def kvserve_tokens(model: Path, prompts: list[list[int]], new_tokens: int,
     return outputs
 
 
-def prefill_logits(model, config, prompt: list[int]):
-    """The model alone over one prompt in one chunk, on pages of its own: its last logits."""
+def prefill_logits(model, config, prompt: list[int], dtype, kv_dtype):
+    """The model alone over one prompt in one chunk, on pages of its own (of kv_dtype): its last logits."""
     import torch
 
     from kvserve.model_service.attention.select import select_backend
@@ -90,8 +96,8 @@ def prefill_logits(model, config, prompt: list[int]):
 
     page_size, cpu = 16, torch.device("cpu")
     pages = -(-len(prompt) // page_size)
-    cache = KVCache(config, pages, page_size, torch.bfloat16, cpu)
-    backend = select_backend("torch", cpu, page_size, torch.bfloat16)
+    cache = KVCache(config, pages, page_size, kv_dtype, cpu)
+    backend = select_backend("torch", cpu, page_size, dtype)
     request = Request("logits", list(prompt), 1)
     request.page_table = list(range(pages))
     return ModelRunner(model, backend, cache, page_size, cpu).execute([Work(request, 0, len(prompt))])[0].float()
@@ -105,6 +111,9 @@ def main() -> None:
     ap.add_argument("--cpu-small-linear", default="auto", help="as the model service's flag (auto | off)")
     ap.add_argument("--cpu-gemm", default="auto", help="as the model service's flag")
     ap.add_argument("--attention-backend", default="auto", help="as the model service's flag")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="kvserve's and the reference transformers' (the other is the rounding scale)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as the model service's flag")
     ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
                     help="train the bench shape this many steps on a synthetic language first, prompts in it")
     ap.add_argument("--trained-dir", type=Path, default=Path.home() / ".cache" / "kvserve" / "trained",
@@ -124,7 +133,9 @@ def main() -> None:
         vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts = make_prompts(args.prompts, 32, 512, vocab, seed=7)
     print(f"model {model}", flush=True)
-    flags = dict(small_linear=args.cpu_small_linear, gemm=args.cpu_gemm, attention=args.attention_backend)
+    flags = dict(small_linear=args.cpu_small_linear, gemm=args.cpu_gemm, attention=args.attention_backend,
+                 dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    other = "float32" if args.dtype == "bfloat16" else "bfloat16"
     ours = kvserve_tokens(model, prompts, args.new_tokens, **flags)
 
     import torch
@@ -132,30 +143,32 @@ def main() -> None:
 
     from kvserve.model_service.model.loader import load_model
 
-    hf16 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
-    hf32 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    # ref: transformers in kvserve's dtype, the reference; alt: in the other, the rounding scale
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).eval()
+    alt = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, other)).eval()
     theirs = []
     with torch.inference_mode():
         for prompt in prompts:
-            theirs.append(hf16.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens,
+            theirs.append(ref.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens,
                                         min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
                                         pad_token_id=0)[0, len(prompt):].tolist())
     asks = [prompt + out[:j] for prompt, out in zip(prompts, theirs) for j in range(args.new_tokens)]
     forced = [t[0] for t in kvserve_tokens(model, asks, 1, prefix_caching=True, **flags)]
     want = [t for out in theirs for t in out]
     agree = sum(a == b for a, b in zip(forced, want))
-    f32_agree = whole_agree = 0
+    alt_agree = whole_agree = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, theirs):
-            logits = hf32(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
-            f32_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
-            # transformers against itself: the same bfloat16 model over the whole sequence in one
+            logits = alt(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            alt_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
+            # transformers against itself: the same model over the whole sequence in one
             # forward, where generate computed the continuation one token at a time
-            logits = hf16(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
             whole_agree += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out))
-    print(f"{args.prompts} prompts x {args.new_tokens} positions, teacher-forced on transformers' bfloat16 "
-          f"greedy tokens: kvserve bfloat16 agrees on {100 * agree / len(want):.2f} %; transformers float32 "
-          f"on {100 * f32_agree / len(want):.2f} %; transformers bfloat16 itself, the whole sequence in one "
+    ours_name = args.dtype + ("" if args.kv_cache_dtype in ("auto", args.dtype) else f", {args.kv_cache_dtype} pages")
+    print(f"{args.prompts} prompts x {args.new_tokens} positions, teacher-forced on transformers' {args.dtype} "
+          f"greedy tokens: kvserve {ours_name} agrees on {100 * agree / len(want):.2f} %; transformers {other} "
+          f"on {100 * alt_agree / len(want):.2f} %; transformers {args.dtype} itself, the whole sequence in one "
           f"forward, on {100 * whole_agree / len(want):.2f} %")
 
     agree = total = identical = 0
@@ -169,16 +182,21 @@ def main() -> None:
     print(f"free-running: {100 * agree / total:.2f} % of positions agree; {identical} sequences identical; "
           f"the others first differ at {sorted(firsts) if firsts else '-'}")
 
-    ours_model, config = load_model(model, "bfloat16")
-    diff = ref = 0.0
+    from kvserve.model_service.dtype_choice import pick_kv_cache_dtype
+
+    dtype = getattr(torch, args.dtype)
+    ours_model, config = load_model(model, args.dtype)
+    kv_dtype = pick_kv_cache_dtype(args.kv_cache_dtype, dtype, torch.device("cpu"))
+    diff = scale = 0.0
     with torch.inference_mode():
         for prompt in prompts:
-            want = hf16(torch.tensor([prompt])).logits[0, -1].float()
-            full = hf32(torch.tensor([prompt])).logits[0, -1].float()
-            got = prefill_logits(ours_model, config, prompt)
-            diff, ref = max(diff, (got - want).abs().max().item()), max(ref, (want - full).abs().max().item())
-    print(f"last-position logits, max |kvserve bf16 - transformers bf16| {diff:.4f}; "
-          f"max |transformers bf16 - transformers f32| {ref:.4f} (bfloat16's own rounding)")
+            want = ref(torch.tensor([prompt])).logits[0, -1].float()
+            other_logits = alt(torch.tensor([prompt])).logits[0, -1].float()
+            got = prefill_logits(ours_model, config, prompt, dtype, kv_dtype)
+            diff = max(diff, (got - want).abs().max().item())
+            scale = max(scale, (want - other_logits).abs().max().item())
+    print(f"last-position logits, max |kvserve {ours_name} - transformers {args.dtype}| {diff:.4f}; "
+          f"max |transformers bfloat16 - transformers float32| {scale:.4f} (bfloat16's own rounding)")
 
 
 if __name__ == "__main__":
