@@ -1,6 +1,6 @@
 /* One sequence's decode attention over its pages (the online-softmax loop), float32 or
- * bfloat16 queries over float32 or bfloat16 pages, shared by paged_decode.c and decode_layer.c (included, never built alone).
- * Layout: paged_decode.c's header comment. */
+ * bfloat16 queries over float32 or bfloat16 pages, shared by paged_decode.c and
+ * decode_layer.c (included, never built alone). Layout: paged_decode.c's header comment. */
 #ifndef KVSERVE_ATTEND_H
 #define KVSERVE_ATTEND_H
 #include <float.h>

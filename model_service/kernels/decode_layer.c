@@ -16,8 +16,9 @@
  * paged_decode.c; scratch (rows, hidden + q + 2 kv + q + intermediate) float32. Weights (out,
  * in) row-major, biases and the q/k norms NULL where the model has none.
  *
- * float32: every tensor float32, the caches float32 or bfloat16. bfloat16: x, cos, sin, caches, the norms' weights and the
- * matrices bfloat16, biases float32 (widened from the checkpoint's bfloat16); each step rounds
+ * float32: every tensor float32, the caches float32 or bfloat16 (--kv-cache-dtype). bfloat16:
+ * x, cos, sin, caches, the norms' weights and the matrices bfloat16, biases float32 (widened
+ * from the checkpoint's bfloat16); each step rounds
  * where the module-by-module bfloat16 path rounds (model/linear.py, layers.py: every matmul's
  * output, every op after it), with the sums float32.
  */
