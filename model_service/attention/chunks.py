@@ -10,11 +10,17 @@ masked_chunk_matmul: small chunks would pay the products' per-call cost and huge
     uses_matmul(device, queries, keys) -> bool    the window, and whether the products run here
     bias(mask) -> tensor | None                   what the softmax needs of the mask, per step
     __call__(q, keys, values, chunk, scale)       q (Hk, G, L, D), keys / values (Hk, S, D)
+    causal(q, keys, values, cached, scale)        q (L, H, D), keys / values (S, Hk, D): any
+                                                  float32 chunk without a window in one native
+                                                  call, or None where there is none
 
 OneDnnChunks (torch backend): oneDNN products, torch's softmax over an additive 0 / -inf bias.
-NativeChunks (cpu backend): scale, causal mask and softmax in one native pass
-(kernels/paged_decode.c), the products on the native GEMM where it runs (keys and values
-packed as they come, with no copy first), else on oneDNN.
+NativeChunks (cpu backend): every float32 chunk without a window, fresh or behind a cached
+prefix, through the native causal flash attention (kernels/paged_decode.c) where it is built
+(AVX-512): faster here than SDPA and the matmul path at every size measured (docs/benchmarks.md).
+Elsewhere the matmul path: scale, causal mask and softmax in one native pass, the products on
+the native GEMM where it runs (keys and values packed as they come, with no copy first), else on
+oneDNN.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class PrefillChunk:
     mask: torch.Tensor | None  # (L, seq_len) bool, True = attend; None = plain causal (nothing cached)
     matmul: bool = False       # attention as two matmuls and a softmax, not SDPA
     bias: torch.Tensor | None = None  # what the matmul path's softmax needs of the mask, if anything
+    windowed: bool = False     # a sliding window masks keys too: not plain causal
 
 
 def in_window(device: torch.device, queries: int, keys: int) -> bool:
@@ -61,6 +68,10 @@ class OneDnnChunks:
         return masked_chunk_matmul(q, keys, values, onednn_scores, onednn_mix,
                                    functools.partial(scaled_masked_softmax, bias=chunk.bias, scale=scale))
 
+    def causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
+               scale: float) -> None:
+        return None   # the reference backend attends with torch's own ops
+
 
 class NativeChunks:
     def __init__(self, kernel: PagedDecodeKernel, gemm: CpuGemm | None = None) -> None:
@@ -72,6 +83,10 @@ class NativeChunks:
 
     def bias(self, mask: torch.Tensor) -> None:
         return None   # the native softmax masks by position
+
+    def causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
+               scale: float) -> torch.Tensor | None:
+        return self.kernel.causal_attention(q, keys, values, cached, scale)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  chunk: PrefillChunk, scale: float) -> torch.Tensor:

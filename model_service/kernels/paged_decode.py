@@ -27,8 +27,8 @@ __all__ = ["KernelUnavailable", "PagedDecodeKernel", "cache_dtypes_for", "load"]
 
 class PagedDecodeKernel:
     """out (n, H, D) = attention of q (n, H, D), one query per sequence, over its pages
-    (float32 or bfloat16); and chunk_softmax, for the matmul path of a chunk behind a cached
-    prefix (float32)."""
+    (float32 or bfloat16); causal_attention, a prefill chunk's (float32); and chunk_softmax, for
+    the matmul path of a chunk behind a cached prefix (float32)."""
 
     def __init__(self, library: ctypes.CDLL, level: str) -> None:
         self.level = level   # the instruction-set level of the library loaded (kernels/levels.py)
@@ -37,6 +37,11 @@ class PagedDecodeKernel:
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32, i32, i32]
         fn.restype = None
         self._fn = fn
+        causal = library.kvserve_causal_attention_f32
+        causal.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
+        causal.restype = i32
+        self._causal = causal
+        self._kt = torch.empty(0)   # the causal kernel's transposed keys, grown to the largest chunk seen
         softmax = library.kvserve_chunk_softmax_f32
         softmax.argtypes = [ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int32]
         softmax.restype = None
@@ -67,6 +72,29 @@ class PagedDecodeKernel:
                  scale, int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
+
+    def causal_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
+                         scale: float) -> torch.Tensor | None:
+        """A prefill chunk's causal attention, float32: q (L, H, D), rows of any stride, query i at
+        position cached + i; keys and values (cached + L, Hk, D) contiguous. -> (L, H, D), query i
+        over keys 0 .. cached + i; None where this build has no such kernel (not AVX-512, or D not a
+        multiple of 16): the caller attends another way."""
+        length, h, d = q.shape
+        s, hk = keys.shape[0], keys.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != d:   # rows may be apart (a view of the fused qkv), heads not
+            q = q.contiguous()
+        if not (q.dtype == keys.dtype == values.dtype == torch.float32 and q.device.type == "cpu"
+                and keys.is_contiguous() and values.is_contiguous()
+                and keys.shape == values.shape == (s, hk, d) and h % hk == 0 and cached >= 0
+                and s == cached + length >= 1):
+            raise ValueError("causal attention: inconsistent shapes, strides or dtypes")
+        need = hk * d * -(-s // 16) * 16
+        if self._kt.numel() < need:
+            self._kt = torch.empty(need)
+        out = torch.empty(length, h, d)
+        done = self._causal(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), hk * d, out.data_ptr(),
+                            h * d, length, cached, h, hk, d, scale, self._kt.data_ptr(), torch.get_num_threads())
+        return out if done else None
 
     def chunk_softmax(self, scores: torch.Tensor, chunk: int, cached: int, scale: float) -> torch.Tensor:
         """scores (rows, cached + chunk) float32, row r for query r % chunk, in place: the softmax

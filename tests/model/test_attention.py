@@ -111,13 +111,31 @@ class CountingGemm:
         return getattr(self.gemm, name)
 
 
+class CountingCausal:
+    """The cpu backend's causal kernel, its calls and how many of them it took (not None)."""
+
+    def __init__(self, causal) -> None:
+        self.causal, self.calls, self.taken = causal, 0, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        out = self.causal(*args)
+        self.taken += out is not None
+        return out
+
+
 def make_backend(name: str) -> PagedAttention:
-    """torch; cpu (its cached-prefix chunks' products on oneDNN); cpu+gemm (on the native GEMM,
-    as select_backend builds it where that runs)."""
+    """torch; cpu (its prefill chunks through the native causal kernel where built, else the
+    matmul path's products on oneDNN); cpu+gemm (without the causal kernel: cached-prefix chunks'
+    products on the native GEMM, as select_backend builds it where that runs)."""
     if name == "cpu":
-        return cpu_attention(kernel_or_skip())
+        backend = cpu_attention(kernel_or_skip())
+        backend.chunks.causal = CountingCausal(backend.chunks.causal)
+        return backend
     if name == "cpu+gemm":
-        return cpu_attention(kernel_or_skip(), CountingGemm(gemm_or_skip()))
+        backend = cpu_attention(kernel_or_skip(), CountingGemm(gemm_or_skip()))
+        backend.chunks.causal = lambda *args: None   # the matmul path, as on a CPU without the kernel
+        return backend
     return torch_attention()
 
 
@@ -134,6 +152,10 @@ def test_cpu_backends_match_reference(case: str, name: str) -> None:
         matmul_chunks = sum(chunk.matmul for chunk in meta.prefills)
         assert backend.chunks.gemm.calls == 2 * HK * matmul_chunks
         assert matmul_chunks == (case == "a decode, and a long chunk behind a cached prefix")
+    if name == "cpu":   # every prefill chunk offered to the causal kernel; taken where it is built
+        causal = backend.chunks.causal
+        assert causal.calls == len(meta.prefills)
+        assert causal.taken in (0, causal.calls)
     # The step's K/V landed at their slots.
     assert torch.equal(k_cache.view(-1, HK, D)[batch.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, HK, D)[batch.slot_mapping], v)

@@ -176,3 +176,53 @@ def test_float32_queries_over_bfloat16_pages(kernel, seed, num_kv_heads, group, 
     with torch_threads(threads):
         widened = kernel(q, k16.float(), v16.float(), tables, seq_lens, scale=head_dim ** -0.5, max_len=max(lens))
     torch.testing.assert_close(out, widened, rtol=1e-6, atol=1e-6)
+
+
+def causal_reference(q, keys, values, cached, scale) -> torch.Tensor:
+    """Query i at position cached + i over keys 0 .. cached + i, softmax in float64."""
+    length, h, d = q.shape
+    hk = keys.shape[1]
+    k = keys.double().repeat_interleave(h // hk, dim=1)        # (S, H, D)
+    v = values.double().repeat_interleave(h // hk, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
+    seen = torch.arange(keys.shape[0])[None, :] <= (cached + torch.arange(length))[:, None]   # (L, S)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+
+
+def causal_built(kernel) -> bool:
+    return kernel.level == "avx512"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), length=st.integers(1, 70), cached=st.sampled_from([0, 0, 1, 15, 16, 37, 130]),
+       num_kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([16, 32, 64, 128]), threads=st.sampled_from([1, 2, 3]),
+       magnitude=st.sampled_from([1.0, 30.0]))
+def test_causal_attention_matches_the_masked_softmax(kernel, seed, length, cached, num_kv_heads, group, head_dim,
+                                                     threads, magnitude) -> None:
+    """A prefill chunk's causal attention (fresh, or behind cached keys), queries taken from a
+    wider row (as from the fused qkv projection), large scores included."""
+    g = torch.Generator().manual_seed(seed)
+    h, s = num_kv_heads * group, cached + length
+    fused = torch.randn(length, (h + 2) * head_dim, generator=g) * magnitude
+    q = fused[:, :h * head_dim].view(length, h, head_dim)           # rows (h + 2) * head_dim apart
+    keys = torch.randn(s, num_kv_heads, head_dim, generator=g)
+    values = torch.randn(s, num_kv_heads, head_dim, generator=g)
+    with torch_threads(threads):
+        out = kernel.causal_attention(q, keys, values, cached, head_dim ** -0.5)
+    if not causal_built(kernel):
+        assert out is None
+        return
+    expected = causal_reference(q, keys, values, cached, head_dim ** -0.5)
+    # scores of ~magnitude x N(0, 1): float32's rounding of them grows with it
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5 * magnitude, atol=1e-5 * magnitude)
+
+
+def test_causal_attention_declines_what_it_was_not_built_for(kernel) -> None:
+    q, keys = torch.randn(4, 2, 24), torch.randn(4, 1, 24)   # head_dim 24: not a multiple of 16
+    assert kernel.causal_attention(q, keys, keys.clone(), 0, 0.2) is None
+    with pytest.raises(ValueError, match="inconsistent"):   # keys and queries that do not line up
+        kernel.causal_attention(torch.randn(4, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16), 0, 0.25)
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel.causal_attention(torch.randn(4, 2, 16).double(), torch.randn(4, 1, 16), torch.randn(4, 1, 16), 0, 0.25)
