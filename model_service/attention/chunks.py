@@ -10,14 +10,16 @@ masked_chunk_matmul: small chunks would pay the products' per-call cost and huge
     uses_matmul(device, queries, keys) -> bool    the window, and whether the products run here
     bias(mask) -> tensor | None                   what the softmax needs of the mask, per step
     __call__(q, keys, values, chunk, scale)       q (Hk, G, L, D), keys / values (Hk, S, D)
-    causal(q, keys, values, cached, scale)        q (L, H, D), keys / values (S, Hk, D): any
-                                                  float32 chunk without a window in one native
-                                                  call, or None where there is none
+    causal(q, keys, values, cached, scale)        q (L, H, D) float32, keys / values (S, Hk, D)
+                                                  of the pages' dtype: a chunk without a window
+                                                  in one native call, or None where there is none
 
 OneDnnChunks (torch backend): oneDNN products, torch's softmax over an additive 0 / -inf bias.
 NativeChunks (cpu backend): every float32 chunk without a window, fresh or behind a cached
 prefix, through the native causal flash attention (kernels/paged_decode.c) where it is built
 (AVX-512): faster here than SDPA and the matmul path at every size measured (docs/benchmarks.md).
+Not in bfloat16: there SDPA's path gives transformers' bfloat16 logits bit for bit
+(tests/model/test_loader.py), where the kernel's float32 sums moved a tiny model's by up to 0.07.
 Elsewhere the matmul path: scale, causal mask and softmax in one native pass, the products on
 the native GEMM where it runs (keys and values packed as they come, with no copy first), else on
 oneDNN.
@@ -86,7 +88,9 @@ class NativeChunks:
 
     def causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
                scale: float) -> torch.Tensor | None:
-        return self.kernel.causal_attention(q, keys, values, cached, scale)
+        if q.dtype != torch.float32 or not self.kernel.takes_causal(q.shape[2]):
+            return None
+        return self.kernel.causal_attention(q, keys.float(), values.float(), cached, scale)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  chunk: PrefillChunk, scale: float) -> torch.Tensor:

@@ -151,14 +151,14 @@ class PagedAttention:
         # SDPA gets 4-D inputs: with 3-D ones torch's CPU SDPA takes its slow math path.
         grouped = q.view(length, hk, g, d).permute(1, 2, 0, 3)              # (Hk, G, L, D)
         shape = (hk, g, chunk.seq_len, d)
-        rows_k = self.gather(0, k_cache, pages, chunk.seq_len)[0].to(q.dtype)     # (S, Hk, D)
-        rows_v = self.gather(1, v_cache, pages, chunk.seq_len)[0].to(q.dtype)
-        if q.dtype == torch.float32 and not chunk.windowed:   # the native causal kernel, where built
+        rows_k = self.gather(0, k_cache, pages, chunk.seq_len)[0]                  # (S, Hk, D)
+        rows_v = self.gather(1, v_cache, pages, chunk.seq_len)[0]
+        if not chunk.windowed:   # the native causal kernel, where built
             out = self.chunks.causal(q, rows_k, rows_v, chunk.seq_len - length, scale)
             if out is not None:
                 return out
-        keys = rows_k.transpose(0, 1)[:, None].expand(shape)
-        values = rows_v.transpose(0, 1)[:, None].expand(shape)
+        keys = rows_k.to(q.dtype).transpose(0, 1)[:, None].expand(shape)
+        values = rows_v.to(q.dtype).transpose(0, 1)[:, None].expand(shape)
         if chunk.matmul and q.dtype == torch.float32:
             out = self.chunks(grouped, keys[:, 0], values[:, 0], chunk, scale)
         elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)

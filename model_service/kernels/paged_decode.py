@@ -73,6 +73,11 @@ class PagedDecodeKernel:
         return out
 
 
+    def takes_causal(self, head_dim: int) -> bool:
+        """Whether causal_attention runs here: the AVX-512 build (its only one), head_dim a multiple
+        of 16. The C side checks the same and declines otherwise."""
+        return self.level == "avx512" and head_dim % 16 == 0
+
     def causal_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
                          scale: float) -> torch.Tensor | None:
         """A prefill chunk's causal attention, float32: q (L, H, D), rows of any stride, query i at
