@@ -186,18 +186,21 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
 }
 #endif
 
+#define CAUSAL_MAX_HEAD_DIM 512   /* kernels/paged_decode.py's CAUSAL_MAX_HEAD_DIM */
+
 /* The chunk's causal attention (causal_block above): q (L, rows q_stride floats apart) and out
  * (L, rows out_stride apart), num_heads x head_dim each; k and v (S = cached + L, rows kv_stride
  * apart, num_kv_heads x head_dim each); kt scratch of num_kv_heads x head_dim x S16 floats, S16 =
  * S rounded up to 16. Returns 1, or 0 where this build has no such kernel (not AVX-512, or
- * head_dim not a multiple of 16): then nothing is written and the caller attends another way. */
+ * head_dim not a multiple of 16 up to 512): then nothing is written and the caller attends another
+ * way. */
 int32_t kvserve_causal_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
                                      int64_t kv_stride, float *out, int64_t out_stride, int64_t L, int64_t cached,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                      float *kt, int32_t num_threads)
 {
 #if defined(__AVX512F__)
-    if (head_dim % 16)
+    if (head_dim % 16 || head_dim > CAUSAL_MAX_HEAD_DIM)   /* a task's blocks live on its thread's stack */
         return 0;
     const int64_t S = cached + L, S16 = (S + 15) / 16 * 16, D = head_dim;
 #pragma omp parallel num_threads(num_threads)

@@ -14,6 +14,7 @@ from kvserve.model_service.kernels.library import KernelUnavailable, load_librar
 
 MAX_HEAD_FLOATS = 16384   # num_heads * head_dim: three such arrays live on a thread's stack
 MAX_PAGE_SIZE = 256       # the page's scores live on the stack too
+CAUSAL_MAX_HEAD_DIM = 512  # the causal kernel's blocks of 16 queries live on the stack (paged_decode.c)
 DTYPES = (torch.float32, torch.bfloat16)   # the decode's; the chunk softmax is float32
 
 
@@ -75,8 +76,8 @@ class PagedDecodeKernel:
 
     def takes_causal(self, head_dim: int) -> bool:
         """Whether causal_attention runs here: the AVX-512 build (its only one), head_dim a multiple
-        of 16. The C side checks the same and declines otherwise."""
-        return self.level == "avx512" and head_dim % 16 == 0
+        of 16 up to CAUSAL_MAX_HEAD_DIM. The C side checks the same and declines otherwise."""
+        return self.level == "avx512" and head_dim % 16 == 0 and head_dim <= CAUSAL_MAX_HEAD_DIM
 
     def causal_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
                          scale: float) -> torch.Tensor | None:

@@ -222,6 +222,10 @@ def test_causal_attention_matches_the_masked_softmax(kernel, seed, length, cache
 def test_causal_attention_declines_what_it_was_not_built_for(kernel) -> None:
     q, keys = torch.randn(4, 2, 24), torch.randn(4, 1, 24)   # head_dim 24: not a multiple of 16
     assert not kernel.takes_causal(24) and kernel.takes_causal(64) == causal_built(kernel)
+    big = paged_decode.CAUSAL_MAX_HEAD_DIM + 16   # past what a thread's stack holds: declined
+    assert not kernel.takes_causal(big)
+    assert kernel.causal_attention(torch.randn(2, 1, big), torch.randn(2, 1, big), torch.randn(2, 1, big), 0,
+                                   0.1) is None
     assert kernel.causal_attention(q, keys, keys.clone(), 0, 0.2) is None
     with pytest.raises(ValueError, match="inconsistent"):   # keys and queries that do not line up
         kernel.causal_attention(torch.randn(4, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16), 0, 0.25)
