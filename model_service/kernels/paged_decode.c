@@ -82,6 +82,8 @@ void kvserve_chunk_softmax_f32(float *scores, int64_t rows, int64_t cols, int64_
     }
 }
 
+#define CAUSAL_MAX_HEAD_DIM 512   /* kernels/paged_decode.py's CAUSAL_MAX_HEAD_DIM */
+
 #if defined(__AVX512F__)
 /* e^x for 16 floats, inline: 2^(x log2 e) split into 2^k (scalef) and 2^f, |f| <= 1/2, the latter
  * by its Taylor series to degree 7 (relative error ~1e-8, under float32's rounding). x below
@@ -125,6 +127,8 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
     for (int64_t i = 0; i < B; i++) {
         top[i] = -FLT_MAX;
         denom[i] = 0.f;
+        for (int64_t t = 0; t < B; t++)
+            probs[i][t] = 0.f;   /* rows past n stay 0: the value sums take whole groups of rows */
         for (int64_t d = 0; d < D; d++) {
             qs[i][d] = i < n ? q[(r0 + i) * q_stride + h * D + d] * scale : 0.f;
             acc[i][d] = 0.f;
@@ -164,18 +168,24 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
                     _mm512_store_ps(&acc[i][16 * j], _mm512_mul_ps(_mm512_load_ps(&acc[i][16 * j]),
                                                                    _mm512_set1_ps(correction)));
         }
+        /* The values, R queries at a time sharing each value vector loaded (R x NV accumulators:
+           16 registers up to head_dim 256); rows past n add zeros (their probabilities are 0). */
         const float *vb = v + c0 * kv_stride + kh * D;
-        for (int64_t i = 0; i < n; i++) {
-            __m512 a[NV];
-            for (int64_t j = 0; j < NV; j++)
-                a[j] = _mm512_load_ps(&acc[i][16 * j]);
-            for (int64_t t = 0; t < widest; t++) {   /* widest <= S - c0: no value past the keys is read */
-                const __m512 w = _mm512_set1_ps(probs[i][t]);
+        const int64_t R = NV >= 16 ? 1 : 16 / NV;
+        for (int64_t i0 = 0; i0 < n; i0 += R) {
+            __m512 a[CAUSAL_MAX_HEAD_DIM / 16];   /* R x NV = max(16, NV) */
+            for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < NV; j++)
-                    a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * kv_stride + 16 * j), a[j]);
-            }
-            for (int64_t j = 0; j < NV; j++)
-                _mm512_store_ps(&acc[i][16 * j], a[j]);
+                    a[r * NV + j] = _mm512_load_ps(&acc[i0 + r][16 * j]);
+            for (int64_t t = 0; t < widest; t++)   /* widest <= S - c0: no value past the keys is read */
+                for (int64_t j = 0; j < NV; j++) {
+                    const __m512 value = _mm512_loadu_ps(vb + t * kv_stride + 16 * j);
+                    for (int64_t r = 0; r < R; r++)
+                        a[r * NV + j] = _mm512_fmadd_ps(_mm512_set1_ps(probs[i0 + r][t]), value, a[r * NV + j]);
+                }
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t j = 0; j < NV; j++)
+                    _mm512_store_ps(&acc[i0 + r][16 * j], a[r * NV + j]);
         }
     }
     for (int64_t i = 0; i < n; i++) {
@@ -185,8 +195,6 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
     }
 }
 #endif
-
-#define CAUSAL_MAX_HEAD_DIM 512   /* kernels/paged_decode.py's CAUSAL_MAX_HEAD_DIM */
 
 /* The chunk's causal attention (causal_block above): q (L, rows q_stride floats apart) and out
  * (L, rows out_stride apart), num_heads x head_dim each; k and v (S = cached + L, rows kv_stride
