@@ -171,7 +171,9 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
         /* The values, R queries at a time sharing each value vector loaded (R x NV accumulators:
            16 registers up to head_dim 256); rows past n add zeros (their probabilities are 0). */
         const float *vb = v + c0 * kv_stride + kh * D;
-        const int64_t R = NV >= 16 ? 1 : 16 / NV;
+        int64_t R = 1;   /* a power of two, so that groups of R tile the 16 rows */
+        while (2 * R * NV <= 16)
+            R *= 2;
         for (int64_t i0 = 0; i0 < n; i0 += R) {
             __m512 a[CAUSAL_MAX_HEAD_DIM / 16];   /* R x NV = max(16, NV) */
             for (int64_t r = 0; r < R; r++)
