@@ -105,8 +105,8 @@ static inline __m512 exp16(__m512 x)
 }
 
 /* A prompt chunk's causal attention, float32, head_dim a multiple of 16 (64 and 128 constants in
- * inlined copies of their own): L queries at absolute positions cached .. cached + L - 1 over S = cached + L keys, query i
- * seeing keys 0 .. cached + i. Flash attention's loop on the CPU: one task per query head and
+ * inlined copies of their own): L queries at absolute positions cached .. cached + L - 1 over
+ * S = cached + L keys, query i seeing keys 0 .. cached + i. Flash attention's loop on the CPU: one task per query head and
  * block of 16 queries; per block of 16 keys, the 16 x 16 scores as 16 vectors (one per query, a
  * lane per key) by outer products over d with the keys transposed, an online softmax per query,
  * and the values summed into the queries' float32 accumulators. Every key is read from the
@@ -175,7 +175,7 @@ causal_block(const float *q, int64_t q_stride, const float *v, int64_t kv_stride
         while (2 * R * NV <= 16)
             R *= 2;
         for (int64_t i0 = 0; i0 < n; i0 += R) {
-            __m512 a[CAUSAL_MAX_HEAD_DIM / 16];   /* R x NV = max(16, NV) */
+            __m512 a[CAUSAL_MAX_HEAD_DIM / 16];   /* R x NV <= max(16, NV) */
             for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < NV; j++)
                     a[r * NV + j] = _mm512_load_ps(&acc[i0 + r][16 * j]);
