@@ -88,6 +88,8 @@ def test_bfloat16_packs_without_fusing_so_it_rounds_like_eager() -> None:
     linear.pack("onednn")
     assert not linear.fused
     torch.testing.assert_close(linear.silu(x), F.silu(linear(x)), rtol=0, atol=0)
+    torch.testing.assert_close(linear.mul(x, other), linear(x) * other, rtol=0, atol=0)
+    torch.testing.assert_close(linear.add(x, other), linear(x) + other, rtol=0, atol=0)
     torch.testing.assert_close(linear(x).float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
