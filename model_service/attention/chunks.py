@@ -47,10 +47,13 @@ class PrefillChunk:
     end: int                   # one past the last query row
     seq_len: int               # keys to attend: cached + this chunk
     pages: torch.Tensor        # (ceil(seq_len / page_size) or more,) int64 page ids
-    mask: torch.Tensor | None  # (L, seq_len) bool, True = attend; None = plain causal (nothing cached)
+    masked: bool               # keys cached before it or a window: SDPA needs a mask; else plain causal
+    window: int | None = None  # a sliding window that masks its keys too (not plain causal), or None
     matmul: bool = False       # attention as two matmuls and a softmax, not SDPA
+    # Built by the backend when a path first needs them (PagedAttention.chunk_mask), then shared by
+    # every layer: a native causal kernel needs neither.
+    mask: torch.Tensor | None = None  # (L, seq_len) bool, True = attend
     bias: torch.Tensor | None = None  # what the matmul path's softmax needs of the mask, if anything
-    windowed: bool = False     # a sliding window masks keys too: not plain causal
 
 
 def in_window(device: torch.device, queries: int, keys: int) -> bool:

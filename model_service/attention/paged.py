@@ -2,16 +2,18 @@
 (decode.py) and a cached-prefix chunk strategy (chunks.py).
 
     torch   GatheredDecode + OneDnnChunks   CPU and any GPU; the reference
-    cpu     KernelDecode   + NativeChunks   CPU, float32: the native paged kernel
+    cpu     KernelDecode   + NativeChunks   CPU, float32 and bfloat16: the native kernels
 
 Per layer:
 1. Write the step's K/V: one index_copy_ of all T rows into the cache viewed as
    (num_pages * page_size, Hk, D), at batch.slot_mapping.
 2. Decode rows (sequences [0, num_decodes), one query each) through the decode strategy.
-3. Prefill chunk rows: one attention per sequence over its gathered pages. A chunk with
-   nothing cached is plain causal SDPA; one behind a cached prefix needs a mask, and runs
-   as SDPA with it or, inside the chunk strategy's window, as two matmuls and a softmax.
-   Prefill is GEMM-bound, so the loop over sequences costs little here.
+3. Prefill chunk rows: one attention per sequence over its gathered pages. Where the chunk
+   strategy has a native causal kernel (cpu, float32, AVX-512) every chunk without a window
+   goes there; otherwise a chunk with nothing cached is plain causal SDPA, and one behind a
+   cached prefix (or under a window) needs a mask, built once a step on first need
+   (chunk_mask), and runs as SDPA with it or, inside the chunk strategy's window, as two
+   matmuls and a softmax. Prefill is GEMM-bound, so the loop over sequences costs little here.
 """
 
 from __future__ import annotations
@@ -92,27 +94,32 @@ class PagedAttention:
 
     def _prepare_prefills(self, batch: ForwardBatch, tables: torch.Tensor,
                           window: int | None) -> list[PrefillChunk]:
-        """One chunk per sequence after the decodes: its rows, pages and causal mask."""
+        """One chunk per sequence after the decodes: its rows, pages, and whether it needs a mask
+        (chunk_mask builds it where a path asks)."""
         device = batch.input_ids.device
         prefills = []
         starts = batch.cu_seqlens_q.tolist()
         for i in range(batch.num_decodes, batch.num_seqs):
             seq_len, q_len = batch.seq_lens_cpu[i], batch.query_lens_cpu[i]
-            cached = seq_len - q_len
-            mask = bias = None
-            matmul = False
-            windowed = window is not None and seq_len > window
-            if cached or windowed:
-                q_pos = torch.arange(cached, seq_len, device=device)[:, None]  # (L, 1)
-                k_pos = torch.arange(seq_len, device=device)[None, :]          # (1, S)
-                mask = k_pos <= q_pos                                           # (L, S)
-                if windowed:
-                    mask &= (k_pos > q_pos - window) | (k_pos < self.sinks)
-                matmul = self.chunks.uses_matmul(device, q_len, seq_len)
-                if matmul:
-                    bias = self.chunks.bias(mask)
-            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], mask, matmul, bias, windowed))
+            slides = window if window is not None and seq_len > window else None
+            masked = seq_len > q_len or slides is not None
+            matmul = masked and self.chunks.uses_matmul(device, q_len, seq_len)
+            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], masked, slides, matmul))
         return prefills
+
+    def chunk_mask(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A masked chunk's (mask (L, S) bool, True = attend; the matmul path's bias or None), built
+        on the first layer that asks and kept on the chunk for the step's other layers: query i at
+        position cached + i sees keys up to it (within the window, and the sinks)."""
+        if chunk.mask is None:
+            q_pos = torch.arange(chunk.seq_len - (chunk.end - chunk.start), chunk.seq_len,
+                                 device=chunk.pages.device)[:, None]                 # (L, 1)
+            k_pos = torch.arange(chunk.seq_len, device=chunk.pages.device)[None, :]   # (1, S)
+            mask = k_pos <= q_pos                                                     # (L, S)
+            if chunk.window is not None:
+                mask &= (k_pos > q_pos - chunk.window) | (k_pos < self.sinks)
+            chunk.mask, chunk.bias = mask, self.chunks.bias(mask) if chunk.matmul else None
+        return chunk.mask, chunk.bias
 
     def decodes_natively(self) -> bool:
         return self.decode.native and not self.layer_windows
@@ -153,17 +160,18 @@ class PagedAttention:
         shape = (hk, g, chunk.seq_len, d)
         rows_k = self.gather(0, k_cache, pages, chunk.seq_len)[0]                  # (S, Hk, D)
         rows_v = self.gather(1, v_cache, pages, chunk.seq_len)[0]
-        if not chunk.windowed:   # the native causal kernel, where built
+        if chunk.window is None:   # the native causal kernel, where built
             out = self.chunks.causal(q, rows_k, rows_v, chunk.seq_len - length, scale)
             if out is not None:
                 return out
         keys = rows_k.to(q.dtype).transpose(0, 1)[:, None].expand(shape)
         values = rows_v.to(q.dtype).transpose(0, 1)[:, None].expand(shape)
-        if chunk.matmul and q.dtype == torch.float32:
-            out = self.chunks(grouped, keys[:, 0], values[:, 0], chunk, scale)
-        elif chunk.mask is None:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
+        if not chunk.masked:   # nothing cached: L == S, plain causal (SDPA skips masked blocks)
             out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
+        elif chunk.matmul and q.dtype == torch.float32:
+            self.chunk_mask(chunk)   # the bias its softmax may need
+            out = self.chunks(grouped, keys[:, 0], values[:, 0], chunk, scale)
         else:
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=chunk.mask,
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.chunk_mask(chunk)[0],
                                                  scale=scale)               # (Hk, G, L, D)
         return out.permute(2, 0, 1, 3).reshape(length, h, d)

@@ -183,10 +183,15 @@ def test_float32_queries_over_bfloat16_pages(case: str, name: str) -> None:
 def test_only_mid_sized_cached_chunks_take_the_onednn_matmul_path() -> None:
     if not onednn_available(torch.float32):
         pytest.skip("oneDNN linears do not run here")
-    chunks = torch_attention().prepare(make_batch([1, 70, 8, 12], [9, 170, 20, 12], 1)).prefills
-    assert [c.bias is not None for c in chunks] == [True, False, False]   # short chunk; nothing cached
-    bias, mask = chunks[0].bias, chunks[0].mask
+    backend = torch_attention()
+    chunks = backend.prepare(make_batch([1, 70, 8, 12], [9, 170, 20, 12], 1)).prefills
+    assert [c.masked for c in chunks] == [True, True, False]               # the last: nothing cached
+    assert all(c.mask is None for c in chunks)                             # built only where a path asks
+    masks = [backend.chunk_mask(c) if c.masked else (None, None) for c in chunks]
+    assert [bias is not None for _, bias in masks] == [True, False, False]   # short chunk; nothing cached
+    mask, bias = masks[0]
     assert torch.equal(bias == 0, mask) and torch.isneginf(bias[~mask]).all()
+    assert backend.chunk_mask(chunks[0])[0] is mask                        # once a step, for every layer
 
 
 def test_decode_groups_split_rows_by_context_length_longest_first() -> None:
