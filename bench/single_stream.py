@@ -99,16 +99,13 @@ def engine_child(model: str, dtype: str, prompts: list[list[int]], new_tokens: i
     engine = stack.engine
     engine.start()
 
-    def one(prompt: list[int], n: int, tag: str) -> list[float]:
-        return greedy_token_times(engine, prompt, n, tag)
-
     out = []
     try:
-        one(list(range(3, 40)), 8, "warm-up")
+        greedy_token_times(engine, list(range(3, 40)), 8, "warm-up")
         for i, prompt in enumerate(prompts):
             before = dict(vars(engine.counters))
             start = time.perf_counter()
-            times = one(prompt, new_tokens, f"run-{i}")
+            times = greedy_token_times(engine, prompt, new_tokens, f"run-{i}")
             after = vars(engine.counters)
             steps = after["steps"] - before["steps"]
             out.append({**summary([(b - a) * 1e3 for a, b in zip(times, times[1:])]),
