@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvserve.services.plumbing.address import ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.malformed import RefuseMalformed
 from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ async def create_server(
     ``max_workers`` sizes the thread pool that runs non-async handlers (None:
     gRPC's default); ``options`` override DEFAULT_OPTIONS key by key; ``tls``
     serves every TCP address over TLS (Unix sockets stay plaintext: tls.py);
-    ``interceptors`` see every call first (auth.py); ``health_listen`` adds a
+    ``interceptors`` see every call first (auth.py), then a request whose bytes do not parse
+    is refused with INVALID_ARGUMENT (malformed.py); ``health_listen`` adds a
     plaintext port serving grpc.health.v1 alone, for Kubernetes probes (which
     cannot speak TLS), stopped with the server. Raises
     ValueError for a malformed address or service list, BindError when the
@@ -103,7 +105,7 @@ async def create_server(
     server = grpc.aio.server(
         migration_thread_pool=pool,
         options=list({**DEFAULT_OPTIONS, **(options or {})}.items()),
-        interceptors=list(interceptors),
+        interceptors=[*interceptors, RefuseMalformed()],
     )
     for spec in specs:
         spec.add_to_server(spec.servicer, server)
@@ -207,7 +209,8 @@ _probe_watchers: set[asyncio.Task] = set()
 async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthServicer, listen: ListenAddress,
                               address: str) -> None:
     """The same health servicer (so the same statuses) on a plaintext port of its own."""
-    probe = grpc.aio.server(options=list(DEFAULT_OPTIONS.items()))   # no port sharing, as for the main one
+    probe = grpc.aio.server(options=list(DEFAULT_OPTIONS.items()),   # no port sharing, as for the main one
+                            interceptors=[RefuseMalformed()])
     health_pb2_grpc.add_HealthServicer_to_server(health, probe)
     try:
         await _bind(probe, listen, address, None)

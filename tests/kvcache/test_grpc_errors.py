@@ -250,3 +250,51 @@ def test_a_negative_token_id_is_named_in_the_message(seeded: KV) -> None:
                   lambda: kv.call("Commit", pb.CommitRequest(commit=commit(0, 10, [-5])))):
         err = rpc_error(fails)
         assert err.code() == INVALID and "-5" in err.details(), err.details()
+
+
+# Bytes that are no protobuf message (a truncated varint), and a ReleaseRequest whose
+# seq.request_id holds bytes that are not UTF-8: grpc itself would answer UNKNOWN with the
+# parser's exception class.
+NOT_PROTOBUF = b"\xff\xff\xff\xff"
+BAD_UTF8_RELEASE = b"\x0a\x04\x12\x02\xc3\x28"
+
+
+@pytest.mark.parametrize("method, kind, expected, raw", [
+    ("GetStats", "unary_unary", "kvserve.kvcache.v1.GetStatsRequest", NOT_PROTOBUF),
+    ("Release", "unary_unary", "kvserve.kvcache.v1.ReleaseRequest", NOT_PROTOBUF),
+    ("Release", "unary_unary", "kvserve.kvcache.v1.ReleaseRequest", BAD_UTF8_RELEASE),
+    ("WatchEvents", "unary_stream", "kvserve.kvcache.v1.WatchEventsRequest", NOT_PROTOBUF),
+    ("StepStream", "stream_stream", "kvserve.kvcache.v1.StepRequest", NOT_PROTOBUF),
+], ids=["unary", "unary-other", "unary-bad-utf8", "server-stream", "bidi-stream"])
+def test_bytes_that_do_not_parse_are_invalid_argument(kv: KV, method: str, kind: str, expected: str,
+                                                      raw: bytes) -> None:
+    before = kv.stats()
+    path = f"/kvserve.kvcache.v1.KVCacheManager/{method}"
+    call_raw = getattr(kv.channel, kind)(path)   # no serializers: the bytes go as they are
+
+    def send():
+        if kind == "stream_stream":
+            return list(call_raw(iter([raw]), timeout=5))
+        if kind == "unary_stream":
+            return list(call_raw(raw, timeout=5))
+        return call_raw(raw, timeout=5)
+
+    err = rpc_error(send)
+    assert err.code() == INVALID, err.details()
+    assert err.details() == f"the request is not a valid {expected}: its bytes could not be parsed"
+    assert kv.stats() == before
+    kv.admit("after", T10)   # and the next call is served
+
+
+def test_a_bad_message_later_in_a_step_stream_ends_it_after_the_good_ones(kv: KV) -> None:
+    call_raw = kv.channel.stream_stream("/kvserve.kvcache.v1.KVCacheManager/StepStream")
+    good = pb.StepRequest().SerializeToString()   # an empty step at the fresh manager's epoch, 0
+    answers = []
+
+    def send():
+        for answer in call_raw(iter([good, good, NOT_PROTOBUF, good]), timeout=5):
+            answers.append(answer)
+
+    err = rpc_error(send)
+    assert err.code() == INVALID, err.details()
+    assert len(answers) == 2

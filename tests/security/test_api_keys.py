@@ -71,6 +71,17 @@ def test_no_key_or_an_unknown_one_is_refused_and_health_stays_open(keyed):
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "page hashes" in err.details()
 
 
+def test_without_a_key_bytes_that_do_not_parse_are_refused_as_unauthenticated(keyed):
+    """The key is looked at before the request: a caller without one learns nothing of it."""
+    server, _ = keyed
+    with grpc.insecure_channel(server.address) as ch:
+        generate_raw = ch.unary_stream("/kvserve.inference.v1.Inference/Generate")
+        err = rpc_error(lambda: list(generate_raw(b"\xff\xff\xff\xff", timeout=10)))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        err = rpc_error(lambda: list(generate_raw(b"\xff\xff\xff\xff", metadata=bearer("key-a"), timeout=10)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_tenants_never_share_a_page(keyed):
     server, _ = keyed
     ids = [random.Random(1).randrange(3, 1024) for _ in range(40)]

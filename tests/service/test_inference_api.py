@@ -305,6 +305,23 @@ def test_no_input(stub):
     _invalid(stub, request(**greedy(4)), "set one input")
 
 
+@pytest.mark.parametrize("method, streams", [("Generate", True), ("Tokenize", False), ("Cancel", False)])
+def test_bytes_that_do_not_parse_are_invalid_argument(channel, stub, method, streams):
+    """Not a protobuf message, or a prompt that is not UTF-8: a sentence naming the message the
+    method takes, not grpc's UNKNOWN with the parser's exception class."""
+    valid = {"Generate": request(prompt="ab", **greedy(4)), "Tokenize": pb.TokenizeRequest(prompt="ab"),
+             "Cancel": pb.CancelRequest(request_id="ab")}[method]
+    bad_utf8 = valid.SerializeToString().replace(b"ab", b"\xc3\x28")
+    call = (channel.unary_stream if streams else channel.unary_unary)(f"/kvserve.inference.v1.Inference/{method}")
+    expected = {"Generate": "GenerateRequest", "Tokenize": "TokenizeRequest", "Cancel": "CancelRequest"}[method]
+    for raw in (b"\xff\xff\xff\xff", bad_utf8):
+        err = rpc_error(lambda: list(call(raw, timeout=10)) if streams else call(raw, timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+        assert err.details() == (f"the request is not a valid kvserve.inference.v1.{expected}: "
+                                 "its bytes could not be parsed")
+    assert_serving(stub)
+
+
 def test_empty_prompt(stub):
     _invalid(stub, request(prompt="", **greedy(4)), "prompt is empty")
 
