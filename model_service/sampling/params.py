@@ -15,6 +15,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_N = 16         # sequences per request: the default of --max-n
 MAX_LOGPROBS = 20  # top-n logprobs per token: OpenAI's limit, and the default of --max-logprobs
 _MAX_SEED = 2**64  # the proto's seed is a uint64
+# A penalty of 1e-45 divides a logit of 1 into inf, and the softmax into NaN; a hundredfold either
+# way is far past any use (HF's and vLLM's examples stay within 1-2).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,8 @@ class SamplingParams:
     # Drop tokens whose probability is below min_p times the most likely token's; 0 is off.
     min_p: float = 0.0
     # HF semantics over prompt + output tokens: a seen token's logit is divided by the penalty
-    # when positive, multiplied when negative. 1.0 is off; > 1 discourages repeats.
+    # when positive, multiplied when negative. 1.0 is off; > 1 discourages repeats. Bounded
+    # (REPETITION_PENALTY_RANGE) so that the division cannot overflow float32 into NaN logits.
     repetition_penalty: float = 1.0
     # OpenAI semantics over output tokens only: logit -= presence * (count > 0)
     # + frequency * count. 0 is off; both lie in [-2, 2].
@@ -78,8 +82,9 @@ class SamplingParams:
         _check_int(self.top_k, "top_k", "an integer >= 0")
         _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-               "a finite number > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(low <= self.repetition_penalty <= high, "repetition_penalty", self.repetition_penalty,
+               f"in [{low:g}, {high:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, value, "in [-2, 2]")

@@ -40,6 +40,8 @@ def test_edges_that_are_valid():
         ({"min_p": 1.01}, "min_p", "1.01"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
         ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
+        ({"repetition_penalty": 1e-45}, "repetition_penalty", "1e-45"),
+        ({"repetition_penalty": 1e3}, "repetition_penalty", "1000.0"),
         ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
         ({"frequency_penalty": -2.1}, "frequency_penalty", "-2.1"),
         ({"logprobs": 21}, "logprobs", "21"),

@@ -357,6 +357,13 @@ def test_top_p_out_of_range(stub, top_p):
     _invalid(stub, request(prompt="hi", top_p=top_p, max_tokens=4), "top_p", str(top_p), "(0, 1]")
 
 
+@pytest.mark.parametrize("penalty", [1e-45, 1e-3, 1e3])
+def test_repetition_penalty_out_of_range(stub, penalty):
+    """A penalty this small divided logits into inf, and sampling streamed NaN logprobs."""
+    _invalid(stub, request(prompt="hi", repetition_penalty=penalty, temperature=1.0, max_tokens=4),
+             "repetition_penalty", "[0.01, 100]")
+
+
 def test_logprobs_over_20(stub):
     _invalid(stub, request(prompt="hi", logprobs=21, max_tokens=4), "logprobs", "21", "[0, 20]")
 
