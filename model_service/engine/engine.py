@@ -23,6 +23,11 @@ answers (manager_link.py). Each request is then re-admitted from its prompt and 
 it has generated so far, recomputed, and goes on streaming where it was: greedy and seeded
 requests produce exactly the tokens they would have. A loss longer than manager_timeout_s
 ends every request with UNAVAILABLE and refuses new ones until the manager is back.
+
+A Step refused over state the engine does not hold (a sequence the manager no longer knows, a
+request id it already has, a sequence in another state: something else changed its tables) is
+met the same way, under a new epoch at once; only the same refusal MAX_RESYNCS times in a row,
+with no step accepted between, is taken for a fault of the engine's own (INTERNAL).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.kvcache_service.contract.client import KVClient
-from kvserve.kvcache_service.contract.errors import FailedPrecondition, ManagerUnavailable
+from kvserve.kvcache_service.contract.errors import AlreadyExists, FailedPrecondition, ManagerUnavailable, NotFound
 from kvserve.kvcache_service.contract.types import StepPlan, StepRequest
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
@@ -55,6 +60,8 @@ from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig, W
 from kvserve.model_service.engine.speculation import NgramDrafter, accepted_prefix
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.sampler import make_generator, seeded_for
+
+MAX_RESYNCS = 3   # refused Steps in a row, each met by registering again, before it counts as a bug
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0
         self._in_flight: tuple | None = None  # (proposal, callable giving the manager's plan)
+        self._resyncs = 0   # Steps refused in a row over state the engine does not hold
         self.on_step_end = on_step_end  # after each loop pass: the servicer's event relay flushes
 
     # ------------------------------------------------------ other threads
@@ -231,11 +239,13 @@ class Engine:
                     self._step()
                 except ManagerUnavailable as exc:
                     self._lose_manager(exc)
-                except FailedPrecondition as exc:   # our epoch is not the manager's
+                except FailedPrecondition as exc:   # our epoch is not the manager's, or a state is not
                     if self.link.restarted_elsewhere():
                         self._lose_manager(exc)
                     else:
-                        self._internal_error("a Step the manager refused")
+                        self._diverged(exc)
+                except (NotFound, AlreadyExists) as exc:   # the manager's tables are no longer ours
+                    self._diverged(exc)
                 except Exception:
                     self._internal_error("the engine step failed")
             else:
@@ -291,8 +301,21 @@ class Engine:
         self.link.lose()
         self._drop_in_flight()
         held = self.scheduler.requeue_all()
+        self._count()
         self.counters.manager_losses += 1
         log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
+
+    def _diverged(self, error: Exception) -> None:
+        """The manager refused a Step over state this engine does not hold. Every request is
+        re-admitted under a new epoch (which drops whatever the manager held), as after a loss."""
+        self._resyncs += 1
+        if self._resyncs > MAX_RESYNCS:
+            self._resyncs = 0
+            self._internal_error(f"a Step the manager refused {MAX_RESYNCS + 1} times in a row")
+            return
+        log.warning("the KV-cache manager refused a Step over state this engine does not hold (%s): "
+                    "something else changed its tables; registering again", error)
+        self._lose_manager(error)
 
     def _while_lost(self) -> None:
         self.progress.enter("waiting for the KV-cache manager", on_manager=True)
@@ -369,6 +392,7 @@ class Engine:
         progress.enter("waiting for the KV-cache manager's plan", on_manager=True)
         t1 = clock()
         plan = self.link.wait_for_plan(plan_of)
+        self._resyncs = 0
         t2 = clock()
         progress.enter("copying pages")
         self.runner.kv_cache.execute(plan)   # the plan's page copies, in the manager's order
@@ -376,8 +400,7 @@ class Engine:
         work = sched.apply(proposal, plan)
         c.steps += 1
         progress.step = c.steps
-        self.num_running, self.num_waiting, self.num_swapped = (
-            len(sched.running), len(sched.waiting), len(sched.swapped))
+        self._count()
         c.schedule_s += clock() - t3
         c.manager_s += t2 - t1
         c.copy_s += t3 - t2
@@ -520,6 +543,13 @@ class Engine:
             if r.sink is not None:
                 r.sink(Failed(error))
         self.counters.failed += len(live)
+        self._count()
+
+    def _count(self) -> None:
+        """The running / waiting / swapped figures the servicer reports."""
+        sched = self.scheduler
+        self.num_running, self.num_waiting, self.num_swapped = (
+            len(sched.running), len(sched.waiting), len(sched.swapped))
 
 
 def asks_nothing(step: StepRequest) -> bool:

@@ -4,6 +4,9 @@ kill(): the Step in flight (or the next one sent) fails with ManagerUnavailable,
 stream does, and a fresh manager (epoch 0, empty: what a restarted process holds) takes the old
 one's place. While `down` is set, every call fails the same way, as an unreachable manager's do.
 A hung Step is never answered until the engine interrupts it, as a stopped process's.
+meddle_at_steps: before the engine's n-th Step reaches the manager, a function changes the
+manager's tables as another client of its API could (release a live sequence, admit a request id
+of its own); refuse_from_step: every Step from the n-th on is refused (a fault that persists).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from kvserve.kvcache_service.contract.client import InProcessKVClient
-from kvserve.kvcache_service.contract.errors import ManagerUnavailable
+from kvserve.kvcache_service.contract.errors import ManagerUnavailable, NotFound
 from kvserve.kvcache_service.core.manager import KVCacheManager
 
 
@@ -23,6 +26,8 @@ class FlakyKV:
         self.config = inner.manager.config
         self.kill_at_steps = set(kill_at_steps)   # kill when the engine sends its n-th Step
         self.hang_at_steps: set[int] = set()      # never answer that Step (a stopped process)
+        self.meddle_at_steps: dict = {}           # n -> fn(manager), run before the n-th Step
+        self.refuse_from_step: int | None = None  # refuse every Step from the n-th on
         self.down = threading.Event()
         self._interrupted = threading.Event()
         self.steps = 0
@@ -49,6 +54,12 @@ class FlakyKV:
 
     def send_step(self, request):
         self.steps += 1
+        if self.steps in self.meddle_at_steps:
+            self.meddle_at_steps[self.steps](self.manager)
+        if self.refuse_from_step is not None and self.steps >= self.refuse_from_step:
+            def refused():
+                raise NotFound("unknown seq id 12345")
+            return refused
         if self.steps in self.kill_at_steps:
             self.kill()
             error = self._unavailable()

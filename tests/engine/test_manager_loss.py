@@ -11,6 +11,8 @@ import threading
 
 import pytest
 
+from kvserve.kvcache_service.contract.types import Admit
+from kvserve.model_service.engine.engine import MAX_RESYNCS
 from kvserve.model_service.engine.errors import Unavailable
 from tests.engine.flaky_kv import FlakyKV
 from tests.engine.harness import EngineHarness, wait
@@ -157,6 +159,7 @@ def test_another_model_service_taking_the_manager_is_not_fought(tiny_dirs):
         assert outcome.done.wait(30)
         assert "another one registered" in outcome.failure
         assert manager.epoch == newer
+        assert h.engine.num_running == h.engine.num_waiting == h.engine.num_swapped == 0
         with pytest.raises(Unavailable):
             h.submit(PROMPTS[0])
         assert h.engine.problem() is not None
@@ -186,5 +189,56 @@ def test_arrival_order_is_kept_through_a_restart(tiny_dirs):
         wait(outcomes)
         assert box["kv"].kills == 1
         assert order == [o.request_id for o in outcomes]
+    finally:
+        h.close()
+
+
+def release_a_live_sequence(manager) -> None:
+    manager.release(min(manager.state.seqs))
+
+
+def admit_a_foreign_request(request_id: str):
+    def meddle(manager) -> None:
+        manager.allocate(Admit(request_id=request_id, token_ids=[5, 6, 7]))
+    return meddle
+
+
+@pytest.mark.parametrize("meddle", [release_a_live_sequence, lambda manager: manager.reset(),
+                                    admit_a_foreign_request("req-8")],
+                         ids=["release", "reset", "foreign-request-id"])
+def test_a_manager_changed_from_outside_changes_no_token(tiny_dirs, meddle):
+    """Another client of the manager's API releases a live sequence, resets the manager, or
+    admits a sequence under the id a waiting request will have: the Step refused over it
+    (NOT_FOUND, ALREADY_EXISTS) is met as a restart, not by failing every request."""
+    model = tiny_dirs["tiny"]
+    config = {"max_num_seqs": 3}   # req-8 waits while the first requests run
+    undisturbed, _, _ = run(model, temperature=0.0, config=config)
+    wrap, box = flaky()
+
+    def wrap_and_meddle(inner):
+        kv = wrap(inner)
+        kv.meddle_at_steps = {6: meddle}
+        return kv
+    outcomes, stats, counters = run(model, wrap_kv=wrap_and_meddle, temperature=0.0, config=config)
+    assert counters.manager_losses == 1 and counters.failed == 0
+    for i, (a, b) in enumerate(zip(outcomes, undisturbed)):
+        assert a.tokens == b.tokens, f"request {i}: the meddling changed its tokens"
+    assert stats.used_pages == 0 and stats.num_sequences == 0
+
+
+def test_a_refusal_that_persists_is_a_fault_of_the_engines_own(tiny_dirs):
+    """Registering again cannot cure every refusal: after MAX_RESYNCS in a row the requests end
+    with INTERNAL, the engine starts clean, and serves once the refusals stop."""
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, **CONFIG)
+    try:
+        box["kv"].refuse_from_step = 4
+        outcome = h.submit(PROMPTS[5], 400)
+        assert outcome.done.wait(60)
+        assert outcome.failure is not None and "refused" in outcome.failure
+        assert h.engine.counters.manager_losses == MAX_RESYNCS
+        assert h.engine.num_running == h.engine.num_waiting == 0
+        box["kv"].refuse_from_step = None
+        wait([h.submit(PROMPTS[0], 4)])
     finally:
         h.close()
