@@ -51,6 +51,7 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
 
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_SESSION_ID_CHARS = 256   # a worker reads no session id, but refuses what the gateway refuses
 STREAM_LIMIT = 1 << 24   # tokens a stream with --attention-sink may reach (page tables keep an entry a page)
 MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
 
@@ -98,6 +99,10 @@ class RequestBuilder:
         if bad is not None:
             raise RequestError(f"continuation token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(tokens) >= request.max_tokens:
+            if request.params.max_tokens is None:   # the bound is the model length, not a value sent
+                raise RequestError(f"the prompt ({len(request.prompt_ids)} tokens) and the continuation "
+                                   f"({len(tokens)}) fill the model length ({self.stack.max_model_len}): "
+                                   "nothing is left to generate")
             raise RequestError(f"the continuation has {len(tokens)} tokens; max_tokens ({request.max_tokens}) "
                                "leaves none to generate")
         request.tokens.extend(tokens)
@@ -115,7 +120,7 @@ class RequestBuilder:
         add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            self._check_text(_prompt_bytes(msg), lambda: len(msg.prompt), "the prompt",
+            self._check_text(_prompt_bytes(msg), msg.ByteSize(), lambda: len(msg.prompt), "the prompt has",
                              fit=False)   # counting its tokens is the point
             text = msg.prompt
             return await self.lanes.run(len(text), self._encode, text, add_special)
@@ -132,9 +137,12 @@ class RequestBuilder:
                                f"{MAX_REQUEST_ID_CHARS} are allowed")
         if not request_id.isprintable():   # control characters separate the ids the engine derives
             raise RequestError("the request id contains control characters")
+        if len(msg.session_id) > MAX_SESSION_ID_CHARS:
+            raise RequestError(f"the session id has {len(msg.session_id)} characters; at most "
+                               f"{MAX_SESSION_ID_CHARS} are allowed")
         kind = msg.WhichOneof("input")
         if kind == "prompt":
-            self._check_text(_prompt_bytes(msg), lambda: len(msg.prompt), "the prompt")
+            self._check_text(_prompt_bytes(msg), msg.ByteSize(), lambda: len(msg.prompt), "the prompt has")
         elif kind == "messages":
             self._check_chat(msg.messages.messages)
         elif kind == "token_ids" and len(msg.token_ids.ids) >= self.stack.max_model_len:
@@ -150,15 +158,18 @@ class RequestBuilder:
 
     # ------------------------------------------------------------ helpers
 
-    def _check_text(self, nbytes: int, count_chars: Callable[[], int], what: str, fit: bool = True) -> None:
-        """`nbytes`: at most the text's UTF-8 length; count_chars() decodes it, only when needed."""
+    def _check_text(self, nbytes: int, most_bytes: int, count_chars: Callable[[], int], what: str,
+                    fit: bool = True) -> None:
+        """`nbytes` at most, `most_bytes` at least the text's UTF-8 length (so at least its
+        characters); count_chars() decodes it, only when it may be over the limit. `what`: the
+        text and its verb ("the prompt has")."""
         cfg, limit = self.config, self.stack.max_model_len
         fewest = fewest_tokens(nbytes, self.bytes_per_token)
         if fit and fewest >= limit:
-            raise RequestError(f"{what} has {nbytes:,} bytes, which is at least {fewest:,} tokens; "
+            raise RequestError(f"{what} {nbytes:,} bytes, which is at least {fewest:,} tokens; "
                                f"the model length is {limit}")
-        if nbytes > cfg.max_prompt_chars and (chars := count_chars()) > cfg.max_prompt_chars:
-            raise RequestError(f"{what} has {chars:,} characters; at most {cfg.max_prompt_chars:,} are "
+        if most_bytes > cfg.max_prompt_chars and (chars := count_chars()) > cfg.max_prompt_chars:
+            raise RequestError(f"{what} {chars:,} characters; at most {cfg.max_prompt_chars:,} are "
                                "allowed (--max-prompt-chars)")
 
     def _check_chat(self, messages, fit: bool = True) -> None:
@@ -168,7 +179,8 @@ class RequestBuilder:
                                "(--max-chat-messages)")
         # Each message's encoded size, less its role and at most 12 bytes of tags and lengths.
         nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - 12) for m in messages)
-        self._check_text(nbytes, lambda: sum(len(m.content) for m in messages), "the chat messages", fit)
+        self._check_text(nbytes, sum(m.ByteSize() for m in messages), lambda: sum(len(m.content) for m in messages),
+                         "the chat messages have", fit)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return prompt_tokens.encode(self.tokenizer, text, add_special_tokens)

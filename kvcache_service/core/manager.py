@@ -78,9 +78,13 @@ class KVCacheManager:
         return True
 
     def step(self, request: StepRequest) -> StepPlan:
-        if request.epoch != self.state.epoch:
+        if request.epoch < self.state.epoch:
             raise FailedPrecondition(
                 f"stale epoch {request.epoch}: the manager is at epoch {self.state.epoch}; register again")
+        if request.epoch > self.state.epoch:
+            raise FailedPrecondition(
+                f"epoch {request.epoch} was never registered: the manager is at epoch {self.state.epoch}; "
+                "register first")
         return run_step(self.state, request)
 
     def reset(self) -> None:

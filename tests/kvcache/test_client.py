@@ -27,8 +27,8 @@ def test_a_step_is_answered_where_it_is_awaited() -> None:
 def test_a_refused_step_raises_its_error_where_it_is_awaited() -> None:
     client = InProcessKVClient(KVCacheManager(ManagerConfig(num_pages=8, page_size=4)))
     client.register(1, 4, 8)
-    answer = client.send_step(StepRequest(2))   # a stale epoch
-    with pytest.raises(FailedPrecondition, match="stale epoch 2"):
+    answer = client.send_step(StepRequest(2))   # an epoch the manager never had
+    with pytest.raises(FailedPrecondition, match="epoch 2 was never registered"):
         answer()
 
 

@@ -314,6 +314,8 @@ def test_a_new_epoch_resets_and_a_stale_one_is_refused():
     assert (s.num_sequences, s.used_pages, s.tree_pages, s.free_pages) == (0, 0, 0, 16)
     with pytest.raises(FailedPrecondition, match="stale epoch 7"):
         m.step(StepRequest(epoch=7))
+    with pytest.raises(FailedPrecondition, match="epoch 9 was never registered: the manager is at epoch 8"):
+        m.step(StepRequest(epoch=9))
     with pytest.raises(InvalidArgument, match="page_size 8 does not match the manager's 4"):
         m.register(9, 8, 16)
 

@@ -50,3 +50,10 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub):
     msg.continuation.ids.extend([5, 6])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop condition" in err.details()
+    # max_tokens unset: the model length is the bound, and the message names it, not a value never sent
+    msg = request(token_ids=[5] * 2040, temperature=0.0)
+    msg.continuation.ids.extend([6] * 8)
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == ("the prompt (2040 tokens) and the continuation (8) fill the model length (2048): "
+                             "nothing is left to generate")

@@ -24,3 +24,44 @@ def test_the_bound_is_never_over_and_close(prompt, request_id, session_id, stop,
     assert real - 24 <= _prompt_bytes(msg) <= real
     tok = pb.TokenizeRequest(prompt=prompt, add_special_tokens=False)
     assert real - 24 <= _prompt_bytes(tok) <= real
+
+
+def _builder(max_prompt_chars: int):
+    """A RequestBuilder with only what check_limits reads (no model, no tokenizer)."""
+    from types import SimpleNamespace
+
+    from kvserve.model_service.request_builder import RequestBuilder
+    builder = RequestBuilder.__new__(RequestBuilder)
+    builder.config = SimpleNamespace(max_prompt_chars=max_prompt_chars, max_chat_messages=64, max_stop_strings=16)
+    builder.stack = SimpleNamespace(max_model_len=1 << 20)
+    builder.bytes_per_token = None
+    return builder
+
+
+def test_every_text_one_character_past_the_limit_or_more_is_refused():
+    """The bound read from encoded sizes is a little under the text's length; deciding whether to
+    count characters from it let texts up to ~20 characters over the limit through."""
+    import pytest
+
+    from kvserve.model_service.request_builder import RequestError
+    builder = _builder(100)
+    for n in range(90, 130):
+        prompt = pb.GenerateRequest(prompt="a" * n, request_id="r" * 30, sampling=pb.SamplingParams(stop=["x"]))
+        chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="a" * (n // 2)), pb.ChatMessage(role="user", content="a" * (n - n // 2))]))
+        for msg in (prompt, chat):
+            if n <= 100:
+                builder.check_limits(msg, "id")
+            else:
+                with pytest.raises(RequestError, match=f"have {n} characters|has {n} characters"):
+                    builder.check_limits(msg, "id")
+
+
+def test_a_session_id_longer_than_the_gateways_limit_is_refused_at_a_worker_too():
+    import pytest
+
+    from kvserve.model_service.request_builder import MAX_SESSION_ID_CHARS, RequestError
+    builder = _builder(100)
+    builder.check_limits(pb.GenerateRequest(prompt="a", session_id="s" * MAX_SESSION_ID_CHARS), "id")
+    with pytest.raises(RequestError, match="the session id has 257 characters; at most 256"):
+        builder.check_limits(pb.GenerateRequest(prompt="a", session_id="s" * 257), "id")
