@@ -153,6 +153,9 @@ class KVCacheManager:
         """Read-only: (leading tokens cached, hashes of the matched pages)."""
         if not token_ids:
             raise InvalidArgument("match_prefix: token_ids must not be empty")
+        bad = validation.out_of_range(token_ids)
+        if bad is not None:   # as an admission would refuse it: no page could hold it
+            raise InvalidArgument(f"match_prefix: token id {bad} is not in [0, 2^31)")
         hashes = []
         page_of = self.state.tree.page_of
         for h in iter_page_hashes(token_ids, self.config.page_size, extra_key):

@@ -92,6 +92,8 @@ CASES: list[tuple[str, Callable[[KV], object], grpc.StatusCode, tuple[str, ...]]
     ("truncate-everything", call("Truncate", pb.TruncateRequest(seq=ref(0), num_tokens=10)), INVALID,
      ("seq id 0", "10 of its 10")),
     ("match-prefix-empty", call("MatchPrefix", pb.MatchPrefixRequest()), INVALID, ("token_ids",)),
+    ("match-prefix-negative-id", call("MatchPrefix", pb.MatchPrefixRequest(token_ids=[1, -5, 2])), INVALID,
+     ("token id -5",)),
     ("release-without-ref", call("Release", pb.ReleaseRequest()), INVALID, ("seq_id or request_id",)),
     ("fork-without-parent", call("Fork", pb.ForkRequest(request_id="c")), INVALID, ("parent",)),
     ("fork-empty-request-id", call("Fork", pb.ForkRequest(parent=ref(0))), INVALID, ("request_id",)),
