@@ -80,6 +80,8 @@ class Front:
             body = json.loads(b"".join(chunks) or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise HttpError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:   # arrays or objects nested thousands deep
+            raise HttpError(400, "the body is not valid JSON here: it nests too deep") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         return body

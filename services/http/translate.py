@@ -34,7 +34,11 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise HttpError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
-    if not math.isfinite(value):   # Python's json reads NaN and Infinity
+    try:
+        finite = math.isfinite(value)   # Python's json reads NaN and Infinity
+    except OverflowError:   # an integer of hundreds of digits: no float holds it
+        finite = False
+    if not finite:
         raise HttpError(400, f"'{name}' must be a finite number", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise HttpError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
@@ -98,6 +102,9 @@ def completion_request(body: dict) -> pb.GenerateRequest:
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t <= INT32 for t in prompt):
         msg.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next(t for t in prompt if not 0 <= t <= INT32)
+        raise HttpError(400, f"'prompt' token id {bad} is not in [0, 2^31-1]", param="prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:

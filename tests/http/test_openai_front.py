@@ -176,7 +176,11 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "temperature": 1e400}', "finite"),
     ('{"prompt": "x", "temperature": NaN}', "finite"),
     ('{"prompt": "x", "max_tokens": 5000000000}', "max_tokens"),
-    ('{"prompt": [1, 99999999999]}', "token ids"),
+    ('{"prompt": [1, 99999999999]}', "token id 99999999999"),
+    ('{"prompt": [1, -2]}', "token id -2"),
+    ('{"prompt": "x", "temperature": 1' + "0" * 400 + '}', "finite"),   # no float holds it
+    ('{"prompt": "x", "max_tokens": 1' + "0" * 400 + '}', "max_tokens"),
+    ('{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + '}', "nests too deep"),
     ('{"prompt": "x", "top_k": 1e300}', "top_k"),
     ('{"prompt": "x", "logprobs": 2}', "not supported"),
 ])
