@@ -7,14 +7,13 @@ it as a process or the model service holds it in-process (`--kvcache inprocess`)
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
 from kvserve.services.plumbing.address import is_private
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -26,17 +25,6 @@ CPU_GEMMS = ("auto", *choices.CPU_GEMMS)
 PREEMPTION_MODES = choices.PREEMPTION_MODES
 SPECULATIVE = choices.SPECULATIVE
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
-
-
-def parse_bytes(text: str) -> int:
-    """A size: 512MiB, 2GiB, 1000000."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)") from None
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
                 metrics.add(gateway_metrics[1])
             front_flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
                            for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen",
-                                        "health_listen") if getattr(model_config, name)]
+                                        "health_listen", "max_request_bytes", "max_prompt_chars", "max_chat_messages",
+                                        "tokenizer_threads") if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,
                                                   "--cache-salt", model_config.cache_salt, *gateway_metrics, *front_flags,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.config_flags import option
+from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50050"
@@ -40,7 +40,12 @@ class GatewayConfig:
                                           "pushes a report when they changed, at most this often (a worker "
                                           "without WatchServerStats is polled this often); 0.01 to 60",
                                    flag="--poll-interval")
-    tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop")
+    tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the event loop "
+                                       "(prompts over 32,768 characters: one more thread of their own)")
+    # The workers' limits on each request (kvserve up passes its own): refused here, before any work.
+    max_request_bytes: int = option(8 << 20, "largest request message, e.g. 8MiB", parse=parse_bytes)
+    max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
+    max_chat_messages: int = option(1024, "most messages in one chat request")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     metrics_listen: str = server_flags.metrics_listen()
     http_listen: str = server_flags.http_listen()
@@ -66,7 +71,8 @@ class GatewayConfig:
         for name in ("dns_interval_s", "no_worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
-        for name in ("worker_queue_depth", "max_queued", "tokenizer_threads"):
+        for name in ("worker_queue_depth", "max_queued", "tokenizer_threads", "max_request_bytes", "max_prompt_chars",
+                     "max_chat_messages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.balance_slack, int) or self.balance_slack < 0:

@@ -59,7 +59,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = ApiKeys(config.api_keys) if config.api_keys else None
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
                   config.routing, config.balance_slack, config.worker_tls())
-    servicer = GatewayServicer(fleet, Inputs(tokenizer, config.tokenizer_threads), config.migration_limit,
+    inputs = Inputs(tokenizer, config.tokenizer_threads, config.max_prompt_chars, config.max_chat_messages)
+    servicer = GatewayServicer(fleet, inputs, config.migration_limit,
                                config.no_worker_timeout_s, keys)
     gateway = Gateway(None, servicer, fleet, [])
     private = None
@@ -73,7 +74,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         gateway.running = await _create(
             [config.listen, *([private.address] if private else [])],
             [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)],
-            options={"grpc.max_receive_message_length": 64 << 20}, tls=config.server_tls(),
+            options={"grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(),
             interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [], health_listen=config.health_listen)
         gateway.tasks.append(asyncio.create_task(_report_health(gateway.running, fleet, servicer),
                                                  name="gateway health"))

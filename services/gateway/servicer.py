@@ -14,6 +14,7 @@ import grpc
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
+from kvserve.model_service.engine.errors import QueueFull
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
 from kvserve.services.plumbing import stats_watch
@@ -57,6 +58,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 ids = await self.inputs.ids(request)
             except InputError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            except QueueFull as exc:   # the long-text lane is full
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             if (tenant, request_id) in self.relays:   # checked after the await, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
@@ -102,6 +105,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             ids = await self.inputs.ids(request, add_special)
         except InputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))
 
     async def GetModelInfo(self, request, context):

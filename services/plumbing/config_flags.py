@@ -120,3 +120,14 @@ def _base_type(hint: Any) -> type:
     if typing.get_origin(hint) is tuple:
         hint = typing.get_args(hint)[0]
     return hint
+
+
+def parse_bytes(text: str) -> int:
+    """A size: 512MiB, 2GiB, 1000000."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)") from None

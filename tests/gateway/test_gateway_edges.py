@@ -17,6 +17,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.plumbing import stats_watch
@@ -196,6 +197,51 @@ def test_prompts_and_chats_over_the_character_limit_are_refused_before_tokenizin
             asyncio.run(inputs.ids(chat))
     finally:
         inputs.close()
+
+
+def test_a_chat_of_more_messages_than_the_workers_take_is_refused_before_rendering():
+    inputs = Inputs(tokenizer=None, threads=1, max_chat_messages=3)   # never reached: no tokenizer needed
+    try:
+        with pytest.raises(InputError, match=r"4 chat messages; at most 3 are allowed \(--max-chat-messages\)"):
+            asyncio.run(inputs.ids(request(messages=[("user", "")] * 4)))
+    finally:
+        inputs.close()
+
+
+class SlowTokenizer:
+    """Takes `slow_s` for a text over the long lane's bound, nothing for a short one."""
+
+    def __init__(self, slow_s: float) -> None:
+        self.slow_s = slow_s
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_CHARS:
+            time.sleep(self.slow_s)
+        return [1]
+
+
+def test_long_prompts_do_not_hold_a_short_one_up():
+    """As at a worker: texts over 32,768 characters are tokenized in a lane of their own, so a
+    short prompt arriving behind a pair of them is done while they still run."""
+    inputs = Inputs(SlowTokenizer(1.0), threads=2)
+
+    async def scenario():
+        long = [asyncio.ensure_future(inputs.ids(request(prompt="x" * (LONG_CHARS + 1)))) for _ in range(2)]
+        await asyncio.sleep(0.05)   # both long ones taken up (the first) or waiting behind it
+        assert await inputs.ids(request(prompt="short")) == [1]
+        assert not any(f.done() for f in long)
+        assert await asyncio.gather(*long) == [[1], [1]]
+    try:
+        asyncio.run(scenario())
+    finally:
+        inputs.close()
+
+
+def test_a_message_over_max_request_bytes_is_resource_exhausted_at_the_gateway_too(tiny_dirs):
+    with scripted_fleet(tiny_dirs, ScriptedWorker(), max_request_bytes=4096) as (_, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(prompt="x" * 5000, **greedy(4)), timeout=10)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
 
 
 def test_room_wakes_only_the_head_and_a_move_wakes_everyone():
