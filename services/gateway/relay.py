@@ -56,6 +56,7 @@ class Relay:
         self.ended: str | None = None         # the gateway is stopping: end with this, UNAVAILABLE
         self._call = None
         self._moved = False
+        self._waiter = None   # its place in the gateway's queue while it waits there
 
     def move_off(self, worker: Worker) -> None:
         """`worker` stopped answering: end the call to it; run() goes on elsewhere."""
@@ -66,7 +67,8 @@ class Relay:
     def end(self, why: str) -> None:
         """The gateway stops: the stream ends UNAVAILABLE with `why`, wherever it is."""
         self.ended = why
-        self.fleet.queue.wake_all()
+        if self._waiter is not None:
+            self.fleet.queue.poke(self._waiter)
         if self._call is not None:
             self._call.cancel()
 
@@ -76,7 +78,8 @@ class Relay:
         (routed a moment ago) or does not answer within CANCEL_TIMEOUT_S has the call to it ended
         here instead, and the stream ends ABORT all the same. Either way it goes nowhere else."""
         self.cancelled = True
-        self.fleet.queue.wake_all()
+        if self._waiter is not None:   # only it has something new to look at
+            self.fleet.queue.poke(self._waiter)
         worker = self.worker
         if worker is None:
             return
@@ -205,7 +208,7 @@ class Relay:
             yield choice
             return
         try:
-            waiter = queue.enter(self.request_id, front)
+            self._waiter = waiter = queue.enter(self.request_id, front)
         except QueueFull as exc:
             eta = queue.eta_ms(len(queue) + 1)
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again later",
@@ -237,4 +240,5 @@ class Relay:
                                                                     eta_ms=queue.eta_ms(position)))
                 await queue.changed(waiter, timeout_s=1.0)
         finally:
+            self._waiter = None
             queue.leave(waiter)

@@ -1,11 +1,14 @@
 """The gateway's queue: requests that found no worker with room wait here, first in, first out,
 and are told where they stand.
 
-Mechanism: positions; wake-ups, of the head alone when room may have freed (a worker's report,
-a stream's end: only the head may take a worker, so a later request never overtakes an earlier
-one, and a report costs one waiter's look, not the whole queue's), of everyone when positions
-move or a waiter must notice it was cancelled; and the rate at which room frees, measured from
-the ends of streams over the last minute, for each waiter's estimate.
+Mechanism: positions, renumbered lazily (once after any number of leaves, not once per waiter
+per leave); wake-ups, each waiter's own: of the head alone when room may have freed (a worker's
+report, a stream's end: only the head may take a worker, so a later request never overtakes an
+earlier one, and a report costs one waiter's look, not the whole queue's), of one waiter when it
+must notice it was cancelled, and of everyone when positions moved, at most every TELL_EVERY_S
+(a thousand cancels in a row cost each waiter a look or two, not a thousand); and the rate at
+which room frees, measured from the ends of streams over the last minute, for each waiter's
+estimate.
 """
 
 from __future__ import annotations
@@ -21,22 +24,25 @@ class QueueFull(Exception):
 
 
 class Waiter:
-    __slots__ = ("request_id", "since")
+    __slots__ = ("request_id", "since", "position", "woken")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.since = time.monotonic()
+        self.position = 0               # 1 = next; valid when the queue is not due a renumbering
+        self.woken = asyncio.Event()    # something for this waiter to look at
 
 
 class WaitQueue:
     WINDOW_S = 60.0
+    TELL_EVERY_S = 0.25   # moved positions are told at most this often
 
     def __init__(self, max_queued: int, on_leave: Callable[[float], None] | None = None) -> None:
         self.max_queued = max_queued
         self.on_leave = on_leave   # given the seconds each waiter waited
         self._waiters: deque[Waiter] = deque()
-        self._room = asyncio.Event()    # set when room may have freed (and whenever _moved is)
-        self._moved = asyncio.Event()   # set when positions moved, or for everyone to look again
+        self._renumber = False     # positions moved since they were last numbered
+        self._telling: asyncio.TimerHandle | None = None   # everyone looks when it fires
         self._ends: deque[float] = deque()   # when streams ended, within WINDOW_S
 
     def __len__(self) -> int:
@@ -50,19 +56,23 @@ class WaitQueue:
         waiter = Waiter(request_id)
         if front:
             self._waiters.appendleft(waiter)
-            self.wake_all()   # everyone moved down
+            self._moved()   # everyone moved down
         else:
             self._waiters.append(waiter)
+            waiter.position = len(self._waiters)
         return waiter
 
     def leave(self, waiter: Waiter) -> None:
+        head = bool(self._waiters) and self._waiters[0] is waiter
         try:
             self._waiters.remove(waiter)
         except ValueError:
             return
         if self.on_leave is not None:
             self.on_leave(time.monotonic() - waiter.since)
-        self.wake_all()   # everyone behind moved up
+        if head and self._waiters:
+            self._waiters[0].woken.set()   # the new head may take room now
+        self._moved()   # everyone behind moved up
 
     def passed(self) -> None:
         """A request found room without waiting: it counts as a wait of 0 s."""
@@ -71,29 +81,49 @@ class WaitQueue:
 
     def position(self, waiter: Waiter) -> int:
         """1 = next."""
-        return self._waiters.index(waiter) + 1
+        if self._renumber:
+            for i, w in enumerate(self._waiters, 1):
+                w.position = i
+            self._renumber = False
+        return waiter.position
 
     def find(self, request_id: str) -> Waiter | None:
         return next((w for w in self._waiters if w.request_id == request_id), None)
 
     def wake(self) -> None:
         """Room may have freed: the head looks."""
-        self._room.set()
-        self._room = asyncio.Event()
+        if self._waiters:
+            self._waiters[0].woken.set()
+
+    def poke(self, waiter: Waiter) -> None:
+        """This waiter looks now: it was cancelled."""
+        waiter.woken.set()
 
     def wake_all(self) -> None:
-        """Every waiter looks again: positions moved, or one was cancelled, or the gateway stops."""
-        self.wake()
-        self._moved.set()
-        self._moved = asyncio.Event()
+        """Every waiter looks now: the gateway stops."""
+        for waiter in self._waiters:
+            waiter.woken.set()
 
     async def changed(self, waiter: Waiter, timeout_s: float) -> None:
         """Until `waiter` has something to look at (or `timeout_s`)."""
-        event = self._room if self._waiters and self._waiters[0] is waiter else self._moved
         try:
-            await asyncio.wait_for(event.wait(), timeout_s)
+            await asyncio.wait_for(waiter.woken.wait(), timeout_s)
         except TimeoutError:
             pass
+        waiter.woken.clear()
+
+    def _moved(self) -> None:
+        self._renumber = True
+        if self._telling is not None:
+            return
+        try:
+            self._telling = asyncio.get_running_loop().call_later(self.TELL_EVERY_S, self._tell_all)
+        except RuntimeError:   # no loop running (a stream closed as the gateway stops): at once
+            self._tell_all()
+
+    def _tell_all(self) -> None:
+        self._telling = None
+        self.wake_all()
 
     # ------------------------------------------------------------ estimates
 
