@@ -329,8 +329,8 @@ class Scheduler:
                 r.page_table = list(result.page_ids)
                 r.num_computed = r.told_computed = result.cached_tokens
                 r.told_tokens = len(r.tokens)
-                if r.cached_tokens is None:
-                    r.cached_tokens = result.cached_tokens
+                if r.cached_tokens is None:   # the prompt's share: a continuation's tokens are admitted too
+                    r.cached_tokens = min(result.cached_tokens, r.num_prompt)
                     r.scheduled_at = time.monotonic()
                 self.waiting.remove(r)
                 self.by_seq[r.seq_id] = r

@@ -104,6 +104,7 @@ class Relay:
 
         sent: list[int] = []
         prefill_sent = False
+        first_cached = 0   # prompt tokens from the cache at the first worker, as prefill_done said
         left = self.request.sampling.n or 1   # sequences to finish: the call ends after the last
         moves = 0
         avoid: Worker | None = None
@@ -153,9 +154,12 @@ class Relay:
                         if prefill_sent:
                             continue
                         prefill_sent = True
+                        first_cached = response.prefill_done.cached_tokens
                     elif kind == "chunk":
                         sent.extend(response.chunk.token_ids)
                         fleet.generated_tokens += len(response.chunk.token_ids)
+                    elif kind == "finished" and moves:   # the usage says what the client was told first
+                        response.finished.usage.cached_tokens = first_cached
                     yield response
                     if kind == "finished":
                         left -= 1

@@ -98,6 +98,10 @@ def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fl
         kinds = h.kinds()
         assert kinds.count("prefill_done") == 1 and kinds.count("finished") == 1 and "queued" not in kinds
         assert h.events[-1].finished.usage.completion_tokens == NEW_TOKENS
+        # the usage's cache hit is the one prefill_done told, never more than the prompt
+        usage, prefill = h.events[-1].finished.usage, next(e.prefill_done for e in h.events
+                                                            if e.HasField("prefill_done"))
+        assert usage.cached_tokens == prefill.cached_tokens <= usage.prompt_tokens
     with grpc.insecure_channel(address) as ch:
         stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
     assert sum(w.migrated_away for w in stats.workers) >= 1, stats

@@ -34,6 +34,8 @@ def test_a_continued_request_streams_what_the_whole_one_would_have(stub, model_s
         seen, lo = seen + len(c.token_ids), lo + c.text
     assert rest.finished.usage.completion_tokens == len(whole.tokens)
     assert rest.finished.usage.prompt_tokens == whole.finished.usage.prompt_tokens
+    # the cache holds the whole run's pages, continuation included: only the prompt's count
+    assert rest.finished.usage.cached_tokens <= rest.finished.usage.prompt_tokens
     assert_pages_free(model_server.servicer)
 
 
