@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
 LOAD_SILENCE_S = 3.0   # three default heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
+LATE_S = 0.5   # a silence timer firing later than this found the gateway's loop busy: no verdict yet
 
 
 async def _cancel(task: asyncio.Task | None) -> None:
@@ -193,16 +194,25 @@ class Follower:
         loop = asyncio.get_running_loop()
         heard, silent = loop.time(), False
 
+        def arm(delay: float) -> asyncio.TimerHandle:
+            nonlocal due
+            due = loop.time() + delay
+            return loop.call_later(delay, watchdog)
+
         def watchdog() -> None:
             nonlocal timer, silent
-            quiet = loop.time() - heard
-            if quiet >= silence_s:
+            now = loop.time()
+            quiet = now - heard
+            if quiet < silence_s:
+                timer = arm(silence_s - quiet)
+            elif now - due > LATE_S:   # this loop was busy, not the worker silent: its report may
+                timer = arm(silence_s / 3)   # wait unread behind the backlog; a heartbeat more
+            else:
                 silent = True
                 call.cancel()
-            else:
-                timer = loop.call_later(silence_s - quiet, watchdog)
 
-        timer = loop.call_later(silence_s, watchdog)
+        due = 0.0
+        timer = arm(silence_s)
         try:
             while True:
                 try:

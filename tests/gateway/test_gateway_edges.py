@@ -291,3 +291,18 @@ def test_a_storm_of_leaves_costs_each_waiter_a_look_or_two_and_positions_stay_ri
         for t in tasks:
             t.cancel()
     asyncio.run(scenario())
+
+
+def test_a_gateway_loop_busy_past_the_silence_does_not_call_a_reporting_worker_down(tiny_dirs, caplog):
+    """The worker reports every second; the gateway's own loop is held 4 s (a storm of work): its
+    silence timer fires late, the reports wait unread behind the backlog, and it is the loop, not
+    the worker, that was silent."""
+    worker = ScriptedWorker()
+    with scripted_fleet(tiny_dirs, worker) as (gateway, stub, _):
+        (w,) = gateway.fleet.workers.values()
+        gateway.call(asyncio.sleep(0))
+        gateway.loop.call_soon_threadsafe(time.sleep, 4.0)   # the whole loop held
+        time.sleep(5.0)
+        assert w.state == "serving"
+        assert not [r for r in caplog.records if "is down" in r.getMessage()]
+        assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
