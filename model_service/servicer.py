@@ -85,6 +85,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             left = req.params.n   # sequences still running: the call ends after the last one's finished
             finished = False
             try:
+                # The response headers now, not with the first token: a gateway counts the request
+                # as this worker's from them (services/gateway/worker.py, Routing).
+                await context.send_initial_metadata(())
                 while not finished:
                     event = await events.get()
                     batch = [event]

@@ -146,6 +146,7 @@ class Relay:
             self.worker, self._moved = worker, False
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
+            taken = asyncio.ensure_future(_note_taken(call, choice.mark))
             try:
                 async for response in call:
                     kind = response.WhichOneof("event")
@@ -183,6 +184,7 @@ class Relay:
                     raise
                 why = "it stopped answering"
             finally:
+                taken.cancel()
                 worker.ended(choice.mark)
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
@@ -246,3 +248,13 @@ class Relay:
         finally:
             self._waiter = None
             queue.leave(waiter)
+
+
+async def _note_taken(call, mark) -> None:
+    """The worker sends its response headers as it takes a request in (or with its first message):
+    from then its load reports count it (Worker.taken)."""
+    try:
+        await call.initial_metadata()
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        return
+    Worker.taken(mark)

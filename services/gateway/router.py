@@ -37,7 +37,7 @@ from kvserve.services.gateway.worker import SERVING, Worker
 class Choice:
     worker: Worker
     matched_pages: int
-    mark: float = 0.0     # Worker.routed()'s, once the choice is taken
+    mark: object = None   # Worker.routed()'s, once the choice is taken
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ info calls changed(), as its own load methods do, so that its place on the fleet
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,17 @@ class Load:
     asked_at: float = 0.0     # it counts the requests routed there before this moment
 
 
+class Routing:
+    """A request this gateway sent to a worker. It counts as the worker's until a load report made
+    after the worker took the call: during a burst a worker may take a call long after it was
+    sent, and a report that does not count it yet must not make room for another."""
+
+    __slots__ = ("taken_at",)
+
+    def __init__(self) -> None:
+        self.taken_at = math.inf   # until its response headers come
+
+
 @dataclass(eq=False)
 class Worker:
     address: str
@@ -40,7 +52,7 @@ class Worker:
     state: str = STARTING
     info: pb.ModelInfo | None = None
     load: Load = field(default_factory=Load)
-    routed_at: list[float] = field(default_factory=list)   # routings its last load does not show yet
+    routed_at: list[Routing] = field(default_factory=list)   # routings its last load does not show yet
     ended_since_report: int = 0   # streams of this gateway that ended there after its last report was asked
     last_routed: float = 0.0
     epoch: int = 0
@@ -90,21 +102,27 @@ class Worker:
 
     def loaded(self, load: Load) -> None:
         self.load = load
-        self.routed_at = [t for t in self.routed_at if t >= load.asked_at]
+        self.routed_at = [r for r in self.routed_at if r.taken_at >= load.asked_at]
         self.ended_since_report = 0
         self.changed()
 
-    def routed(self, prompt_tokens: int) -> float:
-        """Counts a request sent here; returns its mark for ended()."""
+    def routed(self, prompt_tokens: int) -> Routing:
+        """Counts a request sent here; returns its mark for taken() and ended()."""
         now = time.monotonic()
-        self.routed_at.append(now)
+        mark = Routing()
+        self.routed_at.append(mark)
         self.last_routed = now
         self.requests_routed += 1
         self.prompt_tokens += prompt_tokens
         self.changed()
-        return now
+        return mark
 
-    def ended(self, mark: float) -> None:
+    @staticmethod
+    def taken(mark: Routing) -> None:
+        """The worker has the call (its response headers came): reports from an interval on count it."""
+        mark.taken_at = time.monotonic()
+
+    def ended(self, mark: Routing) -> None:
         """A stream routed here ended: no longer pending if no report counted it yet, else one
         fewer than the report says."""
         try:

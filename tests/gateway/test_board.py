@@ -89,3 +89,21 @@ def test_the_board_always_agrees_with_a_pass_over_the_fleet(ops):
             assert set(listed) == {w for w in on if w.info.page_size == size}
             assert [w.active for w in listed] == sorted(w.active for w in listed)
         assert board.page_size == min((w.info.page_size for w in on), default=None)
+
+
+def test_a_routing_stays_the_workers_until_a_report_made_after_the_worker_took_it():
+    """During a burst a worker may take a call long after it was sent: a report that does not
+    count it yet must not make room for another (workers queued far past --worker-queue-depth)."""
+    import time
+
+    a = worker("a")
+    mark = a.routed(40)
+    a.loaded(Load(running=0, asked_at=time.monotonic() + 60))   # a report long after: not taken yet
+    assert a.pending == 1 and a.active == 1
+    a.taken(mark)
+    a.loaded(Load(running=0, asked_at=mark.taken_at - 1))       # asked for before the worker took it
+    assert a.pending == 1
+    a.loaded(Load(running=1, asked_at=mark.taken_at + 0.001))   # made after: it counts the request
+    assert a.pending == 0 and a.active == 1
+    a.ended(mark)
+    assert a.active == 0
