@@ -20,6 +20,7 @@ from kvserve.model_service import prompt_tokens
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
+from kvserve.model_service.request_ids import id_problem
 from kvserve.model_service.sampling.params import SamplingParams
 from kvserve.model_service.sampling.sampler import make_generator
 from kvserve.model_service.tokenizing import TokenizerLanes
@@ -50,8 +51,6 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
     return max(0, msg.ByteSize() - other)
 
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_SESSION_ID_CHARS = 256   # a worker reads no session id, but refuses what the gateway refuses
 STREAM_LIMIT = 1 << 24   # tokens a stream with --attention-sink may reach (page tables keep an entry a page)
 MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
 
@@ -132,14 +131,9 @@ class RequestBuilder:
         """What can be refused from the message's sizes alone; a long prompt is not even decoded
         (reading a string field builds a Python str of it, every time)."""
         cfg = self.config
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise RequestError(f"the request id has {len(request_id)} characters; at most "
-                               f"{MAX_REQUEST_ID_CHARS} are allowed")
-        if not request_id.isprintable():   # control characters separate the ids the engine derives
-            raise RequestError("the request id contains control characters")
-        if len(msg.session_id) > MAX_SESSION_ID_CHARS:
-            raise RequestError(f"the session id has {len(msg.session_id)} characters; at most "
-                               f"{MAX_SESSION_ID_CHARS} are allowed")
+        problem = id_problem(request_id, msg.session_id)
+        if problem is not None:
+            raise RequestError(problem)
         kind = msg.WhichOneof("input")
         if kind == "prompt":
             self._check_text(_prompt_bytes(msg), msg.ByteSize(), lambda: len(msg.prompt), "the prompt has")

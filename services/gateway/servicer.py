@@ -15,6 +15,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
+from kvserve.model_service.request_ids import id_problem
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
 from kvserve.services.plumbing import stats_watch
@@ -23,8 +24,6 @@ from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-MAX_REQUEST_ID_CHARS = 256
-MAX_SESSION_ID_CHARS = 256
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
@@ -45,12 +44,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             tenant = self._tenant(context)
             if self.draining:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
-            if len(request_id) > MAX_REQUEST_ID_CHARS:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the request id has {len(request_id)} characters; "
-                              f"at most {MAX_REQUEST_ID_CHARS} are allowed")
-            if len(request.session_id) > MAX_SESSION_ID_CHARS:   # each one is remembered (Fleet._sessions)
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the session id has {len(request.session_id)} "
-                              f"characters; at most {MAX_SESSION_ID_CHARS} are allowed")
+            if (problem := id_problem(request_id, request.session_id)) is not None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)   # what its worker would refuse
             if request.WhichOneof("input") == "token_ids" and \
                     (why := self.fleet.never_fits(len(request.token_ids.ids))) is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)   # before a list of them is made

@@ -152,11 +152,17 @@ def test_a_prompt_no_worker_can_take_is_refused_and_the_queue_goes_on(tiny_dirs)
 
 
 def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):
-    with scripted_fleet(tiny_dirs, ScriptedWorker()) as (_, stub, _):
+    worker = ScriptedWorker()
+    with scripted_fleet(tiny_dirs, worker) as (_, stub, _):
         msg = request(token_ids=[1, 2, 3], **greedy(4))
         msg.session_id = "s" * 257
         err = rpc_error(lambda: stub.Generate(msg, timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "session id has 257 characters" in err.details()
+        msg = request(request_id="a\nb", token_ids=[1, 2, 3], **greedy(4))   # refused before routing, as
+        err = rpc_error(lambda: stub.Generate(msg, timeout=10))           # its worker would refuse it
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                               "the request id contains control characters")
+        assert not worker.requests
 
 
 def test_a_removed_workers_streams_stay_watched_until_they_end(tiny_dirs):

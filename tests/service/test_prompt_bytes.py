@@ -60,7 +60,8 @@ def test_every_text_one_character_past_the_limit_or_more_is_refused():
 def test_a_session_id_longer_than_the_gateways_limit_is_refused_at_a_worker_too():
     import pytest
 
-    from kvserve.model_service.request_builder import MAX_SESSION_ID_CHARS, RequestError
+    from kvserve.model_service.request_builder import RequestError
+    from kvserve.model_service.request_ids import MAX_SESSION_ID_CHARS
     builder = _builder(100)
     builder.check_limits(pb.GenerateRequest(prompt="a", session_id="s" * MAX_SESSION_ID_CHARS), "id")
     with pytest.raises(RequestError, match="the session id has 257 characters; at most 256"):

@@ -1,0 +1,18 @@
+"""The limits on a request's identifiers, one rule for a worker and for a gateway in front of it
+(which refuses before routing what the worker would refuse after)."""
+
+from __future__ import annotations
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_SESSION_ID_CHARS = 256   # the gateway remembers each session's worker
+
+
+def id_problem(request_id: str, session_id: str = "") -> str | None:
+    """Why these ids are refused, or None."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        return f"the request id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+    if not request_id.isprintable():   # control characters separate the ids the engine derives
+        return "the request id contains control characters"
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        return f"the session id has {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS} are allowed"
+    return None
