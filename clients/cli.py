@@ -162,6 +162,9 @@ def run_generate(args: argparse.Namespace) -> int:
             out.end_line()
             print(f"kvserve generate: {exc.code}: {exc.message}", file=sys.stderr)
             return 1
+        except ValueError as exc:   # a value the request cannot carry: said before anything is sent
+            print(f"kvserve generate: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             if stream is not None:
                 stream.cancel()
@@ -223,9 +226,10 @@ def run_chat(args: argparse.Namespace) -> int:
                                          temperature=args.temperature, seed=args.seed)
                 reply: list[str] = []
                 _, finished = _stream_text(stream, out, collect=reply)
-            except KVServeError as exc:
+            except (KVServeError, ValueError) as exc:
                 out.end_line()
-                print(f"kvserve chat: {exc.code}: {exc.message}", file=sys.stderr)
+                why = f"{exc.code}: {exc.message}" if isinstance(exc, KVServeError) else str(exc)
+                print(f"kvserve chat: {why}", file=sys.stderr)
                 history.pop()  # the turn did not happen; the user may send it again
                 turn -= 1
                 failed = True

@@ -4,6 +4,7 @@ the same answers, so both return equal results for equal calls."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -159,26 +160,45 @@ def generate_request(
     (the server's default)."""
     if isinstance(stop, str):
         stop = (stop,)
-    sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
-                                 frequency_penalty=frequency_penalty, stop=list(stop),
-                                 stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    with _field("top_k, min_p, penalties, stop or stop_token_ids", None):
+        sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                                     frequency_penalty=frequency_penalty, stop=list(stop),
+                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,
                     skip_special_tokens=skip_special_tokens, n=n)
     for name, value in optional.items():
         if value is not None:
-            setattr(sampling, name, value)
+            with _field(name, value):
+                setattr(sampling, name, value)
     request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
     inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
     if "prompt" in inputs:
-        request.prompt = prompt
+        with _field("prompt", None):
+            request.prompt = prompt
     elif "token_ids" in inputs:
         request.token_ids.SetInParent()  # set even when empty, so the server says what is wrong
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < 2**31)), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be integers in [0, 2^31), got {bad!r}")
         request.token_ids.ids.extend(token_ids)
     elif "messages" in inputs:
         request.messages.SetInParent()
         request.messages.MergeFrom(_chat(messages))
     return request
+
+
+@contextlib.contextmanager
+def _field(name: str, value):
+    """A value the request's field cannot hold (out of its integer range, text that is not UTF-8)
+    is a ValueError naming the field, not protobuf's bare "Value out of range"."""
+    try:
+        yield
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text") from None
+    except (ValueError, TypeError) as exc:
+        shown = "" if value is None else f" {value!r}"
+        raise ValueError(f"{name}{shown} does not fit the request ({exc})") from None
 
 
 def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | None = None,

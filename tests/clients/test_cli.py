@@ -67,6 +67,24 @@ def test_generate_reports_a_server_error(model_server) -> None:
     assert "temperature" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (["hello", "--max-tokens", "-1"], "max_tokens -1 does not fit the request"),
+    (["hello", "--seed", "-5"], "seed -5 does not fit the request"),
+    (["1 99999999999", "--token-ids"], "token ids must be integers in [0, 2^31), got 99999999999"),
+])
+def test_values_no_request_can_carry_are_one_line_and_exit_2(args, said) -> None:
+    r = kvserve("generate", *args, "--address", "127.0.0.1:1")   # refused before any call
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"kvserve generate: {said}")
+
+
+def test_stdin_that_is_not_utf8_is_one_line_and_exit_2() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvserve.services.cli.main", "generate", "-", "--address",
+                        "127.0.0.1:1"], input=b"Hello \xff\xfe", capture_output=True, timeout=60)
+    assert r.returncode == 2 and b"Traceback" not in r.stderr
+    assert r.stderr.decode().strip() == "kvserve generate: prompt is not valid UTF-8 text"
+
+
 def test_generate_with_no_server_is_unavailable() -> None:
     r = kvserve("generate", "hello", "--address", "127.0.0.1:1")
     assert r.returncode == 1

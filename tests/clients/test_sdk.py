@@ -48,6 +48,15 @@ def test_events_come_in_order(client: InferenceClient) -> None:
     assert all(isinstance(c.token_ids, tuple) and isinstance(c.text, str) for c in chunks)
 
 
+def test_a_value_no_request_can_carry_is_a_value_error_naming_its_field(client: InferenceClient) -> None:
+    with pytest.raises(ValueError, match="seed -1 does not fit the request"):
+        client.generate("hi", seed=-1)
+    with pytest.raises(ValueError, match="prompt is not valid UTF-8 text"):
+        client.generate("hi \udcff")
+    with pytest.raises(ValueError, match="got -3"):
+        client.generate(token_ids=[1, -3])
+
+
 def test_complete_is_the_concatenated_stream(client: InferenceClient) -> None:
     chunks = [e for e in client.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
               if isinstance(e, Chunk)]
