@@ -71,10 +71,12 @@ class AsyncGenerateStream(AsyncIterator[Event]):
             except grpc.RpcError as exc:
                 raise KVServeError.from_rpc_error(exc) from exc
             except asyncio.CancelledError:
-                # grpc.aio reports a call cancelled here as CancelledError; the sync client
-                # raises KVServeError CANCELLED. A cancelled task still gets its CancelledError.
-                if self._cancelled and not _task_cancelled():
-                    raise KVServeError("CANCELLED", "the call was cancelled by the client") from None
+                # grpc.aio reports a call cancelled here (by cancel(), or by the client closed
+                # under it) as CancelledError; the sync client raises KVServeError CANCELLED. A
+                # cancelled task still gets its CancelledError.
+                if not _task_cancelled():
+                    why = "by the client" if self._cancelled else "(its client was closed)"
+                    raise KVServeError("CANCELLED", f"the call was cancelled {why}") from None
                 raise
             if msg is grpc.aio.EOF:
                 raise StopAsyncIteration
@@ -94,6 +96,16 @@ class AsyncGenerateStream(AsyncIterator[Event]):
 
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()  # a no-op once the call has ended
+
+    def __del__(self) -> None:
+        """A stream dropped before its end (a `break`, then nothing holds it) aborts the request,
+        as the sync client's does."""
+        call = getattr(self, "_call", None)
+        if call is not None:
+            try:
+                call.cancel()  # a no-op once the call has ended
+            except Exception:   # its loop already closed
+                pass
 
 
 class AsyncInferenceClient:

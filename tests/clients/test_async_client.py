@@ -60,6 +60,35 @@ def test_cancelling_the_stream_aborts_the_request(model_server) -> None:
     assert err.code == "CANCELLED"   # what the sync client raises too
 
 
+def test_a_stream_dropped_after_a_break_aborts_the_request(model_server) -> None:
+    async def go():
+        async with AsyncInferenceClient(model_server.address, timeout=RPC_TIMEOUT_S) as c:
+            aborted = (await c.server_stats()).requests_aborted
+            async for _ in c.generate(PROMPT, max_tokens=LONG, temperature=0, ignore_eos=True):
+                break   # nothing holds the stream now
+            while (await c.server_stats()).requests_aborted == aborted:   # bounded by run()'s deadline
+                await asyncio.sleep(0.02)
+            stats = await c.server_stats()
+            while stats.running or stats.waiting:
+                await asyncio.sleep(0.02)
+                stats = await c.server_stats()
+    run(go())
+
+
+def test_a_client_closed_under_a_stream_ends_it_with_a_kvserve_error(model_server) -> None:
+    async def go():
+        c = AsyncInferenceClient(model_server.address, timeout=RPC_TIMEOUT_S)
+        stream = c.generate(PROMPT, max_tokens=LONG, temperature=0, ignore_eos=True)
+        await stream.__anext__()
+        await c.close()
+        with pytest.raises(KVServeError) as err:
+            async for _ in stream:
+                pass
+        return err.value
+
+    assert run(go()).code == "CANCELLED"
+
+
 def test_cancel_by_request_id(model_server) -> None:
     async def go():
         async with AsyncInferenceClient(model_server.address, timeout=RPC_TIMEOUT_S) as c:
