@@ -6,15 +6,38 @@ Mechanism only: up.py says what each child is and what a restart of one means fo
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("kvserve.up")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """What a child runs before its program (Linux): SIGTERM when `up` dies, even by SIGKILL, so
+    that no child goes on serving (and holding its ports and sockets) without its supervisor.
+    Resolved here, in the parent: nothing is imported between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:   # `up` died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
@@ -32,7 +55,7 @@ class Child:
 
     def start(self) -> None:
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
-        self.proc = subprocess.Popen(self.argv, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         self.started_at = time.monotonic()
 
     def exited(self) -> bool:

@@ -159,3 +159,22 @@ def test_mismatched_num_pages_is_a_clear_error(mismatched):
     assert "Traceback" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("kvserve") and "num_pages" in last and "KV-cache manager" in last, last
+
+
+def test_kill_9_of_up_takes_its_children_with_it(tiny_dirs, tmp_path):
+    """`up` killed outright cannot stop its children in order; they must not serve on without it
+    (holding its ports and sockets, so that the next `up` fails)."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                   unix_address(tmp_path), "--device", "cpu", "--num-pages", "64", "--log-level", "warning")
+    kids: list[int] = []
+    try:
+        wait_serving(address, proc)
+        kids = children(proc.pid)
+        assert len(kids) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: not any(alive(p) for p in kids), timeout=30, what="both children to exit")
+    finally:
+        terminate(proc)
+        stop_pids(kids)
