@@ -32,10 +32,17 @@ COMMANDS: dict[str, str] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvserve.services.cli.supervisor import EXIT_CANNOT_LISTEN
+    from kvserve.services.plumbing.address import CannotListen
+
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CannotListen as exc:
+        print(f"kvserve {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
 
 
 def build_parser() -> argparse.ArgumentParser:

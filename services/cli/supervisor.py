@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kvserve.up")
 
 PR_SET_PDEATHSIG = 1
+# A server that cannot listen (its address in use or not permitted) exits with this (services/cli/
+# main.py); it is not started again, since it would only fail the same way.
+EXIT_CANNOT_LISTEN = 3
 
 
 def _die_with_parent(parent: int) -> Callable[[], None] | None:
@@ -105,6 +108,9 @@ class Supervisor:
         """Starts an exited child again after its backoff. Raises RestartLimit."""
         now = time.monotonic()
         reason = child.exit_reason()
+        if child.proc.returncode == EXIT_CANNOT_LISTEN:   # it would fail the same way again
+            raise RestartLimit(f"{child.name} cannot listen on its address (in use, or not permitted; its "
+                               "error is above); stopping the stack")
         if now - child.started_at > STEADY_S:
             child.backoff_s = FIRST_BACKOFF_S
         child.exits.append(now)

@@ -60,6 +60,10 @@ def parse_address(text: str) -> ListenAddress:
     return _parse_tcp(text)
 
 
+class CannotListen(OSError):
+    """A server cannot listen on the address asked for: in use, or not permitted."""
+
+
 def remove_stale_socket(path: str) -> None:
     """Delete a socket file left behind by a server that is gone.
 
@@ -81,7 +85,7 @@ def remove_stale_socket(path: str) -> None:
         return
     finally:
         probe.close()
-    raise OSError(f"unix socket {path} is in use by a running server")
+    raise CannotListen(f"unix socket {path} is in use by a running server")
 
 
 def _parse_unix(text: str) -> ListenAddress:

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.services.plumbing.address import ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.address import CannotListen, ListenAddress, parse_address, remove_stale_socket
 from kvserve.services.plumbing.malformed import RefuseMalformed
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -68,7 +68,7 @@ class RunningServer(NamedTuple):
     addresses: tuple[str, ...] = ()
 
 
-class BindError(OSError):
+class BindError(CannotListen):
     """The server could not listen on the requested address."""
 
 

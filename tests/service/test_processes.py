@@ -111,6 +111,23 @@ def test_up_prefix_cache_hit_equals_transformers(up, hf_tiny):
     assert kv_stats(up.kv_address).prefix_hit_tokens >= 40
 
 
+def test_a_second_up_on_a_busy_port_stops_at_once_saying_so(up):
+    """It does not start its child again and again (each restart would fail the same way), and the
+    first stack is not disturbed."""
+    second = kvserve("up", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", "--kvcache-listen",
+                     up.kv_address, "--device", "cpu", "--num-pages", "64", "--log-level", "warning",
+                     stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = second.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        pytest.fail("the second up kept trying")
+    assert second.returncode != 0
+    assert "cannot listen" in stderr and "Traceback" not in stderr and "starting it again" not in stderr
+    with grpc.insecure_channel(up.address) as ch:
+        assert pb_grpc.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).vocab_size
+
+
 def test_up_sigterm_stops_both_children(up):
     """Runs last in this module: SIGTERM to `up` stops the model service and the manager."""
     kids = up.child_pids
@@ -178,3 +195,4 @@ def test_kill_9_of_up_takes_its_children_with_it(tiny_dirs, tmp_path):
     finally:
         terminate(proc)
         stop_pids(kids)
+
