@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -43,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CannotListen as exc:
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN
+    except KeyboardInterrupt:   # Ctrl-C where a command has nothing of its own to clean up
+        print(f"kvserve {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:

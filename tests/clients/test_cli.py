@@ -154,3 +154,21 @@ def test_help_does_not_import_torch_or_grpc(command: str) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ}, timeout=TIMEOUT_S)
     assert r.stdout.strip().endswith("[]"), r.stdout + r.stderr
+
+
+def test_ctrl_c_while_a_command_waits_on_a_silent_server_is_one_line() -> None:
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()   # connections complete, and nothing ever answers
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli.main", "stats", "--address",
+                                 f"127.0.0.1:{silent.getsockname()[1]}"], stderr=subprocess.PIPE, text=True)
+        time.sleep(3)   # imported and waiting for the server's answer
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130, stderr
+        assert "Traceback" not in stderr and stderr.strip().endswith("kvserve stats: interrupted")
+    finally:
+        silent.close()
