@@ -252,9 +252,9 @@ class Relay:
 
 async def _note_taken(call, mark) -> None:
     """The worker sends its response headers as it takes a request in (or with its first message):
-    from then its load reports count it (Worker.taken)."""
+    from then its load reports count it (Routing.take)."""
     try:
         await call.initial_metadata()
     except (grpc.aio.AioRpcError, asyncio.CancelledError):
         return
-    Worker.taken(mark)
+    mark.take()

@@ -44,6 +44,10 @@ class Routing:
     def __init__(self) -> None:
         self.taken_at = math.inf   # until its response headers come
 
+    def take(self) -> None:
+        """The worker has the call (its response headers came): reports from an interval on count it."""
+        self.taken_at = time.monotonic()
+
 
 @dataclass(eq=False)
 class Worker:
@@ -107,7 +111,7 @@ class Worker:
         self.changed()
 
     def routed(self, prompt_tokens: int) -> Routing:
-        """Counts a request sent here; returns its mark for taken() and ended()."""
+        """Counts a request sent here; returns its mark (Routing.take(), ended())."""
         now = time.monotonic()
         mark = Routing()
         self.routed_at.append(mark)
@@ -116,11 +120,6 @@ class Worker:
         self.prompt_tokens += prompt_tokens
         self.changed()
         return mark
-
-    @staticmethod
-    def taken(mark: Routing) -> None:
-        """The worker has the call (its response headers came): reports from an interval on count it."""
-        mark.taken_at = time.monotonic()
 
     def ended(self, mark: Routing) -> None:
         """A stream routed here ended: no longer pending if no report counted it yet, else one

@@ -18,18 +18,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
+from kvserve.services.plumbing.handlers import like
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
-
-_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-
-
-def _like(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind (streaming or not, each way) running `behaviour`."""
-    return _MAKE[(handler.request_streaming, handler.response_streaming)](
-        behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-
 
 def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `code`."""
@@ -40,7 +31,7 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
         await context.abort(code, message)
         yield  # pragma: no cover  (makes this an async generator, as a streaming handler must be)
 
-    return _like(handler, streaming if handler.response_streaming else unary)
+    return like(handler, streaming if handler.response_streaming else unary)
 
 
 def _service_of(method: str) -> str:
@@ -132,4 +123,4 @@ def _guard_peer(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHand
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
             return await inner(request, context)
 
-    return _like(handler, behaviour)
+    return like(handler, behaviour)

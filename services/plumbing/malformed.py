@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvserve.services.plumbing.handlers import like
+
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 
@@ -88,10 +90,6 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str):
     return once
 
 
-_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-
-
 class RefuseMalformed(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
@@ -102,6 +100,4 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         behaviour = _refusing(handler, f"the request is not a valid {name}: its bytes could not be parsed")
         if behaviour is None:
             return handler
-        return _MAKE[(handler.request_streaming, handler.response_streaming)](
-            behaviour, request_deserializer=tolerant(handler.request_deserializer),
-            response_serializer=handler.response_serializer)
+        return like(handler, behaviour, tolerant(handler.request_deserializer))

@@ -100,7 +100,7 @@ def test_a_routing_stays_the_workers_until_a_report_made_after_the_worker_took_i
     mark = a.routed(40)
     a.loaded(Load(running=0, asked_at=time.monotonic() + 60))   # a report long after: not taken yet
     assert a.pending == 1 and a.active == 1
-    a.taken(mark)
+    mark.take()
     a.loaded(Load(running=0, asked_at=mark.taken_at - 1))       # asked for before the worker took it
     assert a.pending == 1
     a.loaded(Load(running=1, asked_at=mark.taken_at + 0.001))   # made after: it counts the request
