@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from kvserve.clients import convert
-from kvserve.clients.connection import auth_metadata, client_tls
+from kvserve.clients.connection import auth_metadata, channel_options, client_tls
 from kvserve.clients.results import (
     Chunk,
     Completion,
@@ -118,7 +118,7 @@ class AsyncInferenceClient:
         self.timeout = timeout
         self.tls = client_tls(tls)
         self._metadata = auth_metadata(api_key)
-        self._channel = aio_channel(address, self.tls, list(options))
+        self._channel = aio_channel(address, self.tls, channel_options(options))
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     async def close(self) -> None:

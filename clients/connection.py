@@ -7,6 +7,23 @@ from kvserve.services.plumbing.tls import ClientTLS
 
 AUTHORIZATION = "authorization"
 
+# A client pings a connection quiet for 20 s and drops it when 10 s pass without the answer:
+# a frozen server, or a network path gone without a reset, then ends the call UNAVAILABLE
+# instead of holding it forever. kvserve's servers accept pings every 10 s
+# (services/plumbing/grpc_server.py), so these never earn a GOAWAY for pinging too often.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),   # the wait gRPC core really applies to the answer
+)
+
+
+def channel_options(options) -> list[tuple[str, object]]:
+    """The caller's channel options over the keepalive defaults: a key given wins."""
+    given = [tuple(o) for o in options]
+    names = {name for name, _ in given}
+    return [o for o in KEEPALIVE_OPTIONS if o[0] not in names] + given
+
 
 def client_tls(tls: ClientTLS | bool | None) -> ClientTLS | None:
     """None or False: plaintext; True: TLS trusting the system's roots; a ClientTLS: its CA,

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from kvserve.clients import convert
-from kvserve.clients.connection import auth_metadata, client_tls
+from kvserve.clients.connection import auth_metadata, channel_options, client_tls
 from kvserve.clients.results import (
     Chunk,
     Completion,
@@ -122,7 +122,7 @@ class InferenceClient:
         self.timeout = timeout
         self.tls = client_tls(tls)
         self._metadata = auth_metadata(api_key)
-        self._channel = channel(address, self.tls, list(options))
+        self._channel = channel(address, self.tls, channel_options(options))
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     def close(self) -> None:

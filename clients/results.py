@@ -29,6 +29,9 @@ class KVServeError(Exception):
     def from_rpc_error(cls, exc: grpc.RpcError) -> KVServeError:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else None
+        if code == grpc.StatusCode.UNAVAILABLE and details and "ping timeout" in details:
+            details = ("the server stopped answering: a keepalive ping got no reply (the server is "
+                       "frozen, or the network to it is gone)")
         return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
 
 

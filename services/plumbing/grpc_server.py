@@ -39,9 +39,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_OPTIONS: Mapping[str, int] = {
     "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
     "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
-    # Ping idle connections so a vanished peer (killed pod) is noticed in ~40 s.
+    # Ping quiet connections so a vanished or frozen client is noticed in ~40 s and its
+    # requests end. gRPC core waits ping_timeout_ms for the answer, not keepalive_timeout_ms
+    # (without it a frozen peer held its calls for 30 + 60 s; tests/service/test_keepalive.py).
     "grpc.keepalive_time_ms": 30_000,
     "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.http2.ping_timeout_ms": 10_000,
     "grpc.keepalive_permit_without_calls": 1,
     # Accept client keepalive pings this often without answering GOAWAY.
     "grpc.http2.min_ping_interval_without_data_ms": 10_000,
