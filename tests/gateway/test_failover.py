@@ -1,6 +1,6 @@
-"""A worker killed -9 under `kvserve up --workers 2` while greedy streams run through the
-gateway: every stream finishes with the tokens of an undisturbed run, none repeated or missing,
-the streams of the dead worker going on on the other one."""
+"""A worker killed -9, or frozen (SIGSTOP), under `kvserve up --workers 2` while greedy streams
+run through the gateway: every stream finishes with the tokens of an undisturbed run, none
+repeated or missing, the streams of the lost worker going on on the other one."""
 
 from __future__ import annotations
 
@@ -105,3 +105,53 @@ def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fl
     with grpc.insecure_channel(address) as ch:
         stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
     assert sum(w.migrated_away for w in stats.workers) >= 1, stats
+
+
+def serving_workers(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    return sum(w.state == "serving" for w in stats.workers)
+
+
+def migrated(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    return sum(w.migrated_away for w in stats.workers)
+
+
+def busy_model_service(up_pid: int, address: str) -> int:
+    """The pid of a worker that runs some of the streams now, as the gateway sees it."""
+    with grpc.insecure_channel(address) as ch:
+        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    busy = [w.address for w in stats.workers if w.running > 0]
+    assert busy, stats
+    for pid in model_services(up_pid):
+        if busy[0].encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+            return pid
+    raise AssertionError(f"no model service listens on {busy[0]}")
+
+
+def test_a_frozen_worker_is_left_and_its_streams_go_on_elsewhere_with_the_same_tokens(fleet):
+    """SIGSTOP keeps the worker's sockets open and answers nothing: no connection error tells
+    the gateway, only the silence of its load reports."""
+    proc, address = fleet
+    wait_until(lambda: serving_workers(address) == 2, timeout=120, what="two workers serving")
+    prompts = PROMPTS[:4]
+    quiet = [Recorded(address, p) for p in prompts]
+    for r in quiet:
+        assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
+    moved_before = migrated(address)
+    hurt = [Recorded(address, p) for p in prompts]
+    wait_until(lambda: all(len(r.tokens) >= 20 for r in hurt), timeout=60, what="every stream under way")
+    victim = busy_model_service(proc.pid, address)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        for r in hurt:
+            assert r.done.wait(120), "a stream hung on the frozen worker"
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    for q, h in zip(quiet, hurt):
+        assert h.code == grpc.StatusCode.OK, h.code
+        assert h.tokens == q.tokens
+        assert h.kinds().count("finished") == 1
+    assert migrated(address) > moved_before
