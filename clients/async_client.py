@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from kvserve.clients import convert
-from kvserve.clients.connection import auth_metadata, channel_options, client_tls
+from kvserve.clients.connection import auth_metadata, channel_options, check_target, client_tls
 from kvserve.clients.results import (
     Chunk,
     Completion,
@@ -114,6 +114,7 @@ class AsyncInferenceClient:
     def __init__(self, address: str, timeout: float | None = None,
                  options: Sequence[tuple[str, Any]] = (), *, tls: ClientTLS | bool | None = None,
                  api_key: str | None = None) -> None:
+        check_target(address, timeout)
         self.address = address
         self.timeout = timeout
         self.tls = client_tls(tls)

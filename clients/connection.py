@@ -3,7 +3,12 @@ made, so a wrong file or a malformed key fails there with a sentence rather than
 
 from __future__ import annotations
 
+import math
+import re
+
 from kvserve.services.plumbing.tls import ClientTLS
+
+_HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")   # host:port or [v6]:port, not dns:/unix: targets
 
 AUTHORIZATION = "authorization"
 
@@ -16,6 +21,18 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),   # the wait gRPC core really applies to the answer
 )
+
+
+def check_target(address: str, timeout: float | None) -> None:
+    """A port out of range (gRPC would dial it modulo 65536) or a deadline that is not a
+    positive number of seconds is a ValueError here, before any call."""
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError("address is host:port or unix:///path, got nothing")
+    port = _HOST_PORT.match(address.strip())
+    if port and not 0 < int(port.group(1)) <= 65535:
+        raise ValueError(f"address {address}: the port must be in 1..65535")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout is a number of seconds > 0, or None for no deadline; got {timeout!r}")
 
 
 def channel_options(options) -> list[tuple[str, object]]:

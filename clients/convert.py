@@ -160,6 +160,8 @@ def generate_request(
     (the server's default)."""
     if isinstance(stop, str):
         stop = (stop,)
+    if n is not None and not (isinstance(n, int) and n >= 1):   # 0 would read as unset: one sequence
+        raise ValueError(f"n is the number of sequences to sample, at least 1; got {n!r}")
     with _field("top_k, min_p, penalties, stop or stop_token_ids", None):
         sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty, stop=list(stop),

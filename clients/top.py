@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 POLL_TIMEOUT_S = 5.0   # a hung server shows as an error instead of freezing the view
+MAX_INTERVAL_S = 86_400.0   # a day; time.sleep cannot take inf
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -151,8 +152,8 @@ def _poll(client: InferenceClient) -> Sample:
 def run_top(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    if not args.interval > 0:
-        print("kvserve top: --interval must be more than 0 seconds", file=sys.stderr)
+    if not 0 < args.interval <= MAX_INTERVAL_S:
+        print(f"kvserve top: --interval must be more than 0 seconds and at most {MAX_INTERVAL_S:g}", file=sys.stderr)
         return 2
     try:
         client = make_client(args, timeout=POLL_TIMEOUT_S)

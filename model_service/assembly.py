@@ -78,14 +78,19 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if cfg.attention_sink and not window:
         raise ValueError("--attention-sink keeps the first tokens beside a sliding window; this model has none "
                          "on every layer")
-    backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
-                             mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm,
-                             windowed=any(mcfg.layer_windows))
-    multiple = backend.page_size_multiple()
-    page_size = cfg.page_size or backend.default_page_size()
-    if page_size % multiple:
-        raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
-    backend.set_window(window, cfg.attention_sink, page_size, mcfg.layer_windows)
+    try:
+        backend = select_backend(cfg.attention_backend, device, cfg.page_size, dtype,
+                                 mcfg.num_heads * mcfg.head_dim, model.lm_head.gemm,
+                                 windowed=any(mcfg.layer_windows))
+        multiple = backend.page_size_multiple()
+        page_size = cfg.page_size or backend.default_page_size()
+        if page_size % multiple:
+            raise ValueError(f"--page-size {page_size}: the {backend.name} backend needs a multiple of {multiple}")
+        backend.set_window(window, cfg.attention_sink, page_size, mcfg.layer_windows)
+    except RuntimeError as exc:   # a backend asked for by name that cannot run this model here: a config error
+        if cfg.attention_backend == "auto":
+            raise
+        raise ValueError(f"--attention-backend {cfg.attention_backend}: {exc}") from exc
 
     model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # window-capped (config.py)
     if cfg.num_pages is not None:

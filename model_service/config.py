@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.address import is_private
+from kvserve.services.plumbing.address import is_private, parse_address
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -159,6 +159,17 @@ class ModelServiceConfig:
         one_of("cpu_small_linear", ("auto", "off"))
         one_of("preemption_mode", PREEMPTION_MODES)
         one_of("speculative", SPECULATIVE)
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ValueError("--num-pages and --kv-cache-memory both size the page pool; give one")
+        if self.attention_backend == "flash_attn" and self.device == "cpu":
+            raise ValueError("--attention-backend flash_attn runs on CUDA only; on --device cpu choose auto, cpu "
+                             "or torch")
+        for name in ("listen", "health_listen"):
+            if getattr(self, name):
+                try:
+                    parse_address(getattr(self, name))
+                except ValueError as exc:
+                    raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
         if self.trust_tenant_metadata and not self.tls_client_ca and not is_private(self.listen):

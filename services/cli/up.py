@@ -34,7 +34,7 @@ from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
-from kvserve.services.plumbing.address import free_local_port
+from kvserve.services.plumbing.address import free_local_port, parse_address
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
@@ -54,6 +54,10 @@ class UpConfig:
                              "with its own manager on private sockets (0: one model service on --listen)")
 
     def __post_init__(self) -> None:
+        try:
+            parse_address(self.kvcache_listen)
+        except ValueError as exc:
+            raise ValueError(f"--kvcache-listen: {exc}") from None
         if self.max_seqs is not None and self.max_seqs <= 0:
             raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
         if self.startup_timeout_s <= 0:
@@ -111,12 +115,13 @@ class Pair:
         self.manager.start()
         # A restarted model service takes the pool size the manager was started with.
         self.model.argv = cli + ["model", *to_argv(replace(self.config, num_pages=size["num_pages"],
-                                                           page_size=size["page_size"]))]
+                                                           kv_cache_memory=None, page_size=size["page_size"]))]
 
 
 def run(args: argparse.Namespace) -> int:
     up = from_args(UpConfig, args, "kvserve up")
     model_config = from_args(ModelServiceConfig, args, "kvserve up")   # refused here, before anything starts
+    check_together(up, model_config)
     try:
         model_config.check_files()
     except ValueError as exc:
@@ -198,6 +203,17 @@ def run(args: argparse.Namespace) -> int:
                 pair.manager.stop(10)
             if endpoint is not None:
                 endpoint.close()
+
+
+def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
+    """Flags each valid alone that contradict each other: refused (SystemExit) or, where one is
+    merely unused, said."""
+    if up.workers and up.kvcache_listen != KV_LISTEN:
+        log.warning("--kvcache-listen %s is not used: with --workers each worker's manager listens on a private "
+                    "socket (the gateway reads their events through the workers)", up.kvcache_listen)
+    if not up.workers and up.kvcache_listen == model_config.listen:
+        raise SystemExit(f"kvserve up: --listen and --kvcache-listen are both {up.kvcache_listen}; the model "
+                         "service and its manager need an address each")
 
 
 def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict) -> dict | None:

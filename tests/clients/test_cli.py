@@ -71,11 +71,21 @@ def test_generate_reports_a_server_error(model_server) -> None:
     (["hello", "--max-tokens", "-1"], "max_tokens -1 does not fit the request"),
     (["hello", "--seed", "-5"], "seed -5 does not fit the request"),
     (["1 99999999999", "--token-ids"], "token ids must be integers in [0, 2^31), got 99999999999"),
+    (["hello", "-n", "0"], "n is the number of sequences to sample, at least 1; got 0"),
+    (["hello", "--timeout", "-1"], "timeout is a number of seconds > 0, or None for no deadline; got -1.0"),
+    (["hello", "--address", "127.0.0.1:99999"], "address 127.0.0.1:99999: the port must be in 1..65535"),
 ])
 def test_values_no_request_can_carry_are_one_line_and_exit_2(args, said) -> None:
-    r = kvserve("generate", *args, "--address", "127.0.0.1:1")   # refused before any call
+    r = kvserve("generate", "--address", "127.0.0.1:1", *args)   # refused before any call
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"kvserve generate: {said}")
+
+
+@pytest.mark.parametrize("interval", ["0", "inf", "nan"])
+def test_top_refuses_an_interval_it_cannot_sleep(interval) -> None:
+    r = kvserve("top", "--once", "--interval", interval, "--address", "127.0.0.1:1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("kvserve top: --interval must be more than 0 seconds and at most 86400")
 
 
 def test_stdin_that_is_not_utf8_is_one_line_and_exit_2() -> None:

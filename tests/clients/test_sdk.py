@@ -201,6 +201,26 @@ def test_two_inputs_are_refused_before_sending(client: InferenceClient) -> None:
         client.generate(prompt="hi", token_ids=[1, 2])
 
 
+def test_n_below_one_is_refused_before_sending(client: InferenceClient) -> None:
+    with pytest.raises(ValueError, match="n is the number of sequences to sample, at least 1; got 0"):
+        client.generate("hi", n=0)
+
+
+@pytest.mark.parametrize("address, timeout, words", [
+    ("127.0.0.1:65536", None, "the port must be in 1..65535"),
+    ("[::1]:0", None, "the port must be in 1..65535"),
+    ("", None, "address is host:port or unix:///path"),
+    ("127.0.0.1:1", -1, "timeout is a number of seconds > 0"),
+    ("127.0.0.1:1", 0, "timeout is a number of seconds > 0"),
+    ("127.0.0.1:1", float("inf"), "timeout is a number of seconds > 0"),
+])
+def test_an_address_or_deadline_grpc_would_bend_is_refused_when_the_client_is_made(address, timeout, words):
+    from kvserve.clients.async_client import AsyncInferenceClient
+    for cls in (InferenceClient, AsyncInferenceClient):
+        with pytest.raises(ValueError, match=words):
+            cls(address, timeout=timeout)
+
+
 def test_unreachable_server_is_unavailable() -> None:
     with InferenceClient("127.0.0.1:1", timeout=5) as c:
         with pytest.raises(KVServeError) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -30,3 +31,17 @@ def test_cpu_start_runs_one_warm_up_step(tiny_dirs, caplog, num_pages) -> None:
         assert h.stats().used_pages == 0   # the warm-up used a scratch pool, not the served one
     finally:
         h.close()
+
+
+def test_a_backend_named_that_cannot_run_here_is_a_config_error_naming_the_flag(tiny_dirs) -> None:
+    """`kvserve model` turns a ValueError into one line; a RuntimeError was a traceback."""
+    from kvserve.model_service.assembly import build
+    from kvserve.model_service.config import ModelServiceConfig
+
+    cfg = ModelServiceConfig(model=str(tiny_dirs["tiny"]), kvcache="inprocess", device="cpu", dtype="float16",
+                             attention_backend="torch")
+    # float16 is not the cpu kernel's (nor is a CPU without it): refused, naming the flag
+    for backend, words in [("cpu", "--attention-backend cpu: "),
+                           ("flash_attn", "--attention-backend flash_attn runs on CUDA only")]:
+        with pytest.raises(ValueError, match=words):
+            build(dataclasses.replace(cfg, attention_backend=backend))

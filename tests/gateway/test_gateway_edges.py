@@ -7,6 +7,7 @@ wake-ups."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from contextlib import contextmanager
 
@@ -191,6 +192,19 @@ def test_look_intervals_out_of_range_are_refused_at_start():
     for bad in (0.001, 61.0, float("nan")):
         with pytest.raises(ValueError, match="--poll-interval must be from 0.01 to 60 seconds"):
             GatewayConfig(worker=("127.0.0.1:1",), poll_interval_s=bad)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(listen="127.0.0.1"), "--listen: '127.0.0.1': missing port"),
+    (dict(worker=("127.0.0.1",)), "--worker: '127.0.0.1': missing port"),
+    (dict(worker=("127.0.0.1:0",)), "--worker 127.0.0.1:0: a worker is dialled on a port from 1 to 65535"),
+    (dict(workers_dns="workers:99999"), "--workers-dns: 'workers:99999': port 99999 is out of range"),
+])
+def test_addresses_no_one_can_serve_or_dial_are_refused_at_start(flags, words):
+    from kvserve.services.gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        GatewayConfig(**{"worker": ("127.0.0.1:1",), **flags})
 
 
 def test_prompts_and_chats_over_the_character_limit_are_refused_before_tokenizing():

@@ -25,12 +25,20 @@ def _round_trip(cls, config):
     return from_args(cls, parser.parse_args(to_argv(config)))
 
 
-@given(st.builds(ModelServiceConfig, model=TEXT, dtype=st.sampled_from(DTYPES),
-                 attention_backend=st.sampled_from(ATTENTION_BACKENDS), cpu_gemm=st.sampled_from(CPU_GEMMS),
-                 page_size=MAYBE, num_pages=MAYBE, kv_cache_memory=MAYBE, max_num_seqs=POSITIVE,
-                 gpu_memory_utilization=st.floats(0.01, 1.0), swap_pages=st.integers(0, 99), max_model_len=MAYBE,
-                 cache_salt=st.just("") | TEXT, prefix_caching=st.booleans(), grace_s=st.floats(0, 60),
-                 listen=TEXT))
+ADDRESSES = st.sampled_from(["127.0.0.1:0", "0.0.0.0:50051", "[::1]:1", "localhost:65535", "unix:///tmp/a b.sock",
+                             "unix:rel/kv.sock", "worker-0.kvserve.svc:50051"])
+
+
+def _model_configs(num_pages, kv_cache_memory):
+    return st.builds(ModelServiceConfig, model=TEXT, dtype=st.sampled_from(DTYPES),
+                     attention_backend=st.sampled_from(ATTENTION_BACKENDS), cpu_gemm=st.sampled_from(CPU_GEMMS),
+                     page_size=MAYBE, num_pages=num_pages, kv_cache_memory=kv_cache_memory, max_num_seqs=POSITIVE,
+                     gpu_memory_utilization=st.floats(0.01, 1.0), swap_pages=st.integers(0, 99),
+                     max_model_len=MAYBE, cache_salt=st.just("") | TEXT, prefix_caching=st.booleans(),
+                     grace_s=st.floats(0, 60), listen=ADDRESSES)
+
+
+@given(_model_configs(MAYBE, st.none()) | _model_configs(st.none(), MAYBE))   # the pool sized one way at most
 def test_model_service_configs_round_trip(config) -> None:
     assert _round_trip(ModelServiceConfig, config) == config
 

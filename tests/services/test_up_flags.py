@@ -71,6 +71,13 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["up", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
     (["up", "--max-seqs", "-1"], "--max-seqs must be a positive integer, got -1"),
     (["kvcache", "--num-pages", "0"], "num_pages must be a positive integer, got 0"),
+    (["model", "--listen", "127.0.0.1"], "--listen: '127.0.0.1': missing port"),
+    (["up", "--health-listen", "0.0.0.0:70000"], "--health-listen: '0.0.0.0:70000': port 70000 is out of range"),
+    (["up", "--kvcache-listen", "kv"], "--kvcache-listen: 'kv': missing port"),
+    (["up", "--num-pages", "100", "--kv-cache-memory", "1GiB"],
+     "--num-pages and --kv-cache-memory both size the page pool; give one"),
+    (["model", "--attention-backend", "flash_attn", "--device", "cpu"],
+     "--attention-backend flash_attn runs on CUDA only; on --device cpu choose auto, cpu or torch"),
 ])
 def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
     args = _parser().parse_args(argv)
@@ -81,3 +88,30 @@ def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
             from_args(ModelServiceConfig, args)
         else:
             from_args(cls, args)
+
+
+def _together(argv: list[str]) -> None:
+    args = _parser().parse_args(["up", "--model", "tiny", *argv])
+    up.check_together(from_args(up.UpConfig, args), from_args(ModelServiceConfig, args))
+
+
+def test_one_address_for_two_servers_stops_up_before_it_starts_anything():
+    with pytest.raises(SystemExit, match="--listen and --kvcache-listen are both 127.0.0.1:50999"):
+        _together(["--listen", "127.0.0.1:50999", "--kvcache-listen", "127.0.0.1:50999"])
+    _together(["--listen", "127.0.0.1:50998", "--kvcache-listen", "127.0.0.1:50999"])
+
+
+def test_a_manager_address_with_workers_is_said_to_be_unused(caplog):
+    _together(["--workers", "2", "--kvcache-listen", "127.0.0.1:50999"])
+    assert any("--kvcache-listen 127.0.0.1:50999 is not used: with --workers" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_restarted_model_service_takes_the_pool_size_alone(tmp_path, monkeypatch):
+    """A pool sized by --kv-cache-memory is passed on as --num-pages, without the memory flag the
+    two would contradict."""
+    monkeypatch.setattr(up.Child, "start", lambda self: None)
+    pair = up.Pair.make("worker", ["kvserve"], ModelServiceConfig(kv_cache_memory=64 * 2**20), tmp_path, None, None)
+    pair.start_manager(["kvserve"], {"num_pages": 100, "page_size": 16}, None)
+    restarted = from_args(ModelServiceConfig, _parser().parse_args(pair.model.argv[1:]))
+    assert (restarted.num_pages, restarted.page_size, restarted.kv_cache_memory) == (100, 16, None)
