@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             for pair in pairs:
                 pair.model.start()
             for pair in pairs:
-                size = _wait_for_sizing(pair.sizing, pair.model, up.startup_timeout_s, stop)
+                size = _wait_for_sizing(pair.sizing, pair.model, up.startup_timeout_s, stop, supervisor)
                 if size is None:
                     return 1 if stop["signal"] is None else 0
                 pair.start_manager(cli, size, up.max_seqs)
@@ -216,14 +216,19 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
                          "service and its manager need an address each")
 
 
-def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict) -> dict | None:
+def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict, supervisor: Supervisor) -> dict | None:
+    """The pool size the model service writes once loaded. One killed while loading (the OOM
+    killer, kill -9) is started again within --max-restarts (RestartLimit); one that exits by
+    itself refused to start, its error above, and would again: None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and stop["signal"] is None:
         if path.exists():
             return json.loads(path.read_text())
         if model.exited():
-            log.error("the model service %s while starting", model.exit_reason())
-            return None
+            if model.proc.returncode >= 0:
+                log.error("the model service %s while starting", model.exit_reason())
+                return None
+            supervisor.restart(model)
         time.sleep(0.1)
     if stop["signal"] is None:
         log.error("the model service did not size its page pool within %.0f s", timeout)

@@ -7,6 +7,7 @@ Greedy tokens through the processes equal transformers' `generate` while chunked
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -196,3 +197,24 @@ def test_kill_9_of_up_takes_its_children_with_it(tiny_dirs, tmp_path):
         terminate(proc)
         stop_pids(kids)
 
+
+
+def test_a_model_service_killed_while_loading_is_started_again(tiny_dirs, tmp_path):
+    """The OOM killer or a kill -9 during the load is a crash like any other: `up` starts the
+    model service again instead of giving up on the stack."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                   unix_address(tmp_path), "--device", "cpu", "--num-pages", "64", "--log-level", "warning",
+                   stderr=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    try:
+        wait_until(lambda: children(proc.pid), timeout=30, what="the model service to start")
+        [loading] = children(proc.pid)   # the manager starts only once the pool is sized
+        os.kill(loading, signal.SIGKILL)
+        wait_serving(address, proc)
+        kids = children(proc.pid)
+        assert loading not in kids and len(kids) == 2
+    finally:
+        terminate(proc)
+        stop_pids(kids)
+    assert "the model service was killed by SIGKILL; starting it again" in proc.stderr.read()
