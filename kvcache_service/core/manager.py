@@ -13,6 +13,7 @@ kvcache_service/README.md and docs/architecture.md.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 
 from kvserve.kvcache_service.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -34,6 +35,8 @@ from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.kvcache_service.core.events import EventLog
 from kvserve.kvcache_service.core.state import ManagerState
 from kvserve.kvcache_service.core.step import run_step
+
+MAX_EPOCH_LEAD_NS = 86_400 * 10**9   # how far ahead of this host's clock a registered epoch may be
 
 
 class KVCacheManager:
@@ -62,6 +65,11 @@ class KVCacheManager:
         instance must not wipe the live one's state)."""
         if epoch <= 0:
             raise InvalidArgument(f"register: epoch must be positive, got {epoch}")
+        if epoch > time.time_ns() + MAX_EPOCH_LEAD_NS:
+            # A model service's epoch is the time it registers (engine/manager_link.py); one far
+            # ahead would outrank every restart after it, and the manager would serve no one again.
+            raise InvalidArgument(f"register: epoch {epoch} is more than a day ahead of this host's clock; an "
+                                  "epoch is the registering model service's time in nanoseconds")
         if epoch < self.state.epoch:
             raise FailedPrecondition(
                 f"register: epoch {epoch} is older than the live epoch {self.state.epoch}: a newer model "

@@ -41,7 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.kvcache_service.contract.client import KVClient
-from kvserve.kvcache_service.contract.errors import AlreadyExists, FailedPrecondition, ManagerUnavailable, NotFound
+from kvserve.kvcache_service.contract.errors import (AlreadyExists, FailedPrecondition, InvalidArgument,
+                                                     ManagerUnavailable, NotFound)
 from kvserve.kvcache_service.contract.types import StepPlan, StepRequest
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
@@ -244,8 +245,8 @@ class Engine:
                         self._lose_manager(exc)
                     else:
                         self._diverged(exc)
-                except (NotFound, AlreadyExists) as exc:   # the manager's tables are no longer ours
-                    self._diverged(exc)
+                except (NotFound, AlreadyExists, InvalidArgument) as exc:   # the manager's tables are no
+                    self._diverged(exc)                                      # longer ours (truncated)
                 except Exception:
                     self._internal_error("the engine step failed")
             else:

@@ -197,6 +197,11 @@ def release_a_live_sequence(manager) -> None:
     manager.release(min(manager.state.seqs))
 
 
+def truncate_a_live_sequence(manager) -> None:
+    seq_id = max(manager.state.seqs, key=lambda i: len(manager.state.seqs[i].tokens))
+    manager.truncate(seq_id, len(manager.state.seqs[seq_id].tokens) // 2)
+
+
 def admit_a_foreign_request(request_id: str):
     def meddle(manager) -> None:
         manager.allocate(Admit(request_id=request_id, token_ids=[5, 6, 7]))
@@ -204,12 +209,13 @@ def admit_a_foreign_request(request_id: str):
 
 
 @pytest.mark.parametrize("meddle", [release_a_live_sequence, lambda manager: manager.reset(),
-                                    admit_a_foreign_request("req-8")],
-                         ids=["release", "reset", "foreign-request-id"])
+                                    admit_a_foreign_request("req-8"), truncate_a_live_sequence],
+                         ids=["release", "reset", "foreign-request-id", "truncate"])
 def test_a_manager_changed_from_outside_changes_no_token(tiny_dirs, meddle):
-    """Another client of the manager's API releases a live sequence, resets the manager, or
-    admits a sequence under the id a waiting request will have: the Step refused over it
-    (NOT_FOUND, ALREADY_EXISTS) is met as a restart, not by failing every request."""
+    """Another client of the manager's API releases a live sequence, resets the manager, admits a
+    sequence under the id a waiting request will have, or truncates a live sequence: the Step
+    refused over it (NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT) is met as a restart, not by
+    failing every request."""
     model = tiny_dirs["tiny"]
     config = {"max_num_seqs": 3}   # req-8 waits while the first requests run
     undisturbed, _, _ = run(model, temperature=0.0, config=config)

@@ -320,6 +320,21 @@ def test_a_new_epoch_resets_and_a_stale_one_is_refused():
         m.register(9, 8, 16)
 
 
+def test_an_epoch_far_ahead_of_the_clock_is_refused_so_a_restart_can_always_register():
+    """Epochs are registration times: one a day ahead would outrank every model service started
+    after it (each registers max(now, live + 1)), and no restart could serve again."""
+    import time
+
+    m = make()
+    m.register(8, PS, 16)
+    with pytest.raises(InvalidArgument, match="is more than a day ahead of this host's clock"):
+        m.register(2**64 - 1, PS, 16)
+    assert m.epoch == 8
+    now = time.time_ns()
+    assert m.register(now + 3600 * 10**9, PS, 16) is True        # an hour's skew is taken
+    assert m.register(max(time.time_ns(), m.epoch + 1), PS, 16) is True   # and a restart still outranks it
+
+
 def test_epochs_only_move_forward():
     """A stale model service (an older epoch) is refused and the live one's state is untouched."""
     m = make()
