@@ -46,6 +46,7 @@ class Fleet:
         self._prompt_tokens_seen = 0
         self.migrations = 0   # streams moved off a failed worker
         self.generated_tokens = 0   # streamed to this gateway's clients
+        self.ended = {"finished": 0, "aborted": 0, "failed": 0}   # this gateway's streams, by how they ended
         self._requests_seen = 0
 
     # ------------------------------------------------------------ membership

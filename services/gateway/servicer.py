@@ -24,6 +24,10 @@ from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+# How a stream the gateway took can fail (no worker, its worker lost past --migration-limit, a
+# worker's fault), as a worker counts its requests_failed
+FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
@@ -61,17 +65,22 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             await context.abort(exc.code, exc.message)
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[tenant, request_id] = relay
+        ended = "aborted"   # unless it runs to its end: the client went away
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
             async with aclosing(relay.run(context.time_remaining)) as responses:
                 async for response in responses:
                     yield response
-        except Refused as exc:
+            ended = "aborted" if relay.cancelled else "finished"
+        except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed
+            ended = "failed" if exc.code in FAULTS else None
             if exc.trailers:
                 context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)
         finally:
             del self.relays[tenant, request_id]
+            if ended is not None:
+                self.fleet.ended[ended] += 1
             self.fleet.queue.stream_ended()
 
     def _tenant(self, context) -> str:
@@ -135,9 +144,11 @@ class GatewayServicer(pb_grpc.InferenceServicer):
     def _stats(self) -> pb.ServerStats:
         workers = list(self.fleet.workers.values())
         not_serving = self._not_serving()
+        ended = self.fleet.ended
         out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()),
-                             generated_tokens=self.fleet.generated_tokens, serving=not not_serving,
-                             not_serving=not_serving)
+                             generated_tokens=self.fleet.generated_tokens, requests_finished=ended["finished"],
+                             requests_aborted=ended["aborted"], requests_failed=ended["failed"],
+                             serving=not not_serving, not_serving=not_serving)
         for w in workers:
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running

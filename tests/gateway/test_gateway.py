@@ -196,6 +196,8 @@ def test_cancel_through_the_gateway_ends_the_stream_and_frees_the_workers_pages(
     except grpc.RpcError as exc:
         err = exc
     assert err is not None and err.code() == grpc.StatusCode.NOT_FOUND
+    stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (0, 1, 0)
 
 
 def test_a_dropped_client_frees_the_workers_pages(two_workers):
@@ -212,6 +214,8 @@ def test_a_dropped_client_frees_the_workers_pages(two_workers):
     for w in fleet.workers:
         wait_until(lambda: w.manager.manager.stats().used_pages == 0, timeout=max(0.1, deadline - time.monotonic()),
                    what="the worker's pages freed")
+    wait_until(lambda: fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).requests_aborted == 1,
+               what="the stream counted as aborted")
 
 
 def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
@@ -224,6 +228,7 @@ def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
         stats = client.server_stats()
     assert {w.address for w in stats.workers} == {w.address for w in fleet.workers}
     assert sum(w.requests_routed for w in stats.workers) == 1
+    assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (1, 0, 0)
     assert main(["stats", "--address", fleet.gateway.address]) == 0
     out = capsys.readouterr().out
     assert all(w.address in out for w in fleet.workers) and "serving" in out and "epoch" in out
@@ -236,6 +241,8 @@ def test_with_no_worker_serving_a_request_waits_then_ends_unavailable(tiny_dirs)
         s = Streamed(fleet.stub, request(token_ids=SYSTEM, **greedy(2)))
         assert s.done.wait(30), "the request hung"
         assert s.code == grpc.StatusCode.UNAVAILABLE and s.positions == [1]
+        stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (0, 0, 1)
 
 
 def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavailable(two_workers):
