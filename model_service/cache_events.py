@@ -9,38 +9,70 @@ a handful of gateways, and each event is a few hashes.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.services.plumbing.grpc_server import MAX_MESSAGE_BYTES
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVCacheEvents"].full_name
+SHUTTING_DOWN = "this worker is shutting down: its event stream ends here"
 
 
 class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
     def __init__(self, kvcache: str, tls: ClientTLS | None = None, token: str = "") -> None:
         """`kvcache`: the manager's address, or "inprocess" (then there is nothing to relay);
         `token`: its admin token, for a manager beyond this pod (WatchEvents shows its pages)."""
-        self._channel = None if kvcache == "inprocess" else aio_channel(kvcache, tls)
+        self._channel = None if kvcache == "inprocess" else aio_channel(kvcache, tls, [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])   # a snapshot of a large cache is one message
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._calls: set = set()
+        self._closing = False
 
     async def WatchEvents(self, request, context):
         if self._channel is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker's KV-cache manager runs in-process (--kvcache inprocess) and "
                                 "publishes no events; run it as its own process for a gateway to follow its cache")
+        if self._closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         call = kv_pb_grpc.KVCacheManagerStub(self._channel).WatchEvents(request, metadata=self._metadata)
+        self._calls.add(call)
         try:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"this worker's KV-cache manager stopped its event stream ({exc.code().name}: "
-                                f"{exc.details()}); subscribe again with a snapshot")
+            if not self._closing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"this worker's KV-cache manager stopped its event stream ({exc.code().name}: "
+                                    f"{exc.details()}); subscribe again with a snapshot")
+        except asyncio.CancelledError:   # close() ended the upstream call; anything else goes on up
+            if not self._closing or _being_cancelled():
+                raise
         finally:
+            self._calls.discard(call)
             call.cancel()
+        if self._closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        """Ends every relayed stream UNAVAILABLE (before the server stops, which would cancel
+        them with an error logged for each), then the channel to the manager."""
+        if self._closing or self._channel is None:
+            return
+        self._closing = True
+        for call in list(self._calls):
+            call.cancel()
+        for _ in range(100):   # each handler returns once it has its status out
+            if not self._calls:
+                break
+            await asyncio.sleep(0.01)
+        await self._channel.close()
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

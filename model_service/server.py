@@ -101,6 +101,8 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     stop_at = loop.time() + 5.0
     while servicer.open_streams and loop.time() < stop_at:
         await asyncio.sleep(0.02)
+    if servicer.cache_events is not None:   # a gateway's event stream ends UNAVAILABLE, not cancelled
+        await servicer.cache_events.close()
     await running.server.stop(LAST_MESSAGES_S)
 
 

@@ -61,3 +61,21 @@ def test_a_worker_with_an_in_process_manager_has_no_events_to_relay(model_server
         stub = kv_pb_grpc.KVCacheEventsStub(ch)
         err = rpc_error(lambda: stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=10))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "in-process" in err.details()
+
+
+def test_a_drain_ends_the_relayed_stream_unavailable_without_an_error_logged(worker, caplog):
+    """The server's stop would cancel a stream still open at its end, and grpc logs each such
+    cancel as an unhandled exception at ERROR."""
+    import asyncio
+
+    from kvserve.model_service.server import drain
+
+    manager, model = worker
+    with grpc.insecure_channel(model.address) as ch:
+        events = kv_pb_grpc.KVCacheEventsStub(ch).WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
+        next(events)   # the snapshot: the stream is open
+        asyncio.run_coroutine_threadsafe(drain(model.running, model.servicer, 1.0), model.loop).result(30)
+        err = rpc_error(lambda: list(events))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details() == "this worker is shutting down: its event stream ends here"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
