@@ -57,7 +57,7 @@ from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
-from kvserve.model_service.engine.scheduler import Scheduler, SchedulerConfig, Work
+from kvserve.model_service.engine.scheduler import HeldElsewhere, Scheduler, SchedulerConfig, Work
 from kvserve.model_service.engine.speculation import NgramDrafter, accepted_prefix
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.sampler import make_generator, seeded_for
@@ -245,8 +245,8 @@ class Engine:
                         self._lose_manager(exc)
                     else:
                         self._diverged(exc)
-                except (NotFound, AlreadyExists, InvalidArgument) as exc:   # the manager's tables are no
-                    self._diverged(exc)                                      # longer ours (truncated)
+                except (NotFound, AlreadyExists, InvalidArgument, HeldElsewhere) as exc:   # the manager's
+                    self._diverged(exc)                           # tables are no longer ours (truncated)
                 except Exception:
                     self._internal_error("the engine step failed")
             else:

@@ -92,6 +92,10 @@ class Proposal:
     asks: list[Ask]
 
 
+class HeldElsewhere(Exception):
+    """The manager's seq ids or pages are taken by sequences this engine never had."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, epoch: int = 0, preemptions: dict[str, int] | None = None,
                  drafter: NgramDrafter | None = None) -> None:
@@ -294,6 +298,7 @@ class Scheduler:
         request already moved to where the step leaves it (the next proposal starts there)."""
         results = iter(plan.results)
         work: list[Work] = []
+        refused = ""   # why an admission was not granted
         self.available_pages = plan.available_pages
         recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
@@ -311,6 +316,8 @@ class Scheduler:
             if not result.granted:
                 if type(ask.need) is Fork:   # no pages for it: forks never preempt, and the parent
                     self._alone(r)           # must not wait for pages other parents may hold
+                elif r.status is Status.WAITING:
+                    refused = refused or result.reason
                 continue
             if type(ask.need) is Fork:
                 self._forked(r, result, ask.need.num_tokens - 1)
@@ -338,6 +345,11 @@ class Scheduler:
                 count = min(result.num_tokens, r.compute_end - result.cached_tokens)  # a parent stops at its fork
                 if count > 0:
                     work.append(Work(r, result.cached_tokens, count))
+        if refused and not self.by_seq and not self._releases:
+            # Every seq id and page there is free or cached as far as this engine goes, and still
+            # none for a request: another client of the manager's API holds them.
+            raise HeldElsewhere(f"the KV-cache manager refused an admission ({refused}) while it holds no "
+                                "sequence of this engine's")
         # A parent computes its last prompt token only in a step that forked its last child.
         work = [w for w in work if w.request.fork_at is None or w.start < w.request.fork_at
                 or self._fork_done(w.request)]

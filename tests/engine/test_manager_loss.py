@@ -202,6 +202,11 @@ def truncate_a_live_sequence(manager) -> None:
     manager.truncate(seq_id, len(manager.state.seqs[seq_id].tokens) // 2)
 
 
+def hold_every_seq_id(manager) -> None:
+    for i in range(len(manager.state.seq_ids.free_ids())):
+        manager.allocate(Admit(request_id=f"held-{i}", token_ids=[5, 6, 7]))
+
+
 def admit_a_foreign_request(request_id: str):
     def meddle(manager) -> None:
         manager.allocate(Admit(request_id=request_id, token_ids=[5, 6, 7]))
@@ -229,6 +234,24 @@ def test_a_manager_changed_from_outside_changes_no_token(tiny_dirs, meddle):
     assert counters.manager_losses == 1 and counters.failed == 0
     for i, (a, b) in enumerate(zip(outcomes, undisturbed)):
         assert a.tokens == b.tokens, f"request {i}: the meddling changed its tokens"
+    assert stats.used_pages == 0 and stats.num_sequences == 0
+
+
+def test_seq_ids_held_by_another_client_are_taken_back(tiny_dirs):
+    """Another client of the manager's API takes every seq id before the engine's first Step: the
+    admission refused while the manager holds nothing of this engine's is met as divergence (a
+    new epoch frees them), not by waiting forever with health saying SERVING."""
+    model = tiny_dirs["tiny"]
+    undisturbed, _, _ = run(model, temperature=0.0)
+    wrap, box = flaky()
+
+    def wrap_and_hold(inner):
+        kv = wrap(inner)
+        kv.meddle_at_steps = {1: hold_every_seq_id}
+        return kv
+    outcomes, stats, counters = run(model, wrap_kv=wrap_and_hold, temperature=0.0)
+    assert counters.manager_losses == 1 and counters.failed == 0
+    assert [o.tokens for o in outcomes] == [o.tokens for o in undisturbed]
     assert stats.used_pages == 0 and stats.num_sequences == 0
 
 
