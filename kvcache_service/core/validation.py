@@ -156,6 +156,12 @@ def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, ava
 
 def validate_step(state: ManagerState, req: StepRequest) -> None:
     """Checks the whole request against the state it will meet, before any change."""
+    most = state.seq_ids.max_seqs   # each entry names a distinct sequence: more cannot be valid
+    for what, entries in (("releases", req.releases), ("truncations", req.truncations), ("commits", req.commits),
+                          ("slides", req.slides), ("needs", req.needs)):
+        if len(entries) > most:
+            raise InvalidArgument(f"step: {len(entries)} {what}, more than the {most} sequences the manager "
+                                  "holds at once")
     released = set()
     gained = 0  # pages the releases make available (freed or parked) before the truncations run
     ref = state.pool.ref

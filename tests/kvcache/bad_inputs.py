@@ -26,6 +26,7 @@ from tests.kvcache.invariants import check_invariants, snapshot
 BAD_INPUTS = {
     "stale epoch": None, "unknown release": None, "admit empty": None,
     "admit negative token": None, "admit token too big": None, "admit max_tokens 0": None,
+    "more needs than sequences": None,
     "admit twice in a step": None, "unknown grow": None, "fork empty rid": None,
     "register epoch 0": None, "register page_size": None, "register num_pages": None,
     "match empty": None, "resolve unknown request": None, "allocate unknown": None,
@@ -78,6 +79,8 @@ def bad_call(m: KVCacheManager, kind: str, sid: int | None, releases: list[int],
             "admit negative token": (step(needs=[Admit(new_rid, [1, -1])]), InvalidArgument),
             "admit token too big": (step(needs=fine + [Admit(new_rid, [2**31])]), InvalidArgument),
             "admit max_tokens 0": (step(needs=[Admit(new_rid, [1], max_tokens=0)]), InvalidArgument),
+            "more needs than sequences": (step(needs=[Admit(f"{new_rid}-{i}", [1])
+                                                      for i in range(m.state.seq_ids.max_seqs + 1)]), InvalidArgument),
             "admit twice in a step": (step(needs=[Admit(new_rid, [1]), Admit(new_rid, [2])]),
                                       AlreadyExists),
             "unknown grow": (step(needs=fine + [Grow(unknown, 1)]), NotFound),
