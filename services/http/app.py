@@ -20,9 +20,12 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import HttpError, Reply, chat_request, completion_request
+from kvserve.services.http.translate import HttpError, Reply, request_of, shown
 
 log = logging.getLogger(__name__)
+
+BODY_TIMEOUT_S = 30.0       # from the headers to the body's last byte
+MAX_AUTHORIZATION = 4096    # characters of an Authorization header: far over any key
 
 HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
            grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -60,22 +63,35 @@ class Front:
 
     @staticmethod
     def metadata(request: Request) -> tuple:
+        """The client's Authorization header as gRPC metadata. One that no key can be (not
+        printable ASCII, or longer than any) is a 401 here: gRPC refuses to send it."""
         auth = request.headers.get("authorization")
-        return (("authorization", auth),) if auth else ()
+        if not auth:
+            return ()
+        if len(auth) > MAX_AUTHORIZATION or not all(32 <= ord(c) <= 126 for c in auth):
+            raise HttpError(401, "the Authorization header is malformed: it is `Bearer KEY`, printable ASCII, at "
+                                 f"most {MAX_AUTHORIZATION} characters", "authentication_error")
+        return (("authorization", auth),)
 
     async def body(self, request: Request) -> dict:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise HttpError(413, f"the request body is larger than {self.max_body_bytes} bytes")
         chunks, size = [], 0
-        try:
+
+        async def read() -> None:
+            nonlocal size
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > self.max_body_bytes:
                     raise HttpError(413, f"the request body is larger than {self.max_body_bytes} bytes")
                 chunks.append(chunk)
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
         except ClientDisconnect:
             raise HttpError(499, "the client went away", "cancelled") from None
+        except asyncio.TimeoutError:   # a client that declares a body and sends less holds a connection
+            raise HttpError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
         try:
             body = json.loads(b"".join(chunks) or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
@@ -103,6 +119,8 @@ class Front:
     async def models(self, request: Request) -> Response:
         try:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata(request), timeout=30)
+        except HttpError as err:
+            return error_response(err)
         except grpc.aio.AioRpcError as exc:
             return error_response(from_rpc(exc))
         self.model_name = info.name
@@ -119,21 +137,20 @@ class Front:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         try:
+            metadata = self.metadata(request)
             body = await self.body(request)
-            msg = completion_request(body) if kind == "completion" else chat_request(body)
+            msg = request_of(kind, body)
             model = await self.model(request)
             asked = body.get("model")
             if asked not in (None, "", model):
-                raise HttpError(404, f"the model `{asked}` does not exist; this server serves `{model}`",
+                raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
                                 "not_found_error", "model", "model_not_found")
-            if "user" in body and isinstance(body["user"], str):
-                msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
-            call = self.stub.Generate(msg, metadata=self.metadata(request))
-            reply = Reply(kind, model, msg.sampling.n or 1)
+            call = self.stub.Generate(msg, metadata=metadata)
             stream = body.get("stream") is True
             options = body.get("stream_options") or {}
             events = self._events(call)
             first = await anext(events, None)   # errors before the first event get their HTTP status
+            reply = Reply(kind, model, msg.sampling.n or 1)   # once the server took n: it bounds it
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import defaultdict
 from typing import Any
 
 from kvserve.inference.v1 import inference_pb2 as pb
@@ -87,9 +88,33 @@ def sampling(body: dict) -> pb.SamplingParams:
     repetition = _number(body, "repetition_penalty", float, 0)
     if repetition is not None:
         out.repetition_penalty = repetition
+    for name in ("ignore_eos", "stream"):
+        if body.get(name) not in (None, True, False):
+            raise HttpError(400, f"'{name}' must be true or false", param=name)
     if body.get("ignore_eos") is True:
         out.ignore_eos = True
     return out
+
+
+def request_of(kind: str, body: dict) -> pb.GenerateRequest:
+    """The Generate message of a completion or chat body. A string holding a lone surrogate
+    (JSON allows the escape "\\ud800"; no UTF-8 text holds one) is a 400, not protobuf's error."""
+    try:
+        msg = completion_request(body) if kind == "completion" else chat_request(body)
+        if "user" in body and isinstance(body["user"], str):
+            msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
+    except UnicodeEncodeError:
+        raise HttpError(400, "a string in the body holds a lone UTF-16 surrogate (such as \\ud800), which is "
+                             "not text") from None
+    return msg
+
+
+def shown(value) -> str:
+    """A client's value inside a message: a string as it is (a lone surrogate escaped, so the
+    JSON error can be encoded), anything else by its JSON type."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"a JSON {type(value).__name__}"
 
 
 def completion_request(body: dict) -> pb.GenerateRequest:
@@ -151,7 +176,7 @@ class Reply:
         self.n = n
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text: dict[int, list[str]] = {i: [] for i in range(n)}
+        self.text: dict[int, list[str]] = defaultdict(list)   # by the sequences that sent text
         self.finish_reason: dict[int, str] = {}
         self.usage: dict | None = None
 

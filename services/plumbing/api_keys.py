@@ -45,9 +45,11 @@ class ApiKeys:
         try:
             if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
                 raise ValueError(f"API key file {self.path!r} is larger than {MAX_KEY_FILE_BYTES >> 20} MiB")
-            text = Path(self.path).read_text()
+            text = Path(self.path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {self.path!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"the API key file {self.path!r} is not UTF-8 text (byte {exc.start})") from None
         tenants: dict[str, str] = {}
         for number, line in enumerate(text.splitlines(), 1):
             fields = line.split("#", 1)[0].split()

@@ -208,3 +208,74 @@ def test_a_client_that_leaves_cancels_its_request(front, stream):
     conn.close()
     wait_until(lambda: engine.num_live() == 0, timeout=30, what="the request gone")
     assert engine.counters.aborted == aborted + 1   # cancelled, not run to its 1,900 tokens
+
+
+def _post(front, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a raw POST; http.client sends header values as given (latin-1)."""
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", r'{"prompt": "\ud800", "max_tokens": 2}'),
+    ("/v1/completions", r'{"prompt": "hi", "stop": "\udfff"}'),
+    ("/v1/completions", r'{"prompt": "hi", "user": "\ud800"}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "x"}]}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\udc80"}]}'),
+])
+def test_a_lone_surrogate_in_a_string_is_a_400_not_a_traceback(front, path, body, caplog):
+    status, answer = _post(front, path, body.encode())
+    assert status == 400 and "lone UTF-16 surrogate" in answer["error"]["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_an_unknown_model_is_named_in_the_404_whatever_it_holds(front, model):
+    status, answer = _post(front, "/v1/completions", rb'{"prompt": "hi", "model": "x\ud800"}')
+    assert status == 404 and "the model `x\\ud800` does not exist" in answer["error"]["message"]
+    status, answer = _post(front, "/v1/completions", b'{"prompt": "hi", "model": ["x"]}')
+    assert status == 404 and "the model `a JSON list` does not exist" in answer["error"]["message"]
+
+
+def test_flags_that_are_not_booleans_are_a_400(front):
+    for name in ("stream", "ignore_eos"):
+        status, answer = _post(front, "/v1/completions", json.dumps({"prompt": "hi", name: "yes"}).encode())
+        assert status == 400 and answer["error"]["message"] == f"'{name}' must be true or false"
+
+
+def test_a_huge_n_is_refused_by_the_server_before_the_front_builds_anything(front):
+    """n is bounded by the server's --max-n; the front used to make a list per choice first (an
+    n of 2^32-1 took the process's memory)."""
+    status, answer = _post(front, "/v1/completions", b'{"prompt": "hi", "n": 4294967295, "max_tokens": 2}')
+    assert status == 400 and "n" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("value", ["Bearer key\xe9", "bearer\tkey", "Bearer " + "k" * 5000])
+def test_an_authorization_header_no_key_can_be_is_a_401(front, value):
+    status, answer = _post(front, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}',
+                           {"authorization": value})
+    assert status == 401 and "the Authorization header is malformed" in answer["error"]["message"]
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/v1/models", headers={"authorization": value})
+    assert conn.getresponse().status == 401
+    conn.close()
+
+
+def test_a_body_that_stops_coming_is_a_408(front, monkeypatch):
+    from kvserve.services.http import app
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 1.0)
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{\"pro")
+        answer = b""
+        while b"did not arrive" not in answer and (chunk := s.recv(4096)):   # headers and body may part
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer

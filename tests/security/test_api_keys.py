@@ -136,6 +136,9 @@ def test_keys_are_read_again_and_a_broken_file_keeps_those_in_force(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             ApiKeys(str(path))
+    path.write_bytes(b"\xffkey alpha\n")
+    with pytest.raises(ValueError, match=r"the API key file '.*keys' is not UTF-8 text \(byte 0\)"):
+        ApiKeys(str(path))
 
 
 def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(tiny_dirs, tmp_path):
