@@ -16,6 +16,7 @@ import ssl
 import tempfile
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvserve.services.http.app import make_app
 from kvserve.services.plumbing.address import parse_address
@@ -28,6 +29,40 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield   # the process's own signal handling drains it (wait_for_signal), not uvicorn's
+
+
+HEADERS_TIMEOUT_S = 30.0   # from a connection's start, or a request's first byte, to its last header
+
+
+class _HeadersInTime(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection that is not in a request and has not
+    sent a whole request head within HEADERS_TIMEOUT_S: uvicorn times out only the idle wait after
+    a response, so a client that opens connections and sends nothing, or a header a byte at a
+    time, held each one (its socket and memory) forever."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_due = self.loop.call_later(HEADERS_TIMEOUT_S, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        in_request = self.cycle is not None and not self.cycle.response_complete
+        if in_request and self._head_due is not None:
+            self._head_due.cancel()
+            self._head_due = None
+        elif not in_request and self._head_due is None:   # the first bytes of the next request
+            self._head_due = self.loop.call_later(HEADERS_TIMEOUT_S, self._too_slow)
+
+    def connection_lost(self, exc) -> None:
+        if self._head_due is not None:
+            self._head_due.cancel()
+            self._head_due = None
+        super().connection_lost(exc)
+
+    def _too_slow(self) -> None:
+        self._head_due = None
+        if not (self.cycle is not None and not self.cycle.response_complete):
+            self.transport.close()
 
 
 class PrivateSocket:
@@ -71,7 +106,7 @@ class HttpFront:
         sock.setblocking(False)
         channel = aio_channel(target, None, [("grpc.max_receive_message_length", 64 << 20)])
         config = uvicorn.Config(make_app(channel, max_body_bytes), log_level="warning", lifespan="off",
-                                access_log=False, timeout_graceful_shutdown=5,
+                                access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))
         server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name="http front")

@@ -279,3 +279,22 @@ def test_a_body_that_stops_coming_is_a_408(front, monkeypatch):
         while b"did not arrive" not in answer and (chunk := s.recv(4096)):   # headers and body may part
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
+
+
+def test_connections_that_send_no_whole_request_head_are_closed(front, monkeypatch):
+    """Nothing at all, or a head that stops halfway: each held a socket forever."""
+    from kvserve.services.http import server
+
+    monkeypatch.setattr(server, "HEADERS_TIMEOUT_S", 1.0)
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as silent, \
+            socket.create_connection((host, int(port)), timeout=30) as halfway:
+        halfway.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        assert silent.recv(1) == b"" and halfway.recv(1) == b""   # closed by the server
+    # a kept-alive connection's next requests are served as before
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    for _ in range(3):
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
+    conn.close()
