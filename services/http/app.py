@@ -143,6 +143,7 @@ class Front:
             model = await self.model(request)
             asked = body.get("model")
             if asked not in (None, "", model):
+                await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
                 raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
                                 "not_found_error", "model", "model_not_found")
             call = self.stub.Generate(msg, metadata=metadata)

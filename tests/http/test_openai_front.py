@@ -152,6 +152,9 @@ def test_keys_are_bearer_tokens_over_http(tiny_dirs, tmp_path):
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens > 0
         assert other.usage.prompt_tokens_details.cached_tokens == 0   # beta never sees alpha's pages
+        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as c:   # the served model's name
+            with pytest.raises(openai.AuthenticationError, match="unknown API key"):   # is not told without a key
+                c.completions.create(model="another", prompt=prompt, max_tokens=2)
     finally:
         server.stop()
 
