@@ -3,8 +3,8 @@
 The manager listens where only its model service reaches it (a Unix socket in the pod); its
 event stream is what a gateway needs to know this worker's cache. Relaying it here keeps the
 manager's write RPCs private, needs no second port, and lets a gateway that knows a worker's
-address find its events at the same address. One upstream stream per subscriber: a fleet has
-a handful of gateways, and each event is a few hashes.
+address find its events at the same address. One upstream stream per subscriber, at most
+MAX_STREAMS at once: a fleet has a handful of gateways, and each event is a few hashes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVCacheEvents"].full_name
 SHUTTING_DOWN = "this worker is shutting down: its event stream ends here"
+MAX_STREAMS = 64   # relayed at once: a fleet has a handful of gateway replicas, each following once
 
 
 class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
@@ -31,6 +32,7 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._calls: set = set()
         self._closing = False
+        self.max_streams = MAX_STREAMS
 
     async def WatchEvents(self, request, context):
         if self._channel is None:
@@ -39,6 +41,10 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
                                 "publishes no events; run it as its own process for a gateway to follow its cache")
         if self._closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        if len(self._calls) >= self.max_streams:   # each is a stream at the manager, every event sent to each
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this worker already relays {self.max_streams} event streams, as many as it "
+                                "serves at once; a gateway needs one")
         call = kv_pb_grpc.KVCacheManagerStub(self._channel).WatchEvents(request, metadata=self._metadata)
         self._calls.add(call)
         try:

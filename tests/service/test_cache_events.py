@@ -15,7 +15,7 @@ from kvserve.kvcache_service.contract.hashing import extra_key_digest, page_hash
 from kvserve.kvcache_service.core import ManagerConfig
 from tests.kvcache.conftest import ServerThread
 from tests.service.conftest import ModelServerThread
-from tests.service.util import generate, greedy, request, rpc_error
+from tests.service.util import generate, greedy, request, rpc_error, wait_until
 
 PROMPT = list(range(10, 31))   # 21 tokens: 5 full pages of 4
 
@@ -79,3 +79,21 @@ def test_a_drain_ends_the_relayed_stream_unavailable_without_an_error_logged(wor
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert err.details() == "this worker is shutting down: its event stream ends here"
     assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
+def test_event_streams_past_the_limit_are_refused_resource_exhausted(worker):
+    """Each relayed stream is one at the manager, and every event goes to each: a client that
+    opens them by the hundred and never reads them is refused past MAX_STREAMS."""
+    manager, model = worker
+    model.servicer.cache_events.max_streams = 1
+    with grpc.insecure_channel(model.address) as ch:
+        stub = kv_pb_grpc.KVCacheEventsStub(ch)
+        first = stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
+        next(first)
+        err = rpc_error(lambda: next(stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "already relays 1 event streams" in err.details()
+        first.cancel()
+        wait_until(lambda: not model.servicer.cache_events._calls, what="the first stream's end")
+        again = stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
+        assert next(again) is not None
+        again.cancel()
