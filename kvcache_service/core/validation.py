@@ -156,9 +156,11 @@ def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, ava
 
 def validate_step(state: ManagerState, req: StepRequest) -> None:
     """Checks the whole request against the state it will meet, before any change."""
-    most = state.seq_ids.max_seqs   # each entry names a distinct sequence: more cannot be valid
+    # Each entry of these names a distinct sequence the manager holds: more cannot be valid. (Needs
+    # are not bounded so: admissions past the free seq ids are refused one by one, not the Step.)
+    most = state.seq_ids.max_seqs
     for what, entries in (("releases", req.releases), ("truncations", req.truncations), ("commits", req.commits),
-                          ("slides", req.slides), ("needs", req.needs)):
+                          ("slides", req.slides)):
         if len(entries) > most:
             raise InvalidArgument(f"step: {len(entries)} {what}, more than the {most} sequences the manager "
                                   "holds at once")
