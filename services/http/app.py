@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -222,6 +223,17 @@ class Front:
             call.cancel()   # the client went away (or the stream ended): nothing left running upstream
 
 
+async def _routing_error(request: Request, exc: HTTPException) -> Response:
+    """A path or method this front does not serve, in OpenAI's error shape like every other."""
+    if exc.status_code == 404:
+        return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
+                                             "/v1/chat/completions, /v1/models and /health", "not_found_error"))
+    if exc.status_code == 405:   # with the Allow header Starlette names the methods in
+        err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
+        return JSONResponse(err.body(), status_code=405, headers=exc.headers)
+    return error_response(HttpError(exc.status_code, exc.detail or "", "invalid_request_error"))
+
+
 def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20) -> Starlette:
     front = Front(channel, max_body_bytes)
     return Starlette(routes=[
@@ -229,4 +241,4 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20) -> Starle
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/health", front.health_check, methods=["GET"]),
-    ])
+    ], exception_handlers={HTTPException: _routing_error})

@@ -301,3 +301,16 @@ def test_connections_that_send_no_whole_request_head_are_closed(front, monkeypat
         response = conn.getresponse()
         assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
     conn.close()
+
+
+def test_unknown_paths_and_methods_answer_in_openais_error_shape(front):
+    status, answer = _post(front, "/v1/embeddings", b"{}")
+    assert status == 404 and answer["error"]["type"] == "not_found_error"
+    assert answer["error"]["message"].startswith("no route /v1/embeddings: this server serves /v1/completions")
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/v1/completions")
+    response = conn.getresponse()
+    assert response.status == 405 and response.getheader("allow") == "POST"
+    assert json.loads(response.read())["error"]["message"] == "GET is not allowed on /v1/completions"
+    conn.close()
