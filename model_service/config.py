@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.address import is_private, parse_address
+from kvserve.services.plumbing.address import is_private, parse_flag
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -166,10 +166,7 @@ class ModelServiceConfig:
                              "or torch")
         for name in ("listen", "health_listen"):
             if getattr(self, name):
-                try:
-                    parse_address(getattr(self, name))
-                except ValueError as exc:
-                    raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
+                parse_flag(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
         if self.trust_tenant_metadata and not self.tls_client_ca and not is_private(self.listen):

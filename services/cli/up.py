@@ -34,7 +34,7 @@ from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import ModelServiceConfig
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
-from kvserve.services.plumbing.address import free_local_port, parse_address
+from kvserve.services.plumbing.address import free_local_port, parse_flag
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
@@ -54,10 +54,7 @@ class UpConfig:
                              "with its own manager on private sockets (0: one model service on --listen)")
 
     def __post_init__(self) -> None:
-        try:
-            parse_address(self.kvcache_listen)
-        except ValueError as exc:
-            raise ValueError(f"--kvcache-listen: {exc}") from None
+        parse_flag("--kvcache-listen", self.kvcache_listen)
         if self.max_seqs is not None and self.max_seqs <= 0:
             raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
         if self.startup_timeout_s <= 0:

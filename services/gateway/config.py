@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import ListenAddress, parse_address
+from kvserve.services.plumbing.address import parse_flag
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -69,10 +69,10 @@ class GatewayConfig:
             raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
         for flag, address in [("--listen", self.listen), ("--health-listen", self.health_listen)]:
             if address:
-                _check(flag, address)
+                parse_flag(flag, address)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:
-            if _check(flag, address).port == 0 and not address.startswith("unix:"):
+            if parse_flag(flag, address).port == 0 and not address.startswith("unix:"):
                 raise ValueError(f"{flag} {address}: a worker is dialled on a port from 1 to 65535, not 0")
         if not 0.01 <= self.poll_interval_s <= 60:   # what WatchServerStats allows a look's interval
             raise ValueError(f"--poll-interval must be from 0.01 to 60 seconds, got {self.poll_interval_s:g}")
@@ -107,10 +107,3 @@ class GatewayConfig:
         name = self.worker_tls_server_name or self.workers_dns.rsplit(":", 1)[0]
         return ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key, server_name=name,
                             prefix="--worker-tls")
-
-
-def _check(flag: str, address: str) -> ListenAddress:
-    try:
-        return parse_address(address)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None

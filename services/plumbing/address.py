@@ -60,6 +60,14 @@ def parse_address(text: str) -> ListenAddress:
     return _parse_tcp(text)
 
 
+def parse_flag(flag: str, text: str) -> ListenAddress:
+    """parse_address for a command-line flag: the error names the flag."""
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 class CannotListen(OSError):
     """A server cannot listen on the address asked for: in use, or not permitted."""
 
