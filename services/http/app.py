@@ -69,7 +69,7 @@ class Front:
         auth = request.headers.get("authorization")
         if not auth:
             return ()
-        if len(auth) > MAX_AUTHORIZATION or not all(32 <= ord(c) <= 126 for c in auth):
+        if len(auth) > MAX_AUTHORIZATION or not (auth.isascii() and auth.isprintable()):
             raise HttpError(401, "the Authorization header is malformed: it is `Bearer KEY`, printable ASCII, at "
                                  f"most {MAX_AUTHORIZATION} characters", "authentication_error")
         return (("authorization", auth),)
@@ -103,9 +103,9 @@ class Front:
             raise HttpError(400, "the body must be a JSON object")
         return body
 
-    async def model(self, request: Request) -> str:
+    async def model(self, metadata: tuple) -> str:
         if self.model_name is None:
-            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata(request), timeout=30)
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
             self.model_name = info.name
         return self.model_name
 
@@ -141,7 +141,7 @@ class Front:
             metadata = self.metadata(request)
             body = await self.body(request)
             msg = request_of(kind, body)
-            model = await self.model(request)
+            model = await self.model(metadata)
             asked = body.get("model")
             if asked not in (None, "", model):
                 await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
