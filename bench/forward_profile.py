@@ -5,6 +5,7 @@ with the GPU's work, the attention backend's share of the host time, and the tor
 the most host time.
 
     python bench/forward_profile.py --device cuda --preset bench-1b --batch 256 --context 700
+    python bench/forward_profile.py --device cuda --preset bench-1b --batch 256 --cuda-graphs   # replayed
     .venv/bin/python bench/forward_profile.py --device cpu --preset tiny --batch 64   # the logic on CPU
 
 One decode batch (every sequence one token, `--context` tokens already in its pages), built by
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=700)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cuda-graphs", action="store_true", help="the step replayed from a CUDA graph, as the "
+                    "model service runs decode steps (engine/decode_graphs.py)")
     args = ap.parse_args()
 
     from kvserve.model_service.attention.select import select_backend
@@ -80,9 +83,18 @@ def main() -> None:
     page_size = backend.default_page_size()
     per_seq = -(-(args.context + 1) // page_size)
     kv_dtype = pick_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
-    kv = KVCache(cfg, args.batch * per_seq, page_size, kv_dtype, device)
+    kv = KVCache(cfg, args.batch * per_seq, page_size, kv_dtype, device, spare_page=args.cuda_graphs)
     timed = TimedBackend(backend)
-    runner = ModelRunner(model, timed, kv, page_size, device)
+    graphs = None
+    if args.cuda_graphs:
+        from kvserve.model_service.engine.decode_graphs import DecodeGraphs, graph_safe
+
+        if not graph_safe(backend):
+            sys.exit(f"--cuda-graphs: the {backend.name} backend reads host-side lengths; a graph would freeze them")
+        graphs = DecodeGraphs(model, backend, kv, page_size, args.batch, per_seq * page_size, device,
+                              capture=device.type == "cuda", sizes=[args.batch])
+        print(f"captured {len(graphs.sizes)} graphs in {graphs.capture():.1f} s")
+    runner = ModelRunner(model, timed, kv, page_size, device, graphs)
     work = [Work(SimpleNamespace(tokens=[3] * (args.context + 1),
                                  page_table=list(range(i * per_seq, (i + 1) * per_seq))), args.context, 1)
             for i in range(args.batch)]
@@ -105,7 +117,8 @@ def main() -> None:
         runner.execute(work)
         sync(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}; {path.name}, {args.dtype}, pages {kv_dtype}, backend {backend.name}, page size "
+    print(f"{name}, torch {torch.__version__}; {path.name}, {args.dtype}, pages {kv_dtype}, backend {backend.name}"
+          f"{' from CUDA graphs' if graphs else ''}, page size "
           f"{page_size}; {args.batch} sequences x {args.context} tokens of context; {cfg.num_layers} layers")
     h, w = statistics.median(host), statistics.median(wall)
     print(f"host (until forward returns) {1e3 * h:.2f} ms/step, wall (device done) {1e3 * w:.2f} ms/step; "
@@ -113,6 +126,8 @@ def main() -> None:
     print(f"attention backend's forward calls: {1e3 * attention:.2f} ms/step host ({100 * attention / h:.0f} % "
           f"of the host time), {1e3 * attention / cfg.num_layers:.3f} ms per layer")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if device.type == "cuda":   # the device's side: which kernels the step's GPU time goes to
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 #   bench          bench/gpu_bench.py, every part
 #   bench-hf       its bandwidth and transformers parts only
 #   bench-kvserve  its agreement and kvserve parts only
+#   profile        bench/forward_profile.py on bench-1b (from $MODELS) at 64 and 256 sequences
 #
 # Environment:
 #   RESULTS=DIR     logs and gpu_bench.json (default ./gpu-results); gpu_bench.json accumulates
@@ -19,7 +20,8 @@
 #                   package index (flash-attn 4 and its CuTe DSL, grpcio and protobuf as kvserve
 #                   needs them); the last wheel of a name wins
 #   EXTRA_SITE=DIR  a folder of already unpacked packages, laid over that path
-#   TESTS_TIMEOUT, BENCH_TIMEOUT   seconds each part may take (default 300, 900)
+#   TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT   seconds each part may take (default 300, 900, 60)
+#   PROFILE_ARGS   more bench/forward_profile.py arguments (--cuda-graphs, say)
 #   BENCH_ARGS     more bench/gpu_bench.py arguments (--attention-backend torch, say)
 #   BENCH_JSON     its results file (default $RESULTS/gpu_bench.json)
 #
@@ -100,6 +102,10 @@ for name in ('tiny', 'bench', 'bench-1b'):
             bench) run_bench ;;
             bench-hf) run_bench --parts bandwidth hf ;;
             bench-kvserve) run_bench --parts agreement kvserve ;;
+            profile) for batch in 64 256; do
+                         timeout "${PROFILE_TIMEOUT:-60}" "$PY" bench/forward_profile.py --device cuda \
+                             --model "$MODELS/bench-1b" --batch "$batch" --context 600 ${PROFILE_ARGS:-} 2>&1 | tee -a "$RESULTS/profile.log"
+                     done ;;
             *) echo "unknown part $p" >&2; exit 2 ;;
         esac
         rc=$?
