@@ -17,6 +17,7 @@ from kvserve.kvcache_service.contract.types import PreemptionMode
 from kvserve.kvcache_service.core.manager import KVCacheManager
 from kvserve.model_service.attention.select import select_backend
 from kvserve.model_service.config import ModelServiceConfig
+from kvserve.model_service.engine.decode_graphs import DecodeGraphs, graph_safe
 from kvserve.model_service.engine.engine import Engine
 from kvserve.kvcache_service.contract.client import InProcessKVClient, KVClient, RemoteKVClient
 from kvserve.model_service.engine.runner import ModelRunner
@@ -119,7 +120,10 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if cfg.sizing_file:
         _write_atomically(cfg.sizing_file, {"num_pages": num_pages, "page_size": page_size})
 
-    kv_cache = KVCache(mcfg, num_pages, page_size, kv_dtype, device, cpu_pages=cfg.swap_pages)
+    use_graphs = device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and graph_safe(backend)
+    kv_cache = KVCache(mcfg, num_pages, page_size, kv_dtype, device, cpu_pages=cfg.swap_pages, spare_page=use_graphs)
+    graphs = _capture_graphs(model, backend, kv_cache, page_size, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                             max_model_len, device) if use_graphs else None
     kv = _connect(cfg, num_pages, page_size)
     tokenizer = load_tokenizer(path)
     eos = set(mcfg.eos_token_ids)
@@ -129,7 +133,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
 
     mode = PreemptionMode.SWAP if cfg.preemption_mode == "swap" else PreemptionMode.RECOMPUTE
     engine = Engine(
-        ModelRunner(model, backend, kv_cache, page_size, device),
+        ModelRunner(model, backend, kv_cache, page_size, device, graphs),
         Sampler(),
         tokenizer,
         eos_ids,
@@ -144,11 +148,32 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         on_step_end=on_step_end,
         drafter=NgramDrafter(cfg.num_draft_tokens) if cfg.speculative == "ngram" else None,
     )
-    log.info("model %s (%s, %s, %s): %d pages of %d tokens (%s), backend %s, GEMM %s, max_model_len %d",
+    log.info("model %s (%s, %s, %s): %d pages of %d tokens (%s), backend %s, GEMM %s, max_model_len %d%s",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, kv_dtype, backend.name,
-             model.lm_head.gemm, max_model_len)
+             model.lm_head.gemm, max_model_len,
+             f", decode steps of up to {graphs.max_batch} sequences from CUDA graphs" if graphs else "")
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype)
+
+
+def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,
+                    device: torch.device) -> DecodeGraphs | None:
+    """Decode steps' CUDA graphs, or None (every step eager) where capturing fails: a kernel that
+    cannot be captured must not keep the model service from serving."""
+    before = torch.cuda.memory_allocated(device)
+    try:
+        graphs = DecodeGraphs(model, backend, kv_cache, page_size, max_batch, max_model_len, device)
+        seconds = graphs.capture()
+    except Exception as exc:   # noqa: BLE001 - whatever the kernels raise, eager steps still serve
+        log.warning("capturing decode steps as CUDA graphs failed (%s: %s); every step runs eagerly",
+                    type(exc).__name__, exc)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return None
+    log.info("captured %d CUDA graphs of decode steps (1 to %d sequences) in %.1f s, %.0f MiB",
+             len(graphs.sizes), graphs.max_batch, seconds,
+             (torch.cuda.memory_allocated(device) - before) / 2**20)
+    return graphs
 
 
 def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: None) -> ModelStack:

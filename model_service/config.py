@@ -66,6 +66,10 @@ class ModelServiceConfig:
     attention_sink: int = option(0, "with a sliding-window model: keep the first S tokens in attention beside "
                                     "the window (StreamingLLM), and let a stream run past the model length; "
                                     "output then differs from the model's own attention", metavar="S")
+    cuda_graph_max_batch: int = option(256, "CUDA with flash_attn: decode steps of up to this many sequences "
+                                            "(and --max-num-seqs) replay a CUDA graph captured at start, one "
+                                            "launch for the step's every kernel; 0: every step launches its "
+                                            "kernels one by one", metavar="N")
     max_num_seqs: int = option(64, "sequences in one forward pass")
     max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
     max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
@@ -146,6 +150,8 @@ class ModelServiceConfig:
             raise ValueError(f"--attention-sink must be an integer >= 0, got {self.attention_sink!r}")
         if self.grace_s < 0:
             raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
+            raise ValueError(f"--cuda-graph-max-batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"--cpu-threads must be an integer >= 0, got {self.cpu_threads!r}")
         if self.swap_pages < 0:

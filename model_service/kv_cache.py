@@ -11,6 +11,9 @@ so that `layers[i] = (pool[0, i], pool[1, i])` is the (num_pages, page_size,
 Hk, D) layout every attention backend reads (attention/base.py), and a list of
 page copies is ONE index_select along the page dim plus ONE index_copy_, for
 every layer at once: no per-page or per-layer Python loop.
+
+A spare page (spare_page=True) sits past the last page the manager hands out: the rows that pad
+a decode batch to a captured CUDA graph's size write their K/V there (engine/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ def pages_for_memory(config: ModelConfig, dtype: torch.dtype, page_size: int, nb
 class KVCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 cpu_pages: int = 0) -> None:
+                 cpu_pages: int = 0, spare_page: bool = False) -> None:
         if num_pages <= 0 or page_size <= 0 or cpu_pages < 0:
             raise ValueError(f"need num_pages > 0, page_size > 0, cpu_pages >= 0; got "
                              f"{num_pages}, {page_size}, {cpu_pages}")
         self.device = torch.device(device)
         self.page_size = page_size
         page_shape = (page_size, config.num_kv_heads, config.head_dim)
-        shape = (2, config.num_layers, num_pages, *page_shape)
+        self.spare_page = num_pages if spare_page else None   # its id: one no sequence's table names
+        shape = (2, config.num_layers, num_pages + spare_page, *page_shape)
         # On CPU on huge pages: a decode step reads pages all over the pool (host_memory.py).
         self.pool = (huge_page_zeros(shape, dtype) if self.device.type == "cpu"
                      else torch.zeros(shape, dtype=dtype, device=self.device))
@@ -62,7 +66,8 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.pool.shape[_PAGE_DIM]
+        """The pages the manager hands out (the spare page is not one)."""
+        return self.pool.shape[_PAGE_DIM] - (self.spare_page is not None)
 
     @property
     def num_cpu_pages(self) -> int:

@@ -98,6 +98,7 @@ class FlashAttnMeta:
 
 class FlashAttnBackend:
     name = "flash_attn"
+    graph_safe = True   # every per-step value is read from tensors: a step may be a CUDA graph (engine/decode_graphs.py)
 
     window: int | None = None   # sliding window (every layer), set by the model service's assembly
 

@@ -4,7 +4,8 @@ Everything is built once per step with a handful of tensor ops; the only
 Python loops are over sequences (to gather their token ids and page tables). A step of a few
 decodes, where the model has the fused decode step and the backend's decode reads pages
 natively, builds no tensor at all: its ints go straight to the model's DirectStep
-(kernels/decode_layer.py), the same native call without the step's tensor ops around it.
+(kernels/decode_layer.py), the same native call without the step's tensor ops around it. On a GPU
+with decode graphs (decode_graphs.py), a step of decodes replays a captured CUDA graph instead.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import torch
 
 from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.engine.decode_graphs import DecodeGraphs
 from kvserve.model_service.engine.scheduler import Work
 
 
 class ModelRunner:
-    def __init__(self, model, backend, kv_cache, page_size: int, device: torch.device) -> None:
+    def __init__(self, model, backend, kv_cache, page_size: int, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.backend = backend
         self.kv_cache = kv_cache
         self.page_size = page_size
@@ -118,6 +122,8 @@ class ModelRunner:
     def execute(self, work: list[Work]) -> torch.Tensor:
         """Logits (S, vocab) for the work items that sample, in order: one row each, 1 + len(draft)
         for an item with a draft."""
+        if self.graphs is not None and self.graphs.fits(work):
+            return self.graphs.run(work)
         if self.direct is not None and len(work) <= self.direct.max_rows and all(w.count == 1 for w in work):
             logits = self._decode_directly(work)
             if logits is not None:
