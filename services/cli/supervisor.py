@@ -55,6 +55,7 @@ class Child:
     started_at: float = 0.0
     backoff_s: float = FIRST_BACKOFF_S
     exits: deque = field(default_factory=deque)   # when it exited, within the last minute
+    _terminated: subprocess.Popen | None = None   # the process already sent SIGTERM
 
     def start(self) -> None:
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
@@ -79,9 +80,10 @@ class Child:
             self.proc.send_signal(signum)
 
     def terminate(self) -> None:
-        """SIGTERM, without waiting."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM, without waiting; once per process (stop() after terminate() sends none)."""
+        if self.proc is not None and self.proc.poll() is None and self.proc is not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
+            self._terminated = self.proc
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""

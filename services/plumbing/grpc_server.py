@@ -172,8 +172,13 @@ async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None)
             waiter.cancel()
         for sig in watched:
             loop.remove_signal_handler(sig)
-    if received and grace_s is not None:
-        log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
+    if received:
+        # SIGTERM again (a supervisor's second, Kubernetes' after a preStop hook) must not cut the
+        # drain short: with no handler it would end the process at once, every stream reset.
+        # SIGINT again still does (Ctrl-C twice: stop now).
+        loop.add_signal_handler(signal.SIGTERM, log.info, "SIGTERM again: already draining")
+        if grace_s is not None:
+            log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
     return received[0] if received else None
 
 

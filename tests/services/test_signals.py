@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -55,3 +56,63 @@ def test_signal_marks_not_serving_then_exits_zero(tmp_path: Path, sig: signal.Si
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_sigterm_again_while_draining_does_not_cut_the_drain_short(tmp_path: Path) -> None:
+    """A second SIGTERM (a supervisor's, or Kubernetes' after a preStop hook) used to end the
+    process at once, its streams reset: the first had put the default handler back."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, f"server did not start: {proc.stderr.read()}"
+        with grpc.insecure_channel(address) as channel:
+            # The Watch stream stays in flight: the drain waits its 1 s grace for it.
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING   # draining
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+        assert "SIGTERM again: already draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_up_sends_each_child_one_sigterm(tmp_path: Path) -> None:
+    """`up` stops a child with terminate() then stop(): one SIGTERM, not two (a second one used
+    to reach a child mid-drain)."""
+    from kvserve.services.cli.supervisor import Child
+
+    counted, ready = tmp_path / "sigterms", tmp_path / "ready"
+    child = Child("a child", [sys.executable, "-c", f"""
+import signal, time
+def count(*_):
+    with open({str(counted)!r}, "a") as f:
+        f.write("x")
+signal.signal(signal.SIGTERM, count)
+open({str(ready)!r}, "w").close()
+time.sleep(1.0)
+"""])
+    child.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.terminate()
+        time.sleep(0.3)   # handled: a second SIGTERM now would not merge with the first
+        child.stop(10)
+        assert child.proc.returncode == 0
+        assert counted.read_text() == "x"
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
