@@ -45,3 +45,17 @@ def test_a_backend_named_that_cannot_run_here_is_a_config_error_naming_the_flag(
                            ("flash_attn", "--attention-backend flash_attn runs on CUDA only")]:
         with pytest.raises(ValueError, match=words):
             build(dataclasses.replace(cfg, attention_backend=backend))
+
+
+def test_cuda_graphs_are_a_cuda_flash_attn_matter(tiny_dirs) -> None:
+    """On CPU no step is captured and the pool has no spare page, whatever the flag says; a
+    negative size is refused, naming the flag."""
+    from kvserve.model_service.config import ModelServiceConfig
+
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, num_pages=64, cuda_graph_max_batch=256)
+    try:
+        assert h.engine.runner.graphs is None and h.engine.runner.kv_cache.spare_page is None
+    finally:
+        h.close()
+    with pytest.raises(ValueError, match="--cuda-graph-max-batch must be an integer >= 0"):
+        ModelServiceConfig(cuda_graph_max_batch=-1)

@@ -65,8 +65,6 @@ def test_a_replayed_step_equals_the_eager_step(tiny) -> None:
         diff = (got - expected).abs()
         assert diff.max().item() <= 0.5 and diff.mean().item() <= 0.05, \
             f"{n} sequences: logits differ by {diff.max().item()} at most, {diff.mean().item()} on average"
-        agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-        assert agree >= 0.9, f"{n} sequences: greedy tokens agree on {agree:.0%}"
         written = (graph_cache.pool[:, :, :PAGES].float() - eager_cache.pool.float()).abs().max().item()
         assert written <= 0.25, f"{n} sequences: the page pools differ by {written}"   # noise differs by ~1
     assert graphs.replays == 6
