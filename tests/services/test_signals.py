@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,8 +33,9 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_marks_not_serving_then_exits_zero(tmp_path: Path, sig: signal.Signals) -> None:
+@contextlib.contextmanager
+def server_process(tmp_path: Path):
+    """SERVER_SCRIPT running: (its process, its address); killed if a test leaves it running."""
     script = tmp_path / "server.py"
     script.write_text(SERVER_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -43,48 +45,38 @@ def test_signal_marks_not_serving_then_exits_zero(tmp_path: Path, sig: signal.Si
     try:
         address = proc.stdout.readline().strip()
         assert address, f"server did not start: {proc.stderr.read()}"
-        with grpc.insecure_channel(address) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
-            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            proc.send_signal(sig)
-            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert proc.wait(timeout=10) == 0
-        assert f"{sig.name} received" in proc.stderr.read()
+        yield proc, address
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_marks_not_serving_then_exits_zero(tmp_path: Path, sig: signal.Signals) -> None:
+    with server_process(tmp_path) as (proc, address), grpc.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(sig)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert proc.wait(timeout=10) == 0
+        assert f"{sig.name} received" in proc.stderr.read()
 
 
 def test_sigterm_again_while_draining_does_not_cut_the_drain_short(tmp_path: Path) -> None:
     """A second SIGTERM (a supervisor's, or Kubernetes' after a preStop hook) used to end the
     process at once, its streams reset: the first had put the default handler back."""
-    script = tmp_path / "server.py"
-    script.write_text(SERVER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        address = proc.stdout.readline().strip()
-        assert address, f"server did not start: {proc.stderr.read()}"
-        with grpc.insecure_channel(address) as channel:
-            # The Watch stream stays in flight: the drain waits its 1 s grace for it.
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
-            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            proc.send_signal(signal.SIGTERM)
-            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING   # draining
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=10) == 0
+    with server_process(tmp_path) as (proc, address), grpc.insecure_channel(address) as channel:
+        # The Watch stream stays in flight: the drain waits its 1 s grace for it.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING   # draining
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
         assert "SIGTERM again: already draining" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_up_sends_each_child_one_sigterm(tmp_path: Path) -> None:
