@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.max_len = self.width * page_size
         self.spare = kv_cache.spare_page
         self.replays = 0   # steps served from a graph (or, capture=False, from the static buffers)
-        b, vocab = self.sizes[-1], model.lm_head.weight.shape[0]   # the logits' width (a padded vocab's too)
+        b, vocab = self.sizes[-1], model.lm_head.out_features   # the logits' width (a padded vocab's too)
         with torch.inference_mode():
             self.ids = torch.zeros(b, dtype=torch.int64, device=device)
             self.positions = torch.zeros(b, dtype=torch.int64, device=device)

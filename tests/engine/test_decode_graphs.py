@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.model_service.attention.select import torch_attention
 from kvserve.model_service.engine.decode_graphs import DecodeGraphs, capture_sizes, graph_safe
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.engine.runner import ModelRunner
@@ -23,6 +24,7 @@ from kvserve.model_service.engine.scheduler import Work
 from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.tiny_model import make_preset
+from tests.engine.harness import EngineHarness, wait
 
 PAGE = 4
 MAX_LEN = 64
@@ -49,15 +51,42 @@ class TensorOnlyBackend:
         k_cache.view(-1, hk, d).index_copy_(0, batch.slot_mapping, k)
         v_cache.view(-1, hk, d).index_copy_(0, batch.slot_mapping, v)
         b, width = batch.block_tables.shape
-        keys = k_cache[batch.block_tables.long()].reshape(b, width * PAGE, hk, d)
-        values = v_cache[batch.block_tables.long()].reshape(b, width * PAGE, hk, d)
+        length = width * k_cache.shape[1]
+        keys = k_cache[batch.block_tables.long()].reshape(b, length, hk, d)
+        values = v_cache[batch.block_tables.long()].reshape(b, length, hk, d)
         group = q.shape[1] // hk
         keys, values = keys.repeat_interleave(group, 2), values.repeat_interleave(group, 2)
-        visible = torch.arange(width * PAGE) < batch.seq_lens[:, None]                  # (B, L)
+        visible = torch.arange(length) < batch.seq_lens[:, None]                         # (B, L)
         out = F.scaled_dot_product_attention(q[:, :, None],                              # (B, H, 1, D)
                                              keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
                                              attn_mask=visible[:, None, None], scale=scale)
         return out[:, :, 0]                                                            # (B, H, D)
+
+
+class DecodesFromTensors:
+    """Decode-only steps through TensorOnlyBackend (as a graph would run them), every other step
+    through the torch backend: an engine can serve with it."""
+
+    name = "decodes-from-tensors"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        self.decodes, self.others = TensorOnlyBackend(), torch_attention()
+
+    def prepare(self, batch):
+        if batch.num_decodes == batch.num_seqs:
+            return self.decodes, self.decodes.prepare(batch)
+        return self.others, self.others.prepare(batch)
+
+    def native_decode(self, meta):
+        return None
+
+    def decodes_natively(self) -> bool:
+        return False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        backend, inner = meta
+        return backend.forward(q, k, v, k_cache, v_cache, inner, scale)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +181,33 @@ def test_the_spare_page_is_not_the_managers(model) -> None:
     cache = KVCache(config, 10, PAGE, spare_page=True)
     assert cache.num_pages == 10 and cache.spare_page == 10 and cache.pool.shape[2] == 11
     assert KVCache(config, 10, PAGE).spare_page is None
+
+
+def test_an_engine_serving_decodes_from_static_buffers_gives_the_eager_tokens(tiny_dirs) -> None:
+    """The engine's own steps (chunked prefill beside decodes, preemption in a small pool,
+    requests finishing at different steps) with every decode-only step of up to 8 sequences run
+    through DecodeGraphs' static buffers: the same greedy tokens as the same backend eagerly, and
+    every page back at the end."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(3, 70))] for _ in range(12)]
+    runs = {}
+    for on in (False, True):
+        h = EngineHarness(tiny_dirs["tiny"], page_size=PAGE, num_pages=80, max_num_seqs=8,
+                          max_num_batched_tokens=48, attention_backend="torch", cpu_small_linear="off")
+        try:
+            old = h.engine.runner
+            backend = DecodesFromTensors()
+            cache = KVCache(h.stack.model_config, 80, PAGE, spare_page=True)
+            graphs = DecodeGraphs(old.model, backend, cache, PAGE, 8, h.stack.max_model_len, old.device,
+                                  capture=False) if on else None
+            h.engine.runner = ModelRunner(old.model, backend, cache, PAGE, old.device, graphs)   # before any request
+            outcomes = [h.submit(p, max_tokens=6 + 2 * i) for i, p in enumerate(prompts)]
+            wait(outcomes)
+            assert all(o.failure is None for o in outcomes), [o.failure for o in outcomes]
+            runs[on] = [o.tokens for o in outcomes]
+            assert h.stats().used_pages == 0
+            if on:
+                assert graphs.replays > 10   # most decode steps went through the buffers
+        finally:
+            h.close()
+    assert runs[True] == runs[False]
