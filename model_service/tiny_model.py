@@ -165,17 +165,23 @@ def default_tiny_path(preset: str = "tiny") -> Path:
     final = cache_root() / f"{preset}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (final / "config.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = None
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         make_preset(tmp, preset)
         try:
             os.rename(tmp, final)
         except OSError:
             if not (final / "config.json").is_file():   # not a lost race: a real error
                 raise
+    except OSError as exc:   # a full disk, a read-only home: one line, not a traceback
+        raise ValueError(f"could not write the built-in model {preset!r} under {final.parent}: "
+                         f"{exc.strerror or exc}; free space there or set XDG_CACHE_HOME to a writable "
+                         "directory") from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -91,3 +91,23 @@ def test_default_path_is_built_once_atomically_under_concurrent_first_use(
     assert [p.name for p in path.parent.iterdir()] == [path.name]   # no temp dirs left behind
     builds_before = len(builds)
     assert default_tiny_path() == path and len(builds) == builds_before   # cached: no rebuild
+
+
+def test_a_built_in_model_that_cannot_be_written_is_one_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk or an unwritable cache dir was an OSError traceback from `kvserve up`."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))   # the cache dir cannot be made under a file
+    with pytest.raises(ValueError, match="could not write the built-in model 'tiny' under .*XDG_CACHE_HOME"):
+        default_tiny_path()
+
+    def full_disk(path, preset="tiny", seed=None):
+        Path(path, "config.json").write_text("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny_model, "make_preset", full_disk)
+    with pytest.raises(ValueError, match="No space left on device; free space there"):
+        default_tiny_path()
+    assert list((tmp_path / "cache" / "kvserve" / "models").iterdir()) == []   # the half-written copy is gone
