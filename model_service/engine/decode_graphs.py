@@ -29,6 +29,7 @@ import time
 import torch
 
 from kvserve.model_service.batch import ForwardBatch
+from kvserve.model_service.engine.decode_inputs import decode_inputs
 from kvserve.model_service.engine.scheduler import Work
 
 log = logging.getLogger(__name__)
@@ -129,23 +130,14 @@ class DecodeGraphs:
     def run(self, work: list[Work]) -> torch.Tensor:
         """Logits (S, vocab) for the items that sample, as ModelRunner.execute gives them. The rows
         are a view of the static buffer: valid until the next step."""
-        n, ps, spare = len(work), self.page_size, self.spare
+        n = len(work)
         b = self._size_for(n)
-        pad = b - n
-        starts = [w.start for w in work]
-        width = -(-(max(starts) + 1) // ps)
-        tables = [w.request.page_table[:width] for w in work]
-        tables = [t + [spare] * (width - len(t)) for t in tables] + [[spare] * width] * pad
-        longs = torch.tensor([[w.request.tokens[w.start] for w in work] + [0] * pad,
-                              starts + [0] * pad,
-                              [t[s // ps] * ps + s % ps for t, s in zip(tables, starts)] + [spare * ps] * pad],
-                             dtype=torch.int64)
-        self.ids[:b].copy_(longs[0], non_blocking=True)
-        self.positions[:b].copy_(longs[1], non_blocking=True)
-        self.slots[:b].copy_(longs[2], non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor([s + 1 for s in starts] + [1] * pad, dtype=torch.int32),
-                                non_blocking=True)
-        self.tables[:b, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        step = decode_inputs(work, self.page_size, pad=b - n, pad_page=self.spare)
+        self.ids[:b].copy_(step.ids(), non_blocking=True)
+        self.positions[:b].copy_(step.positions(), non_blocking=True)
+        self.slots[:b].copy_(step.slots(), non_blocking=True)
+        self.seq_lens[:b].copy_(step.lens(), non_blocking=True)
+        self.tables[:b, :step.width].copy_(step.tables(), non_blocking=True)
         if self.capturing:
             self._graphs[b].replay()
         else:

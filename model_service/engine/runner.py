@@ -10,10 +10,13 @@ with decode graphs (decode_graphs.py), a step of decodes replays a captured CUDA
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvserve.model_service.batch import ForwardBatch
 from kvserve.model_service.engine.decode_graphs import DecodeGraphs
+from kvserve.model_service.engine.decode_inputs import decode_inputs
 from kvserve.model_service.engine.scheduler import Work
 
 
@@ -91,32 +94,24 @@ class ModelRunner:
         """build() for a step of decodes only (one token each, no draft): the same batch from
         plain lists, without the varlen index arithmetic (a batch-1 step's every op counts), as
         views of two tensors, one int64 and one int32, each made and moved once."""
-        ps = self.page_size
-        n = len(work)
-        starts = [w.start for w in work]
-        seq_lens = [s + 1 for s in starts]
-        width = -(-max(seq_lens) // ps)
-        tables = [w.request.page_table[:width] for w in work]
-        slots = [t[s // ps] * ps + s % ps for t, s in zip(tables, starts)]
-        samples = [i for i, w in enumerate(work) if w.samples]
-        longs = torch.tensor([w.request.tokens[w.start] for w in work] + starts + slots + samples, dtype=torch.int64)
-        ints = torch.tensor([*range(n + 1), *seq_lens, *(p for t in tables for p in t + [0] * (width - len(t)))],
-                            dtype=torch.int32)
+        step = decode_inputs(work, self.page_size)
         if self.device.type != "cpu":
-            longs, ints = longs.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+            step = replace(step, longs=step.longs.to(self.device, non_blocking=True),
+                           ints=step.ints.to(self.device, non_blocking=True))
+        n = len(work)
         return ForwardBatch(
-            input_ids=longs[:n],
-            positions=longs[n:2 * n],
-            slot_mapping=longs[2 * n:3 * n],
-            cu_seqlens_q=ints[:n + 1],
-            seq_lens=ints[n + 1:2 * n + 1],
-            block_tables=ints[2 * n + 1:].view(n, width),
-            logits_indices=longs[3 * n:],
+            input_ids=step.ids(),
+            positions=step.positions(),
+            slot_mapping=step.slots(),
+            cu_seqlens_q=step.cu_seqlens_q(),
+            seq_lens=step.lens(),
+            block_tables=step.tables(),
+            logits_indices=step.sampled(),
             num_decodes=n,
             max_seqlen_q=1,
-            max_seqlen_k=max(seq_lens),
+            max_seqlen_k=max(step.seq_lens),
             query_lens_cpu=[1] * n,
-            seq_lens_cpu=seq_lens,
+            seq_lens_cpu=step.seq_lens,
         )
 
     def execute(self, work: list[Work]) -> torch.Tensor:
