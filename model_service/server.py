@@ -113,8 +113,7 @@ async def serve(config: ModelServiceConfig) -> None:
         servicer.keys.reload_on_sighup()
     try:
         await wait_for_signal(running.server, config.grace_s)
-        await drain(running, servicer, config.grace_s)
-        await servicer.cache_events.close()
+        await drain(running, servicer, config.grace_s)   # which also ends the relayed event streams
         if servicer.http_front is not None:
             await servicer.http_front.stop()
     finally:
