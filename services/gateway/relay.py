@@ -2,6 +2,8 @@
 queue), forward the request, stream the worker's answer back, and when the worker fails
 mid-stream, go on on another one from the tokens already streamed (GenerateRequest.continuation),
 so the client sees neither a gap nor a repeat: one prefill_done, every token once, one finished.
+A request of n > 1 sequences that fails after its first tokens goes on as one request per
+sequence not yet finished, each continuing its own tokens with the seed that sequence draws with.
 
 A worker fails when its call ends UNAVAILABLE (killed, draining past its grace period, its
 manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it), or
@@ -19,6 +21,8 @@ from contextlib import aclosing
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.model_service.engine.family import child_seed
+from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
@@ -42,7 +46,8 @@ class Refused(Exception):
 
 class Relay:
     def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
-                 migration_limit: int, no_worker_timeout_s: float = 30.0, tenant: str = "") -> None:
+                 migration_limit: int, no_worker_timeout_s: float = 30.0, tenant: str = "",
+                 resumed: bool = False, avoid: Worker | None = None) -> None:
         self.no_worker_timeout_s = no_worker_timeout_s
         self.tenant = tenant   # whose prefix cache: in the hashes here, in metadata to the worker
         self._metadata = ((TENANT_METADATA, tenant),) if tenant else ()
@@ -57,6 +62,9 @@ class Relay:
         self._call = None
         self._moved = False
         self._waiter = None   # its place in the gateway's queue while it waits there
+        self._resumed = resumed   # one sequence of a split request: its client has had prefill_done
+        self._avoid = avoid       # the worker it left, chosen again only if no other can take it
+        self._parts: list[Relay] = []   # a split request's sequences, each its own Relay (_split)
 
     def move_off(self, worker: Worker) -> None:
         """`worker` stopped answering: end the call to it; run() goes on elsewhere."""
@@ -67,6 +75,8 @@ class Relay:
     def end(self, why: str) -> None:
         """The gateway stops: the stream ends UNAVAILABLE with `why`, wherever it is."""
         self.ended = why
+        for part in self._parts:
+            part.end(why)
         if self._waiter is not None:
             self.fleet.queue.poke(self._waiter)
         if self._call is not None:
@@ -78,6 +88,9 @@ class Relay:
         (routed a moment ago) or does not answer within CANCEL_TIMEOUT_S has the call to it ended
         here instead, and the stream ends ABORT all the same. Either way it goes nowhere else."""
         self.cancelled = True
+        if self._parts:
+            await asyncio.gather(*(part.cancel() for part in self._parts))
+            return
         if self._waiter is not None:   # only it has something new to look at
             self.fleet.queue.poke(self._waiter)
         worker = self.worker
@@ -102,12 +115,14 @@ class Relay:
                 hashes[ps] = fleet.hashes(self.ids, self.tenant)
             return hashes[ps]
 
-        sent: list[int] = []
-        prefill_sent = False
+        streamed: dict[int, list[int]] = {}   # each sequence's tokens so far, by index
+        finished: set[int] = set()             # the sequences that have ended
+        prefill_sent = self._resumed
         first_cached = 0   # prompt tokens from the cache at the first worker, as prefill_done said
-        left = self.request.sampling.n or 1   # sequences to finish: the call ends after the last
+        n = self.request.sampling.n or 1
+        left = n   # sequences to finish: the call ends after the last
         moves = 0
-        avoid: Worker | None = None
+        avoid = self._avoid
 
         def route() -> Choice | None:
             why = fleet.never_fits(len(self.ids))   # a queue's head that no worker can take would stall it
@@ -124,6 +139,8 @@ class Relay:
             if self.cancelled:   # while it moved
                 yield ABORTED
                 return
+            if self.ended is not None:   # the gateway stopped while it moved
+                raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended)
             choice = None
             # A moved stream waits at the head of the queue, and its client is not told: to it the
             # stream only pauses.
@@ -140,9 +157,9 @@ class Relay:
             worker = choice.worker
             msg = self.request   # the client's own message, forwarded as it is but for these two
             msg.request_id = self.request_id
-            if sent:
+            if streamed:   # one sequence here: a request of n > 1 with tokens streamed has split
                 del msg.continuation.ids[:]
-                msg.continuation.ids.extend(earlier + sent)
+                msg.continuation.ids.extend(earlier + streamed[0])
             self.worker, self._moved = worker, False
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
@@ -157,12 +174,13 @@ class Relay:
                         prefill_sent = True
                         first_cached = response.prefill_done.cached_tokens
                     elif kind == "chunk":
-                        sent.extend(response.chunk.token_ids)
+                        streamed.setdefault(response.index, []).extend(response.chunk.token_ids)
                         fleet.generated_tokens += len(response.chunk.token_ids)
                     elif kind == "finished" and moves:   # the usage says what the client was told first
                         response.finished.usage.cached_tokens = first_cached
                     yield response
                     if kind == "finished":
+                        finished.add(response.index)
                         left -= 1
                         if not left:
                             return
@@ -189,10 +207,6 @@ class Relay:
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
                 call.cancel()
-            if sent and (self.request.sampling.n or 1) > 1:   # a continuation goes on one sequence
-                raise Refused(grpc.StatusCode.UNAVAILABLE,
-                              f"worker {worker.address} failed before the request finished ({why}); a request "
-                              "sampling n > 1 sequences moves to another worker only before its first token")
             if moves >= self.migration_limit:
                 raise Refused(grpc.StatusCode.UNAVAILABLE,
                               f"worker {worker.address} failed before the request finished ({why}); it has moved "
@@ -202,7 +216,74 @@ class Relay:
             self.fleet.migrations += 1
             avoid = worker
             log.warning("request %s: worker %s failed (%s); going on elsewhere from %d streamed tokens (move %d)",
-                        self.request_id, worker.address, why, len(sent), moves)
+                        self.request_id, worker.address, why, sum(map(len, streamed.values())), moves)
+            if streamed and n > 1:   # a continuation goes on one sequence: one request for each
+                async with aclosing(self._split(streamed, finished, first_cached, worker, time_left,
+                                                self.migration_limit - moves)) as parts:
+                    async for response in parts:
+                        yield response
+                return
+
+    async def _split(self, streamed: dict[int, list[int]], finished: set[int], first_cached: int,
+                     failed: Worker, time_left, moves_left: int) -> AsyncIterator[pb.GenerateResponse]:
+        """A request of n > 1 sequences goes on as one request per sequence not yet finished, each
+        continuing its own tokens and drawing with the seed its sequence draws with (child_seed),
+        so greedy and seeded output is what one worker would have streamed. Each part moves on its
+        own, up to `moves_left` times; their events reach the client under their sequence's index,
+        the usage's cache hit the one the client was told first."""
+        for i in range(self.request.sampling.n):
+            if i in finished:
+                continue
+            msg = pb.GenerateRequest()
+            msg.CopyFrom(self.request)
+            msg.sampling.n = 1
+            if msg.sampling.HasField("seed"):
+                msg.sampling.seed = child_seed(msg.sampling.seed, i)
+            del msg.continuation.ids[:]
+            msg.continuation.ids.extend(streamed.get(i, []))
+            suffix = f".{i}"   # the worker's id for it, within the length a worker allows
+            part_id = self.request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
+            part = Relay(self.fleet, msg, part_id, self.ids, moves_left, self.no_worker_timeout_s, self.tenant,
+                         resumed=True, avoid=failed)
+            part.cancelled = self.cancelled   # a Cancel while it moved: each part ends ABORT at once
+            part.ended = self.ended
+            self._parts.append(part)
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, part: Relay) -> None:
+            try:
+                async with aclosing(part.run(time_left)) as responses:
+                    async for response in responses:
+                        events.put_nowait((index, response, None))
+            except Exception as exc:   # Refused, or a worker's own status: it ends the whole call
+                events.put_nowait((index, None, exc))
+            else:
+                events.put_nowait((index, None, None))
+
+        indices = [i for i in range(self.request.sampling.n) if i not in finished]
+        pumps = [asyncio.ensure_future(pump(i, part)) for i, part in zip(indices, self._parts)]
+        try:
+            running = len(pumps)
+            while running:
+                index, response, error = await events.get()
+                if response is None:
+                    if error is not None:
+                        raise error
+                    running -= 1
+                    continue
+                kind = response.WhichOneof("event")
+                if kind not in ("chunk", "finished"):   # the client has had its prefill_done
+                    continue
+                out = pb.GenerateResponse()
+                out.CopyFrom(response)   # (ABORTED is shared)
+                out.index = index
+                if kind == "finished":
+                    out.finished.usage.cached_tokens = first_cached
+                yield out
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def _acquire(self, route, front: bool = False) -> AsyncIterator[Choice | pb.GenerateResponse]:
         """A worker now, or a place in the queue until one has room (queued events meanwhile).

@@ -1,6 +1,7 @@
 """A worker killed -9, or frozen (SIGSTOP), under `kvserve up --workers 2` while greedy streams
 run through the gateway: every stream finishes with the tokens of an undisturbed run, none
-repeated or missing, the streams of the lost worker going on on the other one."""
+repeated or missing, the streams of the lost worker going on on the other one. Seeded requests
+of n = 3 sequences too: each sequence goes on from its own tokens."""
 
 from __future__ import annotations
 
@@ -25,17 +26,17 @@ NEW_TOKENS = 600   # long enough that the victim's streams are still running at 
 
 
 class Recorded:
-    def __init__(self, address: str, prompt: list[int]) -> None:
+    def __init__(self, address: str, prompt: list[int], **sampling) -> None:
         self.events: list[pb.GenerateResponse] = []
         self.code = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(address, prompt), daemon=True).start()
+        sampling = sampling or greedy(NEW_TOKENS)
+        threading.Thread(target=self._run, args=(address, request(token_ids=prompt, **sampling)), daemon=True).start()
 
-    def _run(self, address: str, prompt: list[int]) -> None:
+    def _run(self, address: str, msg: pb.GenerateRequest) -> None:
         with grpc.insecure_channel(address) as ch:
             try:
-                for e in pb_grpc.InferenceStub(ch).Generate(request(token_ids=prompt, **greedy(NEW_TOKENS)),
-                                                            timeout=120):
+                for e in pb_grpc.InferenceStub(ch).Generate(msg, timeout=120):
                     self.events.append(e)
                 self.code = grpc.StatusCode.OK
             except grpc.RpcError as exc:
@@ -48,6 +49,13 @@ class Recorded:
 
     def kinds(self) -> list[str]:
         return [e.WhichOneof("event") for e in self.events]
+
+    def by_index(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for e in self.events:
+            if e.HasField("chunk"):
+                out.setdefault(e.index, []).extend(e.chunk.token_ids)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +113,34 @@ def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fl
     with grpc.insecure_channel(address) as ch:
         stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
     assert sum(w.migrated_away for w in stats.workers) >= 1, stats
+
+
+def test_kill_9_a_worker_and_its_seeded_n_3_streams_go_on_elsewhere_sequence_by_sequence(fleet):
+    """A request of three sampled sequences splits at the move into one request per sequence,
+    each with its own tokens and seed: every sequence's tokens are those of an undisturbed run."""
+    proc, address = fleet
+    wait_until(lambda: serving_workers(address) == 2, timeout=120, what="two workers serving")
+    sampling = [dict(n=3, seed=11 + k, temperature=1.0, top_k=50, max_tokens=NEW_TOKENS, ignore_eos=True)
+                for k in range(4)]
+    quiet = [Recorded(address, p, **s) for p, s in zip(PROMPTS[:4], sampling)]
+    for r in quiet:
+        assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
+    hurt = [Recorded(address, p, **s) for p, s in zip(PROMPTS[:4], sampling)]
+    wait_until(lambda: all(min(map(len, r.by_index().values()), default=0) >= 10 and len(r.by_index()) == 3
+                           for r in hurt), timeout=60, what="every sequence under way")
+    moved_before = migrated(address)
+    victim = busy_model_service(proc.pid, address)
+    os.kill(victim, signal.SIGKILL)
+    for r in hurt:
+        assert r.done.wait(120), "a stream hung"
+    for q, h in zip(quiet, hurt):
+        assert h.code == grpc.StatusCode.OK, h.code
+        assert h.by_index() == q.by_index()   # each sequence: nothing repeated, nothing missing
+        kinds = h.kinds()
+        assert kinds.count("prefill_done") == 1 and kinds.count("finished") == 3
+        assert sorted(e.index for e in h.events if e.HasField("finished")) == [0, 1, 2]
+        assert all(e.finished.usage.completion_tokens == NEW_TOKENS for e in h.events if e.HasField("finished"))
+    assert migrated(address) > moved_before
 
 
 def serving_workers(address: str) -> int:

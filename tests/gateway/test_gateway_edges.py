@@ -1,6 +1,7 @@
 """The gateway where requests and workers misbehave, against scripted workers over real gRPC
 (what each one streams, fails or answers is set by the test): a Cancel the worker does not know
-yet, a move that must keep a client's own continuation, prompts no worker can ever take, a
+yet, a move that must keep a client's own continuation, a request of n > 1 sequences split
+across a move, prompts no worker can ever take, a
 worker removed with streams on it, a look interval longer than a heartbeat, and the queue's
 wake-ups."""
 
@@ -18,6 +19,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.waiting import WaitQueue
@@ -137,6 +139,110 @@ def test_a_move_keeps_the_continuation_a_gateway_in_front_sent(tiny_dirs):
         assert tokens_of(events) == [5, 6, 7, 8]
         assert list(failing.requests[0].continuation.ids) == [41, 42]
         assert list(busier.requests[0].continuation.ids) == [41, 42, 5, 6]
+
+
+def drawn(seed: int, position: int) -> int:
+    """The token a scripted sampler draws at `position` with `seed`: what a seeded worker's draw
+    is, a function of the two alone."""
+    return 10 + (seed * 31 + position * 7) % 1000
+
+
+class SamplingWorker(ScriptedWorker):
+    """Streams each of a request's n sequences one token a round, drawn as drawn() draws with the
+    seed the sequence draws with (child_seed), from the continuation's end; sequence 1 of n > 1
+    ends after `short` tokens (a stop condition); fails UNAVAILABLE at round `fail_at`."""
+
+    def __init__(self, cached_tokens: int, short: int = 2, **kw) -> None:
+        super().__init__(**kw)
+        self.cached_tokens, self.short = cached_tokens, short
+
+    async def Generate(self, request, context):
+        copy = pb.GenerateRequest()
+        copy.CopyFrom(request)
+        self.requests.append(copy)
+        n, p = request.sampling.n or 1, request.sampling
+        start = len(request.continuation.ids)
+        lengths = [self.short if (i == 1 and n > 1) else p.max_tokens for i in range(n)]
+        try:
+            yield pb.GenerateResponse(prefill_done=pb.PrefillDone(request_id=request.request_id, prompt_tokens=3,
+                                                                  cached_tokens=self.cached_tokens))
+            for position in range(start, p.max_tokens):
+                if position - start == self.fail_at:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+                await asyncio.sleep(self.delay_s)
+                for i in range(n):
+                    if position < lengths[i]:
+                        token = drawn(child_seed(p.seed, i), position)
+                        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token]), index=i)
+                    if position == lengths[i] - 1:
+                        usage = pb.Usage(prompt_tokens=3, completion_tokens=lengths[i],
+                                         cached_tokens=self.cached_tokens)
+                        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH,
+                                                                       usage=usage), index=i)
+        except asyncio.CancelledError:
+            self.calls_cancelled += 1
+            raise
+
+
+def by_index(events) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if e.HasField("chunk"):
+            out.setdefault(e.index, []).extend(e.chunk.token_ids)
+    return out
+
+
+def test_a_request_of_n_sequences_moves_as_one_request_per_unfinished_sequence(tiny_dirs):
+    """The worker fails after three rounds, sequence 1 already finished: sequences 0 and 2 go on
+    at the other worker, each from its own tokens with its own seed, and the client's stream
+    reads as one worker's would have."""
+    failing = SamplingWorker(cached_tokens=2, fail_at=3)
+    other = SamplingWorker(cached_tokens=1, running=3)    # chosen only once the first fails
+    with scripted_fleet(tiny_dirs, failing, other, migration_limit=1) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6)
+        events = list(stub.Generate(msg, timeout=30))
+    want = {i: [drawn(child_seed(7, i), k) for k in range(2 if i == 1 else 6)] for i in range(3)}
+    assert by_index(events) == want
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds.count("prefill_done") == 1 and "queued" not in kinds
+    ends = {e.index: e.finished for e in events if e.HasField("finished")}
+    assert sorted(ends) == [0, 1, 2] and kinds.count("finished") == 3
+    # the cache hit the client was told at first, wherever each sequence ended
+    assert all(f.usage.cached_tokens == 2 for f in ends.values())
+    assert [f.usage.completion_tokens for f in (ends[0], ends[1], ends[2])] == [6, 2, 6]
+    parts = sorted(other.requests, key=lambda r: r.request_id)
+    assert [r.request_id for r in parts] == ["r.0", "r.2"]
+    assert [(r.sampling.n, r.sampling.seed) for r in parts] == [(1, 7), (1, child_seed(7, 2))]
+    assert [list(r.continuation.ids) for r in parts] == [want[0][:3], want[2][:3]]
+
+
+def test_a_cancel_reaches_every_part_of_a_split_request(tiny_dirs):
+    failing = SamplingWorker(cached_tokens=0, fail_at=2)
+    slow = SamplingWorker(cached_tokens=0, running=3, delay_s=0.05)
+    with scripted_fleet(tiny_dirs, failing, slow, migration_limit=1) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], request_id="c", n=3, seed=3, temperature=1.0, max_tokens=200)
+        stream = stub.Generate(msg, timeout=30)
+        seen = []
+        for e in stream:   # past the split: a token the parts streamed
+            seen.append(e)
+            if len(slow.requests) == 2 and sum(e.HasField("chunk") for e in seen) >= 8:
+                break
+        stub.Cancel(pb.CancelRequest(request_id="c"), timeout=10)
+        rest = list(stream)
+    aborted = sorted(e.index for e in rest if e.HasField("finished"))
+    assert aborted == [0, 2] and all(e.finished.finish_reason == pb.FINISH_REASON_ABORT
+                                     for e in rest if e.HasField("finished"))
+    assert sorted(slow.cancels) == ["c.0", "c.2"]
+    wait_until(lambda: slow.calls_cancelled == 2, what="both calls to the worker ended")
+
+
+def test_a_split_request_ends_unavailable_when_a_part_runs_out_of_moves(tiny_dirs):
+    failing = SamplingWorker(cached_tokens=0, fail_at=2)
+    also_failing = SamplingWorker(cached_tokens=0, fail_at=1, running=3)
+    with scripted_fleet(tiny_dirs, failing, also_failing, migration_limit=1) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], n=3, seed=3, temperature=1.0, max_tokens=8)
+        err = rpc_error(lambda: list(stub.Generate(msg, timeout=30)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "--migration-limit" in err.details()
 
 
 def test_a_prompt_no_worker_can_take_is_refused_and_the_queue_goes_on(tiny_dirs):
