@@ -159,7 +159,7 @@ class Relay:
             msg.request_id = self.request_id
             if streamed:   # one sequence here: a request of n > 1 with tokens streamed has split
                 del msg.continuation.ids[:]
-                msg.continuation.ids.extend(earlier + streamed[0])
+                msg.continuation.ids.extend(earlier + streamed.get(0, []))
             self.worker, self._moved = worker, False
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
