@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvserve.services.plumbing.address import parse_address
 
@@ -48,16 +50,38 @@ class MetricsEndpoint:
         self.server.server_close()
 
 
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:   # a line per scrape on stderr: no
+        pass
+
+
+def only_metrics_path(app):
+    """`app` at /metrics; 404 elsewhere (prometheus_client answers every path with the series,
+    so a probe or a scanner of any URL would read them and a typo'd scrape config would work)."""
+    def routed(environ, start_response):
+        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: the metrics are at /metrics\n"]
+    return routed
+
+
 def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsEndpoint:
-    """Serves `registry` on `listen` (host:port; port 0 picks one) from a daemon thread, in plain
-    HTTP (counts, never a prompt or a key). Raises ValueError for an address it cannot serve on."""
+    """Serves `registry` at /metrics on `listen` (host:port; port 0 picks one) from a daemon
+    thread, in plain HTTP (counts, never a prompt or a key). Raises ValueError for an address it
+    cannot serve on."""
     address = parse_address(listen)
     if address.is_unix:
         raise ValueError(f"--metrics-listen must be host:port (Prometheus scrapes over TCP), got {listen!r}")
     try:
-        server, thread = start_http_server(address.port, addr=address.host, registry=registry)
+        family = socket.getaddrinfo(address.host or None, address.port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(address.host, address.port, only_metrics_path(make_wsgi_app(registry)),
+                             server_class, handler_class=_Quiet)
     except OSError as exc:
         raise ValueError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
+    thread = threading.Thread(target=server.serve_forever, name="kvserve-metrics", daemon=True)
+    thread.start()
     endpoint = MetricsEndpoint(server, thread, address.with_port(server.server_port))
     log.info("metrics on http://%s/metrics", endpoint.address)
     return endpoint

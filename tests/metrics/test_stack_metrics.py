@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.error
 import urllib.request
 
 import grpc
@@ -39,6 +40,24 @@ def test_children_series_are_served_together_with_their_worker_label():
     finally:
         for e in endpoints:
             e.close()
+
+
+def test_the_series_are_at_metrics_only_and_addresses_that_cannot_serve_are_refused():
+    registry = CollectorRegistry()
+    Counter("kvserve:probe", "x", registry=registry).inc(3)
+    endpoint = serve_metrics("127.0.0.1:0", registry)
+    try:
+        assert value(scrape(endpoint.address), "kvserve:probe_total") == 3
+        for path in ("/", "/favicon.ico", "/metricsx", "/admin", "/metrics/../x"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://{endpoint.address}{path}", timeout=10)
+            assert err.value.code == 404 and b"/metrics" in err.value.read(), path
+        with pytest.raises(ValueError, match="cannot serve metrics on"):   # the port is taken
+            serve_metrics(endpoint.address, registry)
+    finally:
+        endpoint.close()
+    with pytest.raises(ValueError, match="must be host:port"):
+        serve_metrics("unix:///tmp/metrics.sock", registry)
 
 
 @pytest.mark.slow
