@@ -17,7 +17,7 @@ from kvserve.model_service.health import HealthReporter
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
-from kvserve.services.http.server import HttpFront, PrivateSocket
+from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
                                                    wait_for_signal)
@@ -35,7 +35,7 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     relay = EventRelay(asyncio.get_running_loop())
     # The executor's thread only waits; torch runs on one that ends.
     stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
-    servicer = running = private = None
+    servicer = running = None
     try:
         await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
         keys = ApiKeys(config.api_keys) if config.api_keys else None
@@ -50,17 +50,14 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         # A front that checks keys serves no cache events: their page hashes would let one tenant
         # test a guess at another's prompts. A gateway follows workers, which check no keys.
         guards = [RequireApiKey(keys, {SERVICE_NAME}), Refuse(EVENTS_SERVICE_NAME, EVENTS_REFUSED)] if keys else []
-        # The HTTP front calls this server over a private socket: plaintext (TLS is on the HTTP
-        # side), with the caller's key as metadata.
-        private = PrivateSocket() if config.http_listen else None
-        running = await _create([config.listen, *([private.address] if private else [])], specs, options={
+        running = await _create(config.listen, specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards,
             health_listen=config.health_listen)
         servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
         servicer.health.start()
-        if private:
-            servicer.http_front = await HttpFront.start(config.http_listen, private, config.server_tls(),
-                                                        config.max_request_bytes)
+        if config.http_listen:   # calls this server in-process, the caller's key as metadata
+            servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
+                                                        config.server_tls(), config.max_request_bytes)
         return running, servicer
     except Exception:   # nothing half-started outlives the failure
         if running is not None:
@@ -71,8 +68,6 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
             if servicer.cache_events is not None:
                 await servicer.cache_events.close()
             servicer.close()
-        if private is not None and (servicer is None or servicer.http_front is None):
-            private.close()
         stack.engine.stop()
         stack.kv.close()
         raise

@@ -18,7 +18,7 @@ from kvserve.services.gateway.inputs import Inputs
 from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.http.server import HttpFront, PrivateSocket
+from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
@@ -63,16 +63,14 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     servicer = GatewayServicer(fleet, inputs, config.migration_limit,
                                config.no_worker_timeout_s, keys)
     gateway = Gateway(None, servicer, fleet, [])
-    private = None
     try:   # what started is stopped again if a later part cannot start
         for address in config.worker:
             fleet.add(address)
         metrics.follow(fleet, asyncio.get_running_loop())
         if config.metrics_listen:
             gateway.metrics_endpoint = serve_metrics(config.metrics_listen, metrics.registry)
-        private = PrivateSocket() if config.http_listen else None
         gateway.running = await _create(
-            [config.listen, *([private.address] if private else [])],
+            config.listen,
             [ServiceSpec(pb_grpc.add_InferenceServicer_to_server, servicer, SERVICE_NAME)],
             options={"grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(),
             interceptors=[RequireApiKey(keys, {SERVICE_NAME})] if keys else [], health_listen=config.health_listen)
@@ -81,14 +79,13 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         if config.workers_dns:
             gateway.tasks.append(asyncio.create_task(follow_dns(fleet, config.workers_dns, config.dns_interval_s),
                                                      name="gateway dns"))
-        if private:
-            gateway.http_front = await HttpFront.start(config.http_listen, private, config.server_tls())
+        if config.http_listen:
+            gateway.http_front = await HttpFront.start(config.http_listen, gateway.running.local_channel(),
+                                                       config.server_tls())
         return gateway
     except BaseException:
         if gateway.running is not None:
             await gateway.running.server.stop(None)
-        if private is not None and gateway.http_front is None:
-            private.close()
         await gateway.close()
         raise
 

@@ -1,5 +1,6 @@
 """The ASGI app (Starlette): each route a call to the Inference service this front stands beside,
-over its private channel. The client's `Authorization: Bearer KEY` goes along as gRPC metadata,
+through the channel it is given (the server's local_channel(): its handlers, in this process,
+behind its interceptors). The client's `Authorization: Bearer KEY` goes along as gRPC metadata,
 so keys, tenants and their caches work exactly as over gRPC; gRPC status codes come back as
 OpenAI's error shapes. A client that disconnects cancels its call, which frees its pages.
 """

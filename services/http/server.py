@@ -1,7 +1,7 @@
 """Serving the HTTP front with uvicorn inside the server's own asyncio loop, on a socket bound
 here (a busy port is a sentence, not uvicorn's exit), over TLS when the server has a certificate.
 
-    front = await HttpFront.start("127.0.0.1:8000", "unix:///tmp/.../grpc.sock")
+    front = await HttpFront.start("127.0.0.1:8000", running.local_channel())
     ...
     await front.stop()
 """
@@ -13,14 +13,13 @@ import contextlib
 import logging
 import socket
 import ssl
-import tempfile
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvserve.services.http.app import make_app
 from kvserve.services.plumbing.address import parse_address
-from kvserve.services.plumbing.tls import ServerTLS, aio_channel
+from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +64,16 @@ class _HeadersInTime(H11Protocol):
             self.transport.close()
 
 
-class PrivateSocket:
-    """Where the HTTP front reaches its own process's gRPC server: a Unix socket in a folder of
-    its own (plaintext: TLS is on the HTTP side), removed with the front."""
-
-    def __init__(self) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="kvserve-http-")
-        self.address = f"unix://{self._folder.name}/grpc.sock"
-
-    def close(self) -> None:
-        self._folder.cleanup()
-
-
 class HttpFront:
-    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str, private: PrivateSocket) -> None:
-        self.server, self.task, self.channel, self.address, self.private = server, task, channel, address, private
+    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str) -> None:
+        self.server, self.task, self.channel, self.address = server, task, channel, address
 
     @classmethod
-    async def start(cls, listen: str, private: PrivateSocket, tls: ServerTLS | None = None,
+    async def start(cls, listen: str, channel, tls: ServerTLS | None = None,
                     max_body_bytes: int = 8 << 20) -> HttpFront:
-        """Serves on `listen` (host:port; 0 picks a port), calling the Inference service at
-        `private` (this process's gRPC server listens there too); stop() removes it."""
-        target = private.address
+        """Serves on `listen` (host:port; 0 picks a port), calling the Inference service through
+        `channel` (this process's server's local_channel(): its handlers behind its
+        interceptors, no socket); stop() ends it."""
         address = parse_address(listen)
         if address.is_unix:
             raise ValueError(f"--http-listen must be host:port, got {listen!r}")
@@ -104,7 +91,6 @@ class HttpFront:
             raise ValueError(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
         sock.listen(2048)
         sock.setblocking(False)
-        channel = aio_channel(target, None, [("grpc.max_receive_message_length", 64 << 20)])
         config = uvicorn.Config(make_app(channel, max_body_bytes), log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))
@@ -113,19 +99,17 @@ class HttpFront:
         while not server.started:
             if task.done():
                 sock.close()
-                await channel.close()
                 raise ValueError(f"the HTTP front on {listen} did not start")
             await asyncio.sleep(0.01)
         bound = address.with_port(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http%s://%s", "s" if tls else "", bound)
-        return cls(server, task, channel, bound, private)
+        return cls(server, task, channel, bound)
 
     async def stop(self) -> None:
         self.server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.task, 10)
         await self.channel.close()
-        self.private.close()
 
 
 def _tls_options(tls: ServerTLS) -> dict:

@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvserve.services.plumbing.address import CannotListen, ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.local_channel import HandlerRecorder, LocalChannel
 from kvserve.services.plumbing.malformed import RefuseMalformed
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -63,12 +64,20 @@ class ServiceSpec(NamedTuple):
 
 class RunningServer(NamedTuple):
     """A started server, the address it really listens on (the first, when several),
-    its health servicer, and every address it listens on."""
+    its health servicer, every address it listens on, and what a call from inside the process
+    runs (local_channel)."""
 
     server: grpc.aio.Server
     address: str
     health: health_aio.HealthServicer
     addresses: tuple[str, ...] = ()
+    handlers: tuple = ()       # the services' and health's method handlers
+    interceptors: tuple = ()   # in the order a call meets them
+
+    def local_channel(self) -> LocalChannel:
+        """A channel to this server from inside its process: its handlers behind its
+        interceptors, no socket (local_channel.py)."""
+        return LocalChannel(self.handlers, self.interceptors)
 
 
 class BindError(CannotListen):
@@ -105,14 +114,18 @@ async def create_server(
     probe_listen = parse_address(health_listen) if health_listen else None
     specs = _check_services(services)
     pool = futures.ThreadPoolExecutor(max_workers) if max_workers else None
+    chain = (*interceptors, RefuseMalformed())
     server = grpc.aio.server(
         migration_thread_pool=pool,
         options=list({**DEFAULT_OPTIONS, **(options or {})}.items()),
-        interceptors=[*interceptors, RefuseMalformed()],
+        interceptors=list(chain),
     )
+    recorder = HandlerRecorder()   # the same handlers again, for calls from inside the process
     for spec in specs:
         spec.add_to_server(spec.servicer, server)
+        spec.add_to_server(spec.servicer, recorder)
     health = await _add_health(server, [spec.name for spec in specs])
+    health_pb2_grpc.add_HealthServicer_to_server(health, recorder)
     reflection.enable_server_reflection(
         [*(spec.name for spec in specs), HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -123,7 +136,7 @@ async def create_server(
     if probe_listen is not None:
         await _serve_health_alone(server, health, probe_listen, health_listen)
     log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
-    return RunningServer(server, bound[0], health, tuple(bound))
+    return RunningServer(server, bound[0], health, tuple(bound), tuple(recorder.handlers), chain)
 
 
 async def serve_until_signal(
