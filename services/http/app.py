@@ -212,11 +212,13 @@ class Front:
                         yield sse(reply.choice_chunk(event.chunk.text, index=event.index))
                 else:
                     reason = reply.finished(event.finished, event.index)
-                    yield sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))
-                    if usage and reply.done:
-                        yield sse(reply.usage_chunk())
-                event = await anext(events, None)
-            yield sse("[DONE]")
+                    out = sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))
+                    if reply.done:   # the call's last event: the stream's end goes in the same write
+                        out += (sse(reply.usage_chunk()) if usage else b"") + sse("[DONE]")
+                    yield out
+                event = await anext(events, None)   # to the call's end, so that it ends as finished
+            if not reply.done:
+                yield sse("[DONE]")
         except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
             yield sse(from_rpc(exc).body())
             yield sse("[DONE]")
