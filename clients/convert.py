@@ -40,7 +40,8 @@ def scalars(cls: type[_T], msg: Any, **extra: Any) -> _T:
 
 
 def _token_logprobs(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top),
+                              lp.token)
                  for lp in items)
 
 

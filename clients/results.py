@@ -55,6 +55,7 @@ class PrefillDone:
 class TopLogprob:
     token_id: int
     logprob: float
+    token: str = ""  # the token alone as text
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()  # most likely first
+    token: str = ""  # the token alone as text
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
         self.open_streams = 0   # Generate calls not yet returned: a drain waits for them (server.py)
         self._shared_stats = stats_watch.SharedStats(self._stats, self._load)   # WatchServerStats' messages
+        self._token_text = TokenTexts(stack.tokenizer)   # logprobs name their tokens
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -98,7 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     for e in batch:
                         if isinstance(e, Finished):
                             clock.finished(e)
-                    for message, ended, failure in _to_messages(request_id, batch):
+                    for message, ended, failure in _to_messages(request_id, batch, self._token_text):
                         if failure is not None:
                             await abort(context, failure)
                         left -= ended
@@ -198,9 +199,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return stats
 
 
-def _to_messages(request_id: str, events: list):
+class TokenTexts:
+    """A token id's text alone, as a logprob names it (the tokenizer's own pieces joined as text:
+    "▁the" and "Ġthe" read " the" or "the" as that tokenizer decodes them), cached: a vocabulary is
+    bounded, and the top-n repeat."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            text = "" if piece is None else self.tokenizer.convert_tokens_to_string([piece])
+            self._texts[token_id] = text
+        return text
+
+
+def _to_messages(request_id: str, events: list, token_text=lambda token_id: ""):
     """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens of
-    one sequence merge into one chunk."""
+    one sequence merge into one chunk. token_text names the tokens of logprobs."""
     chunk: pb.TokenChunk | None = None
     index = 0
     for event in events:
@@ -214,8 +233,8 @@ def _to_messages(request_id: str, events: list):
             chunk.text += event.text
             for lp in event.logprobs:
                 chunk.logprobs.append(pb.TokenLogprob(
-                    token_id=lp.token_id, logprob=lp.logprob,
-                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+                    token_id=lp.token_id, logprob=lp.logprob, token=token_text(lp.token_id),
+                    top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top]))
             continue
         if chunk is not None:
             yield pb.GenerateResponse(chunk=chunk, index=index), False, None

@@ -153,7 +153,8 @@ class Front:
             options = body.get("stream_options") or {}
             events = self._events(call)
             first = await anext(events, None)   # errors before the first event get their HTTP status
-            reply = Reply(kind, model, msg.sampling.n or 1)   # once the server took n: it bounds it
+            reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
+                          logprobs=msg.sampling.HasField("logprobs"))
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
@@ -178,6 +179,7 @@ class Front:
                 while event is not None:
                     if event.HasField("chunk"):
                         reply.text[event.index].append(event.chunk.text)
+                        reply.tokens[event.index].extend(event.chunk.logprobs)
                     else:
                         reply.finished(event.finished, event.index)
                     event = await anext(events, None)
@@ -208,8 +210,9 @@ class Front:
             event = first
             while event is not None:
                 if event.HasField("chunk"):
-                    if event.chunk.text:
-                        yield sse(reply.choice_chunk(event.chunk.text, index=event.index))
+                    if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
+                        yield sse(reply.choice_chunk(event.chunk.text, index=event.index,
+                                                     logprobs=event.chunk.logprobs))
                 else:
                     reason = reply.finished(event.finished, event.index)
                     out = sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))

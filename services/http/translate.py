@@ -15,7 +15,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 # Fields of the OpenAI API kvserve does not do: refused by name rather than silently ignored.
 UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-               "response_format", "n_best", "logprobs", "top_logprobs")
+               "response_format", "n_best")
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 
 
@@ -120,6 +120,12 @@ def shown(value) -> str:
 def completion_request(body: dict) -> pb.GenerateRequest:
     prompt = body.get("prompt")
     msg = pb.GenerateRequest(sampling=sampling(body))
+    if "top_logprobs" in body and body["top_logprobs"] is not None:
+        raise HttpError(400, "'top_logprobs' is a chat field: a completion asks for its top-n with 'logprobs'",
+                        param="top_logprobs")
+    logprobs = _number(body, "logprobs", int, 0, UINT32)   # the top-n; the server bounds it (--max-logprobs)
+    if logprobs is not None:
+        msg.sampling.logprobs = logprobs
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # one prompt in a list, as the openai client sends
     if isinstance(prompt, str):
@@ -142,6 +148,14 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' must be a non-empty list", param="messages")
     msg = pb.GenerateRequest(sampling=sampling(body))
+    wanted = body.get("logprobs")
+    if wanted not in (None, True, False):
+        raise HttpError(400, "'logprobs' must be true or false", param="logprobs")
+    top = _number(body, "top_logprobs", int, 0, UINT32)   # the server bounds it (--max-logprobs)
+    if wanted is True:
+        msg.sampling.logprobs = top or 0
+    elif top is not None:
+        raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
@@ -170,10 +184,13 @@ def usage(u: pb.Usage) -> dict:
 class Reply:
     """One response being built: the id, the model, each choice's text and how it finished."""
 
-    def __init__(self, kind: str, model: str, n: int = 1) -> None:
+    def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
+        self.logprobs = logprobs   # asked for: each choice carries its tokens' logprobs
+        self.tokens: dict[int, list] = defaultdict(list)   # each choice's TokenLogprobs, for whole()
+        self.offset: dict[int, int] = defaultdict(int)     # characters of each choice's tokens so far
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text: dict[int, list[str]] = defaultdict(list)   # by the sequences that sent text
@@ -194,15 +211,29 @@ class Reply:
                 "choices": choices}
 
     def choice_chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
-                     index: int = 0) -> dict:
+                     index: int = 0, logprobs=()) -> dict:
+        shown = self.logprobs_of(index, logprobs) if logprobs else None
         if self.kind == "completion":
-            return self.head([{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}], True)
+            return self.head([{"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish}], True)
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return self.head([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}], True)
+        return self.head([{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}], True)
+
+    def logprobs_of(self, index: int, logprobs) -> dict:
+        """OpenAI's logprobs object for these TokenLogprobs of choice `index`: a completion's
+        parallel lists (text offsets counted from the choice's first token), a chat's content list."""
+        if self.kind == "chat":
+            return {"content": [{**_named(lp), "top_logprobs": [_named(t) for t in lp.top]} for lp in logprobs]}
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self.offset[index])
+            self.offset[index] += len(lp.token)
+        return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{t.token: t.logprob for t in lp.top} or {lp.token: lp.logprob} for lp in logprobs],
+                "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
         out = self.head([], True)
@@ -213,10 +244,11 @@ class Reply:
         choices = []
         for i in range(self.n):
             text = "".join(self.text[i])
+            shown = self.logprobs_of(i, self.tokens[i]) if self.logprobs else None
             if self.kind == "completion":
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": self.finish_reason.get(i)})
+                choices.append({"index": i, "text": text, "logprobs": shown, "finish_reason": self.finish_reason.get(i)})
             else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": shown,
                                 "finish_reason": self.finish_reason.get(i)})
         out = self.head(choices, False)
         out["usage"] = self.usage
@@ -231,3 +263,8 @@ class Reply:
             self.usage["completion_tokens"] += f.usage.completion_tokens
             self.usage["total_tokens"] += f.usage.completion_tokens
         return reason
+
+
+def _named(lp) -> dict:
+    """A chat logprob entry: the token, its logprob and its UTF-8 bytes."""
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8"))}

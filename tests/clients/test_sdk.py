@@ -124,6 +124,9 @@ def test_logprobs(client: InferenceClient) -> None:
         assert lp.token_id == token and lp.logprob <= 0
         assert len(lp.top) == 3 and lp.top[0].token_id == token  # greedy: the chosen one is the top one
         assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        assert lp.token and lp.token == lp.top[0].token   # each token named, the same id the same text
+    named = "".join(lp.token for lp in done.logprobs)
+    assert named == done.text or "\ufffd" in named   # (a token holding part of a character names it U+FFFD)
 
 
 def test_stop_string_ends_the_stream(client: InferenceClient) -> None:

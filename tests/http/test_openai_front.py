@@ -185,10 +185,74 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "max_tokens": 1' + "0" * 400 + '}', "max_tokens"),
     ('{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + '}', "nests too deep"),
     ('{"prompt": "x", "top_k": 1e300}', "top_k"),
-    ('{"prompt": "x", "logprobs": 2}', "not supported"),
+    ('{"prompt": "x", "echo": true}', "not supported"),
+    ('{"prompt": "x", "logprobs": 50}', "logprobs"),          # past the server's --max-logprobs
+    ('{"prompt": "x", "logprobs": -1}', "logprobs"),
+    ('{"prompt": "x", "top_logprobs": 2}', "chat field"),
 ])
 def test_numbers_out_of_range_are_a_400_in_openais_shape(front, body, message):
     req = urllib.request.Request(f"http://{front.servicer.http_front.address}/v1/completions", data=body.encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    assert message in json.loads(err.value.read())["error"]["message"]
+
+
+def grpc_logprobs(front, top: int, **input_) -> list:
+    with grpc.insecure_channel(front.address) as ch:
+        msg = request(temperature=0, max_tokens=8, ignore_eos=True, logprobs=top, **input_)
+        return generate(pb_grpc.InferenceStub(ch), msg).logprobs
+
+
+def test_completion_logprobs_are_the_grpc_ones_with_their_tokens_named(front, client, model):
+    expected = grpc_logprobs(front, 3, prompt=PROMPT)
+    assert len(expected) == 8 and all(lp.token for lp in expected)   # the service names every token
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                      extra_body={"ignore_eos": True})
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                              extra_body={"ignore_eos": True}, stream=True))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    for got in (whole.choices[0].logprobs, parts):
+        tokens = got.tokens if not isinstance(got, list) else [t for p in got for t in p.tokens]
+        logprobs = got.token_logprobs if not isinstance(got, list) else [x for p in got for x in p.token_logprobs]
+        tops = got.top_logprobs if not isinstance(got, list) else [x for p in got for x in p.top_logprobs]
+        offsets = got.text_offset if not isinstance(got, list) else [x for p in got for x in p.text_offset]
+        assert tokens == [lp.token for lp in expected]
+        assert logprobs == pytest.approx([lp.logprob for lp in expected], abs=1e-3)
+        assert tops == [{t.token: pytest.approx(t.logprob, abs=1e-3) for t in lp.top} for lp in expected]
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        assert all(len(top) <= 3 and max(top.values()) >= lp for top, lp in zip(tops, logprobs))
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs_come_with_bytes_and_top_logprobs_streamed_or_not(front, client, model):
+    expected = grpc_logprobs(front, 2, messages=[(m["role"], m["content"]) for m in MESSAGES])
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    streamed = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+    parts = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    for got in (content, parts):
+        assert [e.token for e in got] == [lp.token for lp in expected]
+        assert [e.logprob for e in got] == pytest.approx([lp.logprob for lp in expected], abs=1e-3)
+        assert all(e.bytes == list(e.token.encode()) for e in got)
+        assert [[t.token for t in e.top_logprobs] for e in got] == [[t.token for t in lp.top] for lp in expected]
+    only = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, logprobs=True)
+    assert all(e.top_logprobs == [] for e in only.choices[0].logprobs.content)   # the chosen tokens alone
+    assert len(only.choices[0].logprobs.content) == only.usage.completion_tokens
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"top_logprobs": 2}, "needs 'logprobs': true"),
+    ({"logprobs": "yes"}, "true or false"),
+    ({"logprobs": True, "top_logprobs": 99}, "logprobs"),   # past the server's --max-logprobs
+])
+def test_chat_logprob_fields_out_of_place_are_a_400(front, body, message):
+    data = json.dumps({"messages": MESSAGES, **body}).encode()
+    req = urllib.request.Request(f"http://{front.servicer.http_front.address}/v1/chat/completions", data=data,
                                  headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
