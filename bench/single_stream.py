@@ -6,6 +6,7 @@ when given), beside the memory-bandwidth roofline measured in the same run.
     .venv/bin/python bench/single_stream.py --prompts 512 --dtypes float32 --new-tokens 64
     .venv/bin/python bench/single_stream.py --llama-bench /path/llama-bench --gguf-dir DIR   # + llama.cpp
     .venv/bin/python bench/single_stream.py --rounds 3 --skip-transformers --llama-bench ... # interleaved
+    .venv/bin/python bench/single_stream.py --http --llama-server BIN --gguf-dir DIR          # both over HTTP
 
 For each dtype and prompt length, one greedy request of --new-tokens tokens (EOS ignored):
   - kvserve's engine alone (in-process manager, no gRPC; a process of its own per dtype): time
@@ -13,6 +14,9 @@ For each dtype and prompt length, one greedy request of --new-tokens tokens (EOS
     (the engine's phase timers, ms per step);
   - kvserve through gRPC (`kvserve up`, both services real processes; --skip-grpc leaves it out):
     the gaps between streamed tokens as the client receives them;
+  - with --http, kvserve through its OpenAI HTTP front (`kvserve up --http-listen`), the same
+    request streamed as server-sent events and read by the same client code as llama-server's
+    below: the two servers over one protocol;
   - transformers `generate` on the same weights and dtype, one request, per-token times from a
     streamer;
   - llama.cpp's llama-bench where --llama-bench and --gguf-dir (bench-f32.gguf, bench-f16.gguf,
@@ -44,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput import Stack, make_prompts, memory_bandwidth, request  # noqa: E402
+from bench.throughput import Stack, free_port, make_prompts, memory_bandwidth, request  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 PHASES = ("schedule", "manager", "copy", "forward", "sample", "emit")
@@ -144,6 +148,41 @@ def through_grpc(model: Path, dtype: str, prompts: list[list[int]], new_tokens: 
         stack.close()
 
 
+def sse_token_times(url: str, body: dict) -> list[float]:
+    """When each streamed event with text arrived (perf_counter), an event a token: the client
+    code llama-server's stream is read with (bench/llama_cpp_peer.py), on kvserve's HTTP front."""
+    import urllib.request
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("text"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def through_http(model: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    http = f"127.0.0.1:{free_port()}"
+    stack = Stack(model, ["--dtype", dtype, "--http-listen", http])
+    url = f"http://{http}/v1/completions"
+
+    def body(prompt: list[int], n: int) -> dict:
+        return {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        sse_token_times(url, body(list(range(3, 40)), 8))   # warm-up
+        out = []
+        for prompt in prompts:
+            start = time.perf_counter()
+            times = sse_token_times(url, body(prompt, new_tokens))
+            out.append({**summary([(b - a) * 1e3 for a, b in zip(times, times[1:])]),
+                        "ttft_ms": (times[0] - start) * 1e3})
+        return out
+    finally:
+        stack.close()
+
+
 # ----------------------------------------------------------------------------- transformers
 
 def transformers_runs(model: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
@@ -218,7 +257,8 @@ def median_run(runs: list[dict]) -> dict:
 
 def print_round_ratios(rounds: dict, dtypes: list[str], prompts: list[int]) -> None:
     """Time per token of llama.cpp over kvserve's, round by round: the engine alone against
-    llama-bench, kvserve through gRPC against llama-server (against llama-bench without it)."""
+    llama-bench, kvserve through gRPC and through HTTP against llama-server (against llama-bench
+    without it)."""
     print("\nllama.cpp's time per token / kvserve's, round by round (above 1: kvserve faster):")
     for dtype in dtypes:
         bench_runs = next((runs for (d, how), runs in rounds.items()
@@ -226,7 +266,8 @@ def print_round_ratios(rounds: dict, dtypes: list[str], prompts: list[int]) -> N
         server_runs = next((runs for (d, how), runs in rounds.items() if d == dtype and "llama.cpp server" in how),
                            None)
         for how, peer, against in (("engine alone", bench_runs, "llama-bench"),
-                                   ("gRPC", server_runs or bench_runs, "llama-server" if server_runs else "llama-bench")):
+                                   ("gRPC", server_runs or bench_runs, "llama-server" if server_runs else "llama-bench"),
+                                   ("HTTP", server_runs or bench_runs, "llama-server" if server_runs else "llama-bench")):
             for i, n in enumerate(prompts):
                 if peer is not None and (dtype, how) in rounds:
                     ratios = [p[i]["p50"] / k[i]["p50"] for p, k in zip(peer, rounds[dtype, how])]
@@ -246,6 +287,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--skip-grpc", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--http", action="store_true", help="also kvserve through its OpenAI HTTP front")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (with --gguf-dir)")
     ap.add_argument("--gguf-dir", type=Path, default=None, help="bench-f32.gguf and bench-f16.gguf of the same weights")
@@ -267,6 +309,8 @@ def main() -> None:
             rounds.setdefault((dtype, "engine alone"), []).append(engine_alone(model, dtype, prompts, args.new_tokens))
             if not args.skip_grpc:
                 rounds.setdefault((dtype, "gRPC"), []).append(through_grpc(model, dtype, prompts, args.new_tokens))
+            if args.http:
+                rounds.setdefault((dtype, "HTTP"), []).append(through_http(model, dtype, prompts, args.new_tokens))
             if not args.skip_transformers and round_ == 0:
                 rounds[dtype, "transformers"] = [transformers_runs(model, dtype, prompts, args.new_tokens)]
             if args.llama_bench and args.gguf_dir:
