@@ -245,6 +245,22 @@ def test_chat_logprobs_come_with_bytes_and_top_logprobs_streamed_or_not(front, c
     assert len(only.choices[0].logprobs.content) == only.usage.completion_tokens
 
 
+def test_each_choice_of_n_carries_its_own_logprobs(front, client, model):
+    """n = 2 sampled choices: each choice's tokens and offsets are its own, streamed or not."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=5, n=2, logprobs=1,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    streamed = list(client.completions.create(**kw, stream=True))
+    for choice in whole.choices:
+        got = choice.logprobs
+        assert len(got.tokens) == 6 and len(got.token_logprobs) == 6 and len(got.top_logprobs) == 6
+        assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(6)]
+        parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].index == choice.index
+                 and c.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == got.tokens   # the same seed, the same draws
+        assert [o for p in parts for o in p.text_offset] == got.text_offset
+
+
 @pytest.mark.parametrize("body, message", [
     ({"top_logprobs": 2}, "needs 'logprobs': true"),
     ({"logprobs": "yes"}, "true or false"),
