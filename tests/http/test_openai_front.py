@@ -168,11 +168,14 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
             again = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
                                               stream=True, stream_options={"include_usage": True})
             chunks = list(again)
+            named = c.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
         direct = generate(fleet.stub, request(messages=[(m["role"], m["content"]) for m in MESSAGES],
                                               temperature=0, max_tokens=12)).text
         assert whole.choices[0].message.content == direct
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == direct
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0   # routed to the worker holding it
+        expected = generate(fleet.stub, request(prompt=PROMPT, temperature=0, max_tokens=4, logprobs=2)).logprobs
+        assert named.choices[0].logprobs.tokens == [lp.token for lp in expected]   # named by the worker, relayed
 
 
 @pytest.mark.parametrize("body, message", [
