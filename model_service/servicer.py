@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -217,7 +218,7 @@ class TokenTexts:
         return text
 
 
-def _to_messages(request_id: str, events: list, token_text=lambda token_id: ""):
+def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]):
     """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens of
     one sequence merge into one chunk. token_text names the tokens of logprobs."""
     chunk: pb.TokenChunk | None = None

@@ -231,6 +231,7 @@ class Relay:
         so greedy and seeded output is what one worker would have streamed. Each part moves on its
         own, up to `moves_left` times; their events reach the client under their sequence's index,
         the usage's cache hit the one the client was told first."""
+        indices: list[int] = []   # the sequence each part goes on
         for i in range(self.request.sampling.n):
             if i in finished:
                 continue
@@ -248,6 +249,7 @@ class Relay:
             part.cancelled = self.cancelled   # a Cancel while it moved: each part ends ABORT at once
             part.ended = self.ended
             self._parts.append(part)
+            indices.append(i)
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, part: Relay) -> None:
@@ -260,7 +262,6 @@ class Relay:
             else:
                 events.put_nowait((index, None, None))
 
-        indices = [i for i in range(self.request.sampling.n) if i not in finished]
         pumps = [asyncio.ensure_future(pump(i, part)) for i, part in zip(indices, self._parts)]
         try:
             running = len(pumps)

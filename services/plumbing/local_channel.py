@@ -98,7 +98,7 @@ class _Context:
                                     grpc.aio.Metadata(*self.trailing), details=self.details)
 
 
-def _deadline_exceeded(method: str) -> grpc.aio.AioRpcError:
+def _deadline_exceeded() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 details="Deadline Exceeded")
 
@@ -184,7 +184,7 @@ class LocalChannel:
         try:
             response = await asyncio.wait_for(handler.unary_unary(request, context), timeout)
         except asyncio.TimeoutError:
-            raise _deadline_exceeded(method) from None
+            raise _deadline_exceeded() from None
         except Exception as exc:
             raise context.error(exc, method) from None
         if context.code not in (None, grpc.StatusCode.OK):   # set_code without abort
@@ -208,7 +208,7 @@ class LocalChannel:
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    raise _deadline_exceeded(method) from None
+                    raise _deadline_exceeded() from None
                 except Exception as exc:
                     raise context.error(exc, method) from None
                 yield response
