@@ -7,7 +7,6 @@ observed where a stream's events reach the server's loop (servicer.py): what a c
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -53,15 +52,21 @@ class StreamClock:
         self.metrics = metrics
         self.last: float | None = None
 
-    def tokens(self, n: int) -> None:
-        if not n:
-            return
-        now = time.monotonic()
-        if self.last is not None:
-            gap = (now - self.last) / n   # tokens that came together share the wait
-            for _ in range(n):
-                self.metrics.itl.observe(gap)
-        self.last = now
+    def tokens(self, events) -> None:
+        """Tokens events, timed when the engine sent them: a front end that falls behind and
+        takes several at once still sees each gap (one per token after the stream's first)."""
+        for event in events:
+            n = len(event.token_ids)
+            if not n:
+                continue
+            if self.last is not None:
+                gap = max(0.0, event.at - self.last) / n   # tokens sent together share the wait
+                for _ in range(n):
+                    self.metrics.itl.observe(gap)
+            else:   # the stream's first event: its first token has no gap, the rest came with it
+                for _ in range(n - 1):
+                    self.metrics.itl.observe(0.0)
+            self.last = event.at
 
     def finished(self, f: Finished) -> None:
         m = self.metrics

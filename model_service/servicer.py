@@ -95,8 +95,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     batch = [event]
                     while not events.empty():  # coalesce what piled up while the client was slow
                         batch.append(events.get_nowait())
-                    # tokens that piled up came together: they share the wait since the last batch
-                    clock.tokens(sum(len(e.token_ids) for e in batch if isinstance(e, Tokens)))
+                    clock.tokens(e for e in batch if isinstance(e, Tokens))
                     for e in batch:
                         if isinstance(e, Finished):
                             clock.finished(e)

@@ -509,7 +509,7 @@ class Engine:
         """One Tokens event for what the request sampled since its last one."""
         unsent, r.unsent = r.unsent, []
         r.sink(Tokens([t for t, _, _ in unsent], "".join(text for _, text, _ in unsent),
-                      [lp for _, _, lp in unsent if lp is not None], r.index))
+                      [lp for _, _, lp in unsent if lp is not None], r.index, time.monotonic()))
 
     def _finish(self, r: Request, reason: str, stop: str | int | None = None) -> None:
         self.scheduler.finish(r)

@@ -23,6 +23,7 @@ class Tokens:
     text: str
     logprobs: list = field(default_factory=list)  # sampling TokenLogprobs, one per token when asked
     index: int = 0                                # which of the request's n sequences
+    at: float = 0.0                               # time.monotonic() when the engine sent it
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,3 +58,22 @@ def test_series_move_with_requests_and_a_repeated_prompt_hits(served):
     # most steps of one decoding stream ask the manager nothing and are not sent
     steps, sent = moved("kvserve:engine_steps_total"), moved("kvserve:engine_manager_steps_total")
     assert 0 < sent < steps, (sent, steps)
+
+
+def test_inter_token_gaps_are_the_engines_whatever_batches_the_front_takes_them_in():
+    """A stream whose front end fell behind takes several events at once: each token after the
+    first still counts one gap, of the time between the engine's sends."""
+    from types import SimpleNamespace
+
+    from kvserve.model_service.engine.events import Tokens
+    from kvserve.model_service.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics(SimpleNamespace(), lambda: None)
+    events = [Tokens([5], "a", at=1.0), Tokens([6], "b", at=1.5), Tokens([7, 8], "cd", at=2.5),
+              Tokens([9], "e", at=2.75)]
+    clock = metrics.stream()
+    clock.tokens(events[:1])
+    clock.tokens(events[1:])   # three events that piled up, taken together
+    samples = {s.name: s.value for s in metrics.itl.collect()[0].samples if not s.labels.get("le")}
+    assert samples["kvserve:inter_token_latency_seconds_count"] == 4            # 5 tokens, 4 gaps
+    assert samples["kvserve:inter_token_latency_seconds_sum"] == pytest.approx(1.75)   # 0.5 + 0.5 + 0.5 + 0.25
