@@ -27,6 +27,9 @@ Overhead: 200 one-token requests of 16 tokens to a worker directly, 200 through 
 through the gateway (cache routing), taking turns so that the machine's drift falls on all; p50
 and p90 of the whole call, and the median of the paired differences from the direct call: what
 the hop costs, and what the gateway adds to it (hashing, routing, its queue, failover's books).
+The direct calls and the relays' (one bare relay per worker) go to the workers in turn, as the
+gateway spreads its own: how recently a worker answered changes how fast it answers by up to a
+millisecond, which the gateway's figure would otherwise carry (docs/benchmarks.md, 27 Nov 2026).
 """
 
 from __future__ import annotations
@@ -182,27 +185,33 @@ class BareRelay:
         self.proc.wait(60)
 
 
-def latencies(targets: dict[str, str], n: int = 200) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
-    """One 16-token request, 1 token out, to each target in turn (a worker directly, the bare
-    relay, the gateway), their order rotating so that the machine's drift falls on all: p50 and
-    p90 of each, and the median of each target's paired differences from the first."""
+def latencies(targets: dict[str, list[str]], n: int = 200) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """One 16-token request, 1 token out, to each target in turn (the workers directly, the bare
+    relays, the gateway), their order rotating so that the machine's drift falls on all. A target
+    of several addresses takes the one whose turn it is, the turn moving on at every call to any
+    target, so that no worker takes two calls in a row as the gateway's spread seldom makes it.
+    p50 and p90 of each, and the median of each target's paired differences from the first."""
     rng = random.Random(3)
     names = list(targets)
     times: dict[str, list[float]] = {name: [] for name in names}
-    channels = {name: grpc.insecure_channel(address) for name, address in targets.items()}
+    channels = {name: [grpc.insecure_channel(address) for address in addresses] for name, addresses in targets.items()}
     try:
-        stubs = {name: pb_grpc.InferenceStub(ch) for name, ch in channels.items()}
+        stubs = {name: [pb_grpc.InferenceStub(ch) for ch in chs] for name, chs in channels.items()}
+        calls = 0
         for i in range(n + 10):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 ids = [rng.randrange(3, 1000) for _ in range(16)]
+                stub = stubs[name][calls % len(stubs[name])]
+                calls += 1
                 start = time.perf_counter()
-                for _ in stubs[name].Generate(request(ids, 1), timeout=60):
+                for _ in stub.Generate(request(ids, 1), timeout=60):
                     pass
                 if i >= 10:   # warm-up
                     times[name].append(time.perf_counter() - start)
     finally:
-        for ch in channels.values():
-            ch.close()
+        for chs in channels.values():
+            for ch in chs:
+                ch.close()
     first = names[0]
     paired = {name: statistics.median(t - d for d, t in zip(times[first], times[name])) for name in names[1:]}
 
@@ -210,6 +219,12 @@ def latencies(targets: dict[str, str], n: int = 200) -> tuple[dict[str, tuple[fl
         xs = sorted(xs)
         return xs[len(xs) // 2], xs[int(0.9 * (len(xs) - 1))]
     return {name: p50_p90(xs) for name, xs in times.items()}, paired
+
+
+def routed_per_worker(gateway: str) -> list[int]:
+    """How many requests the gateway sent to each worker (its GetServerStats)."""
+    with grpc.insecure_channel(gateway) as ch:
+        return [w.requests_routed for w in pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest()).workers]
 
 
 def main() -> None:
@@ -252,12 +267,15 @@ def main() -> None:
                         results[routing] = asyncio.run(conversations(gateway.address, args, vocab))
                     if routing == "cache":
                         workers.reset()
-                        relay = BareRelay(workers.addresses[0])
+                        relays = [BareRelay(address) for address in workers.addresses]
                         try:
-                            overhead = latencies({"direct": workers.addresses[0], "bare relay": relay.address,
-                                                  "gateway": gateway.address}, args.overhead_requests)
+                            overhead = latencies({"direct": workers.addresses,
+                                                  "bare relay": [relay.address for relay in relays],
+                                                  "gateway": [gateway.address]}, args.overhead_requests)
+                            spread = routed_per_worker(gateway.address)
                         finally:
-                            relay.close()
+                            for relay in relays:
+                                relay.close()
                 finally:
                     gateway.close()
             print(f"\n{n} workers:")
@@ -278,11 +296,12 @@ def main() -> None:
                       f"{c['tok_s'] / r['tok_s']:.2f}x")
             if "cache" in args.routings:
                 (p50s, paired) = overhead
-                print("  one 16-token request, 1 token out, the three in turn: " + ", ".join(
+                print("  one 16-token request, 1 token out, the three in turn, each over every worker: " + ", ".join(
                     f"{name} p50 {p[0] * 1e3:.2f} ms (p90 {p[1] * 1e3:.2f})" for name, p in p50s.items()))
                 print(f"  added to a direct call (median of paired differences): the bare relay "
                       f"{paired['bare relay'] * 1e3:+.2f} ms, the gateway {paired['gateway'] * 1e3:+.2f} ms; "
-                      f"the gateway's own work {(paired['gateway'] - paired['bare relay']) * 1e3:+.2f} ms")
+                      f"the gateway's own work {(paired['gateway'] - paired['bare relay']) * 1e3:+.2f} ms; "
+                      f"the gateway's requests per worker {spread}")
         finally:
             workers.close()
 
