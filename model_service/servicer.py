@@ -208,6 +208,10 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Tokens as one text, special tokens kept (an echoed prompt)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
@@ -215,6 +219,11 @@ class TokenTexts:
             text = "" if piece is None else self.tokenizer.convert_tokens_to_string([piece])
             self._texts[token_id] = text
         return text
+
+
+def _token_logprob(lp, token_text: Callable[[int], str]) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=token_text(lp.token_id),
+                           top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top])
 
 
 def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]):
@@ -231,18 +240,21 @@ def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]
                 chunk, index = pb.TokenChunk(), event.index
             chunk.token_ids.extend(event.token_ids)
             chunk.text += event.text
-            for lp in event.logprobs:
-                chunk.logprobs.append(pb.TokenLogprob(
-                    token_id=lp.token_id, logprob=lp.logprob, token=token_text(lp.token_id),
-                    top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top]))
+            chunk.logprobs.extend(_token_logprob(lp, token_text) for lp in event.logprobs)
             continue
         if chunk is not None:
             yield pb.GenerateResponse(chunk=chunk, index=index), False, None
             chunk = None
         if isinstance(event, PrefillDone):
-            yield pb.GenerateResponse(prefill_done=pb.PrefillDone(
-                request_id=request_id, prompt_tokens=event.prompt_tokens,
-                cached_tokens=event.cached_tokens)), False, None
+            done = pb.PrefillDone(request_id=request_id, prompt_tokens=event.prompt_tokens,
+                                  cached_tokens=event.cached_tokens)
+            asked = event.prompt_logprobs
+            if asked is not None:
+                shown, first = done.prompt_logprobs, asked.prompt_ids[0]
+                shown.first_token_id, shown.first_token = first, token_text(first)
+                shown.tokens.extend(_token_logprob(lp, token_text) for lp in asked.tokens)
+                shown.text = token_text.decode(asked.prompt_ids)
+            yield pb.GenerateResponse(prefill_done=done), False, None
         elif isinstance(event, Finished):
             usage = pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              cached_tokens=event.cached_tokens)

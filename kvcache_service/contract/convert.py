@@ -55,7 +55,8 @@ def need_from_pb(msg: pb.Need) -> Need:
         return Grow(g.seq_id, g.num_tokens)
     if kind == "admit":
         a = msg.admit
-        return Admit(a.request_id, a.token_ids[:], a.extra_key, a.max_tokens if a.HasField("max_tokens") else None)
+        return Admit(a.request_id, a.token_ids[:], a.extra_key, a.max_tokens if a.HasField("max_tokens") else None,
+                     a.skip_prefix_hits)
     if kind == "resume":
         return Resume(msg.resume.seq_id, msg.resume.num_tokens)
     if kind == "fork":
@@ -84,6 +85,8 @@ def fill_need_pb(msg: pb.Need, need: Need) -> None:
             a.extra_key = need.extra_key
         if need.max_tokens is not None:
             a.max_tokens = need.max_tokens
+        if need.skip_prefix_hits:
+            a.skip_prefix_hits = True
     elif kind is Resume:
         r = msg.resume
         r.seq_id = need.seq_id

@@ -44,6 +44,7 @@ class Admit:
     token_ids: Sequence[int]
     extra_key: str = ""
     max_tokens: int | None = None  # at most this many uncached tokens get slots now
+    skip_prefix_hits: bool = False  # computes the whole prompt: its prompt logprobs need every position
 
 
 @dataclass(slots=True)

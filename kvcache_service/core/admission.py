@@ -1,7 +1,8 @@
 """Admission: a new sequence, its full prompt pages matched against the prefix tree.
 
 An admission never hits the page holding the last prompt token: at least one token is
-always computed, so the model produces logits for it.
+always computed, so the model produces logits for it. One that skips prefix hits (its prompt's
+logprobs need the logits of every position) matches nothing and computes every token.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class AdmitMatch:
 def match(state: ManagerState, need: Admit) -> AdmitMatch:
     """Matches the prompt against the tree (read-only)."""
     tokens, ps = need.token_ids, state.page_size
-    limit = (len(tokens) - 1) // ps  # never the page holding the last token
+    limit = 0 if need.skip_prefix_hits else (len(tokens) - 1) // ps  # never the page holding the last token
     tree, ref = state.tree, state.pool.ref
     hits = tree.match_bytes(token_bytes(tokens[: limit * ps]), ps * 4, need.extra_key) if limit > 0 else []
     hash_of = tree.hash_of

@@ -51,7 +51,7 @@ from kvserve.model_service.engine.errors import (
     RequestFailed,
     Unavailable,
 )
-from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.events import Event, Failed, Finished, PrefillDone, PromptLogprobs, Tokens
 from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
@@ -60,6 +60,7 @@ from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import HeldElsewhere, Scheduler, SchedulerConfig, Work
 from kvserve.model_service.engine.speculation import NgramDrafter, accepted_prefix
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
+from kvserve.model_service.sampling.prompt_logprobs import prompt_logprobs
 from kvserve.model_service.sampling.sampler import make_generator, seeded_for
 
 MAX_RESYNCS = 3   # refused Steps in a row, each met by registering again, before it counts as a bug
@@ -413,6 +414,8 @@ class Engine:
         progress.enter(f"running the model ({len(work)} sequences)")
         t4 = clock()
         logits = self.runner.execute(work)
+        if any(w.prompt_rows for w in work):
+            logits = self._take_prompt_logprobs(logits, work)
         sampled = [w for w in work if w.samples]
         t5 = clock()
         c.forward_s += t5 - t4
@@ -442,6 +445,23 @@ class Engine:
         c.sample_s += t6 - t5
         c.emit_s += clock() - t6
         progress.advanced()
+
+    @staticmethod
+    def _take_prompt_logprobs(logits, work: list[Work]):
+        """Records the prompt logprobs the step's prompt rows give (runner.execute put each
+        item's before its sampled rows) and returns the sampled rows alone."""
+        keep, row = [], 0
+        for w in work:
+            wanted, r = w.prompt_rows, w.request
+            if wanted:
+                targets = r.tokens[wanted.start + 1:wanted.stop + 1]
+                r.prompt_logprobs.extend(prompt_logprobs(logits[row:row + len(wanted)], targets,
+                                                         r.params.prompt_logprobs))
+                row += len(wanted)
+            if w.samples:
+                keep.extend(range(row, row + 1 + len(w.draft)))
+                row += 1 + len(w.draft)
+        return logits[keep]
 
     def _sample_drafts(self, logits, sampled: list[Work]):
         """Samples every position of a draft as decoding without it would have: that position's
@@ -490,7 +510,7 @@ class Engine:
             if family is None or not family.prefill_sent:   # once per request, whatever its n
                 self.counters.prompt_tokens += r.num_prompt
                 self.counters.cached_tokens += r.cached_tokens or 0
-                r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0))
+                r.sink(PrefillDone(r.num_prompt, r.cached_tokens or 0, _prompt_logprobs(r)))
                 if family is not None:
                     family.prefill_sent = True
         r.pending = 0
@@ -551,6 +571,14 @@ class Engine:
         sched = self.scheduler
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
+
+
+def _prompt_logprobs(r: Request) -> PromptLogprobs | None:
+    """What PrefillDone says of the prompt's logprobs, which sequence 0 took for all."""
+    if r.params is None or r.params.prompt_logprobs is None:
+        return None
+    owner = r if r.family is None else r.family.parent
+    return PromptLogprobs(r.prompt_ids, owner.prompt_logprobs)
 
 
 def asks_nothing(step: StepRequest) -> bool:

@@ -12,9 +12,16 @@ from kvserve.model_service.engine.errors import RequestFailed
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    prompt_ids: list[int]   # the first has no logprob
+    tokens: list            # TokenLogprobs of the prompt's tokens after the first
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillDone:
     prompt_tokens: int
     cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None   # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class Request:
     drafts_told: int = 0             # draft tokens the manager holds past told_tokens (truncated next step)
     draft_generators: list = field(default_factory=list)   # a seeded request's draws at draft positions
     slid_to: int = 0                 # sliding window: its pages before this one left it (but the sinks')
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. so far, when asked
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -56,6 +57,14 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for its prompt's logprobs and does not have them all yet (sequence 0 of a
+        request of n takes them for all)."""
+        params = self.params
+        return (params is not None and params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
     @property
     def num_output(self) -> int:

@@ -33,7 +33,7 @@ class ModelRunner:
         self.direct = getattr(model, "decode_ints", None) if natively else None   # kernels/decode_layer.DirectStep
 
     def build(self, work: list[Work]) -> ForwardBatch:
-        if all(w.count == 1 for w in work):   # one token each: no draft, no prefill
+        if all(w.count == 1 for w in work) and not any(w.prompt_rows for w in work):   # decodes only
             return self._build_decodes(work)
         return self._build_general(work)
 
@@ -63,9 +63,13 @@ class ModelRunner:
         block_tables = torch.tensor(tables, dtype=torch.int32)                          # (B, width)
         pages = block_tables[seq_of_token, positions // ps].to(torch.int64)             # (T,)
         slot_mapping = pages * ps + positions % ps                                      # (T,)
-        if any(w.draft for w in work):   # a row with a draft is sampled at each of its positions
+        prompt_rows = [w.prompt_rows for w in work]
+        if any(w.draft for w in work) or any(prompt_rows):
+            # a row with a draft is sampled at each of its positions; the positions whose logits
+            # give prompt logprobs come before a row's sampled ones
             rows, end = [], 0
-            for w in work:
+            for w, wanted in zip(work, prompt_rows):
+                rows.extend(range(end + wanted.start - w.start, end + wanted.stop - w.start))
                 end += w.count
                 if w.samples:
                     rows.extend(range(end - 1 - len(w.draft), end))
@@ -116,7 +120,9 @@ class ModelRunner:
 
     def execute(self, work: list[Work]) -> torch.Tensor:
         """Logits (S, vocab) for the work items that sample, in order: one row each, 1 + len(draft)
-        for an item with a draft."""
+        for an item with a draft, each item's prompt_rows before them."""
+        if any(w.prompt_rows for w in work):
+            return self._execute(work)
         if self.graphs is not None and self.graphs.fits(work):
             return self.graphs.run(work)
         if self.direct is not None and len(work) <= self.direct.max_rows and all(w.count == 1 for w in work):

@@ -74,6 +74,16 @@ class Work:
         """Its last row's logits give the next token (with a draft: every row's, one per position)."""
         return self.start + self.count - len(self.draft) == len(self.request.tokens)
 
+    @property
+    def prompt_rows(self) -> range:
+        """Its positions whose logits give a prompt token's logprob not yet taken (position p's
+        give token p + 1's), in order before its sampled row: empty unless the request asked
+        for prompt logprobs. A position computed again (a recomputed sequence) is not taken twice."""
+        r = self.request
+        if not r.wants_prompt_logprobs:
+            return range(0)
+        return range(max(self.start, len(r.prompt_logprobs)), min(self.start + self.count, r.num_prompt - 1))
+
 
 @dataclass(slots=True)
 class Ask:
@@ -231,7 +241,8 @@ class Scheduler:
                 break
             count = min(r.compute_end, budget, chunk)  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
-            needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count))
+            needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count,
+                                       skip_prefix_hits=r.wants_prompt_logprobs))
             asks.append(Ask(r, count, need))
 
         step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode, slides)

@@ -55,6 +55,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Sequences sampled in parallel from the prompt (engine/family.py).
     n: int = 1
+    # None: none; n: each prompt token's logprob given the tokens before it, plus the top n
+    # there (0: the prompt token's only). The prompt is then computed whole, never read from
+    # the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the dataclass hashable.
@@ -94,10 +98,12 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int(self.max_tokens, "max_tokens", "an integer >= 1")
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        if self.logprobs is not None:
-            top = min(max_logprobs, vocab_size)
-            _check_int(self.logprobs, "logprobs", f"an integer in [0, {top}]")
-            _check(0 <= self.logprobs <= top, "logprobs", self.logprobs, f"an integer in [0, {top}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                top = min(max_logprobs, vocab_size)
+                _check_int(value, name, f"an integer in [0, {top}]")
+                _check(0 <= value <= top, name, value, f"an integer in [0, {top}] (--max-logprobs)")
         for token_id in self.stop_token_ids:
             _check_int(token_id, "stop_token_ids", f"token ids in [0, {vocab_size})")
             _check(0 <= token_id < vocab_size, "stop_token_ids", token_id,

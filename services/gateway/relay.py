@@ -160,6 +160,8 @@ class Relay:
             if streamed:   # one sequence here: a request of n > 1 with tokens streamed has split
                 del msg.continuation.ids[:]
                 msg.continuation.ids.extend(earlier + streamed.get(0, []))
+            if prefill_sent:   # the client has the prompt's logprobs: not computed again (nor the cache skipped)
+                msg.sampling.ClearField("prompt_logprobs")
             self.worker, self._moved = worker, False
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
@@ -238,6 +240,7 @@ class Relay:
             msg = pb.GenerateRequest()
             msg.CopyFrom(self.request)
             msg.sampling.n = 1
+            msg.sampling.ClearField("prompt_logprobs")   # the client has had prefill_done
             if msg.sampling.HasField("seed"):
                 msg.sampling.seed = child_seed(msg.sampling.seed, i)
             del msg.continuation.ids[:]

@@ -141,6 +141,19 @@ def test_a_move_keeps_the_continuation_a_gateway_in_front_sent(tiny_dirs):
         assert list(busier.requests[0].continuation.ids) == [41, 42, 5, 6]
 
 
+def test_a_move_after_prefill_done_does_not_ask_for_the_prompts_logprobs_again(tiny_dirs):
+    """The client has had them in prefill_done: the next worker neither computes them again nor
+    skips its prefix cache for them; the request as the client sent it otherwise."""
+    failing = ScriptedWorker(tokens=[5, 6, 7, 8], fail_at=2)
+    busier = ScriptedWorker(tokens=[7, 8], running=3)
+    with scripted_fleet(tiny_dirs, failing, busier, migration_limit=1) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], prompt_logprobs=2, **greedy(4)), timeout=30))
+    assert tokens_of(events) == [5, 6, 7, 8]
+    assert failing.requests[0].sampling.prompt_logprobs == 2
+    assert not busier.requests[0].sampling.HasField("prompt_logprobs")
+    assert busier.requests[0].sampling.max_tokens == 4 and list(busier.requests[0].continuation.ids) == [5, 6]
+
+
 def drawn(seed: int, position: int) -> int:
     """The token a scripted sampler draws at `position` with `seed`: what a seeded worker's draw
     is, a function of the two alone."""
@@ -199,7 +212,8 @@ def test_a_request_of_n_sequences_moves_as_one_request_per_unfinished_sequence(t
     failing = SamplingWorker(cached_tokens=2, fail_at=3)
     other = SamplingWorker(cached_tokens=1, running=3)    # chosen only once the first fails
     with scripted_fleet(tiny_dirs, failing, other, migration_limit=1) as (_, stub, _):
-        msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6)
+        msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6,
+                      prompt_logprobs=0)
         events = list(stub.Generate(msg, timeout=30))
     want = {i: [drawn(child_seed(7, i), k) for k in range(2 if i == 1 else 6)] for i in range(3)}
     assert by_index(events) == want
@@ -213,6 +227,7 @@ def test_a_request_of_n_sequences_moves_as_one_request_per_unfinished_sequence(t
     parts = sorted(other.requests, key=lambda r: r.request_id)
     assert [r.request_id for r in parts] == ["r.0", "r.2"]
     assert [(r.sampling.n, r.sampling.seed) for r in parts] == [(1, 7), (1, child_seed(7, 2))]
+    assert not any(r.sampling.HasField("prompt_logprobs") for r in parts)   # the client had them
     assert [list(r.continuation.ids) for r in parts] == [want[0][:3], want[2][:3]]
 
 

@@ -44,7 +44,7 @@ PAIRS = st.lists(st.tuples(U32, U32), max_size=6)
 
 NEEDS = st.one_of(
     st.builds(Grow, U32, U32),
-    st.builds(Admit, IDS, TOKENS, IDS, st.none() | U32),
+    st.builds(Admit, IDS, TOKENS, IDS, st.none() | U32, st.booleans()),
     st.builds(Resume, U32, U32),
     st.builds(Fork, U32, IDS, U32),
 )

@@ -84,6 +84,22 @@ def test_the_last_prompt_token_is_never_a_hit():
     assert m.match_prefix(prompt)[0] == 8  # the read-only query still sees both pages
 
 
+def test_skip_prefix_hits_computes_every_token_and_keeps_duplicates_private():
+    m = make()
+    prompt = list(range(12))
+    a = admit_computed(m, "a", prompt)
+    m.step(StepRequest(releases=[a.seq_id]))
+    parked = m.state.tree.parked()
+    b = admit(m, "b", prompt, skip_prefix_hits=True)
+    assert b.cached_tokens == 0 and b.num_tokens == 12 and set(b.page_ids).isdisjoint(a.page_ids)
+    assert m.state.tree.parked() == parked   # nothing it skipped was taken from the LRU
+    m.step(StepRequest(commits=[Commit(b.seq_id, 12)]))
+    assert m.state.tree.page_of == {h: p for h, p in zip(page_hashes(prompt, PS), a.page_ids)}
+    m.step(StepRequest(releases=[b.seq_id]))   # its full pages duplicated a's: freed, not cached
+    assert m.stats().cached_pages == 3
+    assert admit(m, "c", prompt).cached_tokens == 8   # the page of the last token is never a hit
+
+
 def test_release_keeps_full_computed_pages_cached_and_frees_partial():
     m = make()
     a = admit_computed(m, "a", list(range(10)))  # pages 0, 1 full; 2 partial

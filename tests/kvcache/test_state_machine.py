@@ -67,9 +67,10 @@ class KVCacheMachine(StepDriver, RuleBasedStateMachine):
         m, ps = self.m, self.ps
         self._free_a_seq_id(data)
         prompt, ek = self._draw_prompt(data)
-        need = Admit(self._rid(), prompt, ek, self._draw_max_tokens(data))
+        skip = data.draw(st.booleans(), label="skip prefix hits?")
+        need = Admit(self._rid(), prompt, ek, self._draw_max_tokens(data), skip)
         matched, _ = m.match_prefix(prompt, ek)
-        expect_cached = min(matched, (len(prompt) - 1) // ps * ps)
+        expect_cached = 0 if skip else min(matched, (len(prompt) - 1) // ps * ps)
         check = m.can_allocate(need)
         if not check.ok:
             self._refused(need)

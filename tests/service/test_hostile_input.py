@@ -128,7 +128,8 @@ _sampling = st.fixed_dictionaries({}, optional={
     "repetition_penalty": _floats(0.5, 2), "presence_penalty": _floats(-2, 2), "frequency_penalty": _floats(-2, 2),
     "seed": st.integers(*UINT64), "max_tokens": _ints(0, 64, UINT32),
     "stop_token_ids": st.lists(_ints(0, 1023, INT32), max_size=5), "stop": st.lists(_texts(), max_size=70),
-    "ignore_eos": st.booleans(), "logprobs": _ints(0, 5, UINT32), "skip_special_tokens": st.booleans()})
+    "ignore_eos": st.booleans(), "logprobs": _ints(0, 5, UINT32), "skip_special_tokens": st.booleans(),
+    "prompt_logprobs": _ints(0, 5, UINT32)})
 _inputs = _mostly(
     st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(0, 1023), min_size=1, max_size=40)),
     st.one_of(

@@ -118,6 +118,30 @@ def test_greedy_logprobs_match_transformers(stub, hf_tiny):
         assert [v for _, v in top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
 
 
+def test_prompt_logprobs_come_in_prefill_done(stub, hf_tiny, tokenizer):
+    """Over gRPC: the first prompt token, then a logprob for each after it, each named as the tokenizer names it,
+    equal to transformers'; the prefix cache is not read for them, and a request past
+    --max-logprobs is refused by name."""
+    prompt = PROMPTS[3]
+    generate(stub, request(token_ids=prompt, **greedy(2)))   # its pages are cached now
+    out = generate(stub, request(token_ids=prompt, prompt_logprobs=2, **greedy(2)))
+    (done,) = [e.prefill_done for e in out.events if e.HasField("prefill_done")]
+    name = lambda t: tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(t)])  # noqa: E731
+    assert done.cached_tokens == 0 and len(done.prompt_logprobs.tokens) == len(prompt) - 1
+    assert (done.prompt_logprobs.first_token_id, done.prompt_logprobs.first_token) == (prompt[0], name(prompt[0]))
+    assert done.prompt_logprobs.text == tokenizer.decode(prompt, skip_special_tokens=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_tiny(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for i, lp in enumerate(done.prompt_logprobs.tokens):
+        assert lp.token_id == prompt[i + 1] and lp.token == name(lp.token_id)
+        assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-4)
+        assert [t.token_id for t in lp.top] == torch.topk(ref[i], 2).indices.tolist()
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, request(token_ids=prompt, prompt_logprobs=21, **greedy(2)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "prompt_logprobs must be an integer in [0, 20] (--max-logprobs), got 21"
+
+
 def test_sampled_logprobs_are_the_models_before_temperature(stub, hf_tiny):
     """At temperature 2 the chosen token is often not the best; its logprob is still present,
     and it is the model's own (before temperature), as transformers computes it."""

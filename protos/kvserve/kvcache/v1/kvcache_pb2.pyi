@@ -42,16 +42,18 @@ class Grow(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
-    __slots__ = ("request_id", "token_ids", "extra_key", "max_tokens")
+    __slots__ = ("request_id", "token_ids", "extra_key", "max_tokens", "skip_prefix_hits")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_key: str
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_key: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    skip_prefix_hits: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_key: _Optional[str] = ..., max_tokens: _Optional[int] = ..., skip_prefix_hits: _Optional[bool] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("seq_id", "num_tokens")
