@@ -18,6 +18,7 @@ from kvserve.clients.results import (
     Message,
     ModelInfo,
     PrefillDone,
+    PromptLogprobs,
     Queued,
     ServerStats,
     Tokenized,
@@ -56,7 +57,11 @@ def event(msg: pb.GenerateResponse) -> Event | None:
         return Chunk(tuple(c.token_ids), c.text, _token_logprobs(c.logprobs), msg.index)
     if kind == "prefill_done":
         p = msg.prefill_done
-        return PrefillDone(p.request_id, p.prompt_tokens, p.cached_tokens)
+        shown = None
+        if p.HasField("prompt_logprobs"):
+            q = p.prompt_logprobs
+            shown = PromptLogprobs(q.first_token_id, q.first_token, _token_logprobs(q.tokens), q.text)
+        return PrefillDone(p.request_id, p.prompt_tokens, p.cached_tokens, shown)
     if kind == "finished":
         f = msg.finished
         return Finished(_finish_reason(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
@@ -156,6 +161,7 @@ def generate_request(
     request_id: str = "",
     session_id: str = "",
     n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
     (the server's default)."""
@@ -169,7 +175,7 @@ def generate_request(
                                      stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,
-                    skip_special_tokens=skip_special_tokens, n=n)
+                    skip_special_tokens=skip_special_tokens, n=n, prompt_logprobs=prompt_logprobs)
     for name, value in optional.items():
         if value is not None:
             with _field(name, value):

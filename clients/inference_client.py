@@ -160,17 +160,19 @@ class InferenceClient:
         request_id: str = "",
         session_id: str = "",
         n: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerateStream:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
         (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
         Unset (None) parameters take the server's defaults. With n > 1 the server samples n
-        sequences from the prompt: each Chunk and Finished says which (`index`)."""
+        sequences from the prompt: each Chunk and Finished says which (`index`). prompt_logprobs
+        (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone."""
         request = convert.generate_request(
             prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
-            request_id=request_id, session_id=session_id, n=n)
+            request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs)
         try:
             call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating

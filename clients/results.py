@@ -45,13 +45,6 @@ class Queued:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillDone:
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int  # served from the prefix cache
-
-
-@dataclass(frozen=True, slots=True)
 class TopLogprob:
     token_id: int
     logprob: float
@@ -64,6 +57,23 @@ class TokenLogprob:
     logprob: float
     top: tuple[TopLogprob, ...] = ()  # most likely first
     token: str = ""  # the token alone as text
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's own logprobs (generate's prompt_logprobs): each token's given the ones before it."""
+    first_token_id: int                # the first prompt token, which has nothing before it
+    first_token: str
+    tokens: tuple[TokenLogprob, ...]   # one per prompt token after the first
+    text: str                          # the prompt decoded whole
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int  # served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for
 
 
 @dataclass(frozen=True, slots=True)

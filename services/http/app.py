@@ -151,10 +151,12 @@ class Front:
             call = self.stub.Generate(msg, metadata=metadata)
             stream = body.get("stream") is True
             options = body.get("stream_options") or {}
-            events = self._events(call)
+            echo = kind == "completion" and body.get("echo") is True
+            events = self._events(call, echo)
             first = await anext(events, None)   # errors before the first event get their HTTP status
             reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
-                          logprobs=msg.sampling.HasField("logprobs"))
+                          logprobs=msg.sampling.HasField("logprobs"), echo=echo,
+                          prompt=msg.prompt if msg.HasField("prompt") else None)
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
@@ -166,9 +168,10 @@ class Front:
                                  headers={"cache-control": "no-cache"})
 
     @staticmethod
-    async def _events(call) -> AsyncIterator[pb.GenerateResponse]:
+    async def _events(call, echo: bool) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's tokens and ends, and its prefill_done when the prompt is echoed."""
         async for event in call:
-            if event.HasField("chunk") or event.HasField("finished"):
+            if event.HasField("chunk") or event.HasField("finished") or (echo and event.HasField("prefill_done")):
                 yield event
 
     async def _whole(self, request: Request, call, events, first, reply: Reply) -> Response:
@@ -180,6 +183,8 @@ class Front:
                     if event.HasField("chunk"):
                         reply.text[event.index].append(event.chunk.text)
                         reply.tokens[event.index].extend(event.chunk.logprobs)
+                    elif event.HasField("prefill_done"):
+                        reply.prefill_done(event.prefill_done)
                     else:
                         reply.finished(event.finished, event.index)
                     event = await anext(events, None)
@@ -213,6 +218,9 @@ class Front:
                     if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
                         yield sse(reply.choice_chunk(event.chunk.text, index=event.index,
                                                      logprobs=event.chunk.logprobs))
+                elif event.HasField("prefill_done"):   # an echo: every choice begins with the prompt
+                    reply.prefill_done(event.prefill_done)
+                    yield b"".join(sse(reply.echo_chunk(index)) for index in range(reply.n))
                 else:
                     reason = reply.finished(event.finished, event.index)
                     out = sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))

@@ -14,7 +14,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 # Fields of the OpenAI API kvserve does not do: refused by name rather than silently ignored.
-UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+UNSUPPORTED = ("best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
                "response_format", "n_best")
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 
@@ -140,6 +140,12 @@ def completion_request(body: dict) -> pb.GenerateRequest:
         raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:
         raise HttpError(400, "'prompt' must be a string or a list of token ids (0 to 2^31-1)", param="prompt")
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise HttpError(400, "'echo' must be true or false", param="echo")
+    if echo and (logprobs is not None or not msg.HasField("prompt")):
+        # the prompt's own logprobs; for token ids, also the prompt's text (the server decodes it)
+        msg.sampling.prompt_logprobs = logprobs or 0
     return msg
 
 
@@ -147,6 +153,8 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' must be a non-empty list", param="messages")
+    if body.get("echo") not in (None, False):
+        raise HttpError(400, "'echo' is a completion field: a chat does not echo its messages", param="echo")
     msg = pb.GenerateRequest(sampling=sampling(body))
     wanted = body.get("logprobs")
     if wanted not in (None, True, False):
@@ -184,11 +192,15 @@ def usage(u: pb.Usage) -> dict:
 class Reply:
     """One response being built: the id, the model, each choice's text and how it finished."""
 
-    def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False) -> None:
+    def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False, echo: bool = False,
+                 prompt: str | None = None) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
         self.logprobs = logprobs   # asked for: each choice carries its tokens' logprobs
+        self.echo = echo           # a completion's choices begin with the prompt (and its logprobs)
+        self.prompt = prompt       # its text: the client's string, or what prefill_done says
+        self.prompt_logprobs: list[tuple[str, float | None, dict | None]] = []   # the echo's (token, logprob, top)
         self.tokens: dict[int, list] = defaultdict(list)   # each choice's TokenLogprobs, for whole()
         self.offset: dict[int, int] = defaultdict(int)     # characters of each choice's tokens so far
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -222,6 +234,33 @@ class Reply:
             delta["content"] = text
         return self.head([{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}], True)
 
+    def prefill_done(self, done: pb.PrefillDone) -> None:
+        """Takes the prompt's text and logprobs for the echo from the server's prefill_done."""
+        if not done.HasField("prompt_logprobs"):
+            return
+        shown = done.prompt_logprobs
+        if self.prompt is None:   # token ids: the server decoded them
+            self.prompt = shown.text
+        if self.logprobs:   # the first token has nothing before it: no logprob (null, as OpenAI's)
+            self.prompt_logprobs = [(shown.first_token, None, None)] + [
+                (lp.token, lp.logprob, {t.token: t.logprob for t in lp.top} or {lp.token: lp.logprob})
+                for lp in shown.tokens]
+
+    def echo_chunk(self, index: int) -> dict:
+        """A streamed completion's first chunk of choice `index` when it echoes: the prompt."""
+        shown = self._echoed_logprobs(index) if self.logprobs else None
+        return self.head([{"index": index, "text": self.prompt or "", "logprobs": shown, "finish_reason": None}],
+                         True)
+
+    def _echoed_logprobs(self, index: int) -> dict:
+        offsets = []
+        for token, _, _ in self.prompt_logprobs:
+            offsets.append(self.offset[index])
+            self.offset[index] += len(token)
+        return {"tokens": [t for t, _, _ in self.prompt_logprobs],
+                "token_logprobs": [lp for _, lp, _ in self.prompt_logprobs],
+                "top_logprobs": [top for _, _, top in self.prompt_logprobs], "text_offset": offsets}
+
     def logprobs_of(self, index: int, logprobs) -> dict:
         """OpenAI's logprobs object for these TokenLogprobs of choice `index`: a completion's
         parallel lists (text offsets counted from the choice's first token), a chat's content list."""
@@ -244,7 +283,12 @@ class Reply:
         choices = []
         for i in range(self.n):
             text = "".join(self.text[i])
+            echoed = self._echoed_logprobs(i) if self.echo and self.logprobs else None   # offsets go on after it
             shown = self.logprobs_of(i, self.tokens[i]) if self.logprobs else None
+            if self.echo:
+                text = (self.prompt or "") + text
+                if echoed is not None:
+                    shown = {key: echoed[key] + shown[key] for key in shown}
             if self.kind == "completion":
                 choices.append({"index": i, "text": text, "logprobs": shown, "finish_reason": self.finish_reason.get(i)})
             else:

@@ -129,6 +129,16 @@ def test_logprobs(client: InferenceClient) -> None:
     assert named == done.text or "\ufffd" in named   # (a token holding part of a character names it U+FFFD)
 
 
+def test_prompt_logprobs(client: InferenceClient) -> None:
+    done = client.complete(PROMPT, max_tokens=2, temperature=0, prompt_logprobs=2)
+    shown = done.prefill.prompt_logprobs
+    ids = client.tokenize(PROMPT).token_ids
+    assert shown.first_token_id == ids[0] and [lp.token_id for lp in shown.tokens] == list(ids[1:])
+    assert all(len(lp.top) == 2 and lp.logprob <= 0 and lp.token for lp in shown.tokens)
+    assert shown.text == shown.first_token + "".join(lp.token for lp in shown.tokens) or "\ufffd" in shown.text
+    assert client.complete(PROMPT, max_tokens=2).prefill.prompt_logprobs is None
+
+
 def test_stop_string_ends_the_stream(client: InferenceClient) -> None:
     free = client.complete(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
     stop = re.search(r"[a-z]{2}", free.text).group()  # two letters the greedy output is sure to produce

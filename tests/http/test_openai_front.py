@@ -188,7 +188,9 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "max_tokens": 1' + "0" * 400 + '}', "max_tokens"),
     ('{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + '}', "nests too deep"),
     ('{"prompt": "x", "top_k": 1e300}', "top_k"),
-    ('{"prompt": "x", "echo": true}', "not supported"),
+    ('{"prompt": "x", "echo": "yes"}', "'echo' must be true or false"),
+    ('{"prompt": "x", "echo": true, "logprobs": 50}', "logprobs"),   # the prompt's too, past --max-logprobs
+    ('{"prompt": "x", "best_of": 2}', "not supported"),
     ('{"prompt": "x", "logprobs": 50}', "logprobs"),          # past the server's --max-logprobs
     ('{"prompt": "x", "logprobs": -1}', "logprobs"),
     ('{"prompt": "x", "top_logprobs": 2}', "chat field"),
@@ -264,10 +266,53 @@ def test_each_choice_of_n_carries_its_own_logprobs(front, client, model):
         assert [o for p in parts for o in p.text_offset] == got.text_offset
 
 
+def prompt_logprobs(front, top: int, **input_):
+    """The PromptLogprobs of a gRPC request for them."""
+    with grpc.insecure_channel(front.address) as ch:
+        msg = request(temperature=0, max_tokens=2, prompt_logprobs=top, **input_)
+        events = generate(pb_grpc.InferenceStub(ch), msg).events
+    (done,) = [e.prefill_done for e in events if e.HasField("prefill_done")]
+    return done.prompt_logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(front, client, model):
+    """`echo` with `logprobs` and one new token, as lm-evaluation-harness asks for a
+    loglikelihood: the choice's text and logprobs begin with the prompt's, the first token's
+    logprob null, each other's the server's prompt logprob, then the generated token's; streamed
+    or not, from a string or from token ids."""
+    shown = prompt_logprobs(front, 2, prompt=PROMPT)
+    generated = grpc_logprobs(front, 2, prompt=PROMPT)[:1]
+    n = len(shown.tokens) + 1
+    tokens = [shown.first_token] + [lp.token for lp in shown.tokens] + [generated[0].token]
+    ids = [shown.first_token_id] + [lp.token_id for lp in shown.tokens]
+    kw = dict(model=model, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    for prompt in (PROMPT, ids):
+        whole = client.completions.create(prompt=prompt, **kw).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(prompt=prompt, stream=True, **kw) if c.choices]
+        assert whole.text == "".join(c.text for c in chunks)
+        assert whole.text.startswith(PROMPT if prompt is PROMPT else shown.text) and len(whole.text) > len(PROMPT)
+        for got in (whole.logprobs, [c.logprobs for c in chunks if c.logprobs]):
+            joined = (lambda key: getattr(got, key)) if not isinstance(got, list) else (
+                lambda key: [x for part in got for x in getattr(part, key)])
+            assert joined("tokens") == tokens
+            assert joined("token_logprobs")[0] is None and joined("top_logprobs")[0] is None
+            assert joined("token_logprobs")[1:n] == pytest.approx([lp.logprob for lp in shown.tokens], abs=1e-5)
+            assert joined("token_logprobs")[n] == pytest.approx(generated[0].logprob, abs=1e-5)
+            assert joined("top_logprobs")[1:n] == [{t.token: pytest.approx(t.logprob, abs=1e-5) for t in lp.top}
+                                                   for lp in shown.tokens]
+            assert joined("text_offset") == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == PROMPT + grpc_text(front, prompt=PROMPT)[:len(plain.choices[0].text) - len(PROMPT)]
+    assert plain.choices[0].logprobs is None and plain.usage.completion_tokens == 3
+    from_ids = client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert from_ids.choices[0].text == plain.choices[0].text.replace(PROMPT, shown.text, 1)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"top_logprobs": 2}, "needs 'logprobs': true"),
     ({"logprobs": "yes"}, "true or false"),
     ({"logprobs": True, "top_logprobs": 99}, "logprobs"),   # past the server's --max-logprobs
+    ({"echo": True}, "'echo' is a completion field"),
 ])
 def test_chat_logprob_fields_out_of_place_are_a_400(front, body, message):
     data = json.dumps({"messages": MESSAGES, **body}).encode()
