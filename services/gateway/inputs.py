@@ -53,7 +53,9 @@ class Inputs:
                                              self.tokenizer, chat)
             except ValueError as exc:
                 raise InputError(str(exc)) from None
-        raise InputError("set one input: prompt, token_ids or messages")
+        # the inputs the message has, as the worker names them
+        raise InputError("set one input: " + ("prompt, token_ids or messages" if isinstance(msg, pb.GenerateRequest)
+                                              else "prompt or messages"))
 
     async def tokens(self, ids: list[int]) -> list[str]:
         """The ids as the tokenizer's token strings, off the event loop."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 
 import grpc
@@ -33,7 +34,14 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 CANCEL_TIMEOUT_S = 1.0
-ABORTED = pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT))
+MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fresh one
+
+
+def renamed(request_id: str) -> str:
+    """A moved request's id once another request holds it at the worker: a random suffix, within
+    the length a worker allows."""
+    suffix = "." + uuid.uuid4().hex[:8]
+    return request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
 
 
 class Refused(Exception):
@@ -121,8 +129,22 @@ class Relay:
         first_cached = 0   # prompt tokens from the cache at the first worker, as prefill_done said
         n = self.request.sampling.n or 1
         left = n   # sequences to finish: the call ends after the last
-        moves = 0
+        moves = renames = 0
         avoid = self._avoid
+
+        # Tokens a gateway in front of this one streamed before it moved the request here: a move
+        # from here goes on after them and after ours.
+        earlier = list(self.request.continuation.ids)
+
+        def aborted() -> Iterator[pb.GenerateResponse]:
+            """Cancelled here (while it waited or moved, or on a worker that did not know it yet):
+            each sequence not yet finished ends ABORT with its usage so far, as a worker ends them."""
+            for i in range(n):
+                if i not in finished:
+                    usage = pb.Usage(prompt_tokens=len(self.ids), cached_tokens=first_cached,
+                                     completion_tokens=len(streamed.get(i, ())) + (len(earlier) if n == 1 else 0))
+                    yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT, usage=usage),
+                                              index=i)
 
         def route() -> Choice | None:
             why = fleet.never_fits(len(self.ids))   # a queue's head that no worker can take would stall it
@@ -132,12 +154,10 @@ class Relay:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
             return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid)
 
-        # Tokens a gateway in front of this one streamed before it moved the request here: a move
-        # from here goes on after them and after ours.
-        earlier = list(self.request.continuation.ids)
         while True:
             if self.cancelled:   # while it moved
-                yield ABORTED
+                for response in aborted():
+                    yield response
                 return
             if self.ended is not None:   # the gateway stopped while it moved
                 raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended)
@@ -152,7 +172,8 @@ class Relay:
                     elif not prefill_sent:
                         yield item
             if choice is None:   # cancelled while it waited
-                yield ABORTED
+                for response in aborted():
+                    yield response
                 return
             worker = choice.worker
             msg = self.request   # the client's own message, forwarded as it is but for these two
@@ -188,6 +209,12 @@ class Relay:
                             return
                 return
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and (moves or self._resumed) and renames < MAX_RENAMES:
+                    # the id is this gateway's doing (a split's part, or a move) and another request
+                    # holds it there: the same request under an id of its own, not a move
+                    renames += 1
+                    self.request_id = renamed(self.request_id)
+                    continue
                 if exc.code() not in RETRYABLE and not self._moved:
                     raise Refused(exc.code(), exc.details()) from None
                 why = f"{exc.code().name}: {exc.details()}"
@@ -198,7 +225,8 @@ class Relay:
                 if self.ended is not None:
                     raise Refused(grpc.StatusCode.UNAVAILABLE, self.ended) from None
                 if self.cancelled:   # cancel() ended the call here
-                    yield ABORTED
+                    for response in aborted():
+                        yield response
                     return
                 if not self._moved:
                     raise
@@ -279,7 +307,7 @@ class Relay:
                 if kind not in ("chunk", "finished"):   # the client has had its prefill_done
                     continue
                 out = pb.GenerateResponse()
-                out.CopyFrom(response)   # (ABORTED is shared)
+                out.CopyFrom(response)
                 out.index = index
                 if kind == "finished":
                     out.finished.usage.cached_tokens = first_cached

@@ -64,18 +64,19 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
     """The worker for a request of `prompt_tokens` whose leading pages `matches` says each
     worker holds; None when no worker has room. `key` names the request (its first page, or
     its session) for the last tie-break; `avoid` (the worker it just failed on) is chosen only
-    when no other worker serves."""
+    when no other worker has room."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
     board = _as_board(workers)
     room = [w for w in shortlist(board, matches, sticky, ps, avoid)
             if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens)]
     if not room:
-        return None
+        return _avoided(board, avoid, policy, total_pages - matches.get(avoid.address, 0) if avoid else 0,
+                        prompt_tokens, matches)
+    if sticky is not None and sticky in room:   # before the balance: a session leaves only a full worker
+        return Choice(sticky, matches.get(sticky.address, 0))
     least = min(w.active for w in room)
     room = [w for w in room if w.active <= least + policy.balance_slack]
-    if sticky is not None and sticky in room:
-        return Choice(sticky, matches.get(sticky.address, 0))
 
     def cost(w: Worker) -> float:
         uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
@@ -112,9 +113,16 @@ def shortlist(board: LoadBoard, matches: Mapping[str, int], sticky: Worker | Non
             picked[w] = None
     if sticky is not None and sticky in board and sticky is not avoid:
         picked[sticky] = None
-    if not picked and avoid is not None and avoid in board:
-        return [avoid]
     return list(picked)
+
+
+def _avoided(board: LoadBoard, avoid: Worker | None, policy: Policy, pages_needed: int, prompt_tokens: int,
+             matches: Mapping[str, int]) -> Choice | None:
+    """The worker a moved request left, when no other has room and it has (it came back, or its
+    failure was the request's alone): waiting for another would hold the queue behind it."""
+    if avoid is None or avoid not in board or not has_room(avoid, policy, pages_needed, prompt_tokens):
+        return None
+    return Choice(avoid, matches.get(avoid.address, 0))
 
 
 def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, policy: Policy, how: str, turn: int,
@@ -122,11 +130,11 @@ def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, poli
     """The peers cache-aware routing is measured against: round-robin (the `turn`-th worker with
     room, in address order) or random among workers with room; neither looks at any cache."""
     board = _as_board(workers)
-    candidates = list(board.least_busy(policy.page_size, avoid)) or ([avoid] if avoid in board else [])
     pages = -(-prompt_tokens // policy.page_size)
-    room = sorted((w for w in candidates if has_room(w, policy, pages, prompt_tokens)), key=lambda w: w.address)
+    room = sorted((w for w in board.least_busy(policy.page_size, avoid) if has_room(w, policy, pages, prompt_tokens)),
+                  key=lambda w: w.address)
     if not room:
-        return None
+        return _avoided(board, avoid, policy, pages, prompt_tokens, {})
     return Choice(room[turn % len(room)] if how == "round-robin" else rng.choice(room), 0)
 
 

@@ -123,6 +123,8 @@ def test_a_cancel_the_worker_does_not_know_yet_still_ends_the_stream(tiny_dirs):
         stub.Cancel(pb.CancelRequest(request_id="r1"), timeout=10)
         rest = list(stream)
         assert tokens_of(first) == [10] and rest[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+        usage = rest[-1].finished.usage   # the usage so far, as a worker's own cancel gives it
+        assert (usage.prompt_tokens, usage.completion_tokens) == (3, len(tokens_of(first + rest)))
         assert worker.cancels == ["r1"]
         wait_until(lambda: worker.calls_cancelled == 1, what="the call to the worker ended")
         err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="r1"), timeout=10))
@@ -251,6 +253,53 @@ def test_a_cancel_reaches_every_part_of_a_split_request(tiny_dirs):
     wait_until(lambda: slow.calls_cancelled == 2, what="both calls to the worker ended")
 
 
+def test_a_request_of_n_cancelled_while_it_waits_ends_each_sequence(tiny_dirs):
+    """Every worker full: the request waits in the gateway's queue; a Cancel ends each of its n
+    sequences ABORT with its usage, as a worker's cancel would, not sequence 0 alone."""
+    full = ScriptedWorker(running=50)
+    with scripted_fleet(tiny_dirs, full) as (_, stub, _):
+        stream = stub.Generate(request(token_ids=[1, 2, 3], request_id="q", n=3, temperature=1.0, max_tokens=5),
+                               timeout=30)
+        assert next(stream).HasField("queued")
+        stub.Cancel(pb.CancelRequest(request_id="q"), timeout=10)
+        ends = [e for e in stream if e.HasField("finished")]
+    assert [e.index for e in ends] == [0, 1, 2] and not full.requests
+    assert all(e.finished.finish_reason == pb.FINISH_REASON_ABORT and e.finished.usage.prompt_tokens == 3
+               and e.finished.usage.completion_tokens == 0 for e in ends)
+
+
+class HoldingWorker(SamplingWorker):
+    """A SamplingWorker where other requests already hold some ids: those are ALREADY_EXISTS."""
+
+    def __init__(self, held: set[str], **kw) -> None:
+        super().__init__(**kw)
+        self.held = held
+
+    async def Generate(self, request, context):
+        if request.request_id in self.held:
+            self.requests.append(request)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is already in flight")
+        async for response in super().Generate(request, context):
+            yield response
+
+
+def test_a_part_whose_id_another_request_holds_goes_on_under_a_fresh_one(tiny_dirs):
+    """The worker a split goes on at already runs a request of its own named `r.2` (another
+    client's id): that part goes on under a fresh id instead of ending the client's call
+    ALREADY_EXISTS, and without spending a move."""
+    failing = SamplingWorker(cached_tokens=0, fail_at=3)
+    other = HoldingWorker({"r.2"}, cached_tokens=0, running=3)
+    with scripted_fleet(tiny_dirs, failing, other, migration_limit=1) as (_, stub, _):
+        msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6)
+        events = list(stub.Generate(msg, timeout=30))
+    want = {i: [drawn(child_seed(7, i), k) for k in range(2 if i == 1 else 6)] for i in range(3)}
+    assert by_index(events) == want
+    ids = [r.request_id for r in other.requests]
+    assert sorted(ids)[:2] == ["r.0", "r.2"] and len(ids) == 3
+    (fresh,) = [i for i in ids if i not in ("r.0", "r.2")]
+    assert re.fullmatch(r"r\.2\.[0-9a-f]{8}", fresh)
+
+
 def test_a_split_request_ends_unavailable_when_a_part_runs_out_of_moves(tiny_dirs):
     failing = SamplingWorker(cached_tokens=0, fail_at=2)
     also_failing = SamplingWorker(cached_tokens=0, fail_at=1, running=3)
@@ -345,6 +394,17 @@ def test_a_chat_of_more_messages_than_the_workers_take_is_refused_before_renderi
     try:
         with pytest.raises(InputError, match=r"4 chat messages; at most 3 are allowed \(--max-chat-messages\)"):
             asyncio.run(inputs.ids(request(messages=[("user", "")] * 4)))
+    finally:
+        inputs.close()
+
+
+def test_a_message_with_no_input_is_told_the_inputs_its_rpc_has():
+    inputs = Inputs(SlowTokenizer(0.0), threads=1)
+    try:
+        with pytest.raises(InputError, match=r"^set one input: prompt, token_ids or messages$"):
+            asyncio.run(inputs.ids(pb.GenerateRequest()))
+        with pytest.raises(InputError, match=r"^set one input: prompt or messages$"):   # Tokenize has no token_ids
+            asyncio.run(inputs.ids(pb.TokenizeRequest()))
     finally:
         inputs.close()
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.index import PrefixIndex
-from kvserve.services.gateway.router import Policy, choose
+from kvserve.services.gateway.router import Choice, Policy, choose
 from kvserve.services.gateway.worker import NOT_SERVING, SERVING, Load, Worker
 
 POLICY = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2)
@@ -130,6 +130,11 @@ def test_a_session_sticks_to_its_worker_while_it_has_room():
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is a
     a.load.waiting = 3
     assert choose([a, b], {"b": 9}, 40, POLICY, b"s", sticky=a).worker is b
+    # room, however much busier than the others (the balance slack is for requests with no home)
+    roomy = Policy(page_size=4, worker_queue_depth=20, balance_slack=2)
+    a.load.waiting = 10
+    assert choose([a, b], {"b": 9}, 40, roomy, b"s", sticky=a).worker is a
+    assert choose([a, b], {"a": 9}, 40, roomy, b"s").worker is b   # without the session, the balance decides
 
 
 def test_the_blind_peers_ignore_every_cache():
@@ -204,8 +209,19 @@ def test_a_prompt_goes_only_to_workers_whose_model_length_leaves_it_room():
         {"long"}
 
 
-def test_a_failed_worker_is_chosen_again_only_when_no_other_serves():
+def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():
+    """Not only when no other serves: a full one would otherwise hold the moved request, and the
+    queue behind it, while the worker it left (back, or failed for that request alone) idles."""
+    from kvserve.services.gateway.router import choose_blind
+
     a, b = worker("a"), worker("b")
     assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a).worker is b
+    assert choose_blind([a, b], 40, POLICY, "round-robin", 0, None, avoid=a).worker is b
+    b.load.running = 50   # serving, no room
+    assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a) == Choice(a, 10)
+    assert choose_blind([a, b], 40, POLICY, "round-robin", 0, None, avoid=a).worker is a
     b.state = NOT_SERVING
     assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a).worker is a
+    a.state = NOT_SERVING   # neither has room: it waits
+    assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a) is None
+    assert choose_blind([a, b], 40, POLICY, "random", 0, None, avoid=a) is None
