@@ -97,7 +97,7 @@ def _expected_stream(chunks, stops):
 @settings(max_examples=500, deadline=None)
 @given(
     text=st.text(alphabet="abc ", max_size=30),
-    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), max_size=3),
+    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=6), max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=12),
 )
 def test_streamed_text_is_the_text_up_to_the_first_stop_string(text, stops, cuts):
@@ -114,6 +114,10 @@ def test_streamed_text_is_the_text_up_to_the_first_stop_string(text, stops, cuts
         assert expected.startswith(streamed)
         if result.finished:
             break
+        # and never behind it by more than the longest tail that may still begin one
+        seen = "".join(chunks[:i + 1])
+        assert checker.held_text == max((seen[len(seen) - k:] for s in stops for k in range(1, len(s))
+                                         if k <= len(seen) and seen.endswith(s[:k])), key=len, default="")
     assert result.finished and streamed == expected
     if stopped:
         assert result.finish_reason == "stop" and result.stop_reason in stops
