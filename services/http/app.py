@@ -153,7 +153,7 @@ class Front:
             options = body.get("stream_options") or {}
             echo = kind == "completion" and body.get("echo") is True
             events = self._events(call, echo)
-            first = await anext(events, None)   # errors before the first event get their HTTP status
+            first = await self._first(request, call, events)   # errors before it get their HTTP status
             reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
                           logprobs=msg.sampling.HasField("logprobs"), echo=echo,
                           prompt=msg.prompt if msg.HasField("prompt") else None)
@@ -166,6 +166,23 @@ class Front:
         usage = isinstance(options, dict) and options.get("include_usage") is True
         return StreamingResponse(self._stream(call, events, first, reply, usage), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
+
+    @staticmethod
+    async def _first(request: Request, call, events) -> pb.GenerateResponse | None:
+        """The call's first event (None if it ends without one). A client that leaves before it
+        (its request queued, or prefilling) cancels the call, as it would later: its place in
+        the queue and its prefill are freed at once."""
+        first, gone = asyncio.ensure_future(anext(events, None)), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                return first.result()
+            raise HttpError(499, "the client went away", "cancelled")
+        finally:
+            gone.cancel()
+            if not first.done():
+                first.cancel()
+                call.cancel()
 
     @staticmethod
     async def _events(call, echo: bool) -> AsyncIterator[pb.GenerateResponse]:
@@ -192,11 +209,7 @@ class Front:
                 return error_response(from_rpc(exc))
             return JSONResponse(reply.whole())
 
-        async def gone() -> None:   # the body is read: what comes next is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work.done():
@@ -235,6 +248,12 @@ class Front:
             yield sse("[DONE]")
         finally:
             call.cancel()   # the client went away (or the stream ended): nothing left running upstream
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (its body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _routing_error(request: Request, exc: HTTPException) -> Response:

@@ -341,6 +341,42 @@ def test_a_client_that_leaves_cancels_its_request(front, stream):
     assert engine.counters.aborted == aborted + 1   # cancelled, not run to its 1,900 tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_clients_that_leave_while_queued_free_their_places_at_once(tiny_dirs, stream):
+    """One request running, the rest waiting: a client that leaves before its first token
+    (queued, or not yet prefilled) cancels its call then, not when the engine reaches it, so its
+    place in the queue is free for others and its prompt is never computed."""
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0", max_num_seqs=1, max_waiting=3)
+    try:
+        engine = server.servicer.engine
+        host, port = server.servicer.http_front.address.rsplit(":", 1)
+
+        def post(max_tokens: int) -> http.client.HTTPConnection:
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                               "stream": stream})
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+            return conn
+
+        running = post(1900)
+        wait_until(lambda: engine.num_live() == 1 and engine.num_queued() == 0, what="the long request running")
+        leaving = [post(4) for _ in range(3)]
+        wait_until(lambda: engine.num_queued() == 3, what="three requests queued behind it")
+        for conn in leaving:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        wait_until(lambda: engine.num_queued() == 0, timeout=10, what="the queue empty")
+        status, body = _post(server, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        running.close()
+        wait_until(lambda: engine.num_live() == 0, timeout=30, what="the long request ended")
+        # the long request's prompt and the last one's: none of the three that left was prefilled
+        assert engine.counters.prompt_tokens == 2 * body["usage"]["prompt_tokens"]
+        assert engine.counters.aborted == 3 + (engine.counters.finished < 2)
+    finally:
+        server.stop()
+
+
 def _post(front, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
     """(status, JSON body) of a raw POST; http.client sends header values as given (latin-1)."""
     host, port = front.servicer.http_front.address.rsplit(":", 1)
