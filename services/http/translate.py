@@ -13,9 +13,26 @@ from typing import Any
 from kvserve.inference.v1 import inference_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-# Fields of the OpenAI API kvserve does not do: refused by name rather than silently ignored.
-UNSUPPORTED = ("best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-               "response_format", "n_best")
+# Fields of the OpenAI API (and vLLM's extensions) kvserve does not do: refused by name rather than
+# silently ignored, unless the value asks for nothing (what each accepts, given the body).
+_NOTHING = (None, False, 0, [], {}, "")
+UNSUPPORTED = {
+    "best_of": lambda v, body: v in _NOTHING or v == 1 or v == body.get("n"),
+    "suffix": lambda v, body: v in _NOTHING,
+    "logit_bias": lambda v, body: v in _NOTHING,
+    "tools": lambda v, body: v in _NOTHING,
+    "tool_choice": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("tools")),
+    "functions": lambda v, body: v in _NOTHING,
+    "function_call": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("functions")),
+    "response_format": lambda v, body: v in _NOTHING or v == {"type": "text"},
+    "n_best": lambda v, body: v in _NOTHING,
+    "min_tokens": lambda v, body: v in _NOTHING,
+    "include_stop_str_in_output": lambda v, body: v in _NOTHING,
+    "prompt_logprobs": lambda v, body: v is None,   # a completion's echo with logprobs gives them
+    **{name: (lambda v, body: v is None) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern", "structured_outputs")},
+}
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 
 
@@ -47,8 +64,8 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
 
 
 def sampling(body: dict) -> pb.SamplingParams:
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, 0, [], {}):
+    for name, asks_nothing in UNSUPPORTED.items():
+        if name in body and not asks_nothing(body[name], body):
             raise HttpError(400, f"'{name}' is not supported by this server", param=name)
     out = pb.SamplingParams()
     n = _number(body, "n", int, 1, UINT32)   # the server refuses n past its --max-n
@@ -88,11 +105,19 @@ def sampling(body: dict) -> pb.SamplingParams:
     repetition = _number(body, "repetition_penalty", float, 0)
     if repetition is not None:
         out.repetition_penalty = repetition
-    for name in ("ignore_eos", "stream"):
+    for name in ("ignore_eos", "stream", "skip_special_tokens"):
         if body.get(name) not in (None, True, False):
             raise HttpError(400, f"'{name}' must be true or false", param=name)
     if body.get("ignore_eos") is True:
         out.ignore_eos = True
+    if body.get("skip_special_tokens") is not None:
+        out.skip_special_tokens = body["skip_special_tokens"]
+    stop_ids = body.get("stop_token_ids")   # the server checks them against its vocabulary
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                     and 0 <= t <= INT32 for t in stop_ids):
+            raise HttpError(400, "'stop_token_ids' must be a list of token ids (0 to 2^31-1)", param="stop_token_ids")
+        out.stop_token_ids.extend(stop_ids)
     return out
 
 

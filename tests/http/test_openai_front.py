@@ -308,6 +308,44 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(front, client,
     assert from_ids.choices[0].text == plain.choices[0].text.replace(PROMPT, shown.text, 1)
 
 
+def test_vllms_stop_token_ids_and_skip_special_tokens_reach_the_server(front, client, model):
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    ids = [lp.token_id for lp in grpc_logprobs(front, 0, prompt=PROMPT)]
+    assert free.choices[0].logprobs.tokens == [lp.token for lp in grpc_logprobs(front, 0, prompt=PROMPT)]
+    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [ids[3]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == ids.index(ids[3]) + 1
+    kept = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == grpc_text(front, prompt=PROMPT, skip_special_tokens=False)[:len(kept.choices[0].text)]
+
+
+@pytest.mark.parametrize("extra", [
+    {"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"response_format": {"type": "text"}},
+    {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}, {"logit_bias": {}}, {"min_tokens": 0},
+    {"include_stop_str_in_output": False}, {"guided_json": None},
+])
+def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
+    status, answer = _post(front, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize("extra", [
+    {"best_of": 3}, {"suffix": "x"}, {"response_format": {"type": "json_object"}}, {"tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"logit_bias": {"5": 10}}, {"min_tokens": 3},
+    {"include_stop_str_in_output": True}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a", "b"]},
+    {"guided_regex": "a+"}, {"structured_outputs": {"json": {}}}, {"prompt_logprobs": 1},
+])
+def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
+    body = {"prompt": PROMPT, "max_tokens": 2, **extra}
+    status, answer = _post(front, "/v1/completions", json.dumps(body).encode())
+    (name,) = extra
+    assert status == 400 and answer["error"]["message"] == f"'{name}' is not supported by this server"
+    assert answer["error"]["param"] == name
+
+
 @pytest.mark.parametrize("body, message", [
     ({"top_logprobs": 2}, "needs 'logprobs': true"),
     ({"logprobs": "yes"}, "true or false"),
