@@ -162,6 +162,8 @@ def generate_request(
     session_id: str = "",
     n: int | None = None,
     prompt_logprobs: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
 ) -> pb.GenerateRequest:
     """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
     (the server's default)."""
@@ -169,10 +171,11 @@ def generate_request(
         stop = (stop,)
     if n is not None and not (isinstance(n, int) and n >= 1):   # 0 would read as unset: one sequence
         raise ValueError(f"n is the number of sequences to sample, at least 1; got {n!r}")
-    with _field("top_k, min_p, penalties, stop or stop_token_ids", None):
+    with _field("top_k, min_p, penalties, stop, stop_token_ids, logit_bias or min_tokens", None):
         sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty, stop=list(stop),
-                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                     logit_bias=dict(logit_bias or {}), min_tokens=min_tokens)
     optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,
                     skip_special_tokens=skip_special_tokens, n=n, prompt_logprobs=prompt_logprobs)

@@ -19,7 +19,7 @@ raises KVServeError(code, message), code being the gRPC status name
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -161,18 +161,23 @@ class InferenceClient:
         session_id: str = "",
         n: int | None = None,
         prompt_logprobs: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> GenerateStream:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
         (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
         Unset (None) parameters take the server's defaults. With n > 1 the server samples n
         sequences from the prompt: each Chunk and Finished says which (`index`). prompt_logprobs
-        (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone."""
+        (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone. logit_bias
+        adds to tokens' logits (token id -> [-100, 100]); min_tokens holds EOS and stop_token_ids
+        back until that many tokens."""
         request = convert.generate_request(
             prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
-            request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs)
+            request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias, min_tokens=min_tokens)
         try:
             call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating

@@ -134,7 +134,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     mode = PreemptionMode.SWAP if cfg.preemption_mode == "swap" else PreemptionMode.RECOMPUTE
     engine = Engine(
         ModelRunner(model, backend, kv_cache, page_size, device, graphs),
-        Sampler(),
+        Sampler(eos_ids),
         tokenizer,
         eos_ids,
         kv,

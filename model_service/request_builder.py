@@ -226,7 +226,8 @@ class RequestBuilder:
                 seed=opt("seed", None), max_tokens=opt("max_tokens", None),
                 stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True),
-                n=s.n or 1, prompt_logprobs=opt("prompt_logprobs", None))
+                n=s.n or 1, prompt_logprobs=opt("prompt_logprobs", None),
+                logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens)
             params.validate(self.vocab_size, self.config.max_logprobs, self.config.max_n)
         except ValueError as exc:
             raise RequestError(str(exc)) from None

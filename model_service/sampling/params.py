@@ -18,6 +18,7 @@ _MAX_SEED = 2**64  # the proto's seed is a uint64
 # A penalty of 1e-45 divides a logit of 1 into inf, and the softmax into NaN; a hundredfold either
 # way is far past any use (HF's and vLLM's examples stay within 1-2).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGIT_BIAS = 1024   # logit_bias entries per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +60,16 @@ class SamplingParams:
     # there (0: the prompt token's only). The prompt is then computed whole, never read from
     # the prefix cache.
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to those tokens' logits before penalties (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS and stop_token_ids are masked until this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the dataclass hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +117,17 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for token_id, bias in self.logit_bias:
+            _check_int(token_id, "logit_bias", f"keyed by token ids in [0, {vocab_size})")
+            _check(0 <= token_id < vocab_size, "logit_bias", token_id, f"keyed by token ids in [0, {vocab_size})")
+            _check(-100 <= bias <= 100, f"logit_bias[{token_id}]", bias, "in [-100, 100]")
+        _check_int(self.min_tokens, "min_tokens", "an integer >= 0")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"at most max_tokens ({self.max_tokens})")
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

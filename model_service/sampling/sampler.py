@@ -21,9 +21,12 @@ is in the batch. Rows without a generator share one draw from torch's default ge
 engine seeds a row's generator for the token's position first (seeded_for), so the draw does not
 depend on the request's history of steps either.
 
-Logprobs. `log_softmax` of the logits after penalties and before temperature, top-k, top-p and
-min-p: the model's distribution as the penalties shaped it, independent of how the token was then
-picked. (vLLM v1's default `raw_logprobs` is taken before penalties too; the two agree whenever
+Shaping, before penalties: a row's logit_bias is added to its logits, and while it has fewer
+output tokens than its min_tokens, EOS (unless ignore_eos) and its stop_token_ids are masked out.
+
+Logprobs. `log_softmax` of the logits after shaping and penalties and before temperature,
+top-k, top-p and min-p: the model's distribution as they shaped it, independent of how the token
+was then picked. (vLLM v1's default `raw_logprobs` is taken before penalties too; the two agree whenever
 no penalty is set.) Returned for the chosen token plus the top n, most likely first.
 """
 
@@ -131,6 +134,9 @@ class _BatchParams:
 
 
 class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)   # what min_tokens holds back, with stop_token_ids
+
     def __call__(
         self,
         logits: torch.Tensor,                               # (S, V) float32 / bf16 / fp16
@@ -142,12 +148,16 @@ class Sampler:
         num_rows, vocab = logits.shape
         if len(params) != num_rows:
             raise ValueError(f"got {len(params)} SamplingParams for {num_rows} rows of logits")
-        if all(p.greedy and not p.has_penalties for p in params):
+        shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens)
+                  for i, p in enumerate(params)]
+        if not any(shaped) and all(p.greedy and not p.has_penalties for p in params):
             tokens = row_argmax(logits)                                   # (S,)
             return SamplerOutput(tokens.tolist(), _logprobs(logits, tokens, params))
 
         batch = _BatchParams.build(params, vocab, logits.device)
-        x = logits.to(torch.float32, copy=any(batch.penalised))          # (S, V)
+        x = logits.to(torch.float32, copy=any(batch.penalised) or any(shaped))   # (S, V)
+        if any(shaped):
+            self._shape(x, params, output_ids, shaped)
         if any(batch.penalised):
             x = _penalise(x, batch, prompt_ids, output_ids)
 
@@ -168,6 +178,26 @@ class Sampler:
                 gens,
             )
         return SamplerOutput(tokens.tolist(), _logprobs(x, tokens, params))
+
+
+    def _shape(self, x: torch.Tensor, params: Sequence[SamplingParams], output_ids, shaped: list[bool]) -> None:
+        """In place, before penalties: each row's logit_bias added; EOS (unless ignored) and
+        stop_token_ids masked while the row has fewer output tokens than its min_tokens."""
+        for i, p in enumerate(params):
+            if not shaped[i]:
+                continue
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=x.device)
+                x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device))
+            if p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if banned:
+                    x[i, torch.tensor(banned, dtype=torch.int64, device=x.device)] = float("-inf")
+
+
+def _outputs(output_ids, i: int) -> int:
+    """Output tokens row i has so far (none known: 0)."""
+    return 0 if output_ids is None else len(output_ids[i])
 
 
 def _penalise(x, batch: _BatchParams, prompt_ids, output_ids) -> torch.Tensor:

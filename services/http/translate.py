@@ -19,14 +19,12 @@ _NOTHING = (None, False, 0, [], {}, "")
 UNSUPPORTED = {
     "best_of": lambda v, body: v in _NOTHING or v == 1 or v == body.get("n"),
     "suffix": lambda v, body: v in _NOTHING,
-    "logit_bias": lambda v, body: v in _NOTHING,
     "tools": lambda v, body: v in _NOTHING,
     "tool_choice": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("tools")),
     "functions": lambda v, body: v in _NOTHING,
     "function_call": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("functions")),
     "response_format": lambda v, body: v in _NOTHING or v == {"type": "text"},
     "n_best": lambda v, body: v in _NOTHING,
-    "min_tokens": lambda v, body: v in _NOTHING,
     "include_stop_str_in_output": lambda v, body: v in _NOTHING,
     "prompt_logprobs": lambda v, body: v is None,   # a completion's echo with logprobs gives them
     **{name: (lambda v, body: v is None) for name in (
@@ -112,6 +110,21 @@ def sampling(body: dict) -> pb.SamplingParams:
         out.ignore_eos = True
     if body.get("skip_special_tokens") is not None:
         out.skip_special_tokens = body["skip_special_tokens"]
+    bias = body.get("logit_bias")   # OpenAI's: token ids as strings; the server checks ids and range
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise HttpError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+        for key in bias:
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= INT32):
+                raise HttpError(400, f"'logit_bias' key {shown(key)!r} is not a token id", param="logit_bias")
+            value = bias[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise HttpError(400, f"'logit_bias' values must be numbers in [-100, 100]; token {key} has "
+                                     f"{shown(value) if isinstance(value, str) else value}", param="logit_bias")
+            out.logit_bias[int(key)] = value
+    min_tokens = _number(body, "min_tokens", int, 0, UINT32)   # vLLM's; the server bounds it by max_tokens
+    if min_tokens:
+        out.min_tokens = min_tokens
     stop_ids = body.get("stop_token_ids")   # the server checks them against its vocabulary
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)

@@ -47,7 +47,7 @@ def model(client) -> str:
 
 def grpc_text(front, **input_) -> str:
     with grpc.insecure_channel(front.address) as ch:
-        msg = request(temperature=0, max_tokens=12, **input_)
+        msg = request(**{"temperature": 0, "max_tokens": 12, **input_})
         return generate(pb_grpc.InferenceStub(ch), msg).text
 
 
@@ -321,6 +321,23 @@ def test_vllms_stop_token_ids_and_skip_special_tokens_reach_the_server(front, cl
     assert kept.choices[0].text == grpc_text(front, prompt=PROMPT, skip_special_tokens=False)[:len(kept.choices[0].text)]
 
 
+def test_logit_bias_and_min_tokens_reach_the_server(front, client, model):
+    forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == grpc_text(front, prompt=PROMPT, logit_bias={77: 100.0}, max_tokens=4,
+                                               ignore_eos=True)
+    first = grpc_logprobs(front, 0, prompt=PROMPT)[0].token_id
+    held = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [first], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    for bias, message in [({"x": 1}, "'logit_bias' key 'x' is not a token id"),
+                          ({"5": 101}, "'logit_bias' values must be numbers in [-100, 100]; token 5 has 101"),
+                          ({"5": "a"}, "'logit_bias' values must be numbers in [-100, 100]; token 5 has a"),
+                          ({"99999": 1}, "logit_bias must be keyed by token ids")]:
+        status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, "logit_bias": bias}).encode())
+        assert status == 400 and answer["error"]["message"].startswith(message), answer
+
+
 @pytest.mark.parametrize("extra", [
     {"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"response_format": {"type": "text"}},
     {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}, {"logit_bias": {}}, {"min_tokens": 0},
@@ -334,7 +351,7 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
 
 @pytest.mark.parametrize("extra", [
     {"best_of": 3}, {"suffix": "x"}, {"response_format": {"type": "json_object"}}, {"tool_choice": "required"},
-    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"logit_bias": {"5": 10}}, {"min_tokens": 3},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
     {"include_stop_str_in_output": True}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a", "b"]},
     {"guided_regex": "a+"}, {"structured_outputs": {"json": {}}}, {"prompt_logprobs": 1},
 ])

@@ -346,6 +346,36 @@ def test_repetition_penalty_changes_the_greedy_choice():
     assert plain.token_ids == [0] and penalised.token_ids == [4]
 
 
+def test_logit_bias_moves_the_choice_and_the_logprobs_only_in_its_row():
+    logits = _logits(11, 3)
+    best = row_argmax(logits).tolist()
+    forced, banned = (best[0] + 1) % V, best[1]
+    params = [SamplingParams(temperature=0, logit_bias=((forced, 100.0),), logprobs=0),
+              SamplingParams(temperature=0, logit_bias=((banned, -100.0),)),
+              SamplingParams(temperature=0)]
+    out = Sampler()(logits.clone(), params, [[]] * 3, [[]] * 3)
+    second = torch.topk(logits[1], 2).indices.tolist()[1]
+    assert out.token_ids == [forced, second, best[2]]
+    biased = logits[0].clone()
+    biased[forced] += 100
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(biased, -1)[forced].item(), abs=1e-5)
+    # sampled rows see the bias too: +100 is all but certain
+    hot = Sampler()(logits.clone(), [SamplingParams(temperature=1.0, logit_bias=((7, 100.0),))] * 3, [[]] * 3,
+                    [[]] * 3, [make_generator(s) for s in (1, 2, 3)])
+    assert hot.token_ids == [7, 7, 7]
+
+
+def test_min_tokens_holds_eos_and_stop_token_ids_back_until_reached():
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 2], logits[0, 3], logits[0, 4] = 9.0, 8.0, 7.0    # EOS, then a stop token id, then a word
+    sampler = Sampler(eos_token_ids=[2])
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(3,))
+    assert [sampler(logits.clone(), [p], [[]], [[5] * n]).token_ids[0] for n in (0, 2, 3)] == [4, 4, 2]
+    ignoring = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(3,), ignore_eos=True)
+    assert sampler(logits.clone(), [ignoring], [[]], [[]]).token_ids == [2]   # EOS is no stop here
+    assert Sampler()(logits.clone(), [p], [[]], [[]]).token_ids == [2]        # no EOS known: 2 is a word
+
+
 def test_penalised_rows_need_histories():
     with pytest.raises(ValueError, match="prompt_ids and output_ids"):
         Sampler()(torch.zeros(1, 5), [SamplingParams(presence_penalty=1.0)])

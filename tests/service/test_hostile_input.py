@@ -129,7 +129,8 @@ _sampling = st.fixed_dictionaries({}, optional={
     "seed": st.integers(*UINT64), "max_tokens": _ints(0, 64, UINT32),
     "stop_token_ids": st.lists(_ints(0, 1023, INT32), max_size=5), "stop": st.lists(_texts(), max_size=70),
     "ignore_eos": st.booleans(), "logprobs": _ints(0, 5, UINT32), "skip_special_tokens": st.booleans(),
-    "prompt_logprobs": _ints(0, 5, UINT32)})
+    "prompt_logprobs": _ints(0, 5, UINT32), "min_tokens": _ints(0, 8, UINT32),
+    "logit_bias": st.dictionaries(_ints(0, 1023, INT32), _floats(-100, 100), max_size=4)})
 _inputs = _mostly(
     st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(0, 1023), min_size=1, max_size=40)),
     st.one_of(

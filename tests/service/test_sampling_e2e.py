@@ -142,6 +142,26 @@ def test_prompt_logprobs_come_in_prefill_done(stub, hf_tiny, tokenizer):
     assert info.value.details() == "prompt_logprobs must be an integer in [0, 20] (--max-logprobs), got 21"
 
 
+def test_logit_bias_and_min_tokens(stub):
+    prompt = PROMPTS[1]
+    forced = generate(stub, request(token_ids=prompt, logit_bias={77: 100.0}, **greedy(5)))
+    assert forced.tokens == [77] * 5
+    plain = generate(stub, request(token_ids=prompt, **greedy(6))).tokens
+    stopped = generate(stub, request(token_ids=prompt, stop_token_ids=[plain[0]], **greedy(6)))
+    assert stopped.tokens == [plain[0]] and stopped.finished.finish_reason == pb.FINISH_REASON_STOP
+    held = generate(stub, request(token_ids=prompt, stop_token_ids=[plain[0]], min_tokens=3, **greedy(6)))
+    assert len(held.tokens) >= 3 and plain[0] not in held.tokens[:3]
+    for sampling, message in [
+        (dict(min_tokens=5, max_tokens=4), "min_tokens must be at most max_tokens (4), got 5"),
+        (dict(logit_bias={5000: 1.0}), "logit_bias must be keyed by token ids in [0, 1024), got 5000"),
+        (dict(logit_bias={5: 200.0}), "logit_bias[5] must be in [-100, 100], got 200.0"),
+        (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias has 1025 entries; at most 1024 are allowed"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(stub, request(token_ids=prompt, **{"max_tokens": 4, **sampling}))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == message
+
+
 def test_sampled_logprobs_are_the_models_before_temperature(stub, hf_tiny):
     """At temperature 2 the chosen token is often not the best; its logprob is still present,
     and it is the model's own (before temperature), as transformers computes it."""

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvserve.kvcache.v1 import kvcache_pb2 as kvserve_dot_kvcache_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve/inference/v1/inference.proto\x12\x14kvserve.inference.v1\x1a kvserve/kvcache/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.kvserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xaf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsH\x00\x12\x36\n\x08messages\x18\x04 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.kvserve.inference.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x34\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsB\x07\n\x05input\"/\n\x0bQueueStatus\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"\x8e\x01\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12=\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32$.kvserve.inference.v1.PromptLogprobs\"\x7f\n\x0ePromptLogprobs\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\t\x12\x32\n\x06tokens\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\x12\x0c\n\x04text\x18\x04 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .kvserve.inference.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x08\x46inished\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvserve.inference.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvserve.inference.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\x81\x02\n\x10GenerateResponse\x12\x33\n\x06queued\x18\x01 \x01(\x0b\x32!.kvserve.inference.v1.QueueStatusH\x00\x12\x39\n\x0cprefill_done\x18\x02 \x01(\x0b\x32!.kvserve.inference.v1.PrefillDoneH\x00\x12\x31\n\x05\x63hunk\x18\x03 \x01(\x0b\x32 .kvserve.inference.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.kvserve.inference.v1.FinishedH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x9c\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xab\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tnum_pages\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x10\n\x08\x63pu_gemm\x18\x0b \x01(\t\x12\x18\n\x10\x65xtra_key_digest\x18\x0c \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\"\x17\n\x15GetServerStatsRequest\"D\n\x17WatchServerStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x02 \x01(\r\"\xbe\x04\n\x0bServerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x06 \x01(\x04\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12*\n\x07kvcache\x18\n \x01(\x0b\x32\x19.kvserve.kvcache.v1.Stats\x12\x18\n\x10schedule_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmanager_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x63opy_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x0e \x01(\x01\x12\x16\n\x0esample_seconds\x18\x0f \x01(\x01\x12\x14\n\x0c\x65mit_seconds\x18\x10 \x01(\x01\x12\x17\n\x0frequests_failed\x18\x11 \x01(\x04\x12\x16\n\x0emanager_losses\x18\x12 \x01(\x04\x12\x19\n\x11manager_reachable\x18\x13 \x01(\x08\x12\x32\n\x07workers\x18\x14 \x03(\x0b\x32!.kvserve.inference.v1.WorkerStats\x12\x0e\n\x06queued\x18\x15 \x01(\r\x12\x0f\n\x07serving\x18\x16 \x01(\x08\x12\x13\n\x0bnot_serving\x18\x17 \x01(\t\"\xa1\x02\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x12\n\nused_pages\x18\x05 \x01(\r\x12\x12\n\nfree_pages\x18\x06 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x07 \x01(\r\x12\x17\n\x0frequests_routed\x18\x08 \x01(\x04\x12\x12\n\nhit_tokens\x18\t \x01(\x04\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x13\n\x0b\x65vents_live\x18\x0c \x01(\x08\x12\x13\n\x0bindex_pages\x18\r \x01(\r\x12\x15\n\rmigrated_away\x18\x0e \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbe\x04\n\tInference\x12[\n\x08Generate\x12%.kvserve.inference.v1.GenerateRequest\x1a&.kvserve.inference.v1.GenerateResponse0\x01\x12S\n\x06\x43\x61ncel\x12#.kvserve.inference.v1.CancelRequest\x1a$.kvserve.inference.v1.CancelResponse\x12Y\n\x08Tokenize\x12%.kvserve.inference.v1.TokenizeRequest\x1a&.kvserve.inference.v1.TokenizeResponse\x12Z\n\x0cGetModelInfo\x12).kvserve.inference.v1.GetModelInfoRequest\x1a\x1f.kvserve.inference.v1.ModelInfo\x12`\n\x0eGetServerStats\x12+.kvserve.inference.v1.GetServerStatsRequest\x1a!.kvserve.inference.v1.ServerStats\x12\x66\n\x10WatchServerStats\x12-.kvserve.inference.v1.WatchServerStatsRequest\x1a!.kvserve.inference.v1.ServerStats0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve/inference/v1/inference.proto\x12\x14kvserve.inference.v1\x1a kvserve/kvcache/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.kvserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12G\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x33.kvserve.inference.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xaf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsH\x00\x12\x36\n\x08messages\x18\x04 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.kvserve.inference.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x34\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x1e.kvserve.inference.v1.TokenIdsB\x07\n\x05input\"/\n\x0bQueueStatus\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"\x8e\x01\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12=\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32$.kvserve.inference.v1.PromptLogprobs\"\x7f\n\x0ePromptLogprobs\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\t\x12\x32\n\x06tokens\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\x12\x0c\n\x04text\x18\x04 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .kvserve.inference.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x08\x46inished\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvserve.inference.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvserve.inference.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\x81\x02\n\x10GenerateResponse\x12\x33\n\x06queued\x18\x01 \x01(\x0b\x32!.kvserve.inference.v1.QueueStatusH\x00\x12\x39\n\x0cprefill_done\x18\x02 \x01(\x0b\x32!.kvserve.inference.v1.PrefillDoneH\x00\x12\x31\n\x05\x63hunk\x18\x03 \x01(\x0b\x32 .kvserve.inference.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.kvserve.inference.v1.FinishedH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x9c\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".kvserve.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xab\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tnum_pages\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x10\n\x08\x63pu_gemm\x18\x0b \x01(\t\x12\x18\n\x10\x65xtra_key_digest\x18\x0c \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\"\x17\n\x15GetServerStatsRequest\"D\n\x17WatchServerStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x02 \x01(\r\"\xbe\x04\n\x0bServerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x06 \x01(\x04\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12*\n\x07kvcache\x18\n \x01(\x0b\x32\x19.kvserve.kvcache.v1.Stats\x12\x18\n\x10schedule_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmanager_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x63opy_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x0e \x01(\x01\x12\x16\n\x0esample_seconds\x18\x0f \x01(\x01\x12\x14\n\x0c\x65mit_seconds\x18\x10 \x01(\x01\x12\x17\n\x0frequests_failed\x18\x11 \x01(\x04\x12\x16\n\x0emanager_losses\x18\x12 \x01(\x04\x12\x19\n\x11manager_reachable\x18\x13 \x01(\x08\x12\x32\n\x07workers\x18\x14 \x03(\x0b\x32!.kvserve.inference.v1.WorkerStats\x12\x0e\n\x06queued\x18\x15 \x01(\r\x12\x0f\n\x07serving\x18\x16 \x01(\x08\x12\x13\n\x0bnot_serving\x18\x17 \x01(\t\"\xa1\x02\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x12\n\nused_pages\x18\x05 \x01(\r\x12\x12\n\nfree_pages\x18\x06 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x07 \x01(\r\x12\x17\n\x0frequests_routed\x18\x08 \x01(\x04\x12\x12\n\nhit_tokens\x18\t \x01(\x04\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x13\n\x0b\x65vents_live\x18\x0c \x01(\x08\x12\x13\n\x0bindex_pages\x18\r \x01(\r\x12\x15\n\rmigrated_away\x18\x0e \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbe\x04\n\tInference\x12[\n\x08Generate\x12%.kvserve.inference.v1.GenerateRequest\x1a&.kvserve.inference.v1.GenerateResponse0\x01\x12S\n\x06\x43\x61ncel\x12#.kvserve.inference.v1.CancelRequest\x1a$.kvserve.inference.v1.CancelResponse\x12Y\n\x08Tokenize\x12%.kvserve.inference.v1.TokenizeRequest\x1a&.kvserve.inference.v1.TokenizeResponse\x12Z\n\x0cGetModelInfo\x12).kvserve.inference.v1.GetModelInfoRequest\x1a\x1f.kvserve.inference.v1.ModelInfo\x12`\n\x0eGetServerStats\x12+.kvserve.inference.v1.GetServerStatsRequest\x1a!.kvserve.inference.v1.ServerStats\x12\x66\n\x10WatchServerStats\x12-.kvserve.inference.v1.WatchServerStatsRequest\x1a!.kvserve.inference.v1.ServerStats0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.inference.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3765
-  _globals['_FINISHREASON']._serialized_end=3885
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3908
+  _globals['_FINISHREASON']._serialized_end=4028
   _globals['_CHATMESSAGE']._serialized_start=96
   _globals['_CHATMESSAGE']._serialized_end=140
   _globals['_CHATMESSAGES']._serialized_start=142
@@ -41,47 +43,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=211
   _globals['_TOKENIDS']._serialized_end=234
   _globals['_SAMPLINGPARAMS']._serialized_start=237
-  _globals['_SAMPLINGPARAMS']._serialized_end=745
-  _globals['_GENERATEREQUEST']._serialized_start=748
-  _globals['_GENERATEREQUEST']._serialized_end=1051
-  _globals['_QUEUESTATUS']._serialized_start=1053
-  _globals['_QUEUESTATUS']._serialized_end=1100
-  _globals['_PREFILLDONE']._serialized_start=1103
-  _globals['_PREFILLDONE']._serialized_end=1245
-  _globals['_PROMPTLOGPROBS']._serialized_start=1247
-  _globals['_PROMPTLOGPROBS']._serialized_end=1374
-  _globals['_TOPLOGPROB']._serialized_start=1376
-  _globals['_TOPLOGPROB']._serialized_end=1438
-  _globals['_TOKENLOGPROB']._serialized_start=1440
-  _globals['_TOKENLOGPROB']._serialized_end=1551
-  _globals['_TOKENCHUNK']._serialized_start=1553
-  _globals['_TOKENCHUNK']._serialized_end=1652
-  _globals['_USAGE']._serialized_start=1654
-  _globals['_USAGE']._serialized_end=1734
-  _globals['_FINISHED']._serialized_start=1737
-  _globals['_FINISHED']._serialized_end=1945
-  _globals['_GENERATERESPONSE']._serialized_start=1948
-  _globals['_GENERATERESPONSE']._serialized_end=2205
-  _globals['_CANCELREQUEST']._serialized_start=2207
-  _globals['_CANCELREQUEST']._serialized_end=2242
-  _globals['_CANCELRESPONSE']._serialized_start=2244
-  _globals['_CANCELRESPONSE']._serialized_end=2260
-  _globals['_TOKENIZEREQUEST']._serialized_start=2263
-  _globals['_TOKENIZEREQUEST']._serialized_end=2419
-  _globals['_TOKENIZERESPONSE']._serialized_start=2421
-  _globals['_TOKENIZERESPONSE']._serialized_end=2474
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2476
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2497
-  _globals['_MODELINFO']._serialized_start=2500
-  _globals['_MODELINFO']._serialized_end=2799
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2801
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2824
-  _globals['_WATCHSERVERSTATSREQUEST']._serialized_start=2826
-  _globals['_WATCHSERVERSTATSREQUEST']._serialized_end=2894
-  _globals['_SERVERSTATS']._serialized_start=2897
-  _globals['_SERVERSTATS']._serialized_end=3471
-  _globals['_WORKERSTATS']._serialized_start=3474
-  _globals['_WORKERSTATS']._serialized_end=3763
-  _globals['_INFERENCE']._serialized_start=3888
-  _globals['_INFERENCE']._serialized_end=4462
+  _globals['_SAMPLINGPARAMS']._serialized_end=888
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=710
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=758
+  _globals['_GENERATEREQUEST']._serialized_start=891
+  _globals['_GENERATEREQUEST']._serialized_end=1194
+  _globals['_QUEUESTATUS']._serialized_start=1196
+  _globals['_QUEUESTATUS']._serialized_end=1243
+  _globals['_PREFILLDONE']._serialized_start=1246
+  _globals['_PREFILLDONE']._serialized_end=1388
+  _globals['_PROMPTLOGPROBS']._serialized_start=1390
+  _globals['_PROMPTLOGPROBS']._serialized_end=1517
+  _globals['_TOPLOGPROB']._serialized_start=1519
+  _globals['_TOPLOGPROB']._serialized_end=1581
+  _globals['_TOKENLOGPROB']._serialized_start=1583
+  _globals['_TOKENLOGPROB']._serialized_end=1694
+  _globals['_TOKENCHUNK']._serialized_start=1696
+  _globals['_TOKENCHUNK']._serialized_end=1795
+  _globals['_USAGE']._serialized_start=1797
+  _globals['_USAGE']._serialized_end=1877
+  _globals['_FINISHED']._serialized_start=1880
+  _globals['_FINISHED']._serialized_end=2088
+  _globals['_GENERATERESPONSE']._serialized_start=2091
+  _globals['_GENERATERESPONSE']._serialized_end=2348
+  _globals['_CANCELREQUEST']._serialized_start=2350
+  _globals['_CANCELREQUEST']._serialized_end=2385
+  _globals['_CANCELRESPONSE']._serialized_start=2387
+  _globals['_CANCELRESPONSE']._serialized_end=2403
+  _globals['_TOKENIZEREQUEST']._serialized_start=2406
+  _globals['_TOKENIZEREQUEST']._serialized_end=2562
+  _globals['_TOKENIZERESPONSE']._serialized_start=2564
+  _globals['_TOKENIZERESPONSE']._serialized_end=2617
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2619
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2640
+  _globals['_MODELINFO']._serialized_start=2643
+  _globals['_MODELINFO']._serialized_end=2942
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2944
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2967
+  _globals['_WATCHSERVERSTATSREQUEST']._serialized_start=2969
+  _globals['_WATCHSERVERSTATSREQUEST']._serialized_end=3037
+  _globals['_SERVERSTATS']._serialized_start=3040
+  _globals['_SERVERSTATS']._serialized_end=3614
+  _globals['_WORKERSTATS']._serialized_start=3617
+  _globals['_WORKERSTATS']._serialized_end=3906
+  _globals['_INFERENCE']._serialized_start=4031
+  _globals['_INFERENCE']._serialized_end=4605
 # @@protoc_insertion_point(module_scope)
