@@ -139,6 +139,13 @@ def test_prompt_logprobs(client: InferenceClient) -> None:
     assert client.complete(PROMPT, max_tokens=2).prefill.prompt_logprobs is None
 
 
+def test_logit_bias_and_min_tokens(client: InferenceClient) -> None:
+    assert client.complete(PROMPT, max_tokens=3, temperature=0, logit_bias={77: 100}).token_ids == (77, 77, 77)
+    with pytest.raises(KVServeError) as info:
+        client.complete(PROMPT, max_tokens=2, min_tokens=3)
+    assert info.value.code == "INVALID_ARGUMENT" and "min_tokens must be at most max_tokens (2)" in info.value.message
+
+
 def test_stop_string_ends_the_stream(client: InferenceClient) -> None:
     free = client.complete(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
     stop = re.search(r"[a-z]{2}", free.text).group()  # two letters the greedy output is sure to produce
