@@ -1,6 +1,7 @@
 """TLS for kvserve's servers and channels: certificates from PEM files. A key without its
 certificate is refused when the config is made; the files are read (and a wrong path or a file
-that is not PEM refused, with a sentence) when a server starts or, for a client, when it first
+that is not PEM, a key that is not the certificate's, a CA file with no certificate refused,
+with a sentence) when a server starts or, for a client, when it first
 connects: a config's check_files() reads them all up front.
 
 TLS covers TCP addresses. A Unix socket is reachable only on its host (in Kubernetes, inside the
@@ -9,6 +10,7 @@ pod) and its file permissions guard it, so servers serve it in plaintext beside 
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,32 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
     if b"-----BEGIN" not in data:
         raise ValueError(f"{what} {path!r} is not PEM (no -----BEGIN line)")
+    return data
+
+
+def _pair(cert: str, key: str) -> tuple[bytes, bytes]:
+    """(key, certificate chain) read, each PEM, and the key the certificate's own: gRPC's C core
+    says only that it could not listen (or, in a client, that no handshake could be made)."""
+    pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"the TLS key {key!r} is not the key of the certificate {cert!r}") from None
+        raise ValueError(f"the TLS certificate {cert!r} and key {key!r} do not load as a certificate and its "
+                         "key: are they swapped?") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the TLS certificate {cert!r} or key {key!r}: {exc.strerror or exc}") from None
+    return pair
+
+
+def _ca(path: str, what: str) -> bytes:
+    """A CA bundle read, holding at least one certificate."""
+    data = _read(path, what)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{what} {path!r} holds no certificate") from None
     return data
 
 
@@ -47,8 +75,8 @@ class ServerTLS:
 
     def credentials(self) -> grpc.ServerCredentials:
         import grpc   # here, not at the top: configs import this module, and `kvserve --help` loads no gRPC
-        pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
-        ca = _read(self.client_ca, "client CA") if self.client_ca else None
+        pair = _pair(self.cert, self.key)
+        ca = _ca(self.client_ca, "client CA") if self.client_ca else None
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
@@ -71,10 +99,10 @@ class ClientTLS:
 
     def credentials(self) -> grpc.ChannelCredentials:
         import grpc
+        key, chain = _pair(self.cert, self.key) if self.cert else (None, None)
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "CA certificate") if self.ca else None,
-            private_key=_read(self.key, "TLS key") if self.key else None,
-            certificate_chain=_read(self.cert, "TLS certificate") if self.cert else None)
+            root_certificates=_ca(self.ca, "CA certificate") if self.ca else None,
+            private_key=key, certificate_chain=chain)
 
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []

@@ -132,6 +132,23 @@ def test_a_file_that_is_not_pem_is_named(tmp_path):
         ServerTLS.of(str(bad), str(bad)).credentials()
 
 
+def test_a_key_not_the_certificates_and_a_ca_with_no_certificate_are_named(certs):
+    """gRPC's own answer would be "cannot listen" on a server and a failed handshake in a client."""
+    with pytest.raises(ValueError, match=r"the TLS key '.*client.key' is not the key of the certificate "
+                                         r"'.*server.pem'"):
+        ServerTLS.of(certs.server.cert, certs.client.key).credentials()
+    with pytest.raises(ValueError, match=r"do not load as a certificate and its key: are they swapped\?"):
+        ServerTLS.of(certs.server.key, certs.server.cert).credentials()
+    with pytest.raises(ValueError, match=r"client CA '.*server.key' holds no certificate"):
+        ServerTLS.of(certs.server.cert, certs.server.key, certs.server.key).credentials()
+    with pytest.raises(ValueError, match="is not the key of the certificate"):
+        ClientTLS.of(certs.ca, certs.client.cert, certs.server.key).credentials()
+    with pytest.raises(ValueError, match=r"CA certificate '.*client.key' holds no certificate"):
+        ClientTLS.of(certs.client.key).credentials()
+    ServerTLS.of(certs.server.cert, certs.server.key, certs.ca).credentials()   # a right one still loads
+    ClientTLS.of(certs.ca, certs.client.cert, certs.client.key).credentials()
+
+
 def test_probes_reach_health_in_plaintext_on_a_port_of_its_own(tiny_dirs, certs):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tests.service.processes import free_port
