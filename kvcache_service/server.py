@@ -48,7 +48,11 @@ async def _create_with_servicer(address: str | list[str], config: ManagerConfig 
 
 async def serve(config: ManagerConfig, server: KVCacheServerConfig) -> None:
     running, servicer, metrics = await _create_with_servicer(list(server.listen), config, server)
-    endpoint = serve_metrics(server.metrics_listen, metrics.registry) if server.metrics_listen else None
+    try:
+        endpoint = serve_metrics(server.metrics_listen, metrics.registry) if server.metrics_listen else None
+    except BaseException:   # the server started: stopped here, not left to a closed loop's finalizer
+        await running.server.stop(None)
+        raise
     grace_s = server.grace_s
     # A Step allocates thousands of short-lived objects, which plain reference counting
     # frees; with the default gen-0 threshold (700) the cycle collector still runs several

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.address import is_private, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_http_listen, is_private, parse_flag
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -173,6 +173,9 @@ class ModelServiceConfig:
         for name in ("listen", "health_listen"):
             if getattr(self, name):
                 parse_flag(f"--{name.replace('_', '-')}", getattr(self, name))
+        check_http_listen(self.http_listen)
+        if self.kvcache != "inprocess":
+            check_dial("--kvcache", self.kvcache)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
             raise ValueError("--preemption-mode swap needs --swap-pages > 0")
         if self.trust_tenant_metadata and not self.tls_client_ca and not is_private(self.listen):

@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.model_service.tiny_model import make_preset
 
-    path = make_preset(args.dir, args.preset, args.seed)
+    try:
+        path = make_preset(args.dir, args.preset, args.seed)
+    except OSError as exc:   # a directory it cannot make or write
+        raise SystemExit(f"kvserve make-tiny-model: cannot write {args.dir}: {exc.strerror or exc}") from None
     print(path)
     return 0

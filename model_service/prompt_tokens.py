@@ -23,7 +23,11 @@ def resolve_model_path(name: str) -> Path:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:   # no tokenizer files, or ones that do not read
+        text = str(exc).strip().splitlines()
+        raise ValueError(f"cannot load a tokenizer from {path}: {text[0] if text else type(exc).__name__}") from None
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvserve.model_service.host_memory import on_huge_pages
 from kvserve.model_service.model.config import ModelConfig
@@ -48,8 +48,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     dtype = parse_dtype(dtype)
     device = torch.device(device)
     gemm = choose_gemm(gemm, dtype, device)   # before the weights: a refusal comes at once
-    config = ModelConfig.from_pretrained(path)
-    hf = read_safetensors(path)
+    try:
+        config = ModelConfig.from_pretrained(path)
+        hf = read_safetensors(path)
+    except (OSError, SafetensorError) as exc:   # a config or weights that do not read: a sentence, not a trace
+        raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
     state = {name: t.to(device=device, dtype=dtype) for name, t in map_hf_weights(hf, config).items()}
     with torch.device("meta"):
         model = CausalLM(config, device=device, dtype=dtype)
@@ -90,6 +93,12 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message, its first line (transformers' run on with advice for the Hub)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
 
 
 def safetensors_files(path: Path) -> list[Path]:

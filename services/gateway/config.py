@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import parse_flag
+from kvserve.services.plumbing.address import check_http_listen, parse_flag
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -70,6 +70,7 @@ class GatewayConfig:
         for flag, address in [("--listen", self.listen), ("--health-listen", self.health_listen)]:
             if address:
                 parse_flag(flag, address)
+        check_http_listen(self.http_listen)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:
             if parse_flag(flag, address).port == 0 and not address.startswith("unix:"):

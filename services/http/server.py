@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvserve.services.http.app import make_app
-from kvserve.services.plumbing.address import parse_address
+from kvserve.services.plumbing.address import CannotListen, parse_address
 from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,9 @@ class HttpFront:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((address.host, address.port))
-        except OSError as exc:
+        except OSError as exc:   # in use, or not permitted: as for every listener, no restart helps
             sock.close()
-            raise ValueError(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
+            raise CannotListen(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
         sock.listen(2048)
         sock.setblocking(False)
         config = uvicorn.Config(make_app(channel, max_body_bytes), log_level="warning", lifespan="off",

@@ -68,6 +68,20 @@ def parse_flag(flag: str, text: str) -> ListenAddress:
         raise ValueError(f"{flag}: {exc}") from None
 
 
+def check_http_listen(text: str) -> None:
+    """--http-listen: host:port (uvicorn serves TCP here), refused at start, before any model loads."""
+    if text and parse_flag("--http-listen", text).is_unix:
+        raise ValueError(f"--http-listen must be host:port, got {text!r}")
+
+
+def check_dial(flag: str, text: str) -> None:
+    """An address to dial: a Unix socket, or host:port with a port from 1 to 65535 (gRPC would dial
+    a port past it modulo 65,536, and one it cannot parse for as long as its timeout allows)."""
+    address = parse_flag(flag, text)
+    if not address.is_unix and address.port == 0:
+        raise ValueError(f"{flag} {text}: a server is dialled on a port from 1 to 65535, not 0")
+
+
 class CannotListen(OSError):
     """A server cannot listen on the address asked for: in use, or not permitted."""
 

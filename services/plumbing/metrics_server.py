@@ -19,10 +19,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvserve.services.plumbing.address import parse_address
+from kvserve.services.plumbing.address import CannotListen, parse_address
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +55,18 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
+def text_format(registry: CollectorRegistry):
+    """The registry in Prometheus' text format, whatever the scrape's Accept header asks:
+    prometheus_client's OpenMetrics output names the samples of a `kvserve:` family
+    `kvserve_...` under a `# TYPE kvserve:...` line, so a Prometheus 2 scrape (which asks for
+    OpenMetrics first) would store untyped series under other names than the documented ones."""
+    def app(environ, start_response):
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        return [body]
+    return app
+
+
 def only_metrics_path(app):
     """`app` at /metrics; 404 elsewhere (prometheus_client answers every path with the series,
     so a probe or a scanner of any URL would read them and a typo'd scrape config would work)."""
@@ -69,17 +81,17 @@ def only_metrics_path(app):
 def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsEndpoint:
     """Serves `registry` at /metrics on `listen` (host:port; port 0 picks one) from a daemon
     thread, in plain HTTP (counts, never a prompt or a key). Raises ValueError for an address it
-    cannot serve on."""
+    cannot serve on, CannotListen where it cannot listen."""
     address = parse_address(listen)
     if address.is_unix:
         raise ValueError(f"--metrics-listen must be host:port (Prometheus scrapes over TCP), got {listen!r}")
     try:
         family = socket.getaddrinfo(address.host or None, address.port, type=socket.SOCK_STREAM)[0][0]
         server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(address.host, address.port, only_metrics_path(make_wsgi_app(registry)),
+        server = make_server(address.host, address.port, only_metrics_path(text_format(registry)),
                              server_class, handler_class=_Quiet)
-    except OSError as exc:
-        raise ValueError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
+    except OSError as exc:   # in use, or not permitted: no restart helps
+        raise CannotListen(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
     thread = threading.Thread(target=server.serve_forever, name="kvserve-metrics", daemon=True)
     thread.start()
     endpoint = MetricsEndpoint(server, thread, address.with_port(server.server_port))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.cli.stack_metrics import StackMetrics
+from kvserve.services.plumbing.address import CannotListen
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from tests.metrics.scrape import scrape, value
 from tests.service.processes import free_port, kvserve, terminate, wait_serving
@@ -42,6 +43,10 @@ def test_children_series_are_served_together_with_their_worker_label():
             e.close()
 
 
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                       "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
 def test_the_series_are_at_metrics_only_and_addresses_that_cannot_serve_are_refused():
     registry = CollectorRegistry()
     Counter("kvserve:probe", "x", registry=registry).inc(3)
@@ -52,8 +57,15 @@ def test_the_series_are_at_metrics_only_and_addresses_that_cannot_serve_are_refu
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(f"http://{endpoint.address}{path}", timeout=10)
             assert err.value.code == 404 and b"/metrics" in err.value.read(), path
-        with pytest.raises(ValueError, match="cannot serve metrics on"):   # the port is taken
+        with pytest.raises(CannotListen, match="cannot serve metrics on"):   # the port is taken: exit 3, no restart
             serve_metrics(endpoint.address, registry)
+        # Prometheus 2 asks for OpenMetrics first; the text format comes back, its names as documented
+        req = urllib.request.Request(f"http://{endpoint.address}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+        with urllib.request.urlopen(req, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain;")
+            text = response.read().decode()
+        assert "# TYPE kvserve:probe_total counter" in text or "# TYPE kvserve:probe counter" in text
+        assert "kvserve:probe_total 3.0" in text and "kvserve_probe" not in text
     finally:
         endpoint.close()
     with pytest.raises(ValueError, match="must be host:port"):

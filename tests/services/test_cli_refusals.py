@@ -1,0 +1,77 @@
+"""What the kvserve command says, as a process, when it cannot start: one line naming the cause
+and an exit code the supervisor reads (1 for a bad flag or file, 3 for an address it cannot
+listen on: never restarted), never a traceback, and at once rather than after a timeout or
+restarts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from kvserve.model_service.prompt_tokens import resolve_model_path
+from tests.service.processes import free_port, kvserve
+
+TIMEOUT_S = 120
+
+
+def run(*args: str) -> tuple[int, str]:
+    proc = kvserve(*args, "--log-level", "warning", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"kvserve {' '.join(args)} did not give up")
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    return proc.returncode, stderr.strip()
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kvcache", "127.0.0.1:99999"], "--kvcache: "),
+    (["--kvcache", "127.0.0.1:0"], "--kvcache 127.0.0.1:0: a server is dialled on a port from 1 to 65535"),
+    (["--http-listen", "unix:///tmp/kvserve-http.sock"], "--http-listen must be host:port"),
+])
+def test_an_address_the_model_service_cannot_use_is_refused_before_the_model_loads(flags, message):
+    code, stderr = run("model", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", *flags)
+    assert code == 1 and message in stderr.splitlines()[-1], stderr
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda d: (d / "config.json").write_text("{not json"), "is not a valid JSON file"),
+    (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors in"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "Error while deserializing header"),
+])
+def test_a_model_directory_that_does_not_load_is_named_in_one_line(tmp_path, spoil, message):
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path("tiny"), model)
+    spoil(model)
+    code, stderr = run("model", "--model", str(model), "--kvcache", "inprocess", "--listen", f"127.0.0.1:{free_port()}")
+    last = stderr.splitlines()[-1]
+    assert code != 0 and last.startswith(f"kvserve model: cannot load a model from {model}: ") and message in last
+
+
+def test_make_tiny_model_names_a_directory_it_cannot_write():
+    code, stderr = run("make-tiny-model", "/dev/null/tiny")
+    assert code != 0 and stderr == "kvserve make-tiny-model: cannot write /dev/null/tiny: Not a directory"
+
+
+def test_a_busy_metrics_port_stops_the_manager_at_once(busy_port):
+    code, stderr = run("kvcache", "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", busy_port)
+    assert code == 3 and stderr.splitlines()[-1].startswith(f"kvserve kvcache: cannot serve metrics on {busy_port}")
+
+
+def test_up_stops_at_once_when_its_http_port_is_busy(busy_port):
+    """The model service exits 3 (not 1, a crash): the stack stops instead of restarting it five times."""
+    code, stderr = run("up", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", "--kvcache-listen",
+                       f"127.0.0.1:{free_port()}", "--http-listen", busy_port, "--num-pages", "64")
+    assert code != 0 and f"cannot serve HTTP on {busy_port}" in stderr and "starting it again" not in stderr, stderr
