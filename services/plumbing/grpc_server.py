@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
@@ -272,5 +273,8 @@ async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str, tl
         cause = None
     if port == 0:
         await server.stop(None)
+        folder = os.path.dirname(listen.unix_path) if listen.is_unix else ""
+        if folder and not os.path.isdir(folder):
+            raise BindError(f"cannot listen on {address}: the directory {folder} does not exist") from cause
         raise BindError(f"cannot listen on {address} (address in use or not permitted)") from cause
     return port

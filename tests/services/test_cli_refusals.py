@@ -75,3 +75,9 @@ def test_up_stops_at_once_when_its_http_port_is_busy(busy_port):
     code, stderr = run("up", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", "--kvcache-listen",
                        f"127.0.0.1:{free_port()}", "--http-listen", busy_port, "--num-pages", "64")
     assert code != 0 and f"cannot serve HTTP on {busy_port}" in stderr and "starting it again" not in stderr, stderr
+
+
+def test_a_unix_socket_in_a_directory_that_does_not_exist_is_named():
+    code, stderr = run("kvcache", "--listen", "unix:///nonexistent-dir/kv.sock")
+    assert code == 3 and stderr.splitlines()[-1] == ("kvserve kvcache: cannot listen on unix:///nonexistent-dir/kv.sock: "
+                                                     "the directory /nonexistent-dir does not exist")
