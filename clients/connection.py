@@ -58,8 +58,10 @@ def client_tls(tls: ClientTLS | bool | None) -> ClientTLS | None:
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata carrying the key (`authorization: Bearer KEY`); None without a key."""
-    if not api_key:
+    if api_key is None or api_key == "":
         return None
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key is a string, not {type(api_key).__name__}")
     key = api_key.strip()
     # gRPC metadata values are printable ASCII, and the server splits the header at the space.
     if not key or not all(33 <= ord(c) <= 126 for c in key):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -121,14 +122,20 @@ class Collector:
 
 def _chat(messages: Sequence[Message]) -> pb.ChatMessages:
     out = pb.ChatMessages()
-    for m in messages:
-        if isinstance(m, Mapping):
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping) and "role" in m and "content" in m:
             role, content = m["role"], m["content"]
-        elif isinstance(m, tuple):
+        elif isinstance(m, tuple) and len(m) == 2:
             role, content = m
-        else:
+        elif hasattr(m, "role") and hasattr(m, "content"):
             role, content = m.role, m.content
-        out.messages.append(pb.ChatMessage(role=role, content=content))
+        else:
+            raise ValueError(f"messages[{i}] must be a (role, content) pair, a mapping with 'role' and 'content', "
+                             f"or a Message; got {m!r}")
+        if not (isinstance(role, str) and isinstance(content, str)):
+            raise ValueError(f"messages[{i}]: role and content must be strings")
+        with _field(f"messages[{i}]", None):
+            out.messages.append(pb.ChatMessage(role=role, content=content))
     return out
 
 
@@ -183,21 +190,33 @@ def generate_request(
         if value is not None:
             with _field(name, value):
                 setattr(sampling, name, value)
-    request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
+    with _field("request_id or session_id", None):
+        request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
     inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
     if "prompt" in inputs:
         with _field("prompt", None):
             request.prompt = prompt
     elif "token_ids" in inputs:
         request.token_ids.SetInParent()  # set even when empty, so the server says what is wrong
-        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < 2**31)), None)
-        if bad is not None:
-            raise ValueError(f"token ids must be integers in [0, 2^31), got {bad!r}")
-        request.token_ids.ids.extend(token_ids)
+        request.token_ids.ids.extend(_token_ids(token_ids))
     elif "messages" in inputs:
         request.messages.SetInParent()
         request.messages.MergeFrom(_chat(messages))
     return request
+
+
+def _token_ids(token_ids: Iterable[Any]) -> list[int]:
+    """Any iterable of integers (numpy's too), each in [0, 2^31)."""
+    out = []
+    for t in token_ids:
+        try:
+            value = operator.index(t)   # ints and numpy's integers; not floats, not bools' meaning
+        except TypeError:
+            raise ValueError(f"token ids must be integers in [0, 2^31), got {t!r}") from None
+        if isinstance(t, bool) or not 0 <= value < 2**31:
+            raise ValueError(f"token ids must be integers in [0, 2^31), got {t!r}")
+        out.append(value)
+    return out
 
 
 @contextlib.contextmanager
@@ -218,7 +237,8 @@ def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | No
     request = pb.TokenizeRequest()
     inputs = _one_input(prompt=prompt, messages=messages)
     if "prompt" in inputs:
-        request.prompt = prompt
+        with _field("prompt", None):
+            request.prompt = prompt
     elif "messages" in inputs:
         request.messages.SetInParent()
         request.messages.MergeFrom(_chat(messages))

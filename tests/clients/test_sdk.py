@@ -55,6 +55,30 @@ def test_a_value_no_request_can_carry_is_a_value_error_naming_its_field(client: 
         client.generate("hi \udcff")
     with pytest.raises(ValueError, match="got -3"):
         client.generate(token_ids=[1, -3])
+    with pytest.raises(ValueError, match="got True"):
+        client.generate(token_ids=[1, True])
+    with pytest.raises(ValueError, match=r"messages\[0\] is not valid UTF-8 text"):
+        client.generate(messages=[("user", "hi \udcff")])
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a \(role, content\) pair, a mapping"):
+        client.generate(messages=[("user", "hi"), {"role": "user"}])
+    with pytest.raises(ValueError, match=r"messages\[0\] must be"):
+        client.generate(messages=["hi"])
+    with pytest.raises(ValueError, match="request_id or session_id is not valid UTF-8 text"):
+        client.generate("hi", request_id="r\udcff")
+    with pytest.raises(ValueError, match="prompt is not valid UTF-8 text"):
+        client.tokenize("hi \udcff")
+    with pytest.raises(TypeError, match="api_key is a string, not int"):
+        InferenceClient("127.0.0.1:1", api_key=5)
+
+
+def test_token_ids_may_be_any_iterable_of_integers(client: InferenceClient) -> None:
+    import numpy as np
+
+    ids = client.tokenize(PROMPT).token_ids
+    want = client.complete(token_ids=list(ids), max_tokens=4, temperature=0).token_ids
+    assert client.complete(token_ids=iter(ids), max_tokens=4, temperature=0).token_ids == want
+    assert client.complete(token_ids=(i for i in ids), max_tokens=4, temperature=0).token_ids == want
+    assert client.complete(token_ids=np.array(ids), max_tokens=4, temperature=0).token_ids == want
 
 
 def test_complete_is_the_concatenated_stream(client: InferenceClient) -> None:
