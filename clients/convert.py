@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -171,6 +172,7 @@ def generate_request(
     prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    structured: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
     (the server's default)."""
@@ -190,6 +192,8 @@ def generate_request(
         if value is not None:
             with _field(name, value):
                 setattr(sampling, name, value)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured_output(structured))
     with _field("request_id or session_id", None):
         request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
     inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
@@ -203,6 +207,28 @@ def generate_request(
         request.messages.SetInParent()
         request.messages.MergeFrom(_chat(messages))
     return request
+
+
+def structured_output(structured: Mapping[str, Any]) -> pb.StructuredOutput:
+    """{"json_schema": a schema (dict or JSON text)}, {"json_object": True}, {"regex": str},
+    {"choice": [str, ...]} or {"lark_grammar": str}: the one format the output keeps."""
+    if not isinstance(structured, Mapping) or len(structured) != 1:
+        raise ValueError("structured is one of {'json_schema': ...}, {'json_object': True}, {'regex': ...}, "
+                         "{'choice': [...]}, {'lark_grammar': ...}")
+    ((kind, value),) = structured.items()
+    out = pb.StructuredOutput()
+    with _field(f"structured {kind}", None):
+        if kind == "json_schema":
+            out.json_schema = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "json_object":
+            out.json_object = bool(value)
+        elif kind == "choice":
+            out.choice.choices.extend(value)
+        elif kind in ("regex", "lark_grammar"):
+            setattr(out, kind, value)
+        else:
+            raise ValueError(f"unknown format {kind!r}")
+    return out
 
 
 def _token_ids(token_ids: Iterable[Any]) -> list[int]:

@@ -163,6 +163,7 @@ class InferenceClient:
         prompt_logprobs: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
+        structured: Mapping[str, Any] | None = None,
     ) -> GenerateStream:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
         (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
@@ -170,14 +171,15 @@ class InferenceClient:
         sequences from the prompt: each Chunk and Finished says which (`index`). prompt_logprobs
         (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone. logit_bias
         adds to tokens' logits (token id -> [-100, 100]); min_tokens holds EOS and stop_token_ids
-        back until that many tokens."""
+        back until that many tokens. structured holds the output to a format: {"json_schema": a
+        schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]} or {"lark_grammar": ...}."""
         request = convert.generate_request(
             prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
             request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs,
-            logit_bias=logit_bias, min_tokens=min_tokens)
+            logit_bias=logit_bias, min_tokens=min_tokens, structured=structured)
         try:
             call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating

@@ -26,6 +26,7 @@ from kvserve.model_service.engine.speculation import NgramDrafter
 from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from kvserve.model_service.sampling.sampler import Sampler
+from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype, pick_kv_cache_dtype
 from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
@@ -51,6 +52,7 @@ class ModelStack:
     max_model_len: int
     eos_token_ids: frozenset[int]
     kv_cache_dtype: torch.dtype    # the pages' (--kv-cache-dtype): the model's, or narrower
+    grammars: Grammars             # structured output's formats for this model's vocabulary
 
 
 def pick_device(name: str) -> torch.device:
@@ -153,7 +155,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
              model.lm_head.gemm, max_model_len,
              f", decode steps of up to {graphs.max_batch} sequences from CUDA graphs" if graphs else "")
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
-                      page_size, num_pages, max_model_len, eos_ids, kv_dtype)
+                      page_size, num_pages, max_model_len, eos_ids, kv_dtype,
+                      Grammars(tokenizer, mcfg.vocab_size, eos_ids))
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

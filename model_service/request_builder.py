@@ -11,6 +11,7 @@ Refused here, before anything is queued, in order of cost:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from kvserve.kvcache_service.contract.hashing import tenant_extra_key
@@ -23,6 +24,7 @@ from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_toke
 from kvserve.model_service.request_ids import id_problem
 from kvserve.model_service.sampling.params import SamplingParams
 from kvserve.model_service.sampling.sampler import make_generator
+from kvserve.model_service.sampling.structured import Format
 from kvserve.model_service.tokenizing import TokenizerLanes
 
 RequestError = InvalidRequest   # the name this module's callers know
@@ -84,6 +86,12 @@ class RequestBuilder:
         request = Request(scoped_request_id(tenant, request_id), prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
+        if params.format is not None:
+            try:
+                request.matcher = await self.lanes.run(len(params.format.spec), self.stack.grammars.matcher,
+                                                       params.format)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
         if msg.continuation.ids:
             if params.n > 1:
                 raise RequestError("a continuation goes on one sequence; it cannot be given with n > 1")
@@ -106,6 +114,14 @@ class RequestBuilder:
                                "leaves none to generate")
         request.tokens.extend(tokens)
         request.output = await self.lanes.run(4 * len(tokens), self._primed_output, request, tokens)
+        if request.matcher is not None:   # the format goes on from where the continuation left it
+            for i, token in enumerate(tokens):
+                if not request.matcher.consume_token(token):
+                    raise RequestError(f"continuation token {i} ({token}) does not fit the structured output's "
+                                       "format")
+            if request.matcher.is_stopped():
+                raise RequestError("the continuation already completes the structured output's format: there is "
+                                   "nothing left to generate")
 
     def _primed_output(self, request: Request, tokens: list[int]) -> OutputProcessor:
         output = OutputProcessor(request, self.tokenizer, self.stack.eos_token_ids)
@@ -227,8 +243,21 @@ class RequestBuilder:
                 stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True),
                 n=s.n or 1, prompt_logprobs=opt("prompt_logprobs", None),
-                logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens)
+                logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+                format=_format(s.structured) if s.HasField("structured") else None)
             params.validate(self.vocab_size, self.config.max_logprobs, self.config.max_n)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         return params
+
+
+def _format(structured) -> Format:
+    """StructuredOutput's one format (INVALID_ARGUMENT when none is set)."""
+    kind = structured.WhichOneof("format")
+    if kind is None:
+        raise ValueError("structured output: set one of json_schema, json_object, regex, choice, lark_grammar")
+    if kind == "json_object":
+        return Format(kind, "")
+    if kind == "choice":
+        return Format(kind, json.dumps(list(structured.choice.choices)))
+    return Format(kind, getattr(structured, kind))

@@ -430,7 +430,7 @@ class Engine:
             generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
                           for r in requests]
             out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
-                               [r.output_ids for r in requests], generators)
+                               [r.output_ids for r in requests], generators, [r.matcher for r in requests])
         t6 = clock()
         progress.enter("streaming")
         row = 0
@@ -466,7 +466,7 @@ class Engine:
     def _sample_drafts(self, logits, sampled: list[Work]):
         """Samples every position of a draft as decoding without it would have: that position's
         own seeded draw, penalties over the tokens before it (speculation.py)."""
-        params, prompts, outputs, generators = [], [], [], []
+        params, prompts, outputs, generators, matchers = [], [], [], [], []
         for w in sampled:
             r = w.request
             history = r.output_ids
@@ -474,6 +474,7 @@ class Engine:
                 params.append(r.params)
                 prompts.append(r.prompt_ids)
                 outputs.append(history if j == 0 else history + w.draft[:j])
+                matchers.append(r.matcher)   # (a request with a format drafts nothing: j is 0)
                 if r.generator is None:
                     generators.append(None)
                     continue
@@ -484,7 +485,7 @@ class Engine:
                         r.draft_generators.append(make_generator(r.params.seed, self.runner.device))
                     generator = r.draft_generators[j - 1]
                 generators.append(seeded_for(generator, r.params.seed, r.num_output + j))
-        return self.sampler(logits, params, prompts, outputs, generators)
+        return self.sampler(logits, params, prompts, outputs, generators, matchers)
 
     def _verify(self, w: Work, tokens: list[int], logprobs: list) -> None:
         """Emits the draft's confirmed prefix and the target's token after it; the rest is
@@ -517,6 +518,8 @@ class Engine:
         r.tokens.append(token)
         self.counters.generated_tokens += 1
         text, done, reason, stop = r.output.add(token)
+        if r.matcher is not None and not done and _format_complete(r, token):
+            done, reason, stop = True, "stop", None
         r.unsent.append((token, text, logprobs))
         n = r.num_output
         if done:
@@ -571,6 +574,16 @@ class Engine:
         sched = self.scheduler
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
+
+
+def _format_complete(r: Request, token: int) -> bool:
+    """Takes the token into the request's structured-output matcher: whether the format is now
+    complete with nothing that could follow (the request ends, "stop")."""
+    if not r.matcher.consume_token(token):   # the mask allowed it: a matcher out of step is a bug here
+        log.error("request %s: token %d does not fit its structured output (%s); ending it", r.request_id, token,
+                  r.matcher.get_error())
+        return True
+    return r.matcher.is_stopped()
 
 
 def _prompt_logprobs(r: Request) -> PromptLogprobs | None:

@@ -64,6 +64,8 @@ def spawn(parent: Request, n: int, make_generator) -> Family:
         child = Request(f"{parent.request_id}{CHILD_SEPARATOR}{index}", parent.prompt_ids, parent.max_tokens,
                         params, extra_key=parent.extra_key, arrival=parent.arrival, order=parent.order)
         child.index, child.family = index, family
+        if parent.matcher is not None:   # each sequence goes through the format on its own
+            child.matcher = parent.matcher.deep_copy()
         if params.seed is not None:
             child.generator = make_generator(params.seed)
         family.members.append(child)

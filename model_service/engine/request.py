@@ -50,6 +50,7 @@ class Request:
     draft_generators: list = field(default_factory=list)   # a seeded request's draws at draft positions
     slid_to: int = 0                 # sliding window: its pages before this one left it (but the sinks')
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. so far, when asked
+    matcher: Any = None              # structured output's grammar matcher (sampling/structured.py)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -272,7 +272,7 @@ class Scheduler:
         """A draft for a decoding sequence to verify in this step, or []: none with speculation off,
         while its last token is still being sampled (a proposal built ahead), while it backs off."""
         drafter = self.drafter
-        if drafter is None:
+        if drafter is None or r.matcher is not None:   # a format's mask is per position: no drafts to verify
             return []
         if r.draft_state is None:
             r.draft_state = DraftState()
@@ -291,7 +291,8 @@ class Scheduler:
         step's tokens (a draft follows them) instead of being built ahead."""
         drafter = self.drafter
         return drafter is not None and any(
-            w.samples and w.request.fork_at is None and drafter.wants(w.request.draft_state) for w in work)
+            w.samples and w.request.fork_at is None and w.request.matcher is None
+            and drafter.wants(w.request.draft_state) for w in work)
 
     @staticmethod
     def verified(w: Work, accepted: int) -> None:

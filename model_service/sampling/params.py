@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvserve.model_service.sampling.structured import Format
+
 # Below this temperature a row is sampled greedily: dividing logits by a smaller number can
 # overflow float32, and the distribution is already one-hot in all but name (vLLM's choice).
 GREEDY_TEMPERATURE = 1e-5
@@ -64,6 +66,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # EOS and stop_token_ids are masked until this many output tokens (vLLM's min_tokens).
     min_tokens: int = 0
+    # The output held to a format (structured.py); None: free text.
+    format: Format | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the dataclass hashable.
@@ -128,6 +132,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"at most max_tokens ({self.max_tokens})")
+        if self.format is not None:
+            self.format.validate()
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -21,8 +21,9 @@ is in the batch. Rows without a generator share one draw from torch's default ge
 engine seeds a row's generator for the token's position first (seeded_for), so the draw does not
 depend on the request's history of steps either.
 
-Shaping, before penalties: a row's logit_bias is added to its logits, and while it has fewer
-output tokens than its min_tokens, EOS (unless ignore_eos) and its stop_token_ids are masked out.
+Shaping, before penalties: a row's logit_bias is added to its logits; while it has fewer output
+tokens than its min_tokens, EOS (unless ignore_eos) and its stop_token_ids are masked out; a row
+with a structured output's matcher keeps only the tokens its format allows next (structured.py).
 
 Logprobs. `log_softmax` of the logits after shaping and penalties and before temperature,
 top-k, top-p and min-p: the model's distribution as they shaped it, independent of how the token
@@ -42,6 +43,7 @@ import torch
 from kvserve.model_service.kernels import row_argmax as row_argmax_kernel
 from kvserve.model_service.sampling.params import SamplingParams
 from kvserve.model_service.sampling.penalties import TokenIds, apply_penalties
+from kvserve.model_service.sampling.structured import mask_rows
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -144,20 +146,24 @@ class Sampler:
         prompt_ids: Sequence[TokenIds] | None = None,       # S; read for penalised rows only
         output_ids: Sequence[TokenIds] | None = None,       # S; read for penalised rows only
         generators: Sequence[torch.Generator | None] | None = None,  # S; None: unseeded
+        matchers: Sequence | None = None,                   # S; a structured output's matcher, or None
     ) -> SamplerOutput:
         num_rows, vocab = logits.shape
         if len(params) != num_rows:
             raise ValueError(f"got {len(params)} SamplingParams for {num_rows} rows of logits")
         shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens)
                   for i, p in enumerate(params)]
-        if not any(shaped) and all(p.greedy and not p.has_penalties for p in params):
+        formatted = [i for i, m in enumerate(matchers or ()) if m is not None]
+        if not any(shaped) and not formatted and all(p.greedy and not p.has_penalties for p in params):
             tokens = row_argmax(logits)                                   # (S,)
             return SamplerOutput(tokens.tolist(), _logprobs(logits, tokens, params))
 
         batch = _BatchParams.build(params, vocab, logits.device)
-        x = logits.to(torch.float32, copy=any(batch.penalised) or any(shaped))   # (S, V)
+        x = logits.to(torch.float32, copy=any(batch.penalised) or any(shaped) or bool(formatted))   # (S, V)
         if any(shaped):
             self._shape(x, params, output_ids, shaped)
+        if formatted:   # every token that would leave the format
+            mask_rows(x, formatted, [matchers[i] for i in formatted])
         if any(batch.penalised):
             x = _penalise(x, batch, prompt_ids, output_ids)
 

@@ -4,6 +4,7 @@ client reads, in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -23,13 +24,10 @@ UNSUPPORTED = {
     "tool_choice": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("tools")),
     "functions": lambda v, body: v in _NOTHING,
     "function_call": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("functions")),
-    "response_format": lambda v, body: v in _NOTHING or v == {"type": "text"},
     "n_best": lambda v, body: v in _NOTHING,
     "include_stop_str_in_output": lambda v, body: v in _NOTHING,
     "prompt_logprobs": lambda v, body: v is None,   # a completion's echo with logprobs gives them
-    **{name: (lambda v, body: v is None) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs")},
+    **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 
@@ -125,12 +123,72 @@ def sampling(body: dict) -> pb.SamplingParams:
     min_tokens = _number(body, "min_tokens", int, 0, UINT32)   # vLLM's; the server bounds it by max_tokens
     if min_tokens:
         out.min_tokens = min_tokens
+    structured = structured_output(body)
+    if structured is not None:
+        out.structured.CopyFrom(structured)
     stop_ids = body.get("stop_token_ids")   # the server checks them against its vocabulary
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t <= INT32 for t in stop_ids):
             raise HttpError(400, "'stop_token_ids' must be a list of token ids (0 to 2^31-1)", param="stop_token_ids")
         out.stop_token_ids.extend(stop_ids)
+    return out
+
+
+def structured_output(body: dict) -> pb.StructuredOutput | None:
+    """The one format a body asks its output to keep: OpenAI's response_format (json_object,
+    json_schema), vLLM's guided_json / guided_regex / guided_choice / guided_grammar, or its
+    structured_outputs object; None for free text."""
+    asked: list[tuple[str, str, object]] = []   # (the field, the format, its value)
+    response_format = body.get("response_format")
+    if response_format not in (None, {}):
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", True))
+        elif kind == "json_schema":
+            schema = response_format.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, bool)):
+                raise HttpError(400, "'response_format' json_schema needs {\"json_schema\": {\"schema\": {...}}}",
+                                param="response_format")
+            asked.append(("response_format", "json_schema", schema["schema"]))
+        elif kind != "text":
+            raise HttpError(400, "'response_format' type is text, json_object or json_schema", param="response_format")
+    for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "lark_grammar")):
+        if body.get(field) is not None:
+            asked.append((field, kind, body[field]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise HttpError(400, "'structured_outputs' must be an object", param="structured_outputs")
+        for key, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                          ("grammar", "lark_grammar"), ("json_object", "json_object")):
+            if outputs.get(key) not in (None, False):
+                asked.append(("structured_outputs", kind, outputs[key]))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise HttpError(400, f"give one structured output, not {' and '.join(f for f, _, _ in asked)}",
+                        param=asked[1][0])
+    field, kind, value = asked[0]
+    out = pb.StructuredOutput()
+    if kind == "json_object":
+        out.json_object = True
+    elif kind == "json_schema":
+        if isinstance(value, str):   # vLLM takes a schema as text too
+            out.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            out.json_schema = json.dumps(value)
+        else:
+            raise HttpError(400, f"'{field}' must be a JSON schema", param=field)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise HttpError(400, f"'{field}' must be a list of non-empty strings", param=field)
+        out.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise HttpError(400, f"'{field}' must be a string", param=field)
+        setattr(out, kind, value)
     return out
 
 

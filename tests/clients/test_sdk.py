@@ -170,6 +170,16 @@ def test_logit_bias_and_min_tokens(client: InferenceClient) -> None:
     assert info.value.code == "INVALID_ARGUMENT" and "min_tokens must be at most max_tokens (2)" in info.value.message
 
 
+def test_structured_output(client: InferenceClient) -> None:
+    done = client.complete(PROMPT, max_tokens=16, temperature=0, structured={"regex": "[0-9]{2}-[a-c]"})
+    assert re.fullmatch("[0-9]{2}-[a-c]", done.text) and done.finished.reason == "stop"
+    schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+    assert client.complete(PROMPT, max_tokens=16, temperature=0, structured={"json_schema": schema}).text in (
+        '{"x":1}', '{"x":2}')
+    with pytest.raises(ValueError, match="structured is one of"):
+        client.generate(PROMPT, structured={"regex": "a", "choice": ["b"]})
+
+
 def test_stop_string_ends_the_stream(client: InferenceClient) -> None:
     free = client.complete(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
     stop = re.search(r"[a-z]{2}", free.text).group()  # two letters the greedy output is sure to produce

@@ -71,6 +71,8 @@ class EngineHarness:
         request = Request(f"req-{self._n}", list(prompt_ids), max_tokens, sp)
         if sp.seed is not None:
             request.generator = make_generator(sp.seed, self.stack.device)
+        if sp.format is not None:   # as the request builder gives it one
+            request.matcher = self.stack.grammars.matcher(sp.format)
         outcome = Outcome(request.request_id, n=sp.n)
         self.engine.submit(request, outcome.sink)
         return outcome

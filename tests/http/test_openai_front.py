@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import urllib.error
@@ -338,6 +339,37 @@ def test_logit_bias_and_min_tokens_reach_the_server(front, client, model):
         assert status == 400 and answer["error"]["message"].startswith(message), answer
 
 
+def test_structured_outputs_as_openai_and_vllm_ask_for_them(front, client, model):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=32, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"ok"} and chat.choices[0].finish_reason == "stop"
+    streamed = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=32, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    for extra, check in [
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        ({"guided_regex": "[0-9]{4}"}, lambda t: re.fullmatch("[0-9]{4}", t)),
+        ({"guided_json": schema}, lambda t: set(json.loads(t)) == {"ok"}),
+        ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+        ({"guided_grammar": 'start: "a" "b"+'}, lambda t: re.fullmatch("ab+", t)),
+    ]:
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body=extra)
+        assert check(got.choices[0].text), (extra, got.choices[0].text)
+    for body, message in [
+        ({"response_format": {"type": "xml"}}, "'response_format' type is text, json_object or json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "'response_format' json_schema needs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "give one structured output, not guided_regex and guided_choice"),
+        ({"guided_choice": []}, "'guided_choice' must be a list of non-empty strings"),
+        ({"guided_regex": "("}, "the regex cannot be used: "),
+    ]:
+        status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, **body}).encode())
+        assert status == 400 and answer["error"]["message"].startswith(message), answer
+
+
 @pytest.mark.parametrize("extra", [
     {"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"response_format": {"type": "text"}},
     {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}, {"logit_bias": {}}, {"min_tokens": 0},
@@ -350,10 +382,9 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
 
 
 @pytest.mark.parametrize("extra", [
-    {"best_of": 3}, {"suffix": "x"}, {"response_format": {"type": "json_object"}}, {"tool_choice": "required"},
+    {"best_of": 3}, {"suffix": "x"}, {"tool_choice": "required"},
     {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"include_stop_str_in_output": True}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a", "b"]},
-    {"guided_regex": "a+"}, {"structured_outputs": {"json": {}}}, {"prompt_logprobs": 1},
+    {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"}, {"prompt_logprobs": 1},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, **extra}

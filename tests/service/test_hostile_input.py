@@ -130,7 +130,13 @@ _sampling = st.fixed_dictionaries({}, optional={
     "stop_token_ids": st.lists(_ints(0, 1023, INT32), max_size=5), "stop": st.lists(_texts(), max_size=70),
     "ignore_eos": st.booleans(), "logprobs": _ints(0, 5, UINT32), "skip_special_tokens": st.booleans(),
     "prompt_logprobs": _ints(0, 5, UINT32), "min_tokens": _ints(0, 8, UINT32),
-    "logit_bias": st.dictionaries(_ints(0, 1023, INT32), _floats(-100, 100), max_size=4)})
+    "logit_bias": st.dictionaries(_ints(0, 1023, INT32), _floats(-100, 100), max_size=4),
+    "structured": st.one_of(
+        st.builds(lambda r: pb.StructuredOutput(regex=r), st.text(max_size=20)),
+        st.builds(lambda j: pb.StructuredOutput(json_schema=j), st.text(max_size=40)),
+        st.builds(lambda g: pb.StructuredOutput(lark_grammar=g), st.text(max_size=40)),
+        st.builds(lambda c: pb.StructuredOutput(choice=pb.Choices(choices=c)), st.lists(st.text(max_size=5), max_size=3)),
+        st.just(pb.StructuredOutput(json_object=True)))})
 _inputs = _mostly(
     st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(0, 1023), min_size=1, max_size=40)),
     st.one_of(

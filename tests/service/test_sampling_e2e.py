@@ -3,6 +3,7 @@ end to end over gRPC (tiny checkpoint, in-process KV-cache manager)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
@@ -160,6 +161,42 @@ def test_logit_bias_and_min_tokens(stub):
         with pytest.raises(grpc.RpcError) as info:
             generate(stub, request(token_ids=prompt, **{"max_tokens": 4, **sampling}))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == message
+
+
+def test_structured_output_over_grpc(stub, tokenizer):
+    """A format over gRPC; a request moved mid-stream (its continuation) goes on in the format
+    from where it left it; formats that cannot be used are refused with the engine's reason."""
+    prompt = PROMPTS[2]
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                         "required": ["n"], "additionalProperties": False})
+    whole = generate(stub, request(token_ids=prompt, temperature=0, max_tokens=32,
+                                   structured=pb.StructuredOutput(json_schema=schema)))
+    assert set(json.loads(whole.text)) == {"n"} and whole.finished.finish_reason == pb.FINISH_REASON_STOP
+    for k in range(1, len(whole.tokens)):
+        msg = request(token_ids=prompt, temperature=0, max_tokens=32, structured=pb.StructuredOutput(json_schema=schema))
+        msg.continuation.ids.extend(whole.tokens[:k])
+        assert generate(stub, msg).tokens == whole.tokens[k:], k
+    choice = generate(stub, request(token_ids=prompt, temperature=0, max_tokens=8,
+                                    structured=pb.StructuredOutput(choice=pb.Choices(choices=["alpha", "beta"]))))
+    assert choice.text in ("alpha", "beta")
+    for structured, words in [
+        (pb.StructuredOutput(regex="("), "the regex cannot be used: "),
+        (pb.StructuredOutput(json_schema="{not json"), "json_schema is not JSON"),
+        (pb.StructuredOutput(json_schema='{"type": "nonsense"}'), "the json_schema cannot be used: "),
+        (pb.StructuredOutput(choice=pb.Choices()), "choice needs at least one choice"),
+        (pb.StructuredOutput(lark_grammar="start: undefined_rule"), "the lark_grammar cannot be used: "),
+        (pb.StructuredOutput(), "structured output: set one of json_schema"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(stub, request(token_ids=prompt, max_tokens=4, structured=structured))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(words), \
+            info.value.details()
+    bad = request(token_ids=prompt, temperature=0, max_tokens=8, structured=pb.StructuredOutput(regex="[0-9]+"))
+    bad.continuation.ids.extend(tokenizer.encode("xyz", add_special_tokens=False))
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit the structured output" in \
+        info.value.details()
 
 
 def test_sampled_logprobs_are_the_models_before_temperature(stub, hf_tiny):

@@ -1,0 +1,129 @@
+"""Structured outputs: a request's output held to a format (a JSON Schema, any JSON object, a
+regular expression, one of a list of strings, or a Lark grammar) by llguidance, the grammar engine
+vLLM and SGLang use too. Before each sampled token the format's matcher gives the tokens that can
+come next, and the sampler masks every other one; the sampled token goes into the matcher; the
+request ends ("stop") when the format is complete and nothing can follow it (or at EOS, which the
+mask allows once the output so far is complete).
+
+JSON is compact (no free whitespace between tokens): a model, a small or random one above all, can
+otherwise loop on whitespace for ever inside an object that stays valid.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+FORMATS = ("json_schema", "json_object", "regex", "choice", "lark_grammar")
+MAX_SPEC_CHARS = 256 << 10   # a schema or grammar, as text
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """What a request's output must be: `kind` one of FORMATS, `spec` its text (a choice list as
+    JSON)."""
+    kind: str
+    spec: str
+
+    def validate(self) -> None:
+        """ValueError for what no grammar is needed to refuse."""
+        if self.kind not in FORMATS:
+            raise ValueError(f"structured output is one of {', '.join(FORMATS)}; got {self.kind!r}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"the {self.kind} has {len(self.spec):,} characters; at most {MAX_SPEC_CHARS:,} "
+                             "are allowed")
+        if self.kind in ("json_schema", "regex", "lark_grammar") and not self.spec:
+            raise ValueError(f"the {self.kind} is empty")
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choice needs at least one choice, each a non-empty string")
+
+
+def _grammar(llguidance, fmt: Format) -> str:
+    """llguidance's grammar text for the format; ValueError naming what is wrong."""
+    if fmt.kind in ("json_schema", "json_object"):
+        text = fmt.spec if fmt.kind == "json_schema" else '{"type": "object"}'
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("json_schema must be a JSON object (a schema)")
+        if isinstance(schema, dict):
+            options = dict(schema.get("x-guidance") or {})
+            options.setdefault("whitespace_flexible", False)
+            schema = {**schema, "x-guidance": options}
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    if fmt.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(fmt.spec)
+    if fmt.kind == "choice":
+        choices = json.loads(fmt.spec)
+        return llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
+    return llguidance.grammar_from("lark", fmt.spec)
+
+
+class Grammars:
+    """One model's formats: its vocabulary as llguidance reads it (built once, on first use) and
+    each format's grammar checked once and kept (clients send the same schema again and again)."""
+
+    MAX_KEPT = 256
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._lock = threading.Lock()   # requests are built on the tokenizer lanes' threads
+        self._llg_tokenizer = None
+        self._grammars: dict[Format, str] = {}
+
+    def matcher(self, fmt: Format) -> Any:
+        """A fresh matcher for the format; ValueError saying why the format cannot be used."""
+        llguidance = _llguidance()
+        with self._lock:
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=self.eos_token_ids or None)
+            grammar = self._grammars.get(fmt)
+        if grammar is None:
+            grammar = _grammar(llguidance, fmt)
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+            if error:
+                raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(error)}")
+            with self._lock:
+                if len(self._grammars) >= self.MAX_KEPT:
+                    self._grammars.pop(next(iter(self._grammars)))
+                self._grammars[fmt] = grammar
+        matcher = llguidance.LLMatcher(self._llg_tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(matcher.get_error())}")
+        return matcher
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """In place: row rows[i] of `logits` keeps only the tokens matchers[i] allows next."""
+    import llguidance.torch as llg_torch
+
+    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
+    for i, matcher in enumerate(matchers):
+        llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
+    picked = logits[rows]                           # (R, V): a copy
+    llg_torch.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
+    logits[rows] = picked
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:   # a dependency of the package; an install without it cannot constrain output
+        raise ValueError("structured output needs the llguidance package, which this server lacks") from None
+    return llguidance
+
+
+def _first_lines(text: str, lines: int = 3) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines()[:lines])
