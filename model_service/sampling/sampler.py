@@ -170,8 +170,8 @@ class Sampler:
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy = _indices(batch.greedy, logits.device)
         sampled = _indices([not g for g in batch.greedy], logits.device)
-        if greedy.numel():
-            tokens[greedy] = row_argmax(x[greedy])
+        if greedy.numel():   # every row greedy (shaped or penalised): the argmax where x is, no copy
+            tokens[greedy] = row_argmax(x if greedy.numel() == num_rows else x[greedy])
         if sampled.numel():
             rows = sampled.tolist()
             gens = [generators[i] for i in rows] if generators is not None else [None] * len(rows)

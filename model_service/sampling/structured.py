@@ -11,6 +11,7 @@ otherwise loop on whitespace for ever inside an object that stays valid.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ def _grammar(llguidance, fmt: Format) -> str:
 
 class Grammars:
     """One model's formats: its vocabulary as llguidance reads it (built once, on first use) and
-    each format's grammar checked once and kept (clients send the same schema again and again)."""
+    each format compiled once into a matcher that is only ever copied (clients send the same
+    schema again and again; compiling one can take a fifth of a second, a copy microseconds)."""
 
     MAX_KEPT = 256
 
@@ -78,7 +80,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._lock = threading.Lock()   # requests are built on the tokenizer lanes' threads
         self._llg_tokenizer = None
-        self._grammars: dict[Format, str] = {}
+        self._compiled: dict[Format, Any] = {}   # format -> its matcher at the start, never advanced
 
     def matcher(self, fmt: Format) -> Any:
         """A fresh matcher for the format; ValueError saying why the format cannot be used."""
@@ -89,32 +91,54 @@ class Grammars:
 
                 self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                                    eos_token=self.eos_token_ids or None)
-            grammar = self._grammars.get(fmt)
-        if grammar is None:
-            grammar = _grammar(llguidance, fmt)
-            error = llguidance.LLMatcher.validate_grammar(grammar)
-            if error:
-                raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(error)}")
-            with self._lock:
-                if len(self._grammars) >= self.MAX_KEPT:
-                    self._grammars.pop(next(iter(self._grammars)))
-                self._grammars[fmt] = grammar
-        matcher = llguidance.LLMatcher(self._llg_tokenizer, grammar)
-        if matcher.is_error():
-            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(matcher.get_error())}")
-        return matcher
+            compiled = self._compiled.get(fmt)
+            if compiled is not None:
+                return compiled.deep_copy()
+        grammar = _grammar(llguidance, fmt)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(error)}")
+        compiled = llguidance.LLMatcher(self._llg_tokenizer, grammar)
+        if compiled.is_error():
+            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(compiled.get_error())}")
+        with self._lock:
+            if len(self._compiled) >= self.MAX_KEPT:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[fmt] = compiled
+            return compiled.deep_copy()
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-    """In place: row rows[i] of `logits` keeps only the tokens matchers[i] allows next."""
+    """In place: row rows[i] of `logits` keeps only the tokens matchers[i] allows next. The
+    matchers write a bitmask (a bit per token, 32 to an int32); numpy unpacks it and each row is
+    filled through a view. (llguidance's own apply is TorchScript: seconds to compile at its first
+    call, and slower on CPU than this.)"""
     import llguidance.torch as llg_torch
+    import numpy as np
+    import torch
 
-    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
-    for i, matcher in enumerate(matchers):
-        llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
-    picked = logits[rows]                           # (R, V): a copy
-    llg_torch.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
-    logits[rows] = picked
+    vocab = logits.shape[1]
+    bitmask = llg_torch.allocate_token_bitmask(len(rows), vocab)                   # (R, ceil(V / 32)) int32
+    if len(matchers) > 1:   # llguidance's threads, while the model's are idle between forward and sampling
+        llg_torch.fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
+    else:
+        llg_torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]   # (R, V)
+    if logits.device.type == "cpu":   # numpy's one thread: torch's would wake its pool between the model's
+        x = logits.numpy()            # kernels and the sampler's argmax, and the two pools contend (ms)
+        for i, row in enumerate(rows):
+            x[row][bits[i] == 0] = -np.inf
+        return
+    banned = torch.from_numpy(bits == 0).to(logits.device)
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(banned[i], float("-inf"))
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def _llguidance():
