@@ -23,6 +23,7 @@ each request asked for); the manager answers with its *plan* (StepPlan).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from kvserve.kvcache_service.contract.types import (
 )
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.speculation import DraftState, NgramDrafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class Scheduler:
         self.by_seq: dict[int, Request] = {}
         self.forks = 0                     # children of parallel sampling forked, since start
         self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
+        self.unswapped = 0                 # swapped sequences sent back to recompute to end a deadlock, since start
         self.available_pages = 0           # free + evictable pages after the last plan
 
     # ------------------------------------------------------------ requests
@@ -311,6 +315,7 @@ class Scheduler:
         results = iter(plan.results)
         work: list[Work] = []
         refused = ""   # why an admission was not granted
+        resume_refused = False
         self.available_pages = plan.available_pages
         recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
@@ -330,6 +335,8 @@ class Scheduler:
                     self._alone(r)           # must not wait for pages other parents may hold
                 elif r.status is Status.WAITING:
                     refused = refused or result.reason
+                elif r.status is Status.SWAPPED:
+                    resume_refused = True
                 continue
             if type(ask.need) is Fork:
                 self._forked(r, result, ask.need.num_tokens - 1)
@@ -357,6 +364,8 @@ class Scheduler:
                 count = min(result.num_tokens, r.compute_end - result.cached_tokens)  # a parent stops at its fork
                 if count > 0:
                     work.append(Work(r, result.cached_tokens, count))
+        if resume_refused and not self.running and not self._releases and len(self.swapped) > 1:
+            self._unswap_behind_the_head()
         if refused and not self.by_seq and not self._releases:
             # Every seq id and page there is free or cached as far as this engine goes, and still
             # none for a request: another client of the manager's API holds them.
@@ -376,6 +385,25 @@ class Scheduler:
             w.request.num_computed = w.start + w.count
             w.request.pending = 1 if w.samples else 0
         return work
+
+    def _unswap_behind_the_head(self) -> None:
+        """Nothing runs, nothing is being released, and the head of the swapped queue cannot come
+        back: the device pages it needs are held by swapped sequences behind it (pages they share
+        stay on the device when swapped: a prefix they have in common), and only running
+        sequences ever free pages. Those behind the head give theirs back and wait to be
+        recomputed, in their order, ahead of new requests; the head resumes at the next step."""
+        behind = list(self.swapped)[1:]
+        log.warning("swap preemption: the head of the swapped queue (%s) cannot come back while %d swapped "
+                    "sequences behind it hold device pages and nothing runs; they go back to be recomputed",
+                    self.swapped[0].request_id, len(behind))
+        for r in behind:
+            self.swapped.remove(r)
+            self._releases.append(r.seq_id)
+            del self.by_seq[r.seq_id]
+            r.forget_pages()
+            self.preemptions["recompute"] += 1
+        self.waiting.extendleft(reversed(behind))
+        self.unswapped += len(behind)
 
     def _forked(self, child: Request, result, num_computed: int) -> None:
         parent = child.family.parent
