@@ -175,8 +175,9 @@ class Front:
         first, gone = asyncio.ensure_future(anext(events, None)), asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if first.done():
+            if not gone.done():   # (a disconnect read here is seen by no later watcher: it ends the call here)
                 return first.result()
+            call.cancel()
             raise HttpError(499, "the client went away", "cancelled")
         finally:
             gone.cancel()
