@@ -217,7 +217,7 @@ class Engine:
     def _stall(self) -> str | None:
         stalled = self.progress.stalled_for(bool(self._live), self.stall_timeout_s)
         if stalled is not None:
-            return f"the engine has completed no step for {stalled:.0f} s; it is {self.progress.phase}"
+            return f"the engine has computed nothing for {stalled:.0f} s; it is {self.progress.doing()}"
         return None
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -408,8 +408,11 @@ class Engine:
         c.copy_s += t3 - t2
         if sched.has_work() and not sched.drafts_next(work):
             self._propose_next_step()  # its round trip overlaps this step's forward
-        if not work:
-            progress.advanced()
+        if not work:   # no progress for the requests in flight, however many such steps run
+            if self._live:
+                progress.empty_steps += 1
+            else:
+                progress.advanced()
             return
         progress.enter(f"running the model ({len(work)} sequences)")
         t4 = clock()

@@ -23,13 +23,22 @@ class Progress:
     phase: str = "starting"
     on_manager: bool = False   # the phase is a wait for the KV-cache manager (its own timeout bounds it)
     step: int = 0
-    since: float = field(default_factory=time.monotonic)   # the last completed step, or idle moment
+    since: float = field(default_factory=time.monotonic)   # the last step that computed, or idle moment
+    empty_steps: int = 0   # steps since then that had nothing to compute
 
     def enter(self, phase: str, on_manager: bool = False) -> None:
         self.phase, self.on_manager = phase, on_manager
 
     def advanced(self) -> None:
         self.since = time.monotonic()
+        self.empty_steps = 0
+
+    def doing(self) -> str:
+        """What the engine is doing, as a stall report says it."""
+        if self.empty_steps:
+            return (f"stepping with nothing to compute ({self.empty_steps} steps: every request in flight waits, "
+                    "for pages, a resume or a fork)")
+        return self.phase
 
     def stalled_for(self, busy: bool, limit_s: float) -> float | None:
         """Seconds without progress while there was work, once past `limit_s`; else None."""
@@ -60,8 +69,8 @@ class Watchdog:
             self.link.interrupt_if_overdue()
             stalled = self.progress.stalled_for(self.busy(), self.stall_timeout_s)
             if stalled is not None and not self._reported:
-                log.warning("the engine has completed no step for %.1f s with requests in flight; it is "
-                            "%s (step %d)", stalled, self.progress.phase, self.progress.step)
+                log.warning("the engine has computed nothing for %.1f s with requests in flight; it is "
+                            "%s (step %d)", stalled, self.progress.doing(), self.progress.step)
                 self._reported = True
             elif stalled is None and self._reported:
                 log.info("the engine is making progress again (step %d)", self.progress.step)

@@ -255,6 +255,42 @@ def test_a_stalled_forward_turns_readiness_and_liveness_not_serving_until_it_mov
         server.stop()
 
 
+def test_steps_that_compute_nothing_for_live_requests_are_a_stall_too(tiny_dirs):
+    """A livelock (the engine stepping with nothing to compute while requests wait, as a swapped
+    queue whose head could never resume made) turns health NOT_SERVING like a stuck forward; an
+    idle engine's empty steps do not."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.service.conftest import ModelServerThread
+
+    from kvserve.kvcache_service.contract.types import StepRequest
+    from kvserve.model_service.engine.scheduler import Proposal
+
+    server = ModelServerThread(tiny_dirs["tiny"], stall_timeout_s=0.5)
+    scheduler = server.servicer.engine.scheduler
+    build, stuck = scheduler.build, {"on": True}
+    # every request waits: each step proposes nothing (a request's pages never come)
+    scheduler.build = lambda: Proposal(StepRequest(scheduler.epoch), []) if stuck["on"] else build()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status(service: str) -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+            call = pb_grpc.InferenceStub(ch).Generate(request(token_ids=PROMPT, **greedy(4)), timeout=60)
+            wait_until(lambda: status("liveness") == NOT_SERVING, what="liveness NOT_SERVING")
+            assert "computed nothing" in server.servicer.engine.problem()
+            assert "nothing to compute" in server.servicer.engine.problem()
+            call.cancel()
+            wait_until(lambda: server.servicer.engine.num_live() == 0, what="the request gone")
+            wait_until(lambda: status("liveness") == SERVING and status("") == SERVING, what="SERVING again")
+    finally:
+        stuck["on"] = False
+        server.stop()
+
+
 def test_a_failed_step_with_a_remote_manager_leaves_no_stale_answer_behind(tiny_dirs, tmp_path):
     """The 5th forward fails with the next Step already sent to a manager in its own server: its
     answer still comes on the stream, and the engine, starting clean, must not take it for the
