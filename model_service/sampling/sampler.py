@@ -21,9 +21,10 @@ is in the batch. Rows without a generator share one draw from torch's default ge
 engine seeds a row's generator for the token's position first (seeded_for), so the draw does not
 depend on the request's history of steps either.
 
-Shaping, before penalties: a row's logit_bias is added to its logits; while it has fewer output
-tokens than its min_tokens, EOS (unless ignore_eos) and its stop_token_ids are masked out; a row
-with a structured output's matcher keeps only the tokens its format allows next (structured.py).
+Shaping, before penalties: a row with a structured output's matcher keeps only the tokens its
+format allows next (structured.py); a row's logit_bias is added to its logits; while it has fewer
+output tokens than its min_tokens, EOS (unless ignore_eos) and its stop_token_ids are masked out,
+unless they are all its format allows.
 
 Logprobs. `log_softmax` of the logits after shaping and penalties and before temperature,
 top-k, top-p and min-p: the model's distribution as they shaped it, independent of how the token
@@ -160,10 +161,10 @@ class Sampler:
 
         batch = _BatchParams.build(params, vocab, logits.device)
         x = logits.to(torch.float32, copy=any(batch.penalised) or any(shaped) or bool(formatted))   # (S, V)
-        if any(shaped):
-            self._shape(x, params, output_ids, shaped)
         if formatted:   # every token that would leave the format
             mask_rows(x, formatted, [matchers[i] for i in formatted])
+        if any(shaped):
+            self._shape(x, params, output_ids, shaped)
         if any(batch.penalised):
             x = _penalise(x, batch, prompt_ids, output_ids)
 
@@ -198,7 +199,11 @@ class Sampler:
             if p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
-                    x[i, torch.tensor(banned, dtype=torch.int64, device=x.device)] = float("-inf")
+                    ids = torch.tensor(banned, dtype=torch.int64, device=x.device)
+                    kept = x[i, ids].clone()
+                    x[i, ids] = float("-inf")
+                    if not bool(torch.isfinite(x[i]).any()):   # a format that allows only these: it ends
+                        x[i, ids] = kept
 
 
 def _outputs(output_ids, i: int) -> int:

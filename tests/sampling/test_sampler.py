@@ -374,6 +374,9 @@ def test_min_tokens_holds_eos_and_stop_token_ids_back_until_reached():
     ignoring = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(3,), ignore_eos=True)
     assert sampler(logits.clone(), [ignoring], [[]], [[]]).token_ids == [2]   # EOS is no stop here
     assert Sampler()(logits.clone(), [p], [[]], [[]]).token_ids == [2]        # no EOS known: 2 is a word
+    only_ends = torch.full((1, 10), float("-inf"))                             # all a format still allows:
+    only_ends[0, 2], only_ends[0, 3] = 1.0, 2.0                                # EOS and the stop token id
+    assert sampler(only_ends, [p], [[]], [[]]).token_ids == [3]                # the request may end
 
 
 def test_penalised_rows_need_histories():
