@@ -95,7 +95,7 @@ def main() -> None:
                               capture=device.type == "cuda", sizes=[args.batch])
         print(f"captured {len(graphs.sizes)} graphs in {graphs.capture():.1f} s")
     runner = ModelRunner(model, timed, kv, page_size, device, graphs)
-    work = [Work(SimpleNamespace(tokens=[3] * (args.context + 1), wants_prompt_logprobs=False,
+    work = [Work(SimpleNamespace(tokens=[3] * (args.context + 1),
                                  page_table=list(range(i * per_seq, (i + 1) * per_seq))), args.context, 1)
             for i in range(args.batch)]
     for _ in range(3):   # warm-up: kernels compiled on first use, allocator grown

@@ -171,8 +171,7 @@ def agreement(path: Path, device: torch.device, backend_name: str, n_prompts: in
     runners = {"candidate": runner(bf16, candidate, torch.bfloat16),
                "torch": runner(bf16, torch_attention(), torch.bfloat16),
                "float32": runner(f32, torch_attention(), torch.float32)}
-    requests = [SimpleNamespace(tokens=list(p), page_table=list(range(i * per_seq, (i + 1) * per_seq)),
-                                wants_prompt_logprobs=False)
+    requests = [SimpleNamespace(tokens=list(p), page_table=list(range(i * per_seq, (i + 1) * per_seq)))
                 for i, p in enumerate(prompts)]
     tallies = {name: Tally() for name in ("candidate", "float32", "torch_one_pass", "transformers_bf16",
                                           "candidate_vs_float32", "torch_vs_float32")}

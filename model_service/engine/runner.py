@@ -63,13 +63,12 @@ class ModelRunner:
         block_tables = torch.tensor(tables, dtype=torch.int32)                          # (B, width)
         pages = block_tables[seq_of_token, positions // ps].to(torch.int64)             # (T,)
         slot_mapping = pages * ps + positions % ps                                      # (T,)
-        prompt_rows = [w.prompt_rows for w in work]
-        if any(w.draft for w in work) or any(prompt_rows):
+        if any(w.draft or w.prompt_rows for w in work):
             # a row with a draft is sampled at each of its positions; the positions whose logits
             # give prompt logprobs come before a row's sampled ones
             rows, end = [], 0
-            for w, wanted in zip(work, prompt_rows):
-                rows.extend(range(end + wanted.start - w.start, end + wanted.stop - w.start))
+            for w in work:
+                rows.extend(range(end + w.prompt_rows.start - w.start, end + w.prompt_rows.stop - w.start))
                 end += w.count
                 if w.samples:
                     rows.extend(range(end - 1 - len(w.draft), end))

@@ -71,21 +71,14 @@ class Work:
     start: int
     count: int
     draft: list[int] = ()
+    # Its positions whose logits give a prompt token's logprob not yet taken (position p's give
+    # token p + 1's), in order before its sampled row; set by Scheduler.apply, once a step.
+    prompt_rows: range = range(0)
 
     @property
     def samples(self) -> bool:
         """Its last row's logits give the next token (with a draft: every row's, one per position)."""
         return self.start + self.count - len(self.draft) == len(self.request.tokens)
-
-    @property
-    def prompt_rows(self) -> range:
-        """Its positions whose logits give a prompt token's logprob not yet taken (position p's
-        give token p + 1's), in order before its sampled row: empty unless the request asked
-        for prompt logprobs. A position computed again (a recomputed sequence) is not taken twice."""
-        r = self.request
-        if not r.wants_prompt_logprobs:
-            return range(0)
-        return range(max(self.start, len(r.prompt_logprobs)), min(self.start + self.count, r.num_prompt - 1))
 
 
 @dataclass(slots=True)
@@ -382,8 +375,11 @@ class Scheduler:
         # first); the rest in the order proposed.
         work.sort(key=lambda w: -w.request.num_tokens if w.request.is_decoding and not w.draft else 1)
         for w in work:   # where this step leaves each request, before it computes (pipelined)
-            w.request.num_computed = w.start + w.count
-            w.request.pending = 1 if w.samples else 0
+            r = w.request
+            if r.wants_prompt_logprobs:   # a position computed again (recomputed) is not taken twice
+                w.prompt_rows = range(max(w.start, len(r.prompt_logprobs)), min(w.start + w.count, r.num_prompt - 1))
+            r.num_computed = w.start + w.count
+            r.pending = 1 if w.samples else 0
         return work
 
     def _unswap_behind_the_head(self) -> None:
