@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import check_http_listen, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_http_listen, parse_flag
 from kvserve.services.plumbing.config_flags import option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -73,8 +73,7 @@ class GatewayConfig:
         check_http_listen(self.http_listen)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:
-            if parse_flag(flag, address).port == 0 and not address.startswith("unix:"):
-                raise ValueError(f"{flag} {address}: a worker is dialled on a port from 1 to 65535, not 0")
+            check_dial(flag, address, "a worker")
         if not 0.01 <= self.poll_interval_s <= 60:   # what WatchServerStats allows a look's interval
             raise ValueError(f"--poll-interval must be from 0.01 to 60 seconds, got {self.poll_interval_s:g}")
         for name in ("dns_interval_s", "no_worker_timeout_s"):

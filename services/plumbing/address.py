@@ -74,12 +74,12 @@ def check_http_listen(text: str) -> None:
         raise ValueError(f"--http-listen must be host:port, got {text!r}")
 
 
-def check_dial(flag: str, text: str) -> None:
+def check_dial(flag: str, text: str, what: str = "a server") -> None:
     """An address to dial: a Unix socket, or host:port with a port from 1 to 65535 (gRPC would dial
     a port past it modulo 65,536, and one it cannot parse for as long as its timeout allows)."""
     address = parse_flag(flag, text)
     if not address.is_unix and address.port == 0:
-        raise ValueError(f"{flag} {text}: a server is dialled on a port from 1 to 65535, not 0")
+        raise ValueError(f"{flag} {text}: {what} is dialled on a port from 1 to 65535, not 0")
 
 
 class CannotListen(OSError):
