@@ -30,6 +30,9 @@ the hop costs, and what the gateway adds to it (hashing, routing, its queue, fai
 The direct calls and the relays' (one bare relay per worker) go to the workers in turn, as the
 gateway spreads its own: how recently a worker answered changes how fast it answers by up to a
 millisecond, which the gateway's figure would otherwise carry (docs/benchmarks.md, 27 Nov 2026).
+A fourth target, bare_relay.py with no upstream, answers each call at once with the three
+messages a worker sends: the cost of one Python gRPC call on this machine, which a relay's hop
+adds once more.
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ def p90(xs: list[float]) -> float:
 
 
 class BareRelay:
-    """bench/bare_relay.py in front of one worker: the floor of any Python gRPC hop."""
+    """bench/bare_relay.py in front of one worker: the floor of any Python gRPC hop. With
+    upstream "-", a server that answers at once: what one Python gRPC call costs here."""
 
     def __init__(self, upstream: str) -> None:
         self.address = f"127.0.0.1:{free_port()}"
@@ -268,10 +272,13 @@ def main() -> None:
                     if routing == "cache":
                         workers.reset()
                         relays = [BareRelay(address) for address in workers.addresses]
+                        empty = BareRelay("-")
+                        relays.append(empty)
                         try:
                             overhead = latencies({"direct": workers.addresses,
-                                                  "bare relay": [relay.address for relay in relays],
-                                                  "gateway": [gateway.address]}, args.overhead_requests)
+                                                  "bare relay": [relay.address for relay in relays[:-1]],
+                                                  "gateway": [gateway.address],
+                                                  "empty server": [empty.address]}, args.overhead_requests)
                             spread = routed_per_worker(gateway.address)
                         finally:
                             for relay in relays:
@@ -296,12 +303,14 @@ def main() -> None:
                       f"{c['tok_s'] / r['tok_s']:.2f}x")
             if "cache" in args.routings:
                 (p50s, paired) = overhead
-                print("  one 16-token request, 1 token out, the three in turn, each over every worker: " + ", ".join(
+                print("  one 16-token request, 1 token out, the four in turn, each over every worker: " + ", ".join(
                     f"{name} p50 {p[0] * 1e3:.2f} ms (p90 {p[1] * 1e3:.2f})" for name, p in p50s.items()))
                 print(f"  added to a direct call (median of paired differences): the bare relay "
                       f"{paired['bare relay'] * 1e3:+.2f} ms, the gateway {paired['gateway'] * 1e3:+.2f} ms; "
                       f"the gateway's own work {(paired['gateway'] - paired['bare relay']) * 1e3:+.2f} ms; "
                       f"the gateway's requests per worker {spread}")
+                print(f"  the same call to a server that answers at once with no work behind it (one Python "
+                      f"gRPC call, the least a relay's hop can add): p50 {p50s['empty server'][0] * 1e3:.2f} ms")
         finally:
             workers.close()
 
