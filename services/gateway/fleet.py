@@ -116,9 +116,10 @@ class Fleet:
         """Why no serving worker could ever take a prompt this long; None when one could."""
         return self.board.never_fits(prompt_tokens)
 
-    def hashes(self, ids: list[int], tenant: str = "") -> list[int]:
-        """The pages' hashes as the worker computes them: the same salt, the same tenant."""
-        ps = self.page_size
+    def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None) -> list[int]:
+        """The pages' hashes as the worker computes them: the same salt, the same tenant (pages of
+        the board's page size unless told)."""
+        ps = page_size or self.page_size
         return page_hashes(ids, ps, extra_key=tenant_extra_key(self.cache_salt, tenant)) if ps and ids else []
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None) -> Choice | None:

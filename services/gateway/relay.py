@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 CANCEL_TIMEOUT_S = 1.0
+# A prompt this long is hashed on a thread: on the event loop its hashing would hold up every
+# other stream's tokens (a 128k-token prompt hashes in about 10 ms).
+HASH_OFF_LOOP_TOKENS = 4096
 MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fresh one
 
 
@@ -154,6 +157,9 @@ class Relay:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
             return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid)
 
+        if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
+            ps = fleet.page_size
+            hashes[ps] = await asyncio.to_thread(fleet.hashes, self.ids, self.tenant, ps)
         while True:
             if self.cancelled:   # while it moved
                 for response in aborted():

@@ -4,6 +4,7 @@ computed as the workers compute them, the queue, Cancel."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -72,6 +73,30 @@ def test_a_warm_system_prompt_draws_new_requests_to_its_worker(two_workers):
     for i in range(4):
         worker, out = run_on(fleet, request(token_ids=SYSTEM + [400 + i] * 5, **greedy(2)))
         assert worker == warm and out.prefill.cached_tokens == len(SYSTEM)
+
+
+def test_a_long_prompt_is_hashed_off_the_event_loop_and_routed_alike(two_workers, monkeypatch):
+    from kvserve.services.gateway import relay
+    fleet = two_workers
+    monkeypatch.setattr(relay, "HASH_OFF_LOOP_TOKENS", len(SYSTEM))   # every prompt here counts as long
+    f = fleet.gateway.fleet
+    on_loop: list[bool] = []   # for each hashing, whether it ran on an event loop's thread
+    hashes = f.hashes
+
+    def noted(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return hashes(*args, **kwargs)
+    monkeypatch.setattr(f, "hashes", noted)
+    warm, _ = run_on(fleet, request(token_ids=SYSTEM + [1, 2, 3], **greedy(2)))
+    wait_until(lambda: indexed(fleet, SYSTEM), what="the system prompt in the gateway's index")
+    on_loop.clear()
+    worker, out = run_on(fleet, request(token_ids=SYSTEM + [500] * 5, **greedy(2)))
+    assert worker == warm and out.prefill.cached_tokens == len(SYSTEM)
+    assert on_loop == [False]
 
 
 def test_the_index_equals_each_managers_tree_through_evictions(tiny_dirs):
