@@ -259,5 +259,6 @@ class Follower:
             log.warning("worker %s is down (%s)", w.address, why)
             w.state = DOWN
             w.info = None
+            w.load = Load()   # what it said last is not what it holds now
             w.changed()
             self.on_down(w)

@@ -72,7 +72,8 @@ class HangingWorker(pb_grpc.InferenceServicer):
         return pb.ModelInfo(page_size=4, max_num_seqs=4, extra_key_digest=extra_key_digest(""))
 
     async def WatchServerStats(self, request, context):
-        yield pb.ServerStats(serving=True, kvcache=kv_pb.Stats(free_pages=100, total_pages=100))
+        yield pb.ServerStats(serving=True, running=2, waiting=1,
+                             kvcache=kv_pb.Stats(free_pages=90, used_pages=10, total_pages=100))
         await asyncio.sleep(3600)
 
 
@@ -95,6 +96,12 @@ def test_a_worker_whose_stream_goes_silent_is_down(tiny_dirs, monkeypatch, caplo
         wait_until(lambda: states() == {"serving"}, what="the worker's first report")
         wait_until(lambda: states() == {"down"}, what="the silent worker marked down")
         assert "its load stream sent nothing for 0.5 s" in caplog.text
+        # what it said last is not what it holds now: the gateway's stats show no load there
+        with grpc.insecure_channel(gateway.address) as ch:
+            stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        [w] = stats.workers
+        assert (w.state, w.running, w.waiting, w.used_pages, w.free_pages) == ("down", 0, 0, 0, 0)
+        assert (stats.running, stats.waiting) == (0, 0)
         worker.call(server.stop(None))
     finally:
         if gateway is not None:
