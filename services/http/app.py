@@ -152,11 +152,13 @@ class Front:
             stream = body.get("stream") is True
             options = body.get("stream_options") or {}
             echo = kind == "completion" and body.get("echo") is True
-            events = self._events(call, echo)
+            prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
+            events = self._events(call, echo or prompt_top is not None)
             first = await self._first(request, call, events)   # errors before it get their HTTP status
             reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
                           logprobs=msg.sampling.HasField("logprobs"), echo=echo,
-                          prompt=msg.prompt if msg.HasField("prompt") else None)
+                          prompt=msg.prompt if msg.HasField("prompt") else None,
+                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top)
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
@@ -186,10 +188,11 @@ class Front:
                 call.cancel()
 
     @staticmethod
-    async def _events(call, echo: bool) -> AsyncIterator[pb.GenerateResponse]:
-        """The call's tokens and ends, and its prefill_done when the prompt is echoed."""
+    async def _events(call, prefill: bool) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's tokens and ends, and its prefill_done when the prompt is echoed or its
+        logprobs asked for."""
         async for event in call:
-            if event.HasField("chunk") or event.HasField("finished") or (echo and event.HasField("prefill_done")):
+            if event.HasField("chunk") or event.HasField("finished") or (prefill and event.HasField("prefill_done")):
                 yield event
 
     async def _whole(self, request: Request, call, events, first, reply: Reply) -> Response:
@@ -234,7 +237,11 @@ class Front:
                                                      logprobs=event.chunk.logprobs))
                 elif event.HasField("prefill_done"):   # an echo: every choice begins with the prompt
                     reply.prefill_done(event.prefill_done)
-                    yield b"".join(sse(reply.echo_chunk(index)) for index in range(reply.n))
+                    if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first
+                        yield b"".join(sse(reply.prompt_logprobs_chunk(index))
+                                       for index in range(1 if reply.kind == "chat" else reply.n))
+                    if reply.echo:
+                        yield b"".join(sse(reply.echo_chunk(index)) for index in range(reply.n))
                 else:
                     reason = reply.finished(event.finished, event.index)
                     out = sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))

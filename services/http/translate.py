@@ -26,7 +26,6 @@ UNSUPPORTED = {
     "function_call": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("functions")),
     "n_best": lambda v, body: v in _NOTHING,
     "include_stop_str_in_output": lambda v, body: v in _NOTHING,
-    "prompt_logprobs": lambda v, body: v is None,   # a completion's echo with logprobs gives them
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
@@ -197,6 +196,9 @@ def request_of(kind: str, body: dict) -> pb.GenerateRequest:
     (JSON allows the escape "\\ud800"; no UTF-8 text holds one) is a 400, not protobuf's error."""
     try:
         msg = completion_request(body) if kind == "completion" else chat_request(body)
+        prompt_top = _number(body, "prompt_logprobs", int, 0, UINT32)   # vLLM's; the server bounds it (--max-logprobs)
+        if prompt_top is not None:   # an echo's logprobs may already ask for more of each top
+            msg.sampling.prompt_logprobs = max(prompt_top, msg.sampling.prompt_logprobs)
         if "user" in body and isinstance(body["user"], str):
             msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
     except UnicodeEncodeError:
@@ -289,7 +291,7 @@ class Reply:
     """One response being built: the id, the model, each choice's text and how it finished."""
 
     def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False, echo: bool = False,
-                 prompt: str | None = None) -> None:
+                 prompt: str | None = None, echo_top: int = 0, prompt_top: int | None = None) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
@@ -297,6 +299,9 @@ class Reply:
         self.echo = echo           # a completion's choices begin with the prompt (and its logprobs)
         self.prompt = prompt       # its text: the client's string, or what prefill_done says
         self.prompt_logprobs: list[tuple[str, float | None, dict | None]] = []   # the echo's (token, logprob, top)
+        self.echo_top = echo_top       # how many of each prompt token's top the echo shows
+        self.prompt_top = prompt_top   # vLLM's prompt_logprobs, when asked: how many of each top
+        self.vllm_prompt_logprobs: list[dict | None] | None = None
         self.tokens: dict[int, list] = defaultdict(list)   # each choice's TokenLogprobs, for whole()
         self.offset: dict[int, int] = defaultdict(int)     # characters of each choice's tokens so far
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -339,8 +344,20 @@ class Reply:
             self.prompt = shown.text
         if self.logprobs:   # the first token has nothing before it: no logprob (null, as OpenAI's)
             self.prompt_logprobs = [(shown.first_token, None, None)] + [
-                (lp.token, lp.logprob, {t.token: t.logprob for t in lp.top} or {lp.token: lp.logprob})
+                (lp.token, lp.logprob, {t.token: t.logprob for t in lp.top[:self.echo_top]} or {lp.token: lp.logprob})
                 for lp in shown.tokens]
+        if self.prompt_top is not None:
+            self.vllm_prompt_logprobs = [None] + [_ranked(lp, self.prompt_top) for lp in shown.tokens]
+
+    def prompt_logprobs_chunk(self, index: int) -> dict:
+        """A streamed reply's chunk with vLLM's prompt_logprobs: a completion's on each choice, a
+        chat's once, beside no choices."""
+        if self.kind == "chat":
+            out = self.head([], True)
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs
+            return out
+        return self.head([{"index": index, "text": "", "logprobs": None, "finish_reason": None,
+                           "prompt_logprobs": self.vllm_prompt_logprobs}], True)
 
     def echo_chunk(self, index: int) -> dict:
         """A streamed completion's first chunk of choice `index` when it echoes: the prompt."""
@@ -387,10 +404,14 @@ class Reply:
                     shown = {key: echoed[key] + shown[key] for key in shown}
             if self.kind == "completion":
                 choices.append({"index": i, "text": text, "logprobs": shown, "finish_reason": self.finish_reason.get(i)})
+                if self.prompt_top is not None:
+                    choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": shown,
                                 "finish_reason": self.finish_reason.get(i)})
         out = self.head(choices, False)
+        if self.kind == "chat" and self.prompt_top is not None:
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs
         out["usage"] = self.usage
         return out
 
@@ -403,6 +424,17 @@ class Reply:
             self.usage["completion_tokens"] += f.usage.completion_tokens
             self.usage["total_tokens"] += f.usage.completion_tokens
         return reason
+
+
+def _ranked(lp, top: int) -> dict:
+    """vLLM's entry for one prompt token: by token id (a JSON key, so a string), the token itself
+    and then the `top` most likely, each with its logprob, its rank when known (1 = the most
+    likely) and its text."""
+    ranks = {t.token_id: rank for rank, t in enumerate(lp.top, 1)}
+    out = {str(lp.token_id): {"logprob": lp.logprob, "rank": ranks.get(lp.token_id), "decoded_token": lp.token}}
+    for rank, t in enumerate(lp.top[:top], 1):
+        out.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token})
+    return out
 
 
 def _named(lp) -> dict:

@@ -309,6 +309,61 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(front, client,
     assert from_ids.choices[0].text == plain.choices[0].text.replace(PROMPT, shown.text, 1)
 
 
+def vllm_prompt_logprobs(shown, top: int) -> list:
+    """vLLM's prompt_logprobs as JSON carries them, from the server's PromptLogprobs."""
+    out = [None]
+    for lp in shown.tokens:
+        ranks = {t.token_id: r for r, t in enumerate(lp.top, 1)}
+        entry = {str(lp.token_id): {"logprob": pytest.approx(lp.logprob, abs=1e-5), "rank": ranks.get(lp.token_id),
+                                    "decoded_token": lp.token}}
+        for r, t in enumerate(lp.top[:top], 1):
+            entry.setdefault(str(t.token_id), {"logprob": pytest.approx(t.logprob, abs=1e-5), "rank": r,
+                                               "decoded_token": t.token})
+        out.append(entry)
+    return out
+
+
+def test_vllms_prompt_logprobs_for_completions_and_chats_streamed_or_not(front, client, model):
+    """vLLM's `prompt_logprobs: N`: [null, then per prompt token {id: logprob, rank, text}, the
+    token itself first, then the top N]; a completion's on each choice, a chat's on the response,
+    and streamed in a chunk of their own before the tokens. With an echo's smaller `logprobs`, the
+    echo's top shows that many."""
+    shown = prompt_logprobs(front, 3, prompt=PROMPT)
+    expected = vllm_prompt_logprobs(shown, 3)
+    kw = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": 3})
+    whole = client.completions.create(**kw).model_dump()
+    assert [c["prompt_logprobs"] for c in whole["choices"]] == [expected, expected]
+    assert whole["choices"][0]["text"] == grpc_text(front, prompt=PROMPT, max_tokens=2)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **kw)]
+    firsts = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0].get("prompt_logprobs")]
+    assert sorted(c["index"] for c in firsts) == [0, 1] and all(c["prompt_logprobs"] == expected for c in firsts)
+    assert chunks.index(next(c for c in chunks if c["choices"] and c["choices"][0]["text"])) > 1   # before tokens
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1, extra_body={"prompt_logprobs": 3}).model_dump()["choices"][0]
+    assert echoed["prompt_logprobs"] == expected
+    assert echoed["logprobs"]["top_logprobs"][1:len(shown.tokens) + 1] == [
+        {lp.top[0].token: pytest.approx(lp.top[0].logprob, abs=1e-5)} for lp in shown.tokens]
+
+    chat_shown = prompt_logprobs(front, 1, messages=[(m["role"], m["content"]) for m in MESSAGES])
+    chat_expected = vllm_prompt_logprobs(chat_shown, 1)
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1}).model_dump()
+    assert chat["prompt_logprobs"] == chat_expected and "prompt_logprobs" not in chat["choices"][0]
+    streamed = [c.model_dump() for c in client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 1})]
+    assert [c["prompt_logprobs"] for c in streamed if c.get("prompt_logprobs")] == [chat_expected]
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).model_dump()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize("value, message", [(-1, "must be in [0"), (True, "must be an integer"),
+                                            (1000, "logprobs")])   # past the server's --max-logprobs
+def test_vllms_prompt_logprobs_refusals(front, value, message):
+    body = {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": value}
+    status, answer = _post(front, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and message in answer["error"]["message"], answer
+
+
 def test_vllms_stop_token_ids_and_skip_special_tokens_reach_the_server(front, client, model):
     free = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
                                      extra_body={"ignore_eos": True})
@@ -384,7 +439,7 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
 @pytest.mark.parametrize("extra", [
     {"best_of": 3}, {"suffix": "x"}, {"tool_choice": "required"},
     {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"}, {"prompt_logprobs": 1},
+    {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, **extra}
