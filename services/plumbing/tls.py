@@ -51,7 +51,7 @@ def _ca(path: str, what: str) -> bytes:
     data = _read(path, what)
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
-    except ssl.SSLError as exc:
+    except ssl.SSLError:
         raise ValueError(f"{what} {path!r} holds no certificate") from None
     return data
 
