@@ -33,9 +33,10 @@ def match(state: ManagerState, need: Admit) -> AdmitMatch:
     hits = tree.match_bytes(token_bytes(tokens[: limit * ps]), ps * 4, need.extra_key) if limit > 0 else []
     hash_of = tree.hash_of
     hashes = [hash_of[page] for page in hits]  # known: the hits are nodes
+    # hits that stop being evictable: a blocked one (after a slide) was not counted as available
     parked = 0
     for page in hits:
-        if not ref[page]:
+        if not ref[page] and tree.is_evictable(page):
             parked += 1
     cached = len(hits) * ps
     todo = len(tokens) - cached

@@ -32,6 +32,7 @@ from kvserve.kvcache_service.contract.types import (
 )
 from kvserve.kvcache_service.core import allocation, commit, release, swap, validation
 from kvserve.kvcache_service.core.config import ManagerConfig
+from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, table_view
 from kvserve.kvcache_service.core.events import EventLog
 from kvserve.kvcache_service.core.state import ManagerState
 from kvserve.kvcache_service.core.step import run_step
@@ -142,7 +143,7 @@ class KVCacheManager:
         seq = validation.check_truncate(state, seq_id, num_tokens)
         validation.check_truncate_room(state, seq, num_tokens, state.available())
         freed, copies = release.truncate(state, seq, num_tokens)
-        return list(seq.pages), freed, copies
+        return table_view(seq.pages), freed, copies
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Moves a running sequence's private pages to the CPU pool: (device page, CPU page)."""
@@ -181,7 +182,7 @@ class KVCacheManager:
         seq = self.state.resolve(seq_id)
         return SequenceInfo(
             seq.seq_id, seq.request_id, seq.state, len(seq.tokens), seq.num_computed,
-            [p for p in seq.pages if p >= 0], [c for _, c, _ in sorted(seq.swapped)],
+            [p for p in table_view(seq.pages) if p != SWAPPED_OUT], [c for _, c, _ in sorted(seq.swapped)],
             seq.cached_tokens, seq.extra_key)
 
     def snapshot(self) -> Snapshot:

@@ -59,6 +59,10 @@ class PrefixTree:
     def is_node(self, page: int) -> bool:
         return self.hash_of[page] is not None
 
+    def is_evictable(self, page: int) -> bool:
+        """Parked and not blocked: counted as available, and taken by eviction."""
+        return page in self._lru
+
     def match_bytes(self, data: bytes, width: int, extra_key: str = "") -> list[int]:
         """Pages of the longest cached prefix of the pages of `data` (int32 LE token
         bytes, `width` bytes a page), stopping at the first miss. No hashing."""

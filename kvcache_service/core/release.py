@@ -7,8 +7,46 @@ parents (the tree orders eviction leaves first either way: PrefixTree).
 
 from __future__ import annotations
 
+from kvserve.kvcache_service.core.prefix_tree import NO_PARENT
 from kvserve.kvcache_service.core.sequence import DROPPED, Sequence
 from kvserve.kvcache_service.core.state import ManagerState
+
+
+class DropForecast:
+    """Pages a run of drops will make available, worked out before any is made (validation
+    checks a Step whole before it changes anything). A page whose last reference goes is
+    available if it is freed, or parks evictable; a tree page that parks while a node below it
+    is live (after a slide) parks blocked and is not, until that node is let go, when it and
+    every ancestor kept live only by it become available (as PrefixTree.park does)."""
+
+    __slots__ = ("state", "refs", "lost_below")
+
+    def __init__(self, state: ManagerState) -> None:
+        self.state = state
+        self.refs: dict[int, int] = {}        # page -> references dropped so far
+        self.lost_below: dict[int, int] = {}  # page -> live children it lost so far
+
+    def drop(self, page: int) -> int:
+        """One reference to `page` dropped: the pages it makes available."""
+        state, refs = self.state, self.refs
+        refs[page] = dropped = refs.get(page, 0) + 1
+        if state.pool.ref[page] > dropped:
+            return 0
+        tree = state.tree
+        if not tree.is_node(page):
+            return 1
+        lost, live_below, parent_of, ref = self.lost_below, tree.live_below, tree.parent_of, state.pool.ref
+        if live_below[page] > lost.get(page, 0):
+            return 0   # parks blocked
+        gained = 1
+        parent = parent_of[page]
+        while parent != NO_PARENT:
+            lost[parent] = lost.get(parent, 0) + 1
+            if live_below[parent] > lost[parent] or ref[parent] > refs.get(parent, 0):
+                break   # still live: a child or a reference holds it
+            gained += 1   # it was parked blocked by this child alone: evictable now
+            parent = parent_of[parent]
+        return gained
 
 
 def release(state: ManagerState, seq: Sequence, defer_id: bool = False) -> tuple[int, int]:
@@ -45,12 +83,17 @@ def truncate_cost(state: ManagerState, seq: Sequence, num_tokens: int) -> int:
     return 1 if (state.tree.is_node(last) or state.pool.ref[last] > 1) else 0
 
 
-def truncate_gain(state: ManagerState, seq: Sequence, num_tokens: int) -> int:
-    """Pages a truncation makes available before it takes its copy page: the
-    dropped pages nobody else references (each is freed or parked)."""
+def release_gain(forecast: DropForecast, seq: Sequence) -> int:
+    """Pages releasing `seq` makes available (after the drops `forecast` has seen)."""
+    return sum(forecast.drop(page) for page in reversed(seq.pages) if page >= 0)
+
+
+def truncate_gain(state: ManagerState, seq: Sequence, num_tokens: int, forecast: DropForecast | None = None) -> int:
+    """Pages a truncation makes available before it takes its copy page (after the drops
+    `forecast` has seen)."""
     keep = -(-(len(seq.tokens) - num_tokens) // state.page_size)
-    ref = state.pool.ref
-    return sum(1 for page in seq.pages[keep:] if page >= 0 and ref[page] == 1)
+    forecast = forecast if forecast is not None else DropForecast(state)
+    return sum(forecast.drop(page) for page in reversed(seq.pages[keep:]) if page >= 0)
 
 
 def truncate(state: ManagerState, seq: Sequence, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:

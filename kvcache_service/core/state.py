@@ -188,7 +188,7 @@ class ManagerState:
 
     def stats(self) -> Stats:
         free = len(self.pool.free)
-        cached = self.tree.num_parked
+        cached = self.tree.num_evictable   # a page a slide left blocked is not: it counts as used
         c = self.counters
         return Stats(
             total_pages=self.pool.num_pages, free_pages=free, cached_pages=cached,

@@ -101,6 +101,10 @@ class _Step:
             return NeedResult(True, need.seq_id, [])
         if n <= state.available():   # fits without preempting anybody: the common case, kept short
             return NeedResult(True, need.seq_id, state.grow(seq, need.num_tokens))
+        room = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
+        if n > room:   # no preemption could make room: nobody is preempted for it
+            return NeedResult(False, need.seq_id, reason=f"needs {n} more pages; the pool holds {room} beside "
+                              "the sequence's own, even with every other sequence gone")
         cost = Cost(n)
         while not state.fits(cost):
             victim = next(reversed(state.running))

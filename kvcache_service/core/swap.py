@@ -1,7 +1,7 @@
 """Swapping a sequence's private pages to the CPU pool and back.
 
 Swap-out moves only pages nobody else references, tail first; pages another live sequence
-shares stay on the device. Swap-in shares pages that are (still or again) in the tree
+shares stay on the device (and a slid sequence's tree pages: _leaving). Swap-in shares pages that are (still or again) in the tree
 instead of copying them back.
 """
 
@@ -13,17 +13,24 @@ from kvserve.kvcache_service.core.sequence import SWAPPED_OUT, Sequence, table_v
 from kvserve.kvcache_service.core.state import Cost, ManagerState
 
 
+def _leaving(state: ManagerState, seq: Sequence) -> list[int]:
+    """The indices of the pages a swap-out moves, tail first: those nobody else references. A
+    slid sequence keeps its tree pages on the device: it could only take them back as private
+    copies (holding a node again would need its dropped ancestors blocked again), and a copy
+    between tree pages would break the rule that its tree pages come first."""
+    ref, pages, is_node = state.pool.ref, seq.pages, state.tree.is_node
+    return [i for i in range(len(pages) - 1, -1, -1)
+            if pages[i] >= 0 and ref[pages[i]] == 1 and not (seq.slid and is_node(pages[i]))]
+
+
 def swap_out_cost(state: ManagerState, seq: Sequence) -> int:
-    """CPU pages a swap-out takes: the pages nobody else references."""
-    ref = state.pool.ref
-    return sum(1 for page in seq.pages if page >= 0 and ref[page] == 1)
+    """CPU pages a swap-out takes."""
+    return len(_leaving(state, seq))
 
 
 def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
     """Moves the private pages, tail first, to the CPU pool. The caller checked it has room."""
-    ref = state.pool.ref
-    private = [i for i in range(len(seq.pages) - 1, -1, -1)
-               if seq.pages[i] >= 0 and ref[seq.pages[i]] == 1]
+    private = _leaving(state, seq)
     copies = []
     for i, cpu_page in zip(private, state.cpu.take(len(private))):
         page = seq.pages[i]
@@ -43,14 +50,13 @@ def _resume_split(state: ManagerState, seq: Sequence) -> tuple[list[tuple[int, i
     page_of, ref = state.tree.page_of, state.pool.ref
     for entry in seq.swapped:
         index, _, was_node = entry
-        # A slid sequence takes its pages back private: holding a node again would need its
-        # dropped ancestors blocked again.
-        page = page_of.get(seq.hashes[index]) if was_node and not seq.slid else None
+        # (A slid sequence swapped no tree page out, _leaving: it slid while running.)
+        page = page_of.get(seq.hashes[index]) if was_node else None
         if page is None:
             copies.append(entry)
         else:
             hits.append((index, page))
-    parked = sum(1 for _, page in hits if ref[page] == 0)
+    parked = sum(1 for _, page in hits if ref[page] == 0 and state.tree.is_evictable(page))
     return copies, hits, parked
 
 

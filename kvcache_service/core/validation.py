@@ -143,10 +143,11 @@ def check_slide(state: ManagerState, s: Slide, num_computed: int | None = None,
                               f"({computed} tokens are)")
 
 
-def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, available: int) -> int:
+def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, available: int,
+                        forecast: release.DropForecast | None = None) -> int:
     """Raises unless a truncation finds the page its copy may need, given `available` pages
-    before it runs. Returns the pages available after it."""
-    available += release.truncate_gain(state, seq, num_tokens)
+    before it runs (and the drops `forecast` has seen). Returns the pages available after it."""
+    available += release.truncate_gain(state, seq, num_tokens, forecast)
     cost = release.truncate_cost(state, seq, num_tokens)
     if cost > available:
         raise ResourceExhausted(f"truncating seq id {seq.seq_id} needs {cost} page for the copy of its "
@@ -165,15 +166,15 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
             raise InvalidArgument(f"step: {len(entries)} {what}, more than the {most} sequences the manager "
                                   "holds at once")
     released = set()
-    gained = 0  # pages the releases make available (freed or parked) before the truncations run
-    ref = state.pool.ref
+    gained = 0  # pages the releases make available (freed or parked evictable) before the truncations run
+    forecast = release.DropForecast(state)
     for seq_id in req.releases:
         seq = state.resolve(seq_id)
         if seq_id in released:
             raise InvalidArgument(f"step: seq id {seq_id} is released twice")
         released.add(seq_id)
         if req.truncations:  # only truncations need it: a walk over every page of the sequence
-            gained += sum(1 for page in seq.pages if page >= 0 and ref[page] == 1)
+            gained += release.release_gain(forecast, seq)
 
     def live(seq_id: int, what: str) -> None:
         if seq_id in released:
@@ -187,7 +188,7 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
         if t.seq_id in truncated:
             raise InvalidArgument(f"step: seq id {t.seq_id} is truncated twice")
         truncated[t.seq_id] = len(seq.tokens) - t.num_tokens
-        available = check_truncate_room(state, seq, t.num_tokens, available)
+        available = check_truncate_room(state, seq, t.num_tokens, available, forecast)
     committed = set()
     for c in req.commits:
         live(c.seq_id, "commit")

@@ -334,8 +334,8 @@ def _check_stats(state: ManagerState) -> None:
     want = dict(
         total_pages=n,
         free_pages=len(state.pool.free),
-        cached_pages=len(state.tree.parked()),
-        used_pages=sum(1 for r in state.pool.ref if r > 0),
+        cached_pages=len(state.tree.evictable()),   # a blocked page counts as used
+        used_pages=sum(1 for r in state.pool.ref if r > 0) + len(state.tree.parked()) - len(state.tree.evictable()),
         num_sequences=len(state.seqs),
         free_seq_ids=len(state.seq_ids.free_ids()),
         cpu_total_pages=state.cpu.num_pages,

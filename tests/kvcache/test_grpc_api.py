@@ -203,6 +203,18 @@ def test_truncate_copies_a_shared_page_that_becomes_the_last(kv: KV) -> None:
 
 
 
+def test_truncate_and_get_sequence_of_a_slid_sequence_show_its_dropped_slots_as_0(kv: KV) -> None:
+    """A slide's slots read 0 in every table the manager gives (Truncate's failed encoding its
+    internal mark after the truncation had run: UNKNOWN, with the state changed)."""
+    kv.admit("a", T16[:14])
+    kv.commit(0, 14)
+    kv.call("Step", pb.StepRequest(slides=[pb.Slide(seq_id=0, first_page=0, end_page=2)]))
+    out = kv.call("Truncate", pb.TruncateRequest(seq=pb.SequenceRef(seq_id=0), num_tokens=1))
+    assert list(out.page_ids) == [0, 0, 2, 3]
+    info = kv.seq(seq_id=0)
+    assert (info.num_tokens, list(info.page_ids)) == (13, [0, 0, 2, 3])
+
+
 def test_truncate_in_a_full_pool_copies_into_a_page_it_drops(kv: KV) -> None:
     kv.admit("a", T10)
     kv.commit(0, 10)                   # pages 0, 1 in the tree; page 2 partial and private

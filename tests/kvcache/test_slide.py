@@ -7,6 +7,9 @@ import pytest
 
 from kvserve.kvcache_service.core import (
     Admit,
+    ResourceExhausted,
+    Resume,
+    Truncation,
     Commit,
     Fork,
     Grow,
@@ -18,7 +21,7 @@ from kvserve.kvcache_service.core import (
     StepRequest,
 )
 from kvserve.kvcache_service.core.sequence import DROPPED
-from tests.kvcache.invariants import check_invariants
+from tests.kvcache.invariants import check_invariants, snapshot
 
 PS = 4
 
@@ -48,7 +51,7 @@ def test_a_slide_frees_private_pages_and_keeps_tree_pages_cached_but_blocked():
     assert seq.pages[:3] == [DROPPED] * 3 and seq.slid
     # Pages 0..2 are cached (a prompt sharing them still hits) but blocked: the sequence holds
     # their children 3..5, so they are not evictable and not available.
-    assert m.stats().used_pages == 3 and m.stats().cached_pages == 3
+    assert m.stats().used_pages == 6 and m.stats().cached_pages == 0   # cached counts the evictable
     assert m.state.available() == 16 - 6
     (hit,) = step(m, needs=[Admit("b", list(range(13)))]).results
     assert hit.cached_tokens == 12 and hit.page_ids[:3] == [0, 1, 2]
@@ -111,7 +114,7 @@ def test_dropped_pages_stay_blocked_whoever_holds_the_pages_below_them():
     step(m, slides=[Slide(a, 0, 2)])                   # a lets go of 0 and 1, keeps node 2
     assert m.state.tree.parked() == []                  # b still holds them
     step(m, slides=[Slide(b.seq_id, 0, 2)])
-    assert m.state.tree.evictable() == [] and m.stats().cached_pages == 2   # blocked by page 2
+    assert m.state.tree.evictable() == [] and m.state.tree.num_parked == 2   # blocked by page 2
     m.swap_out(a)                                      # its page 3 leaves; page 2 is b's too
     check_invariants(m.state)
     assert m.state.pool.ref[2] == 2 and m.state.tree.evictable() == []
@@ -121,3 +124,95 @@ def test_dropped_pages_stay_blocked_whoever_holds_the_pages_below_them():
     check_invariants(m.state)
     assert m.state.tree.evictable() == [2, 1, 0]       # leaves first
     assert not any(m.state.tree.live_below) and m.state.available() == 16
+
+
+def test_a_blocked_page_a_drop_parks_is_not_room_for_a_truncations_copy():
+    """A truncation's copy page: the pages it drops count as room only if they free or park
+    evictable; one that parks blocked (a slid sequence holds its child) does not. Refused
+    whole, with nothing changed, by the fine-grained call and by a Step (a release in the
+    same Step counted alike)."""
+    m = make(num_pages=6)
+    b = running(m, "b", list(range(12)))            # pages 0, 1, 2: nodes
+    step(m, slides=[Slide(b, 0, 2)])                # 0 and 1 blocked: b holds 2, their child
+    (a,) = step(m, needs=[Admit("a", list(range(8)) + [99])]).results   # hits 0, 1; page 3 new
+    m.truncate(a.seq_id, 1)                         # a is [0, 1]: page 3 freed
+    step(m, needs=[Admit("fill", [7] * 12)])        # the pool is full
+    assert m.state.available() == 0
+    before = snapshot(m.state)
+    # down to 3 tokens: the last page (node 0) must be copied, and dropping page 1 parks it blocked
+    with pytest.raises(ResourceExhausted, match="needs 1 page for the copy"):
+        m.truncate(a.seq_id, 5)
+    with pytest.raises(ResourceExhausted, match="needs 1 page for the copy"):
+        m.step(StepRequest(truncations=[Truncation(a.seq_id, 5)]))
+    assert snapshot(m.state) == before
+    check_invariants(m.state)
+    # b let go of page 2: page 1 parks evictable now, and with it room for the copy
+    step(m, slides=[Slide(b, 2, 3)])
+    pages, _, copies = m.truncate(a.seq_id, 5)
+    assert len(copies) == 1 and len(pages) == 1
+    check_invariants(m.state)
+
+
+def test_a_release_in_the_same_step_counts_as_room_only_for_pages_that_park_evictable():
+    m = make(num_pages=6)
+    c = running(m, "c", list(range(12)))            # pages 0, 1, 2
+    (a,) = step(m, needs=[Fork(c, "a")]).results    # a shares 0, 1, 2
+    step(m, slides=[Slide(c, 0, 2)])                # c keeps 2; 0, 1 are a's alone
+    d = running(m, "d", [5] * 8)                    # pages 3, 4: nodes
+    step(m, needs=[Admit("f", [9, 9])])             # page 5: the pool is full
+    assert m.state.available() == 0
+    before = snapshot(m.state)
+    # releasing a parks 0 and 1 blocked (c holds 2): no room for d's copy of its node page 4
+    with pytest.raises(ResourceExhausted, match="needs 1 page for the copy"):
+        m.step(StepRequest(releases=[a.seq_id], truncations=[Truncation(d, 3)]))
+    assert snapshot(m.state) == before
+    step(m, slides=[Slide(c, 2, 3)])                # c lets go of 2: releasing a now frees room
+    plan = step(m, releases=[a.seq_id], truncations=[Truncation(d, 3)])
+    assert len(plan.copies) == 1
+
+
+def test_a_prompt_hitting_blocked_pages_is_charged_only_for_what_it_takes():
+    """Blocked pages were never counted as available: a prompt that hits them costs none of
+    the available pages (they were counted twice, and what fitted was refused)."""
+    m = make(num_pages=6)
+    b = running(m, "b", list(range(12)))            # pages 0, 1, 2
+    step(m, slides=[Slide(b, 0, 2)])                # 0, 1 blocked
+    step(m, needs=[Admit("fill", [7] * 8)])         # pages 3, 4: one page left
+    assert m.state.available() == 1 and m.stats().cached_pages == 0
+    need = Admit("a", list(range(8)) + [99])        # hits 0 and 1, needs one page
+    check = m.can_allocate(need)
+    assert check.ok and check.pages_available == 1
+    (a,) = step(m, needs=[need]).results
+    assert a.granted and a.cached_tokens == 8
+    check_invariants(m.state)
+    step(m, releases=[a.seq_id])
+    m.swap_out(b)                                   # b keeps its tree page 2 (below)
+    (r,) = step(m, needs=[Resume(b)]).results
+    assert r.granted
+    check_invariants(m.state)
+
+
+def test_a_slid_sequence_keeps_its_tree_pages_on_the_device_through_a_swap():
+    """Taken back, a tree page could only be a private copy between tree pages; so a slid
+    sequence swaps out only its private pages that are not in the tree."""
+    m = make(num_pages=12)
+    a = running(m, "a", list(range(16)))            # pages 0..3: nodes
+    (c,) = step(m, needs=[Fork(a, "c")]).results    # c shares them
+    step(m, slides=[Slide(a, 1, 2)])                # a lets go of page 1: c alone holds it
+    step(m, slides=[Slide(c.seq_id, 0, 1)])
+    step(m, needs=[Grow(c.seq_id, 18)])             # a private page past them
+    seq = m.state.seqs[c.seq_id]
+    assert [device for device, _ in m.swap_out(c.seq_id)] == [4]
+    assert seq.pages[:4] == [DROPPED, 1, 2, 3]      # its tree pages stayed
+    check_invariants(m.state)
+    (r,) = step(m, needs=[Resume(c.seq_id)]).results
+    assert r.granted and seq.pages[:4] == [DROPPED, 1, 2, 3]
+    check_invariants(m.state)
+
+
+def test_a_grow_no_preemption_could_serve_preempts_nobody():
+    m = make(num_pages=16)
+    sids = [running(m, f"r{i}", [i] * 5) for i in range(4)]
+    (r,) = step(m, needs=[Grow(sids[0], 2**32 - 1)]).results
+    assert not r.granted and "even with every other sequence gone" in r.reason
+    assert list(m.state.running) == sids and not m.state.counters.preemptions_recompute
