@@ -8,7 +8,9 @@ status codes here, by the one table both sides read (contract/status.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -26,6 +28,7 @@ from kvserve.kvcache_service.core.manager import KVCacheManager
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheManager"].full_name
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
@@ -48,6 +51,11 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
             out = fn()
         except KVCacheError as exc:
             await context.abort(STATUS_OF[type(exc)], str(exc))
+        except Exception:   # a bug in the core: its traceback in the log, an id for it in the status
+            incident = uuid.uuid4().hex[:12]
+            log.exception("internal error in the manager (incident %s)", incident)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the manager (incident {incident}; "
+                                "its log has the details)")
         if self._events.last != self._last_event:
             self._last_event = self._events.last
             self._wake.set()

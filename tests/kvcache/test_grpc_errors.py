@@ -300,3 +300,18 @@ def test_a_bad_message_later_in_a_step_stream_ends_it_after_the_good_ones(kv: KV
     err = rpc_error(send)
     assert err.code() == INVALID, err.details()
     assert len(answers) == 2
+
+
+def test_a_bug_in_the_core_ends_the_call_internal_with_an_incident_id_and_no_repr(kv: KV, monkeypatch, caplog) -> None:
+    def broken(*args, **kwargs):
+        raise KeyError("dictionary is empty")
+    monkeypatch.setattr(kv.manager, "release", broken)
+    kv.admit("a", T10)
+    err = rpc_error(lambda: kv.release(seq_id=0))
+    assert err.code() == grpc.StatusCode.INTERNAL, err.details()
+    assert err.details().startswith("internal error in the manager (incident ")
+    assert "KeyError" not in err.details() and "dictionary" not in err.details()
+    incident = err.details().split("incident ")[1].split(";")[0]
+    assert incident in caplog.text and "KeyError" in caplog.text   # the traceback is in the log
+    monkeypatch.undo()
+    assert kv.release(seq_id=0).pages_freed == 3   # and the next call is served
