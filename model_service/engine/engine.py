@@ -47,6 +47,7 @@ from kvserve.kvcache_service.contract.types import StepPlan, StepRequest
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
     InternalError,
+    InvalidRequest,
     QueueFull,
     RequestFailed,
     Unavailable,
@@ -55,6 +56,7 @@ from kvserve.model_service.engine.events import Event, Failed, Finished, Prefill
 from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
+from kvserve.model_service.sampling.structured import first_lines
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import HeldElsewhere, Scheduler, SchedulerConfig, Work
@@ -507,6 +509,8 @@ class Engine:
                 return
 
     def _emit(self, r: Request, token: int, logprobs) -> None:
+        if r.status is Status.FINISHED:   # a sibling's failure ended it earlier in this step
+            return
         now = time.monotonic()
         if r.first_token_at is None:
             r.first_token_at = now
@@ -518,11 +522,16 @@ class Engine:
                 if family is not None:
                     family.prefill_sent = True
         r.pending = 0
+        format_done = False
+        if r.matcher is not None:
+            try:
+                format_done = _format_complete(r, token)
+            except InvalidRequest as error:
+                self._fail(r, error)
+                return
         r.tokens.append(token)
         self.counters.generated_tokens += 1
-        text, done, reason, stop = r.output.add(token)
-        if r.matcher is not None and not done and _format_complete(r, token):
-            done, reason, stop = True, "stop", None
+        text, done, reason, stop = r.output.add(token, format_done)
         r.unsent.append((token, text, logprobs))
         n = r.num_output
         if done:
@@ -559,6 +568,18 @@ class Engine:
                         (now - r.arrival) * 1e3, stop if isinstance(stop, str) else "",
                         stop if isinstance(stop, int) else None, queued, r.index))
 
+    def _fail(self, r: Request, error: RequestFailed) -> None:
+        """Ends one request, every sequence of it, with `error` (its stream ends with the
+        error's status); its pages go back in the next step."""
+        owner = r if r.family is None else r.family.parent
+        with self._lock:
+            self._live.pop(owner.request_id, None)
+        for member in _members(owner):
+            if member.status is not Status.FINISHED:
+                self.scheduler.finish(member)
+        owner.sink(Failed(error))
+        self.counters.failed += 1
+
     def _fail_all(self, error: RequestFailed) -> None:
         """Ends every live request with `error`; pages they hold go back in the next step."""
         with self._lock:
@@ -581,12 +602,13 @@ class Engine:
 
 def _format_complete(r: Request, token: int) -> bool:
     """Takes the token into the request's structured-output matcher: whether the format is now
-    complete with nothing that could follow (the request ends, "stop")."""
-    if not r.matcher.consume_token(token):   # the mask allowed it: a matcher out of step is a bug here
-        log.error("request %s: token %d does not fit its structured output (%s); ending it", r.request_id, token,
-                  r.matcher.get_error())
-        return True
-    return r.matcher.is_stopped()
+    complete with nothing that could follow (the request ends, "stop"). InvalidRequest when the
+    matcher cannot go on: a format that compiled but that llguidance cannot follow (a limit of
+    its lexer met while generating, a regex nothing matches)."""
+    matcher = r.matcher
+    if not matcher.consume_token(token) or matcher.is_error():
+        raise InvalidRequest(f"the structured output cannot be followed: {first_lines(matcher.get_error())}")
+    return matcher.is_stopped()
 
 
 def _prompt_logprobs(r: Request) -> PromptLogprobs | None:

@@ -7,6 +7,7 @@ defaults below) and calls `validate(vocab_size)`; a ValueError maps to INVALID_A
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from kvserve.model_service.sampling.structured import Format
@@ -21,6 +22,11 @@ _MAX_SEED = 2**64  # the proto's seed is a uint64
 # way is far past any use (HF's and vLLM's examples stay within 1-2).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LOGIT_BIAS = 1024   # logit_bias entries per request
+
+
+def _float32(x: float) -> float:
+    """x as the nearest float32 (what a proto float field holds)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +103,8 @@ class SamplingParams:
         _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         low, high = REPETITION_PENALTY_RANGE
-        _check(low <= self.repetition_penalty <= high, "repetition_penalty", self.repetition_penalty,
+        # (the proto's float32 holds 0.01 as 0.0099999998: the bound as float32 holds it too)
+        _check(_float32(low) <= self.repetition_penalty <= high, "repetition_penalty", self.repetition_penalty,
                f"in [{low:g}, {high:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -83,6 +83,12 @@ class StopChecker:
             return self._finish(ready + self._release(), "length", None)
         return StopResult(ready)
 
+    def end(self) -> str:
+        """The request ends for a reason of its own (its structured output is complete): the
+        text held back, which no stop string can now complete."""
+        self.finished = True
+        return self._release()
+
     def _finish(self, text: str, reason: FinishReason, stop: str | int | None) -> StopResult:
         self.finished = True
         return StopResult(text, True, reason, stop)

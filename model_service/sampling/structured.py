@@ -57,7 +57,10 @@ def _grammar(llguidance, fmt: Format) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (a schema)")
         if isinstance(schema, dict):
-            options = dict(schema.get("x-guidance") or {})
+            options = schema.get("x-guidance") or {}
+            if not isinstance(options, dict):
+                raise ValueError("json_schema's x-guidance must be an object")
+            options = dict(options)
             options.setdefault("whitespace_flexible", False)
             schema = {**schema, "x-guidance": options}
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
@@ -94,13 +97,23 @@ class Grammars:
             compiled = self._compiled.get(fmt)
             if compiled is not None:
                 return compiled.deep_copy()
-        grammar = _grammar(llguidance, fmt)
+        try:
+            grammar = _grammar(llguidance, fmt)
+        except RecursionError:   # Python's json, reading or writing a schema thousands of levels deep
+            raise ValueError(f"the {fmt.kind} nests too deeply") from None
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
-            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(error)}")
+            raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(error)}")
         compiled = llguidance.LLMatcher(self._llg_tokenizer, grammar)
         if compiled.is_error():
-            raise ValueError(f"the {fmt.kind} cannot be used: {_first_lines(compiled.get_error())}")
+            raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(compiled.get_error())}")
+        import llguidance.torch as llg_torch
+
+        first = llg_torch.allocate_token_bitmask(1, self.vocab_size)   # a format no output can begin
+        llg_torch.fill_next_token_bitmask(compiled, first, 0)          # fails only at its first mask
+        if compiled.is_error() or not first.any():
+            why = f" (llguidance: {first_lines(compiled.get_error())})" if compiled.is_error() else ""
+            raise ValueError(f"the {fmt.kind} allows no output, not even an empty one{why}")
         with self._lock:
             if len(self._compiled) >= self.MAX_KEPT:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -149,5 +162,6 @@ def _llguidance():
     return llguidance
 
 
-def _first_lines(text: str, lines: int = 3) -> str:
+def first_lines(text: str, lines: int = 3) -> str:
+    """An llguidance message, short enough for a status."""
     return " ".join(line.strip() for line in text.strip().splitlines()[:lines])

@@ -160,10 +160,19 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise HttpError(400, "'structured_outputs' must be an object", param="structured_outputs")
-        for key, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
-                          ("grammar", "lark_grammar"), ("json_object", "json_object")):
-            if outputs.get(key) not in (None, False):
-                asked.append(("structured_outputs", kind, outputs[key]))
+        kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark_grammar",
+                 "json_object": "json_object"}
+        for key, value in outputs.items():
+            if key in kinds:
+                if value not in (None, False):
+                    asked.append(("structured_outputs", kinds[key], value))
+            elif key == "disable_any_whitespace":   # kvserve's JSON has no free whitespace either way
+                if not isinstance(value, bool):
+                    raise HttpError(400, "'structured_outputs.disable_any_whitespace' must be true or false",
+                                    param="structured_outputs")
+            elif value not in _NOTHING:   # structural_tag, whitespace_pattern, a backend's options, ...
+                raise HttpError(400, f"'structured_outputs.{shown(key)}' is not supported by this server",
+                                param="structured_outputs")
     if not asked:
         return None
     if len(asked) > 1:
@@ -344,7 +353,9 @@ class Reply:
             self.prompt = shown.text
         if self.logprobs:   # the first token has nothing before it: no logprob (null, as OpenAI's)
             self.prompt_logprobs = [(shown.first_token, None, None)] + [
-                (lp.token, lp.logprob, {t.token: t.logprob for t in lp.top[:self.echo_top]} or {lp.token: lp.logprob})
+                (lp.token, _json_logprob(lp.logprob),
+                 {t.token: _json_logprob(t.logprob) for t in lp.top[:self.echo_top]}
+                 or {lp.token: _json_logprob(lp.logprob)})
                 for lp in shown.tokens]
         if self.prompt_top is not None:
             self.vllm_prompt_logprobs = [None] + [_ranked(lp, self.prompt_top) for lp in shown.tokens]
@@ -383,8 +394,10 @@ class Reply:
         for lp in logprobs:
             offsets.append(self.offset[index])
             self.offset[index] += len(lp.token)
-        return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top} or {lp.token: lp.logprob} for lp in logprobs],
+        return {"tokens": [lp.token for lp in logprobs],
+                "token_logprobs": [_json_logprob(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{t.token: _json_logprob(t.logprob) for t in lp.top}
+                                 or {lp.token: _json_logprob(lp.logprob)} for lp in logprobs],
                 "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
@@ -426,17 +439,24 @@ class Reply:
         return reason
 
 
+def _json_logprob(x: float) -> float:
+    """A logprob JSON can carry: a token a structured output masks has -inf, which JSON has no
+    number for; -9999.0 as vLLM writes it."""
+    return x if x > -9999.0 else -9999.0
+
+
 def _ranked(lp, top: int) -> dict:
     """vLLM's entry for one prompt token: by token id (a JSON key, so a string), the token itself
     and then the `top` most likely, each with its logprob, its rank when known (1 = the most
     likely) and its text."""
     ranks = {t.token_id: rank for rank, t in enumerate(lp.top, 1)}
-    out = {str(lp.token_id): {"logprob": lp.logprob, "rank": ranks.get(lp.token_id), "decoded_token": lp.token}}
+    out = {str(lp.token_id): {"logprob": _json_logprob(lp.logprob), "rank": ranks.get(lp.token_id),
+                              "decoded_token": lp.token}}
     for rank, t in enumerate(lp.top[:top], 1):
-        out.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token})
+        out.setdefault(str(t.token_id), {"logprob": _json_logprob(t.logprob), "rank": rank, "decoded_token": t.token})
     return out
 
 
 def _named(lp) -> dict:
     """A chat logprob entry: the token, its logprob and its UTF-8 bytes."""
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8"))}
+    return {"token": lp.token, "logprob": _json_logprob(lp.logprob), "bytes": list(lp.token.encode("utf-8"))}

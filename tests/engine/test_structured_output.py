@@ -85,3 +85,39 @@ def test_speculation_of_the_others_and_recompute_preemption(tiny_dirs):
         small.close()
     assert preempted > 0, "the small pool did not force any preemption"
     assert all(re.fullmatch("[a-z ]{20,30}", o.text) for o in outcomes), [o.text for o in outcomes]
+
+
+@pytest.mark.parametrize("fmt, stop", [(Format("choice", json.dumps(["yes"])), ["s."]),
+                                       (Format("regex", "[a-c]{2}z"), ["z!", "zz"]),
+                                       (Format("json_schema", json.dumps(SCHEMA)), ["}\n"])])
+def test_a_format_completed_while_its_tail_could_begin_a_stop_string_is_sent_whole(harness, fmt, stop):
+    """The stop check holds text back while it may begin a stop string; the format's end ends
+    the request, and what was held goes out (it ended "ye" for the choice "yes")."""
+    plain, held = harness.submit(PROMPTS[0], 32, format=fmt), harness.submit(PROMPTS[0], 32, format=fmt, stop=stop)
+    wait([plain, held])
+    assert keeps(fmt, held.text) and held.text == plain.text and held.tokens == plain.tokens
+    assert held.finished.reason == "stop" and held.finished.stop == ""
+
+
+def test_an_eos_that_ends_a_format_adds_no_text_even_with_ignore_eos(harness):
+    eos = min(harness.stack.eos_token_ids)
+    o = harness.submit(PROMPTS[0], 12, format=Format("regex", "[a-z]{1,5}"), ignore_eos=True,
+                       skip_special_tokens=False, logit_bias=((eos, 30.0),))
+    wait([o])
+    assert o.tokens[-1] == eos and o.finished.reason == "stop"
+    assert re.fullmatch("[a-z]{1,5}", o.text), o.text
+
+
+def test_a_format_llguidance_cannot_follow_fails_the_request_and_not_the_others(harness):
+    """A format that compiles but meets a limit of llguidance's lexer while generating: the
+    request fails, saying so (it ended "stop" with text outside its format); a format no output
+    can begin is refused before it runs."""
+    broken = harness.submit(PROMPTS[0], 10, format=Format("regex", "a{1000000}"))
+    beside = harness.submit(PROMPTS[1], 10)
+    assert broken.done.wait(60) and beside.done.wait(60)
+    assert broken.failure is not None and "structured output cannot be followed" in str(broken.failure)
+    assert broken.finished is None
+    assert beside.failure is None and len(beside.tokens) == 10
+    with pytest.raises(ValueError, match="allows no output, not even an empty one"):
+        harness.stack.grammars.matcher(Format("regex", "[^\\x00-\\x{10FFFF}]"))
+    assert harness.stats().used_pages == 0   # the failed request's pages went back

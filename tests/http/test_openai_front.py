@@ -420,9 +420,38 @@ def test_structured_outputs_as_openai_and_vllm_ask_for_them(front, client, model
         ({"guided_regex": "a", "guided_choice": ["b"]}, "give one structured output, not guided_regex and guided_choice"),
         ({"guided_choice": []}, "'guided_choice' must be a list of non-empty strings"),
         ({"guided_regex": "("}, "the regex cannot be used: "),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "'structured_outputs.structural_tag' is not supported"),
+        ({"structured_outputs": {"regex": "[0-9]", "whitespace_pattern": " "}},
+         "'structured_outputs.whitespace_pattern' is not supported"),
+        ({"structured_outputs": {"grammar": 'start: "a"', "bogus": 1}}, "'structured_outputs.bogus' is not supported"),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+         "'structured_outputs.disable_any_whitespace' must be true or false"),
     ]:
         status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, **body}).encode())
         assert status == 400 and answer["error"]["message"].startswith(message), answer
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={
+        "structured_outputs": {"regex": "[0-9]{2}", "disable_any_whitespace": True, "whitespace_pattern": None}})
+    assert re.fullmatch("[0-9]{2}", got.choices[0].text)
+
+
+def test_logprobs_of_tokens_a_format_masks_are_json_numbers(front):
+    """A masked token's logprob is -inf, which JSON has no number for: -9999.0, as vLLM writes
+    it (the reply was a 500, and a stream carried -Infinity)."""
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+            "guided_choice": ["yes", "no"]}
+
+    def strict(constant):
+        raise AssertionError(f"{constant} in the JSON")
+    status, answer = _post(front, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200, answer
+    tops = [t["logprob"] for c in answer["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]]
+    assert -9999.0 in tops and all(t >= -9999.0 for t in tops)
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{front.servicer.http_front.address}/v1/chat/completions", method="POST",
+            data=json.dumps({**body, "stream": True}).encode(), headers={"content-type": "application/json"}),
+            timeout=60) as reply:
+        lines = [line for line in reply.read().decode().splitlines() if line.startswith("data: {")]
+    assert lines and all(json.loads(line[6:], parse_constant=strict) for line in lines)
 
 
 @pytest.mark.parametrize("extra", [

@@ -364,6 +364,13 @@ def test_repetition_penalty_out_of_range(stub, penalty):
              "repetition_penalty", "[0.01, 100]")
 
 
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_repetition_penalty_at_its_bounds_is_taken(stub, penalty):
+    """The proto's float32 holds 0.01 as 0.0099999998, which is the bound all the same."""
+    out = generate(stub, request(prompt="hi", repetition_penalty=penalty, temperature=0.0, max_tokens=3))
+    assert len(out.tokens) == 3
+
+
 def test_logprobs_over_20(stub):
     _invalid(stub, request(prompt="hi", logprobs=21, max_tokens=4), "logprobs", "21", "[0, 20]")
 

@@ -186,11 +186,19 @@ def test_structured_output_over_grpc(stub, tokenizer):
         (pb.StructuredOutput(choice=pb.Choices()), "choice needs at least one choice"),
         (pb.StructuredOutput(lark_grammar="start: undefined_rule"), "the lark_grammar cannot be used: "),
         (pb.StructuredOutput(), "structured output: set one of json_schema"),
+        (pb.StructuredOutput(json_schema='{"type": "string", "x-guidance": 5}'), "json_schema's x-guidance must be"),
+        (pb.StructuredOutput(json_schema='{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000),
+         "the json_schema nests too deeply"),
+        (pb.StructuredOutput(regex="[^\\x00-\\x{10FFFF}]"), "the regex allows no output"),
     ]:
         with pytest.raises(grpc.RpcError) as info:
             generate(stub, request(token_ids=prompt, max_tokens=4, structured=structured))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(words), \
             info.value.details()
+    with pytest.raises(grpc.RpcError) as info:   # compiles, then meets a limit of llguidance's lexer
+        generate(stub, request(token_ids=prompt, max_tokens=4, structured=pb.StructuredOutput(regex="a{1000000}")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("the structured output cannot be followed: "), info.value.details()
     bad = request(token_ids=prompt, temperature=0, max_tokens=8, structured=pb.StructuredOutput(regex="[0-9]+"))
     bad.continuation.ids.extend(tokenizer.encode("xyz", add_special_tokens=False))
     with pytest.raises(grpc.RpcError) as info:
