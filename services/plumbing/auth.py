@@ -13,6 +13,8 @@ the manager's state kept to its pod.
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -78,9 +80,13 @@ def is_local_peer(peer: str) -> bool:
         return True
     if peer.startswith("ipv4:"):
         return peer[5:].startswith("127.")
-    if peer.startswith("ipv6:"):
-        host = peer[5:].rsplit(":", 1)[0].strip("[]")
-        return host in ("::1", "0:0:0:0:0:0:0:1") or host.startswith("::ffff:127.")
+    if peer.startswith("ipv6:"):   # grpc writes the brackets escaped: ipv6:%5B::1%5D:5555
+        host = urllib.parse.unquote(peer[5:]).rsplit(":", 1)[0].strip("[]")
+        try:
+            address = ipaddress.IPv6Address(host.split("%", 1)[0])   # (less any zone: fe80::1%eth0)
+        except ValueError:
+            return False
+        return address.is_loopback or (address.ipv4_mapped is not None and address.ipv4_mapped.is_loopback)
     return False
 
 

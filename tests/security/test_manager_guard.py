@@ -20,9 +20,29 @@ from tests.service.util import rpc_error
 @pytest.mark.parametrize("peer, local", [
     ("unix:/tmp/kv.sock", True), ("unix:", True), ("ipv4:127.0.0.1:5555", True), ("ipv4:127.8.9.1:1", True),
     ("ipv6:[::1]:5555", True), ("ipv4:10.0.0.7:5555", False), ("ipv6:[fd00::2]:5555", False),
-    ("ipv4:128.0.0.1:1", False), ("", False)])
+    ("ipv4:128.0.0.1:1", False), ("", False),
+    # as grpc writes them: the brackets escaped
+    ("ipv6:%5B::1%5D:5555", True), ("ipv6:%5B::ffff:127.0.0.1%5D:5555", True), ("ipv6:%5Bfd00::2%5D:5555", False),
+    ("ipv6:%5B::ffff:10.0.0.7%5D:1", False), ("ipv6:%5Bnot-an-address%5D:1", False)])
 def test_local_peers(peer, local):
     assert is_local_peer(peer) is local
+
+
+def test_the_pods_own_caller_over_ipv6_loopback_is_local():
+    """A manager on [::1] took its own model service for an outsider: grpc escapes the brackets."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        manager = ServerThread("[::1]:0", ManagerConfig(num_pages=16, page_size=4, max_seqs=8), KVCacheServerConfig())
+    except Exception as exc:   # a kernel without IPv6 loopback
+        pytest.skip(f"cannot listen on [::1]: {exc}")
+    try:
+        with grpc.insecure_channel(manager.address) as ch:
+            reply = kv_pb_grpc.KVCacheManagerStub(ch).Register(kv_pb.RegisterRequest(epoch=7, page_size=4,
+                                                                                     num_pages=16), timeout=10)
+        assert reply.reset
+    finally:
+        manager.stop()
 
 
 def outside_address() -> str | None:
