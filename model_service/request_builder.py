@@ -12,6 +12,7 @@ Refused here, before anything is queued, in order of cost:
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 
 from kvserve.kvcache_service.contract.hashing import tenant_extra_key
@@ -82,7 +83,8 @@ class RequestBuilder:
                                f"{len(prompt) + max_tokens} exceeds the model length {limit}")
         salt = tenant_extra_key(self.config.cache_salt, tenant)
         if not self.config.prefix_caching:
-            salt = f"{salt}\x00{request_id}"  # pages of one request only: nothing is ever shared
+            # pages of this request only: nothing is ever shared (a client's own id, reused, would be)
+            salt = f"{salt}\x00{uuid.uuid4().hex}"
         request = Request(scoped_request_id(tenant, request_id), prompt, max_tokens, params, extra_key=salt)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.stack.device)
