@@ -27,6 +27,8 @@ from kvserve.services.plumbing.address import CannotListen, parse_address
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCRAPE_TIMEOUT_S = 2.0   # well inside Prometheus's default scrape timeout (10 s)
+IDLE_TIMEOUT_S = 10.0    # a connection silent this long is closed
+MAX_CONNECTIONS = 32     # served at once; more are closed as they come
 
 disable_created_metrics()   # no `_created` series beside every counter and histogram
 
@@ -51,8 +53,35 @@ class MetricsEndpoint:
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S   # a connection that sends nothing lets go of its thread
+
     def log_message(self, format, *args) -> None:   # a line per scrape on stderr: no
         pass
+
+
+class _Bounded(ThreadingWSGIServer):
+    """A thread per connection, up to MAX_CONNECTIONS at once; past them a connection is closed
+    at once (a scraper retries at its next interval), so idle sockets cannot pile up threads."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def text_format(registry: CollectorRegistry):
@@ -87,7 +116,7 @@ def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsEndpoint:
         raise ValueError(f"--metrics-listen must be host:port (Prometheus scrapes over TCP), got {listen!r}")
     try:
         family = socket.getaddrinfo(address.host or None, address.port, type=socket.SOCK_STREAM)[0][0]
-        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server_class = type("MetricsServer", (_Bounded,), {"address_family": family})
         server = make_server(address.host, address.port, only_metrics_path(text_format(registry)),
                              server_class, handler_class=_Quiet)
     except OSError as exc:   # in use, or not permitted: no restart helps

@@ -72,6 +72,35 @@ def test_the_series_are_at_metrics_only_and_addresses_that_cannot_serve_are_refu
         serve_metrics("unix:///tmp/metrics.sock", registry)
 
 
+def test_idle_connections_neither_pile_up_threads_nor_keep_scrapes_out(monkeypatch):
+    """A socket that sends nothing is closed after the idle timeout, and past MAX_CONNECTIONS
+    a connection is closed at once: idle sockets held a thread each, for ever."""
+    import socket
+    import threading
+    import time
+
+    from kvserve.services.plumbing import metrics_server
+
+    monkeypatch.setattr(metrics_server, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(metrics_server._Quiet, "timeout", 0.5)
+    registry = CollectorRegistry()
+    Counter("kvserve:probe", "x", registry=registry).inc()
+    endpoint = serve_metrics("127.0.0.1:0", registry)
+    host, port = endpoint.address.rsplit(":", 1)
+    idle = []
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(12)]
+        time.sleep(0.2)
+        assert threading.active_count() - before <= 4
+        wait_until(lambda: threading.active_count() <= before, what="the idle connections closed")
+        assert value(scrape(endpoint.address), "kvserve:probe_total") == 1   # a scrape still gets in
+    finally:
+        for s in idle:
+            s.close()
+        endpoint.close()
+
+
 @pytest.mark.slow
 def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
     """...and puts the HTTP front on its front service."""
