@@ -104,7 +104,7 @@ class ModelServiceConfig:
     kvcache_tls_cert: str = server_flags.peer_tls_cert("the manager")
     kvcache_tls_key: str = server_flags.peer_tls_key("--kvcache-tls-cert")
     kvcache_tls_server_name: str = option("", "the name the manager's certificate carries, when not its "
-                                              "address's", metavar="NAME")
+                                              "address's; alone, TLS on the system's roots", metavar="NAME")
     kvcache_token_file: str = option("", "file holding the manager's admin token, for a manager beyond this "
                                          "pod (its write RPCs refuse other callers)", metavar="FILE")
     # Limits on each request, checked before any work is done for it.

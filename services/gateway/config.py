@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
@@ -62,7 +63,8 @@ class GatewayConfig:
     worker_tls_key: str = server_flags.peer_tls_key("--worker-tls-cert")
     worker_tls_server_name: str = option("", "the name the workers' certificates carry (default: the "
                                              "--workers-dns name): the gateway dials each worker's own "
-                                             "address, which no certificate can list", metavar="NAME")
+                                             "address, which no certificate can list; alone, TLS on the "
+                                             "system's roots", metavar="NAME")
 
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
@@ -104,6 +106,8 @@ class GatewayConfig:
         return ServerTLS.of(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def worker_tls(self) -> ClientTLS | None:
-        name = self.worker_tls_server_name or self.workers_dns.rsplit(":", 1)[0]
-        return ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key, server_name=name,
-                            prefix="--worker-tls")
+        tls = ClientTLS.of(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key,
+                           server_name=self.worker_tls_server_name, prefix="--worker-tls")
+        if tls is not None and not tls.server_name and self.workers_dns:   # the pods' addresses are in no certificate
+            tls = dataclasses.replace(tls, server_name=self.workers_dns.rsplit(":", 1)[0])
+        return tls

@@ -90,10 +90,12 @@ class ClientTLS:
     @classmethod
     def of(cls, ca: str = "", cert: str = "", key: str = "", enabled: bool = False, server_name: str = "",
            prefix: str = "--tls") -> ClientTLS | None:
-        """None for plaintext: no file given and TLS not asked for."""
+        """None for plaintext: no file given and TLS not asked for. A server name to check asks
+        for TLS (the system's roots without a CA), as the client's --tls-server-name does: alone,
+        it left the channel in plaintext without a word."""
         if bool(cert) != bool(key):
             raise ValueError(f"give both {prefix}-cert and {prefix}-key, or neither")
-        if not (ca or cert or enabled):
+        if not (ca or cert or enabled or server_name):
             return None
         return cls(ca, cert, key, server_name)
 

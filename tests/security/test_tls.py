@@ -178,3 +178,9 @@ def test_the_gateway_checks_workers_certificates_against_their_service_name(cert
     assert named.worker_tls().server_name == "w.example" and named.worker_tls().options() == [
         ("grpc.ssl_target_name_override", "w.example")]
     assert GatewayConfig(workers_dns="kvserve-workers:50051").worker_tls() is None   # plaintext stays plaintext
+    # a server name alone asks for TLS, on the system's roots (it stayed plaintext without a word)
+    alone = GatewayConfig(worker=("10.0.0.7:50051",), worker_tls_server_name="w.example").worker_tls()
+    assert alone is not None and alone.ca == "" and alone.server_name == "w.example"
+    from kvserve.model_service.config import ModelServiceConfig
+    kv = ModelServiceConfig(kvcache="10.0.0.8:50061", kvcache_tls_server_name="m.example").kvcache_tls()
+    assert kv is not None and kv.server_name == "m.example"
