@@ -28,11 +28,10 @@ from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
 from kvserve.services.plumbing import stats_watch
-from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token, metadata_value
+from kvserve.services.plumbing.api_keys import MAX_TENANT_CHARS, TENANT_METADATA, ApiKeys, bearer_token, metadata_value
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
-MAX_TENANT_CHARS = 256
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}

@@ -15,6 +15,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 AUTHORIZATION = "authorization"
+MAX_TENANT_CHARS = 256   # a tenant's name, as a key file or a gateway's metadata gives it
 TENANT_METADATA = "kvserve-tenant"   # set by a trusted front (the gateway) for the worker behind it
 MAX_KEY_FILE_BYTES = 16 << 20
 
@@ -58,6 +59,12 @@ class ApiKeys:
             if len(fields) != 2:
                 raise ValueError(f"{self.path}:{number}: expected `KEY TENANT`, got {len(fields)} fields")
             key, tenant = fields
+            if not (key.isascii() and key.isprintable()):   # a header or metadata value carries it
+                raise ValueError(f"{self.path}:{number}: a key must be printable ASCII")
+            if not (tenant.isascii() and tenant.isprintable()) or len(tenant) > MAX_TENANT_CHARS:
+                # a gateway passes it on as metadata, and the worker takes no more
+                raise ValueError(f"{self.path}:{number}: a tenant must be printable ASCII of at most "
+                                 f"{MAX_TENANT_CHARS} characters")
             if key in tenants:
                 raise ValueError(f"{self.path}:{number}: a key listed twice")
             tenants[key] = tenant

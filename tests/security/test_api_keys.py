@@ -132,7 +132,11 @@ def test_keys_are_read_again_and_a_broken_file_keeps_those_in_force(tmp_path):
     keys.reload()
     assert keys.tenant("key-c") == "gamma"
     for text, message in (("a b c\n", "expected `KEY TENANT`"), ("a x\na y\n", "a key listed twice"),
-                          ("# nothing\n", "lists no key")):
+                          ("# nothing\n", "lists no key"),
+                          # what a gateway could not pass on to its workers (every call of it failed)
+                          ("key-e équipe\n", "a tenant must be printable ASCII of at most 256"),
+                          (f"key-l {'t' * 257}\n", "a tenant must be printable ASCII of at most 256"),
+                          ("clé alpha\n", "a key must be printable ASCII")):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             ApiKeys(str(path))
