@@ -26,8 +26,9 @@ MAX_SESSIONS = 100_000
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
                  queue: WaitQueue, routing: str = "cache", balance_slack: int = 4,
-                 worker_tls: ClientTLS | None = None) -> None:
+                 worker_tls: ClientTLS | None = None, tenants: bool = False) -> None:
         self.worker_tls = worker_tls
+        self.tenants = tenants   # requests carry tenants (--api-keys): a worker must keep them apart
         self.balance_slack = balance_slack
         self.cache_salt = cache_salt
         self.routing = routing
@@ -57,7 +58,8 @@ class Fleet:
         worker = Worker.connect(address, self.worker_tls)
         self.workers[address] = worker
         self.board.add(worker)
-        follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off)
+        follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off,
+                            self.tenants)
         self._followers[address] = follower
         follower.start()
         log.info("worker %s added", address)

@@ -81,8 +81,9 @@ class EventCursor:
 
 class Follower:
     def __init__(self, worker: Worker, index: PrefixIndex, cache_salt: str, poll_s: float,
-                 on_change: Callable[[], None], on_down: Callable[[Worker], None]) -> None:
+                 on_change: Callable[[], None], on_down: Callable[[Worker], None], tenants: bool = False) -> None:
         self.worker = worker
+        self.tenants = tenants
         self.index = index
         self.digest = extra_key_digest(cache_salt)
         self.poll_s = poll_s
@@ -166,6 +167,10 @@ class Follower:
                     if not w.hashes_match:
                         log.error("worker %s hashes its pages with another extra_key (--cache-salt) than this "
                                   "gateway's: its cache cannot be matched, it is routed by load only", w.address)
+                    if self._shares_tenants():
+                        log.error("worker %s does not take the gateway's tenants (it runs without "
+                                  "--trust-tenant-metadata): every tenant would share its cache, so nothing is "
+                                  "routed to it", w.address)
                 if self.pushed:
                     await self._watch_load()   # until the worker ends it: it drained
                 else:
@@ -243,9 +248,14 @@ class Follower:
         _, heartbeat_s = stats_watch.periods(request)
         return request, LOAD_SILENCE_S * heartbeat_s / (stats_watch.DEFAULT_HEARTBEAT_MS / 1e3)
 
+    def _shares_tenants(self) -> bool:
+        """This gateway's requests carry tenants and the worker would not keep them apart."""
+        info = self.worker.info
+        return self.tenants and info is not None and not info.trusts_tenant_metadata
+
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache
-        state = SERVING if serving else NOT_SERVING
+        state = SERVING if serving and not self._shares_tenants() else NOT_SERVING
         if state != w.state:
             log.info("worker %s: %s%s", w.address, state, f" ({stats.not_serving})" if stats.not_serving else "")
         w.state = state

@@ -17,7 +17,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.api_keys import ApiKeys
-from tests.gateway.conftest import make_fleet
+from tests.gateway.conftest import GatewayThread, WorkerThreads, make_fleet
 from tests.gateway.test_gateway import tree_hashes
 from tests.service.conftest import ModelServerThread
 from tests.service.util import generate, greedy, request, rpc_error, wait_until
@@ -177,6 +177,29 @@ def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(ti
         assert err.code() == grpc.StatusCode.NOT_FOUND
         fleet.stub.Cancel(pb.CancelRequest(request_id="alpha-2"), metadata=bearer("key-a"), timeout=10)
         assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+
+
+def test_a_gateway_with_keys_routes_to_no_worker_that_would_share_its_cache_among_tenants(tiny_dirs, tmp_path,
+                                                                                         caplog):
+    """A worker without --trust-tenant-metadata drops the gateway's tenant: every tenant would
+    hit every other's pages there (the gateway took it for a worker like any other)."""
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    worker = WorkerThreads(tiny_dirs["tiny"])
+    gateway = None
+    try:
+        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), api_keys=str(path),
+                                no_worker_timeout_s=1.0)
+        gw = gateway.fleet
+        wait_until(lambda: "does not take the gateway's tenants" in caplog.text, what="the refusal logged")
+        wait_until(lambda: [w.state for w in gw.workers.values()] == ["not serving"], what="the worker left out")
+        with grpc.insecure_channel(gateway.address) as ch:
+            err = rpc_error(lambda: run(pb_grpc.InferenceStub(ch), [5] * 20, "key-a"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.stop()
 
 
 def test_a_request_in_flight_survives_a_key_reload(keyed):
