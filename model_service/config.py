@@ -182,6 +182,11 @@ class ModelServiceConfig:
             raise ValueError(f"--trust-tenant-metadata on {self.listen}: anyone who reaches it could name any "
                              "tenant; listen on a Unix socket or loopback, or accept only the gateway's "
                              "certificate (--tls-client-ca)")
+        if (self.trust_tenant_metadata and self.http_listen and not self.tls_client_ca
+                and not is_private(self.http_listen)):   # a worker behind a gateway checks no key
+            raise ValueError(f"--trust-tenant-metadata with --http-listen {self.http_listen}: anyone who reaches it "
+                             "would be served with no key; serve HTTP on loopback, at the gateway, or with "
+                             "--tls-client-ca")
         if (self.kvcache_token_file and not self.kvcache_tls_ca and self.kvcache != "inprocess"
                 and not self.kvcache.startswith("unix:")):
             raise ValueError("--kvcache-token-file: the admin token would cross the network in plaintext; "

@@ -15,6 +15,16 @@ def test_a_worker_trusting_tenant_metadata_must_be_reachable_by_its_gateway_alon
                        tls_client_ca="ca.pem")   # mutual TLS: only the gateway's certificate gets in
 
 
+@pytest.mark.parametrize("http", ["0.0.0.0:8000", "10.1.2.3:8000"])
+def test_a_worker_trusting_tenant_metadata_serves_no_open_http(http):
+    """Its HTTP front checks no key (the gateway does): on the network it served anyone."""
+    with pytest.raises(ValueError, match="would be served with no key"):
+        ModelServiceConfig(listen="127.0.0.1:50051", trust_tenant_metadata=True, http_listen=http)
+    ModelServiceConfig(listen="127.0.0.1:50051", trust_tenant_metadata=True, http_listen="127.0.0.1:8000")
+    ModelServiceConfig(listen="0.0.0.0:50051", trust_tenant_metadata=True, http_listen=http, tls_cert="c.pem",
+                       tls_key="k.pem", tls_client_ca="ca.pem")
+
+
 @pytest.mark.parametrize("listen", ["127.0.0.1:50051", "localhost:0", "[::1]:0", "unix:///tmp/w.sock"])
 def test_a_private_worker_may_trust_tenant_metadata(listen):
     ModelServiceConfig(listen=listen, trust_tenant_metadata=True)
