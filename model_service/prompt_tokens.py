@@ -35,6 +35,17 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+MAX_ROLE_CHARS = 64   # "system", "user", "assistant", "tool", ... and a template's own
+
+
+def check_roles(roles) -> None:
+    """ValueError for a role no template names: past MAX_ROLE_CHARS it would be rendered and
+    tokenized whole, outside the prompt's limits."""
+    for i, role in enumerate(roles):
+        if len(role) > MAX_ROLE_CHARS:
+            raise ValueError(f"messages[{i}].role has {len(role):,} characters; at most {MAX_ROLE_CHARS} are allowed")
+
+
 def render_chat(tokenizer, chat: list[dict]) -> list[int]:
     """The chat template's tokens with the generation prompt; ValueError saying why the template
     refused the messages."""

@@ -189,6 +189,10 @@ class RequestBuilder:
         if len(messages) > cfg.max_chat_messages:
             raise RequestError(f"{len(messages)} chat messages; at most {cfg.max_chat_messages} are allowed "
                                "(--max-chat-messages)")
+        try:
+            prompt_tokens.check_roles(m.role for m in messages)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         # Each message's encoded size, less its role and at most 12 bytes of tags and lengths.
         nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - 12) for m in messages)
         self._check_text(nbytes, sum(m.ByteSize() for m in messages), lambda: sum(len(m.content) for m in messages),

@@ -41,6 +41,10 @@ class Inputs:
             if len(messages) > self.max_chat_messages:
                 raise InputError(f"{len(messages)} chat messages; at most {self.max_chat_messages} are allowed "
                                  "(--max-chat-messages)")
+            try:
+                prompt_tokens.check_roles(m.role for m in messages)
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
             if msg.messages.ByteSize() > self.max_prompt_chars and \
                     (chars := sum(len(m.content) for m in messages)) > self.max_prompt_chars:
                 raise InputError(f"the chat messages have {chars:,} characters; at most "

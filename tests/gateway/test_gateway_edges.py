@@ -398,6 +398,15 @@ def test_a_chat_of_more_messages_than_the_workers_take_is_refused_before_renderi
         inputs.close()
 
 
+def test_a_role_past_64_characters_is_refused_before_rendering():
+    inputs = Inputs(tokenizer=None, threads=1)   # never reached: no tokenizer needed
+    try:
+        with pytest.raises(InputError, match=r"messages\[0\].role has 65 characters; at most 64"):
+            asyncio.run(inputs.ids(request(messages=[("r" * 65, "hi")])))
+    finally:
+        inputs.close()
+
+
 def test_a_message_with_no_input_is_told_the_inputs_its_rpc_has():
     inputs = Inputs(SlowTokenizer(0.0), threads=1)
     try:

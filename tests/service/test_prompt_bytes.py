@@ -66,3 +66,18 @@ def test_a_session_id_longer_than_the_gateways_limit_is_refused_at_a_worker_too(
     builder.check_limits(pb.GenerateRequest(prompt="a", session_id="s" * MAX_SESSION_ID_CHARS), "id")
     with pytest.raises(RequestError, match="the session id has 257 characters; at most 256"):
         builder.check_limits(pb.GenerateRequest(prompt="a", session_id="s" * 257), "id")
+
+
+def test_a_role_past_64_characters_is_refused_before_any_rendering():
+    """A role is rendered and tokenized whole, and no limit counted it: megabytes of it held the
+    tokenizer lanes every tenant shares."""
+    import pytest
+
+    from kvserve.model_service.request_builder import RequestError
+    builder = _builder(100)
+    ok = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="r" * 64, content="hi")]))
+    builder.check_limits(ok, "id")
+    long = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi"),
+                                                                 pb.ChatMessage(role="r" * 7_000_000, content="")]))
+    with pytest.raises(RequestError, match=r"messages\[1\].role has 7,000,000 characters; at most 64"):
+        builder.check_limits(long, "id")
