@@ -33,11 +33,18 @@ from kvserve.services.plumbing.api_keys import TENANT_METADATA
 log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
 CANCEL_TIMEOUT_S = 1.0
 # A prompt this long is hashed on a thread: on the event loop its hashing would hold up every
 # other stream's tokens (a 128k-token prompt hashes in about 10 ms).
 HASH_OFF_LOOP_TOKENS = 4096
 MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fresh one
+
+
+def _too_large(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker's gRPC refused the message for its size (its --max-request-bytes)."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Received message larger than max" in (
+        exc.details() or "")
 
 
 def renamed(request_id: str) -> str:
@@ -221,6 +228,9 @@ class Relay:
                     renames += 1
                     self.request_id = renamed(self.request_id)
                     continue
+                if _too_large(exc) and not self._moved:   # as large at any worker: no move helps
+                    raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \
+                        from None
                 if exc.code() not in RETRYABLE and not self._moved:
                     raise Refused(exc.code(), exc.details()) from None
                 why = f"{exc.code().name}: {exc.details()}"
@@ -243,9 +253,11 @@ class Relay:
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
                 call.cancel()
-            if moves >= self.migration_limit:
+            if moves >= self.migration_limit:   # (the workers' addresses are the log's, not the client's)
+                log.warning("request %s: worker %s failed (%s); it has moved %d times, as many as "
+                            "--migration-limit allows", self.request_id, worker.address, why, moves)
                 raise Refused(grpc.StatusCode.UNAVAILABLE,
-                              f"worker {worker.address} failed before the request finished ({why}); it has moved "
+                              f"a worker failed before the request finished ({why}); it has moved "
                               f"{moves} times, as many as --migration-limit allows")
             moves += 1
             worker.migrated_away += 1

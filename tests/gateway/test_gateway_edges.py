@@ -516,3 +516,30 @@ def test_a_gateway_loop_busy_past_the_silence_does_not_call_a_reporting_worker_d
         assert w.state == "serving"
         assert not [r for r in caplog.records if "is down" in r.getMessage()]
         assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
+
+
+def test_a_request_larger_than_the_workers_take_is_refused_once_and_moves_nowhere(tiny_dirs):
+    """The workers' gRPC refuses it for its size (RESOURCE_EXHAUSTED): every worker would, so the
+    gateway says so at once rather than moving it as if each had failed. Its HTTP front takes no
+    body past its own --max-request-bytes (it took 8 MiB whatever the flag said)."""
+    import http.client
+    import json
+
+    from tests.gateway.conftest import make_fleet
+    stops = [f"{i:03d}" + "s" * 997 for i in range(36)]   # 36,000 characters: past the workers' limit alone
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, worker_config={"max_request_bytes": 32 << 10},
+                            http_listen="127.0.0.1:0", max_request_bytes=40 << 10):
+        err = rpc_error(lambda: list(fleet.stub.Generate(request(prompt="hello", max_tokens=2, stop=stops),
+                                                         timeout=30)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.details().startswith("the request is larger than the workers take"), err.details()
+        assert fleet.gateway.fleet.migrations == 0
+        host, port = fleet.gateway.gateway.http_front.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            body = json.dumps({"prompt": "hello", "max_tokens": 2, "stop": stops + stops})   # past the gateway's
+            conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+            reply = conn.getresponse()
+            assert reply.status == 413 and b"larger than 40960 bytes" in reply.read()
+        finally:
+            conn.close()
