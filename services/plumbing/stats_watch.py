@@ -18,6 +18,9 @@ from kvserve.inference.v1 import inference_pb2 as pb
 
 DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
 MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
+# Streams at once: each looks at the load every interval on the server's event loop, which every
+# request's tokens go through (gateways following a worker take one each; `kvserve top` one).
+MAX_STREAMS = 64
 
 
 def pages_key(available: int, total: int) -> tuple[bool, int]:
@@ -49,6 +52,7 @@ class SharedStats:
 
     def __init__(self, build: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable]) -> None:
         self.build, self.load = build, load
+        self.streams = 0   # open WatchServerStats streams
         self._lock = asyncio.Lock()
         self._last: tuple[Hashable, float, pb.ServerStats] | None = None   # (load, built at, stats)
 
@@ -68,13 +72,21 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
         interval, heartbeat = periods(request)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if stats.streams >= MAX_STREAMS:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{stats.streams} WatchServerStats streams are open, as many as this server keeps; "
+                            "try again later, or poll GetServerStats")
     loop = asyncio.get_running_loop()
     told, told_at = None, 0.0
-    while True:
-        key, now, last = stats.load(), loop.time(), done()
-        if told is None or key != told or now - told_at >= heartbeat or last:
-            yield await stats.get(key)
-            told, told_at = key, now
-        if last:
-            return
-        await asyncio.sleep(interval)
+    stats.streams += 1
+    try:
+        while True:
+            key, now, last = stats.load(), loop.time(), done()
+            if told is None or key != told or now - told_at >= heartbeat or last:
+                yield await stats.get(key)
+                told, told_at = key, now
+            if last:
+                return
+            await asyncio.sleep(interval)
+    finally:
+        stats.streams -= 1

@@ -120,6 +120,28 @@ def test_a_drain_is_reported_not_serving_and_the_stream_ends_once_the_last_call_
         server.stop()
 
 
+def test_streams_past_the_cap_are_refused_and_a_closed_one_makes_room(model_server, monkeypatch):
+    """Each stream looks at the load on the server's event loop: without a cap, hundreds of them
+    slowed every other request there."""
+    from kvserve.services.plumbing import stats_watch
+
+    monkeypatch.setattr(stats_watch, "MAX_STREAMS", 3)
+    with grpc.insecure_channel(model_server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        watches = [Watch(stub, interval_ms=1000) for _ in range(3)]
+        for w in watches:
+            assert w.reports.get(timeout=10)
+        extra = Watch(stub, interval_ms=1000)
+        assert extra.ended.wait(10) and extra.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watches[0].call.cancel()
+        assert watches[0].ended.wait(10)
+        wait_until(lambda: model_server.servicer._shared_stats.streams == 2, what="the closed stream counted out")
+        again = Watch(stub, interval_ms=1000)
+        assert again.reports.get(timeout=10)
+        for w in watches[1:] + [again]:
+            w.call.cancel()
+
+
 def test_streams_sending_at_the_same_load_share_one_build():
     """Several gateways follow one worker: a change costs it one build (a manager call), not one
     per stream; another load, or a build older than the shortest interval, is built anew."""
