@@ -56,7 +56,6 @@ from kvserve.model_service.engine.events import Event, Failed, Finished, Prefill
 from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
-from kvserve.model_service.sampling.structured import first_lines
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import HeldElsewhere, Scheduler, SchedulerConfig, Work
@@ -64,6 +63,7 @@ from kvserve.model_service.engine.speculation import NgramDrafter, accepted_pref
 from kvserve.model_service.engine.watchdog import Progress, Watchdog
 from kvserve.model_service.sampling.prompt_logprobs import prompt_logprobs
 from kvserve.model_service.sampling.sampler import make_generator, seeded_for
+from kvserve.model_service.sampling.structured import first_lines
 
 MAX_RESYNCS = 3   # refused Steps in a row, each met by registering again, before it counts as a bug
 
