@@ -139,6 +139,7 @@ class ModelInfo:
     extra_key_digest: str = ""  # names the extra_key (--cache-salt) the worker hashes pages with
     max_num_seqs: int = 0
     kv_cache_dtype: str = ""    # the KV pages' dtype (--kv-cache-dtype); empty from a server older than the field
+    trusts_tenant_metadata: bool = False   # takes a trusted front's tenant (--trust-tenant-metadata)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
