@@ -91,7 +91,7 @@ class RequestBuilder:
         if params.format is not None:
             try:
                 request.matcher = await self.lanes.run(len(params.format.spec), self.stack.grammars.matcher,
-                                                       params.format)
+                                                       params.format, tenant)
             except ValueError as exc:
                 raise RequestError(str(exc)) from None
         if msg.continuation.ids:

@@ -83,10 +83,12 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._lock = threading.Lock()   # requests are built on the tokenizer lanes' threads
         self._llg_tokenizer = None
-        self._compiled: dict[Format, Any] = {}   # format -> its matcher at the start, never advanced
+        self._compiled: dict[tuple[str, Format], Any] = {}   # (tenant, format) -> its matcher at the start
 
-    def matcher(self, fmt: Format) -> Any:
-        """A fresh matcher for the format; ValueError saying why the format cannot be used."""
+    def matcher(self, fmt: Format, tenant: str = "") -> Any:
+        """A fresh matcher for the format; ValueError saying why the format cannot be used. Each
+        tenant's formats are compiled and kept apart: how fast a format came would otherwise tell
+        a tenant whether another had used it."""
         llguidance = _llguidance()
         with self._lock:
             if self._llg_tokenizer is None:
@@ -94,7 +96,7 @@ class Grammars:
 
                 self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                                    eos_token=self.eos_token_ids or None)
-            compiled = self._compiled.get(fmt)
+            compiled = self._compiled.get((tenant, fmt))
             if compiled is not None:
                 return compiled.deep_copy()
         try:
@@ -117,7 +119,7 @@ class Grammars:
         with self._lock:
             if len(self._compiled) >= self.MAX_KEPT:
                 self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[fmt] = compiled
+            self._compiled[(tenant, fmt)] = compiled
             return compiled.deep_copy()
 
 

@@ -121,3 +121,16 @@ def test_a_format_llguidance_cannot_follow_fails_the_request_and_not_the_others(
     with pytest.raises(ValueError, match="allows no output, not even an empty one"):
         harness.stack.grammars.matcher(Format("regex", "[^\\x00-\\x{10FFFF}]"))
     assert harness.stats().used_pages == 0   # the failed request's pages went back
+
+
+def test_each_tenant_compiles_its_own_formats(harness):
+    """A format another tenant compiled is compiled again: how fast it came would tell whether
+    another tenant had used it. One tenant's second request copies its own."""
+    grammars = harness.stack.grammars
+    fmt = Format("regex", "[a-f]{7}")
+    kept = lambda: sorted(key for key in grammars._compiled if key[1] == fmt)  # noqa: E731
+    grammars.matcher(fmt, "alpha")
+    grammars.matcher(fmt, "alpha")
+    assert kept() == [("alpha", fmt)]
+    grammars.matcher(fmt, "beta")
+    assert kept() == [("alpha", fmt), ("beta", fmt)]
