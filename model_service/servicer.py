@@ -10,6 +10,7 @@ can fail ends with the code of the one table in status.py.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+CANCELLED_ID_WAIT_S = 5.0   # the longest a request waits for a cancelled one of its id to end
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -76,10 +78,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 tenant = self._tenant(context)
                 request_id = request.request_id or uuid.uuid4().hex
                 req = await self.builder.build(request, request_id, tenant)
-                try:
-                    self.engine.submit(req, self._relay.sink(events))
-                except DuplicateRequest:   # said with the id the client knows, not the engine's
-                    raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
+                await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
                 await abort(context, as_request_failed(exc, "building the request failed"))
             self.metrics.params_n.observe(req.params.n)
@@ -109,6 +108,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     self.engine.cancel(req.request_id)
         finally:
             self.open_streams -= 1
+
+    async def _submit(self, req, request_id: str, sink) -> None:
+        """Hands the request to the engine. An id in flight is refused, unless a cancel has
+        reached the request holding it: that one ends within a step, and a client that cancelled
+        (or left) and sends the id again is served once it has, not told the id is in flight."""
+        deadline = time.monotonic() + CANCELLED_ID_WAIT_S
+        while True:
+            try:
+                return self.engine.submit(req, sink)
+            except DuplicateRequest:   # said with the id the client knows, not the engine's
+                if not self.engine.ending(req.request_id) or time.monotonic() > deadline:
+                    raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
+            while self.engine.ending(req.request_id) and time.monotonic() <= deadline:
+                await asyncio.sleep(0.005)
 
     def _tenant(self, context) -> str:
         """Whose prefix cache the request uses: its key's tenant, a trusted front's metadata, or

@@ -130,7 +130,8 @@ class Engine:
         self._watchdog = Watchdog(self.progress, self.link, lambda: bool(self._live), stall_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
-        self._lock = threading.Lock()  # guards _live
+        self._cancelled: set[str] = set()   # live requests a cancel has reached, not yet ended
+        self._lock = threading.Lock()  # guards _live and _cancelled
         self._arrivals = itertools.count()   # each request's place in line, kept through a re-admission
         self._stop = threading.Event()
         self._idle = threading.Event()  # set when a loop pass found nothing to do
@@ -186,8 +187,14 @@ class Engine:
         with self._lock:
             if request_id not in self._live:
                 return False
+            self._cancelled.add(request_id)
         self._inbox.put(("cancel", request_id))
         return True
+
+    def ending(self, request_id: str) -> bool:
+        """The request is cancelled and on its way out (within a step): its id is free soon."""
+        with self._lock:
+            return request_id in self._cancelled
 
     def end_all(self, error: RequestFailed) -> None:
         """Ends every request in flight with `error` (a drain past its grace period)."""
@@ -560,7 +567,9 @@ class Engine:
             else:
                 self.counters.finished += 1
             with self._lock:
-                self._live.pop(r.request_id if family is None else family.parent.request_id, None)
+                owner_id = r.request_id if family is None else family.parent.request_id
+                self._live.pop(owner_id, None)
+                self._cancelled.discard(owner_id)
         if r.unsent:
             self._send_tokens(r)
         queued = ((r.scheduled_at or now) - r.arrival) * 1e3
@@ -574,6 +583,7 @@ class Engine:
         owner = r if r.family is None else r.family.parent
         with self._lock:
             self._live.pop(owner.request_id, None)
+            self._cancelled.discard(owner.request_id)
         for member in _members(owner):
             if member.status is not Status.FINISHED:
                 self.scheduler.finish(member)
@@ -584,6 +594,7 @@ class Engine:
         """Ends every live request with `error`; pages they hold go back in the next step."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
+            self._cancelled.clear()
         for r in live:
             for member in _members(r):
                 if member.status is not Status.FINISHED:

@@ -395,6 +395,21 @@ def test_duplicate_request_id_in_flight(stub, model_server):
     assert_pages_free(model_server.servicer)
 
 
+def test_an_id_sent_again_right_after_its_cancel_is_served(stub, model_server):
+    """A cancelled request ends within a step; a client that cancels and sends its id again at
+    once waits that long rather than being told the id is in flight (a request still running
+    is refused as before: the test above)."""
+    for i in range(10):
+        rid = f"again-{i}"
+        call = stub.Generate(request(token_ids=PROMPT_IDS, request_id=rid, **greedy(1900)), timeout=60)
+        assert next(call).HasField("prefill_done")
+        stub.Cancel(pb.CancelRequest(request_id=rid), timeout=10)
+        again = generate(stub, request(token_ids=[4, 5], request_id=rid, **greedy(2)))
+        assert again.prefill.request_id == rid and len(again.tokens) == 2
+        assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+    assert_pages_free(model_server.servicer)
+
+
 def test_full_waiting_queue_is_resource_exhausted(small_server):
     address, servicer = small_server
     engine = servicer.engine
