@@ -41,6 +41,12 @@ from kvserve.services.plumbing.config_flags import add_arguments, from_args, opt
 log = logging.getLogger("kvserve.up")
 
 
+# What up wires itself: the link to the manager is a private Unix socket (no TLS or token on it),
+# and the pool's size goes through a file of up's own.
+WIRED_BY_UP = ("kvcache", "sizing_file", "kvcache_tls_ca", "kvcache_tls_cert", "kvcache_tls_key",
+               "kvcache_tls_server_name", "kvcache_token_file")
+
+
 @dataclass(frozen=True)
 class UpConfig:
     """What `kvserve up` decides itself; every other flag is the model service's."""
@@ -67,9 +73,9 @@ class UpConfig:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="run the manager and the model service together",
-                              description=__doc__.splitlines()[0].split(": ", 1)[1])
+                              description=" ".join(__doc__.split("\n\n", 1)[0].split()).split(": ", 1)[1])
     add_arguments(p, UpConfig)
-    add_arguments(p, ModelServiceConfig, exclude=("kvcache", "sizing_file"))   # up wires those itself
+    add_arguments(p, ModelServiceConfig, exclude=WIRED_BY_UP)
     p.set_defaults(func=run)
 
 
@@ -148,13 +154,10 @@ def run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 gateway_metrics = ["--metrics-listen", free_local_port()]
                 metrics.add(gateway_metrics[1])
-            front_flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
-                           for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen",
-                                        "health_listen", "max_request_bytes", "max_prompt_chars", "max_chat_messages",
-                                        "tokenizer_threads") if getattr(model_config, name)]
             gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
                                                   "--model", model_config.model,
-                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics, *front_flags,
+                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics,
+                                                  *front_flags(model_config),
                                                   *[a for p in pairs for a in ("--worker", p.config.listen)]])
         else:
             pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics)]
@@ -200,6 +203,16 @@ def run(args: argparse.Namespace) -> int:
                 pair.manager.stop(10)
             if endpoint is not None:
                 endpoint.close()
+
+
+def front_flags(model_config: ModelServiceConfig) -> list[str]:
+    """What the gateway in front of the workers takes of the front's flags: it serves TLS, checks
+    keys, serves HTTP and health, bounds requests and drains the streams on SIGTERM."""
+    flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
+             for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "health_listen",
+                          "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads")
+             if getattr(model_config, name)]
+    return flags + [f"--grace-period={model_config.grace_s}"]
 
 
 def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:

@@ -36,7 +36,7 @@ def test_every_config_field_with_help_is_a_flag_of_its_commands():
     model = {f.name for f in options(ModelServiceConfig)}
     assert model == {f.name for f in dataclasses.fields(ModelServiceConfig)}   # no field without a flag
     assert _dests("model") == model
-    assert _dests("up") == (model - {"kvcache", "sizing_file"}) | {f.name for f in options(up.UpConfig)}
+    assert _dests("up") == (model - set(up.WIRED_BY_UP)) | {f.name for f in options(up.UpConfig)}
     assert _dests("kvcache") == {f.name for f in dataclasses.fields(ManagerConfig)} | {
         f.name for f in dataclasses.fields(KVCacheServerConfig)}
 
@@ -51,6 +51,14 @@ def test_forwarded_values_reach_the_model_config():
     assert cfg == sent
     assert (cfg.model, cfg.stream_interval, cfg.max_num_seqs, cfg.max_waiting) == ("bench", 4, 7, 9)
     assert cfg.kv_cache_memory == 64 * 2**20 and cfg.prefix_caching is False and cfg.cpu_gemm == "onednn"
+
+
+def test_the_gateway_in_front_of_workers_drains_as_long_as_the_flag_says():
+    """--grace-period reached the workers only, behind the gateway: on SIGTERM the gateway cut
+    every stream at its own default of 5 s."""
+    flags = up.front_flags(ModelServiceConfig(grace_s=60, api_keys="keys"))
+    assert "--grace-period=60" in flags and "--api-keys=keys" in flags
+    assert "--grace-period=5.0" in up.front_flags(ModelServiceConfig())
 
 
 def test_a_child_gets_only_what_differs_from_the_defaults():
