@@ -34,6 +34,9 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+# The manager's stats, asked for a report: a hung manager makes a report without them, within a
+# client's deadline (`kvserve top` polls every few seconds), not one that waits --manager-timeout.
+MANAGER_STATS_TIMEOUT_S = 1.0
 CANCELLED_ID_WAIT_S = 5.0   # the longest a request waits for a cancelled one of its id to end
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -204,8 +207,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,
             forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s,
             requests_failed=c.failed, manager_losses=c.manager_losses)
+        if e.link.lost:   # its stats would wait out the manager's timeout: a client's deadline first
+            stats.manager_reachable = False
+            return stats
         try:
-            stats.kvcache.CopyFrom(convert.stats_to_pb(await asyncio.to_thread(self.stack.kv.stats)))
+            kv = await asyncio.to_thread(self.stack.kv.stats, MANAGER_STATS_TIMEOUT_S)
+            stats.kvcache.CopyFrom(convert.stats_to_pb(kv))
             stats.manager_reachable = not e.link.lost
         except KVCacheError:
             stats.manager_reachable = False
