@@ -19,8 +19,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dir", help="directory to write (created if missing)")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="model shape (default tiny: Llama, hidden 64, 2 layers, vocab 1024)")
-    p.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's)")
+    p.add_argument("--seed", type=_seed, default=None, help="weight seed, 0 to 2^63-1 (default: the preset's)")
     p.set_defaults(func=run)
+
+
+def _seed(text: str) -> int:
+    """A seed torch's generator takes (a signed 64-bit integer's range, from 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2^63)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

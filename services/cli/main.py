@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 
 from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+
+# gRPC's own log lines above a command's one-line error (its INFO line for a failed TLS handshake,
+# say) say it again in a form meant for gRPC's developers; its errors still show. (Read when gRPC
+# is first imported: set before any command's module is.)
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # Subcommand name -> "module:function" of its register function, in --help order.
 COMMANDS: dict[str, str] = {

@@ -65,6 +65,13 @@ def test_make_tiny_model_names_a_directory_it_cannot_write():
     assert code != 0 and stderr == "kvserve make-tiny-model: cannot write /dev/null/tiny: Not a directory"
 
 
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1", "x"])
+def test_make_tiny_model_refuses_a_seed_torch_cannot_take(seed, tmp_path):
+    code, stderr = run("make-tiny-model", str(tmp_path / "m"), "--seed", seed)
+    assert code == 2 and stderr.splitlines()[-1].startswith("kvserve make-tiny-model: error: argument --seed: ")
+    assert "Traceback" not in stderr
+
+
 def test_a_busy_metrics_port_stops_the_manager_at_once(busy_port):
     code, stderr = run("kvcache", "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", busy_port)
     assert code == 3 and stderr.splitlines()[-1].startswith(f"kvserve kvcache: cannot serve metrics on {busy_port}")
@@ -81,3 +88,16 @@ def test_a_unix_socket_in_a_directory_that_does_not_exist_is_named():
     code, stderr = run("kvcache", "--listen", "unix:///nonexistent-dir/kv.sock")
     assert code == 3 and stderr.splitlines()[-1] == ("kvserve kvcache: cannot listen on unix:///nonexistent-dir/kv.sock: "
                                                      "the directory /nonexistent-dir does not exist")
+
+
+def test_a_failed_tls_handshake_is_one_line_without_grpcs_own_log():
+    """gRPC printed its INFO line for the handshake above the command's sentence."""
+    from kvserve.kvcache_service.core import ManagerConfig
+    from tests.kvcache.conftest import ServerThread
+
+    plaintext = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=16, page_size=4, max_seqs=8))
+    try:
+        code, stderr = run("stats", "--address", plaintext.address, "--tls")
+    finally:
+        plaintext.stop()
+    assert code != 0 and len(stderr.splitlines()) == 1 and stderr.startswith("kvserve stats: UNAVAILABLE"), stderr
