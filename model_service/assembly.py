@@ -119,6 +119,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         max_model_len = min(model_len, num_pages * page_size)
     if max_model_len < model_len:
         log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)
+    model.rope.reserve(-(-max_model_len // page_size) * page_size)   # every position served, whole pages
     if cfg.sizing_file:
         _write_atomically(cfg.sizing_file, {"num_pages": num_pages, "page_size": page_size})
 

@@ -88,6 +88,10 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rope, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if any(w is not None and w <= 0 for w in self.layer_windows):
+            raise ValueError(f"sliding windows must be positive, got {self.layer_windows}")
 
     @property
     def q_size(self) -> int:
@@ -118,6 +122,8 @@ class ModelConfig:
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act 'silu' is supported, got {hf.hidden_act!r}")
         num_heads = hf.num_attention_heads
+        if not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads!r}")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope(hf)
         layer_windows = _layer_windows(hf, arch)
@@ -136,9 +142,11 @@ class ModelConfig:
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            # as transformers reads them: Qwen2's q/k/v always carry a bias, Mistral's nothing does,
+            # attention_bias counts for Llama and Qwen3 only and mlp_bias for Llama only
+            qkv_bias=arch == "Qwen2ForCausalLM" or (arch in _ATTENTION_BIAS_READ and attention_bias),
+            o_bias=arch in _ATTENTION_BIAS_READ and attention_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
@@ -152,6 +160,9 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+_ATTENTION_BIAS_READ = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
 def _architecture(hf: Any) -> str:
@@ -182,7 +193,10 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                # a top-level original_max_position_embeddings wins over the scaling's, as in
+                # transformers (its standardize_rope_params)
+                original_max_position_embeddings=int(getattr(hf, "original_max_position_embeddings", None)
+                                                     or params["original_max_position_embeddings"]),
             )
         except KeyError as exc:
             raise ValueError(f"llama3 rope scaling is missing {exc.args[0]!r}") from None
@@ -194,6 +208,8 @@ def _layer_windows(hf: Any, arch: str) -> tuple[int | None, ...]:
     window = getattr(hf, "sliding_window", None)
     if not window:
         return ()
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window must be a positive integer (or null), got {window!r}")
     if arch == "MistralForCausalLM":
         return (int(window),) * hf.num_hidden_layers
     # Qwen2/Qwen3 declare a window but use it only on layers marked sliding.

@@ -109,6 +109,9 @@ class DecoderLayer(nn.Module):
         return out
 
 
+ROPE_TABLE_START = 8192   # positions the rotary table holds before anything is served
+
+
 class CausalLM(nn.Module):
     """Parameter names follow HF's with "model." dropped and q/k/v, gate/up fused."""
 
@@ -124,8 +127,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Built on `device` even when the layers are built on "meta" (see loader).
-        self.rope = RotaryEmbedding(config, config.max_model_len, device=device, dtype=dtype)
+        # Built on `device` even when the layers are built on "meta" (see loader); no longer than
+        # ROPE_TABLE_START at first (a config's length can be 2^40), then as long as the positions
+        # served need (rope.reserve(), lookup()).
+        self.rope = RotaryEmbedding(config, min(config.max_model_len, ROPE_TABLE_START), device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.tie_weights()
 

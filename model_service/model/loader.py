@@ -7,7 +7,8 @@ in the directory. HF names map to ours with "model." dropped and two fusions:
     layers.i.self_attn.{q,k,v}_proj.{weight,bias} -> layers.i.self_attn.qkv_proj  (cat on dim 0)
     layers.i.mlp.{gate,up}_proj.{weight,bias}     -> layers.i.mlp.gate_up_proj    (cat on dim 0)
 
-A checkpoint without lm_head.weight (tie_word_embeddings) uses embed_tokens'.
+A checkpoint without lm_head.weight (tie_word_embeddings) uses embed_tokens'; one that stores a
+head of its own keeps it, tied or not (as transformers does).
 The model is built on the meta device and the converted tensors are assigned
 to it, so no memory is spent on a random initialisation.
 """
@@ -48,16 +49,25 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     dtype = parse_dtype(dtype)
     device = torch.device(device)
     gemm = choose_gemm(gemm, dtype, device)   # before the weights: a refusal comes at once
-    try:
-        config = ModelConfig.from_pretrained(path)
+    try:   # a config or weights that do not read, or do not fit each other: a sentence, not a trace
+        config = _read_config(path)
         hf = read_safetensors(path)
-    except (OSError, SafetensorError) as exc:   # a config or weights that do not read: a sentence, not a trace
+        with torch.device("meta"):
+            model = CausalLM(config, device=device, dtype=dtype)
+        state = map_hf_weights(hf, config)
+        _check_shapes(state, model)
+    except (OSError, SafetensorError, ValueError) as exc:
         raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
-    state = {name: t.to(device=device, dtype=dtype) for name, t in map_hf_weights(hf, config).items()}
-    with torch.device("meta"):
-        model = CausalLM(config, device=device, dtype=dtype)
+    # Tied when the checkpoint stores no head, or config.json ties it to an equal one; a head of
+    # its own that differs is kept, as transformers keeps it.
+    head, embedding = state["lm_head.weight"], state["embed_tokens.weight"]
+    tie = head is embedding or (config.tie_word_embeddings and torch.equal(head, embedding))
+    if config.tie_word_embeddings and not tie:
+        log.warning("config.json ties the LM head to the embedding, but the checkpoint stores a head of its own: "
+                    "that one is used, as transformers does")
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings or "lm_head.weight" not in hf:
+    if tie:
         model.tie_weights()
     del hf, state   # the model holds the weights now: packing frees each plain one as it goes
     small = None
@@ -74,6 +84,26 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if small is not None:   # reads the plain weights use_small() kept
         model.use_decode_kernel(_kernel_or_none(decode_layer_kernel.load, "fused decode layer"))
     return model.eval(), config
+
+
+def _read_config(path: Path) -> ModelConfig:
+    """config.json as a ModelConfig; ValueError (or OSError) saying what is wrong with it, whatever
+    transformers' own checks raise."""
+    try:
+        return ModelConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        raise
+    except Exception as exc:   # transformers' validation, or a value of the wrong type
+        raise ValueError(f"config.json: {type(exc).__name__}: {first_line(exc)}") from None
+
+
+def _check_shapes(state: dict[str, torch.Tensor], model: CausalLM) -> None:
+    """ValueError naming the first weight whose shape config.json does not make."""
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tuple(tensor.shape) != tuple(want.shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; config.json makes it {tuple(want.shape)}")
 
 
 def _kernel_or_none(load, what: str):
@@ -102,10 +132,20 @@ def first_line(exc: BaseException) -> str:
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    """The checkpoint's weight files, as transformers picks them: model.safetensors, else the
+    shards its index lists, else every *.safetensors (a stray file beside model.safetensors, a
+    stale copy or another layout's consolidated.safetensors, is not read)."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index.name} is not a safetensors index (a JSON object with a weight_map of "
+                             "tensor names to files)") from None
+        return [path / name for name in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -113,13 +153,17 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, by HF name, as stored (CPU, checkpoint dtype)."""
+    """Every tensor of the checkpoint, by HF name, as stored (CPU, checkpoint dtype). A name in
+    two files is refused: which one a model should hold is not for the loader to guess."""
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    tensors[name] = f.get_tensor(name)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name in tensors:
+                    raise ValueError(f"tensor {name!r} is in two weight files (the second: {file.name})")
+                tensors[name] = f.get_tensor(name)
     return tensors
 
 
@@ -135,7 +179,11 @@ def map_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
         return src[name]
 
     def fused(prefix: str, parts: tuple[str, ...], kind: str) -> torch.Tensor:
-        return torch.cat([take(f"{prefix}.{p}.{kind}") for p in parts], dim=0)
+        tensors = [take(f"{prefix}.{p}.{kind}") for p in parts]
+        if len({t.shape[1:] for t in tensors}) > 1:
+            raise ValueError(f"{prefix}.{{{','.join(parts)}}}.{kind} have shapes "
+                             f"{[tuple(t.shape) for t in tensors]}, which do not fit together")
+        return torch.cat(tensors, dim=0)
 
     out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in src else out["embed_tokens.weight"]

@@ -56,6 +56,11 @@ class RotaryEmbedding(nn.Module):
         angles = positions[:, None] * self.inv_freq[None, :]                 # (max_len, D/2)
         self.cos, self.sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
+    def reserve(self, max_len: int) -> None:
+        """The table holds positions 0 .. max_len-1 from now on (a server, for its model length)."""
+        if max_len > self.cos.shape[0]:
+            self._build(max_len)
+
     def lookup(self, positions: torch.Tensor, max_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) -> cos, sin (T, 1, D/2), broadcasting over heads. max_len: one past the
         largest position; past the table (a stream with attention sinks goes on past the model's

@@ -98,3 +98,28 @@ def test_shape_validation() -> None:
                      architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.from_hf(hf)
+
+
+def test_bias_flags_count_where_transformers_reads_them(tiny_dirs, tmp_path: Path) -> None:
+    """Mistral's layers carry no bias and Qwen2/Qwen3's MLP none, whatever the flags say (a
+    checkpoint transformers served was refused for bias tensors it does not have)."""
+    for name, flag, fields in [("tiny-mistral", "attention_bias", ("qkv_bias", "o_bias")),
+                               ("tiny-mistral", "mlp_bias", ("mlp_bias",)), ("tiny-qwen2", "mlp_bias", ("mlp_bias",)),
+                               ("tiny-qwen3", "mlp_bias", ("mlp_bias",))]:
+        cfg = ModelConfig.from_pretrained(edit_config(tiny_dirs[name], tmp_path / f"{name}-{flag}", **{flag: True}))
+        assert not any(getattr(cfg, f) for f in fields), (name, flag)
+    qwen3 = ModelConfig.from_pretrained(edit_config(tiny_dirs["tiny-qwen3"], tmp_path / "q3", attention_bias=True))
+    assert qwen3.qkv_bias and qwen3.o_bias   # Qwen3 reads attention_bias, as Llama does
+
+
+def test_a_top_level_original_length_wins_over_the_llama3_scalings(tiny_dirs, tmp_path: Path) -> None:
+    """As transformers' standardize_rope_params has it (the table differed at position 0)."""
+    path = edit_config(tiny_dirs["tiny-llama3"], tmp_path / "orig", original_max_position_embeddings=16)
+    assert ModelConfig.from_pretrained(path).rope_scaling.original_max_position_embeddings == 16
+
+
+@pytest.mark.parametrize("window", [-3, -4096])
+def test_a_window_that_is_not_a_positive_integer_is_refused(tiny_dirs, tmp_path: Path, window) -> None:
+    path = edit_config(tiny_dirs["tiny-mistral"], tmp_path / "w", sliding_window=window)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        ModelConfig.from_pretrained(path)

@@ -110,3 +110,75 @@ def test_rope_tables_equal_transformers_bit_for_bit(load_pair, name: str) -> Non
     half = loaded.config.head_dim // 2
     torch.testing.assert_close(cos[:, 0], hf_cos[0, :, :half], rtol=0, atol=0)
     torch.testing.assert_close(sin[:, 0], hf_sin[0, :, half:], rtol=0, atol=0)
+
+
+def _checkpoint(src: Path, dst: Path, tensors: dict | None = None, **config) -> Path:
+    """A copy of `src` with its config edited and, when given, other tensors."""
+    copy_without_weights(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    data.update(config)
+    (dst / "config.json").write_text(json.dumps(data))
+    save_file(tensors if tensors is not None else load_file(src / "model.safetensors"), dst / "model.safetensors")
+    return dst
+
+
+def test_weights_that_do_not_fit_config_json_are_refused_with_a_sentence(tiny_dirs, tmp_path) -> None:
+    """load_state_dict's and torch.cat's RuntimeErrors, and transformers' own config checks,
+    went up as tracebacks."""
+    src = tiny_dirs["tiny"]
+    tensors = load_file(src / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    narrow_q = {**tensors, q: tensors[q][:, :60].contiguous()}
+    cases = [
+        (_checkpoint(src, tmp_path / "vocab", vocab_size=1000), r"embed_tokens.weight has shape \(1024, 64\); "
+                                                                  r"config.json makes it \(1000, 64\)"),
+        (_checkpoint(src, tmp_path / "q", narrow_q), r"q_proj,k_proj,v_proj\}.weight have shapes .* do not fit"),
+        (_checkpoint(src, tmp_path / "eps", rms_norm_eps=0), "config.json: "),
+        (_checkpoint(src, tmp_path / "heads", num_attention_heads=0), "config.json: |num_attention_heads"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=f"^cannot load a model from {path}: .*{message}"):
+            load_model(path, gemm="torch")
+
+
+def test_a_stored_head_that_differs_is_kept_even_when_config_json_ties_it(tiny_dirs, tmp_path) -> None:
+    """transformers keeps a checkpoint's own head when it differs from the embedding (tied, the
+    tokens differed from the first)."""
+    src = tiny_dirs["tiny-qwen2"]
+    tensors = load_file(src / "model.safetensors")
+    head = torch.randn_like(tensors["model.embed_tokens.weight"])
+    model, config = load_model(_checkpoint(src, tmp_path / "own-head", {**tensors, "lm_head.weight": head}),
+                               gemm="torch")
+    assert config.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, head)
+    same, _ = load_model(_checkpoint(src, tmp_path / "same-head", {
+        **tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}), gemm="torch")
+    assert same.lm_head.weight is same.embed_tokens.weight
+
+
+def test_model_safetensors_is_read_alone_and_a_tensor_in_two_files_is_refused(tiny_dirs, tmp_path) -> None:
+    src = tiny_dirs["tiny"]
+    tensors = load_file(src / "model.safetensors")
+    stray = _checkpoint(src, tmp_path / "stray")
+    save_file({"other.weight": torch.zeros(2)}, stray / "consolidated.safetensors")   # another layout's file
+    save_file({k: torch.zeros_like(v) for k, v in tensors.items()}, stray / "model_old.safetensors")
+    model, _ = load_model(stray, gemm="torch")
+    assert torch.equal(model.norm.weight, tensors["model.norm.weight"])
+    shards = copy_without_weights(src, tmp_path / "shards")
+    save_file(tensors, shards / "a.safetensors")
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, shards / "b.safetensors")
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' is in two weight files"):
+        load_model(shards, gemm="torch")
+    (shards / "b.safetensors").unlink()
+    (shards / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        load_model(shards, gemm="torch")
+
+
+def test_the_rope_table_starts_short_whatever_the_configs_length(tiny_dirs, tmp_path) -> None:
+    """It was built for max_position_embeddings at load: 2^40 positions could not be allocated."""
+    model, config = load_model(_checkpoint(tiny_dirs["tiny"], tmp_path / "long", max_position_embeddings=2**40),
+                               gemm="torch")
+    assert config.max_model_len == 2**40 and model.rope.cos.shape[0] <= 8192
+    model.rope.reserve(10_000)
+    assert model.rope.cos.shape[0] == 10_000
