@@ -94,7 +94,7 @@ class _EngineState:
         yield GaugeMetricFamily("kvserve:num_requests_running", "Requests in the running batch", value=e.num_running)
         yield GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting to run (submitted ones "
                                 "included), as GetServerStats counts them",
-                                value=max(0, e.num_queued() - e.num_swapped))
+                                value=e.num_waiting_requests())
         yield GaugeMetricFamily("kvserve:num_requests_swapped", "Requests swapped to CPU pages", value=e.num_swapped)
         reachable = GaugeMetricFamily("kvserve:manager_reachable", "1 while the KV-cache manager answers")
         try:

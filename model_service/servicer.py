@@ -188,7 +188,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _waiting(self) -> int:
         """Requests here waiting to run, those submitted since the engine's last step included:
         a gateway's report then counts a request routed here before that step sees it."""
-        return max(0, self.engine.num_queued() - self.engine.num_swapped)
+        return self.engine.num_waiting_requests()
 
     def _not_serving(self) -> str:
         """Why health says NOT_SERVING (its source: engine.problem() and the drain), or ""."""

@@ -136,7 +136,8 @@ class Engine:
         self._stop = threading.Event()
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
-        self.num_running = self.num_waiting = self.num_swapped = 0
+        self.num_running = self.num_waiting = self.num_swapped = 0   # sequences (n of them a request)
+        self._running_requests = self._swapped_requests = 0          # requests with a sequence so
         self._in_flight: tuple | None = None  # (proposal, callable giving the manager's plan)
         self._resyncs = 0   # Steps refused in a row over state the engine does not hold
         self.on_step_end = on_step_end  # after each loop pass: the servicer's event relay flushes
@@ -197,23 +198,35 @@ class Engine:
             return request_id in self._cancelled
 
     def end_all(self, error: RequestFailed) -> None:
-        """Ends every request in flight with `error` (a drain past its grace period)."""
+        """Ends every request in flight with `error` (a drain past its grace period), within a
+        moment even while the engine waits on a manager that does not answer."""
         self._inbox.put(("end_all", error))
+        self.link.interrupt_wait()
 
     def num_live(self) -> int:
         """Requests submitted and not yet ended."""
         return len(self._live)
 
     def num_queued(self) -> int:
-        """Live requests not running as of the last step: waiting, swapped out, and those
-        submitted since (counted the moment submit() takes them, before any step sees them).
-        What --max-waiting bounds, and what a report of this worker's load counts as waiting."""
-        return max(0, len(self._live) - self.num_running)
+        """Live requests with no sequence running as of the last step: waiting, swapped out, and
+        those submitted since (counted the moment submit() takes them, before any step sees
+        them). What --max-waiting bounds. (Requests, not sequences: a running request of n = 4
+        hid three waiting ones.)"""
+        return max(0, len(self._live) - self._running_requests)
+
+    def num_waiting_requests(self) -> int:
+        """Queued requests none of whose sequences is swapped out: what a report of this worker's
+        load counts as waiting."""
+        return max(0, self.num_queued() - self._swapped_requests)
 
     def problem(self) -> str | None:
         """Why this engine cannot make progress now (for readiness), or None."""
         if self.link.superseded_by is not None or self.link.lost_since is not None:
             return self._why_unavailable()
+        quiet = self.link.quiet_for()
+        if quiet is not None and quiet >= self.link.timeout_s:   # idle: found by the watchdog's probes
+            return (f"the KV-cache manager at {self.link.kv.address} has not answered for {quiet:.0f} s; "
+                    "this worker cannot serve until it does")
         return self._stall()
 
     def stalled(self) -> str | None:
@@ -241,7 +254,10 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self.link.lost:
-                self._while_lost()
+                try:
+                    self._while_lost()
+                except Exception:   # a bug: the thread must not die with requests waiting on it
+                    self._internal_error("waiting for the KV-cache manager failed")
                 continue
             self._take_inbox(block=not self._has_work())
             if self._has_work():
@@ -347,6 +363,8 @@ class Engine:
         if self.link.superseded_by is not None:
             return (f"this model service no longer serves: another one registered with its KV-cache "
                     f"manager at {address}")
+        if self.link.refusal:   # (it names the manager and why)
+            return f"{self.link.refusal}; this worker cannot serve until a manager that takes it is there"
         lost = self.link.lost_since
         for_how_long = f" for {time.monotonic() - lost:.0f} s" if lost is not None else ""
         return (f"the KV-cache manager at {address} has been unreachable{for_how_long}; "
@@ -609,6 +627,9 @@ class Engine:
         sched = self.scheduler
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
+        running = {id(_owner(r)) for r in sched.running}
+        self._running_requests = len(running)
+        self._swapped_requests = len({id(_owner(r)) for r in sched.swapped} - running)
 
 
 def _format_complete(r: Request, token: int) -> bool:
@@ -634,6 +655,11 @@ def asks_nothing(step: StepRequest) -> bool:
     """True when the manager's answer to `step` is known: no need, commit, release, truncation
     or slide, so its plan grants nothing, moves nothing and changes no page."""
     return not (step.needs or step.commits or step.releases or step.truncations or step.slides)
+
+
+def _owner(request: Request) -> Request:
+    """The request a sequence is of: itself, or its family's parent when it samples n > 1."""
+    return request if request.family is None else request.family.parent
 
 
 def _members(request: Request) -> list[Request]:

@@ -20,6 +20,7 @@ from kvserve.kvcache_service.contract.errors import FailedPrecondition, KVCacheE
 log = logging.getLogger(__name__)
 
 RETRY_WAIT_S = 0.5   # one reconnection attempt waits this long: the engine reads its inbox between
+PROBE_TIMEOUT_S = 1.0   # an idle engine's check that the manager still answers
 
 
 class ManagerLink:
@@ -37,6 +38,8 @@ class ManagerLink:
         self._waiting_since: float | None = None   # a Step's answer is awaited since
         self._overdue_since: float | None = None   # the start of the wait the watchdog ended
         self._lock = threading.Lock()          # the engine thread waits, the watchdog interrupts
+        self.refusal = ""                      # why the manager refused our last Register, if it did
+        self.quiet_since: float | None = None  # an idle engine's probes have gone unanswered since
 
     # ------------------------------------------------------------ engine thread
 
@@ -52,7 +55,9 @@ class ManagerLink:
         with self._lock:
             self._waiting_since = self.clock()
         try:
-            return plan_of()
+            plan = plan_of()
+            self.quiet_since = None
+            return plan
         finally:
             with self._lock:
                 self._waiting_since = None
@@ -76,7 +81,12 @@ class ManagerLink:
             log.error("another model service registered with the KV-cache manager at %s (epoch %s); "
                       "this one stops using it and serves nothing more", self.kv.address, self.superseded_by)
             return False
-        self.lost_since, self.long_loss = None, False
+        except KVCacheError as exc:   # a manager that refuses this engine (another pool size): the loss
+            if str(exc) != self.refusal:   # goes on, and turns long; said once, not every attempt
+                self.refusal = str(exc)
+                log.error("%s; waiting for a manager that takes it", exc)
+            return False
+        self.lost_since, self.long_loss, self.refusal, self.quiet_since = None, False, "", None
         return True
 
     def loss_is_long(self) -> bool:
@@ -114,6 +124,30 @@ class ManagerLink:
                     self.kv.address, self.clock() - since)
         self.kv.interrupt()
         return True
+
+    def probe(self) -> None:
+        """While the engine is idle (it sends no Step, so nothing else would notice): whether the
+        manager still answers, for health (quiet_for)."""
+        try:
+            self.kv.stats(PROBE_TIMEOUT_S)
+        except KVCacheError:
+            if self.quiet_since is None:
+                self.quiet_since = self.clock()
+            return
+        self.quiet_since = None
+
+    def quiet_for(self) -> float | None:
+        """Seconds an idle engine's probes have gone unanswered, or None."""
+        since = self.quiet_since
+        return None if since is None else self.clock() - since
+
+    def interrupt_wait(self) -> None:
+        """Ends a wait for a Step's answer now, if one is under way (a drain that must end the
+        streams within its grace period, whatever the manager is doing)."""
+        with self._lock:
+            if self._waiting_since is None:
+                return
+        self.kv.interrupt()
 
     def _live_epoch(self) -> int | None:
         try:

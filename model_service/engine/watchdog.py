@@ -1,6 +1,8 @@
 """Is the engine making progress? The engine thread notes where it is (Progress); a watchdog
-thread reads that, ends a Step wait the manager has let run past its timeout, and logs a stalled
-engine with the phase and step it is stuck in. Health (engine.problem()) reads the same notes.
+thread reads that, ends a Step wait the manager has let run past its timeout, logs a stalled
+engine with the phase and step it is stuck in, and while the engine is idle (no Step would notice
+a dead manager) asks the manager now and then whether it still answers. Health
+(engine.problem()) reads the same notes.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class Progress:
 
 class Watchdog:
     def __init__(self, progress: Progress, link: ManagerLink, busy: Callable[[], bool],
-                 stall_timeout_s: float, period_s: float = 0.25) -> None:
+                 stall_timeout_s: float, period_s: float = 0.25, probe_every_s: float = 2.0) -> None:
         self.progress = progress
+        self.probe_every_s = probe_every_s   # an idle engine's manager is asked if it still answers
+        self._probed_at = 0.0
         self.link = link
         self.busy = busy
         self.stall_timeout_s = stall_timeout_s
@@ -67,6 +71,10 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             self.link.interrupt_if_overdue()
+            now = time.monotonic()
+            if not self.busy() and not self.link.lost and now - self._probed_at >= self.probe_every_s:
+                self._probed_at = now
+                self.link.probe()
             stalled = self.progress.stalled_for(self.busy(), self.stall_timeout_s)
             if stalled is not None and not self._reported:
                 log.warning("the engine has computed nothing for %.1f s with requests in flight; it is "

@@ -6,7 +6,8 @@ one's place. While `down` is set, every call fails the same way, as an unreachab
 A hung Step is never answered until the engine interrupts it, as a stopped process's.
 meddle_at_steps: before the engine's n-th Step reaches the manager, a function changes the
 manager's tables as another client of its API could (release a live sequence, admit a request id
-of its own); refuse_from_step: every Step from the n-th on is refused (a fault that persists).
+of its own); refuse_from_step: every Step from the n-th on is refused (a fault that persists);
+refuse_register: every Register is refused (a manager started with another pool size).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import threading
 
 from kvserve.kvcache_service.contract.client import InProcessKVClient
-from kvserve.kvcache_service.contract.errors import ManagerUnavailable, NotFound
+from kvserve.kvcache_service.contract.errors import InvalidArgument, ManagerUnavailable, NotFound
 from kvserve.kvcache_service.core.manager import KVCacheManager
 
 
@@ -28,6 +29,7 @@ class FlakyKV:
         self.hang_at_steps: set[int] = set()      # never answer that Step (a stopped process)
         self.meddle_at_steps: dict = {}           # n -> fn(manager), run before the n-th Step
         self.refuse_from_step: int | None = None  # refuse every Step from the n-th on
+        self.refuse_register = ""                 # set: every Register is refused with this reason
         self.down = threading.Event()
         self._interrupted = threading.Event()
         self.steps = 0
@@ -46,6 +48,8 @@ class FlakyKV:
         return ManagerUnavailable(f"the KV-cache manager at {self.address} did not answer (UNAVAILABLE)")
 
     def register(self, epoch, page_size, num_pages, timeout_s=None) -> None:
+        if self.refuse_register:   # a manager of another pool size, say
+            raise InvalidArgument(self.refuse_register)
         if self.down.is_set():
             if timeout_s:
                 self.down.wait(0)   # a real client waits up to timeout_s for the channel

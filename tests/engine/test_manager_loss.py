@@ -271,3 +271,83 @@ def test_a_refusal_that_persists_is_a_fault_of_the_engines_own(tiny_dirs):
         wait([h.submit(PROMPTS[0], 4)])
     finally:
         h.close()
+
+
+def test_a_manager_that_refuses_this_engine_ends_its_requests_and_the_engine_lives_on(tiny_dirs):
+    """A manager back with another pool size refuses Register (INVALID_ARGUMENT): the engine
+    thread died of it, and nothing served again, nor ended the streams."""
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=0.5, **CONFIG)
+    try:
+        kv = box["kv"]
+        kv.refuse_register = "num_pages 2048 does not match the manager's 1024"
+        kv.kill()   # the Step in flight breaks; the manager that comes back refuses us
+        outcomes = [h.submit(p, 200) for p in PROMPTS[:3]]
+        for o in outcomes:
+            assert o.done.wait(30), "a request hung on a manager that refuses the engine"
+            assert "num_pages 2048 does not match" in o.failure
+        assert "does not match" in h.engine.problem() and h.engine._thread.is_alive()
+        kv.refuse_register = ""
+        wait_until(lambda: h.engine.problem() is None, what="the engine registered with a manager that takes it")
+        again = h.submit(PROMPTS[0], 4)
+        wait([again])
+        assert len(again.tokens) == 4
+    finally:
+        h.close()
+
+
+def test_an_idle_engine_notices_a_manager_that_stopped_answering(tiny_dirs):
+    """No Step goes out while idle: health said SERVING for ever after the manager died."""
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=0.5, **CONFIG)
+    try:
+        h.run(PROMPTS[:1], 4)
+        h.stats()   # idle: the finished request's pages back, no Step left to send
+        box["kv"].down.set()
+        wait_until(lambda: h.engine.problem() is not None, timeout=15, what="the idle engine to notice")
+        assert "has not answered for" in h.engine.problem()
+        box["kv"].down.clear()
+        wait_until(lambda: h.engine.problem() is None, timeout=15, what="the manager answering again")
+        assert len(h.run(PROMPTS[:1], 4)[0].tokens) == 4
+    finally:
+        h.close()
+
+
+def test_ending_every_request_does_not_wait_for_a_manager_that_does_not_answer(tiny_dirs):
+    """A drain past its grace period ends the streams at once, though the engine waits on a
+    Step the manager never answers (it waited out --manager-timeout)."""
+    import time
+
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=60, **CONFIG)
+    try:
+        kv = box["kv"]
+        outcome = h.submit(PROMPTS[2], 500)
+        wait_until(lambda: kv.steps >= 3, what="the request running")
+        kv.hang_at_steps.add(kv.steps + 1)
+        wait_until(lambda: h.engine.link._waiting_since is not None and kv.steps in kv.hang_at_steps,
+                   what="a Step hanging")
+        start = time.monotonic()
+        h.engine.end_all(Unavailable("the server shut down"))
+        assert outcome.done.wait(10) and time.monotonic() - start < 5
+        assert outcome.failure == "the server shut down"
+    finally:
+        h.close()
+
+
+def test_a_running_request_of_n_sequences_hides_no_waiting_request(tiny_dirs):
+    """--max-waiting counts requests: a running request of n = 4 counted as four, and let three
+    more wait than the limit allows (and the load report said one)."""
+    from kvserve.model_service.engine.errors import QueueFull
+    h = EngineHarness(tiny_dirs["tiny"], max_num_seqs=4, max_waiting=1, page_size=4)
+    try:
+        family = h.submit(PROMPTS[3], 400, n=4, temperature=1.0, seed=3)
+        wait_until(lambda: h.engine.num_running == 4, what="the four sequences running")
+        waiting = h.submit(PROMPTS[0], 4)
+        assert h.engine.num_queued() == 1 and h.engine.num_waiting_requests() == 1
+        with pytest.raises(QueueFull):
+            h.submit(PROMPTS[1], 4)
+        h.engine.cancel(family.request_id)
+        wait([waiting])
+    finally:
+        h.close()
