@@ -352,7 +352,8 @@ class Engine:
             log.info("the KV-cache manager at %s is back (epoch %d); re-admitting %d requests",
                      self.link.kv.address, self.link.epoch, len(self.scheduler.waiting))
             self.progress.advanced()
-        elif self.link.loss_is_long() or self.link.superseded_by is not None:
+        elif self.link.loss_is_long() or self.link.superseded_by is not None or (self.link.long_loss and self._live):
+            # (the last: a request submit() took as the loss turned long, which nothing else would end)
             self._fail_all(Unavailable(self._why_unavailable()))
         if self.link.superseded_by is not None:
             self._stop.wait(0.5)   # nothing more to try; the inbox is read for cancels

@@ -57,6 +57,8 @@ class ManagerLink:
         try:
             plan = plan_of()
             self.quiet_since = None
+            with self._lock:   # a watchdog that gave up on this wait as the answer came: no loss
+                self._overdue_since = None
             return plan
         finally:
             with self._lock:

@@ -1,0 +1,51 @@
+"""ManagerLink's bookkeeping with a clock of the test's own: when a loss dates from."""
+
+from __future__ import annotations
+
+from kvserve.model_service.engine.manager_link import ManagerLink
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class QuietKV:
+    address = "kv"
+
+    def interrupt(self) -> None:
+        pass
+
+
+def test_a_watchdog_giving_up_as_the_answer_came_leaves_no_loss_behind():
+    """The watchdog ended a wait just as its answer came: the next loss, much later, was dated
+    back to that wait and so declared long at once."""
+    clock = Clock()
+    link = ManagerLink(QuietKV(), page_size=4, num_pages=8, timeout_s=5.0, clock=clock)
+
+    def answered_late():
+        clock.now += 6.0   # past the timeout: the watchdog gives up on this wait ...
+        assert link.interrupt_if_overdue()
+        return "plan"      # ... as the answer arrives
+    assert link.wait_for_plan(answered_late) == "plan"
+    clock.now += 600.0
+    link.lose()   # a loss of its own, later
+    assert link.lost_since == clock.now and not link.loss_is_long()
+
+
+def test_a_wait_the_watchdog_ended_dates_the_loss():
+    clock = Clock()
+    link = ManagerLink(QuietKV(), page_size=4, num_pages=8, timeout_s=5.0, clock=clock)
+
+    def never():
+        clock.now += 6.0
+        assert link.interrupt_if_overdue()
+        raise ConnectionError("interrupted")
+    try:
+        link.wait_for_plan(never)
+    except ConnectionError:
+        link.lose()
+    assert link.lost_since == 100.0   # when the unanswered wait began
