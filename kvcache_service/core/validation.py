@@ -147,11 +147,15 @@ def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, ava
                         forecast: release.DropForecast | None = None) -> int:
     """Raises unless a truncation finds the page its copy may need, given `available` pages
     before it runs (and the drops `forecast` has seen). Returns the pages available after it."""
+    forecast = forecast if forecast is not None else release.DropForecast(state)
     available += release.truncate_gain(state, seq, num_tokens, forecast)
     cost = release.truncate_cost(state, seq, num_tokens)
     if cost > available:
         raise ResourceExhausted(f"truncating seq id {seq.seq_id} needs {cost} page for the copy of its "
                                 f"last page, {available} available")
+    if cost:   # the copy takes the old last page's place: its reference goes, after the take
+        keep = -(-(len(seq.tokens) - num_tokens) // state.page_size)
+        available += forecast.drop(seq.pages[keep - 1])
     return available - cost
 
 

@@ -66,3 +66,19 @@ def test_resume_preempted_in_its_step_publishes_nothing():
     check_invariants(m.state)
     # Re-admitting the prompt must compute it, not hit garbage.
     assert m.match_prefix(a_tokens)[0] == 0
+
+
+def test_a_truncations_copy_frees_its_old_last_page_for_the_next_truncation():
+    """A copy takes the old last page's place, whose reference then goes: room for the next
+    truncation's copy in the same Step (validation left it out, and refused what fits)."""
+    m = KVCacheManager(ManagerConfig(num_pages=6, page_size=4, max_seqs=4))
+    (x,) = m.step(StepRequest(needs=[Admit("x", list(range(12)))])).results    # 3 pages
+    (y,) = m.step(StepRequest(needs=[Admit("y", list(range(50, 58)))])).results  # 2 pages
+    m.step(StepRequest(commits=[Commit(x.seq_id, 12), Commit(y.seq_id, 8)]))     # all full: tree nodes
+    m.step(StepRequest(needs=[Admit("f", [99])]))                                 # the last page
+    assert m.state.available() == 0
+    # x down to 7 tokens: its page 2 parks (room for the copy of page 1), then page 1 parks too;
+    # y down to 6 tokens: the copy of its page 1 takes that room
+    plan = m.step(StepRequest(truncations=[Truncation(x.seq_id, 5), Truncation(y.seq_id, 2)]))
+    assert len(plan.copies) == 2
+    check_invariants(m.state)
