@@ -235,7 +235,7 @@ class Front:
                     if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
                         yield sse(reply.choice_chunk(event.chunk.text, index=event.index,
                                                      logprobs=event.chunk.logprobs))
-                elif event.HasField("prefill_done"):   # an echo: every choice begins with the prompt
+                elif event.HasField("prefill_done"):   # the prompt: its logprobs (vLLM's), an echo
                     reply.prefill_done(event.prefill_done)
                     if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first
                         yield b"".join(sse(reply.prompt_logprobs_chunk(index))
