@@ -74,15 +74,19 @@ class LoadBoard:
         """The smallest page size on the board: requests are hashed and matched in it."""
         return min(s.page_size for s in self._shapes) if self._shapes else None
 
-    def never_fits(self, prompt_tokens: int) -> str | None:
-        """Why no worker on the board could ever take a prompt of `prompt_tokens` (None: one
-        could, or the board is empty and nothing is known yet), as the workers would say it."""
+    def never_fits(self, prompt_tokens: int, length: int = 0) -> str | None:
+        """Why no worker on the board could ever take a prompt of `prompt_tokens`, `length` tokens
+        with its output (None: one could, or the board is empty and nothing is known yet), as the
+        workers would say it."""
         if not self._shapes:
             return None
         longest = max(s.max_model_len for s in self._shapes)
         if longest and prompt_tokens >= longest:
             return (f"the prompt has {prompt_tokens} tokens; the model length is {longest}, which leaves no "
                     "room for output")
+        if longest and length > longest:
+            return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
+                    f"the model length {longest}")
         if all(s.num_pages and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):
             most = max(s.num_pages * s.page_size for s in self._shapes)
             return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {most}"

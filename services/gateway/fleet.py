@@ -114,9 +114,10 @@ class Fleet:
     def page_size(self) -> int | None:
         return self.board.page_size
 
-    def never_fits(self, prompt_tokens: int) -> str | None:
-        """Why no serving worker could ever take a prompt this long; None when one could."""
-        return self.board.never_fits(prompt_tokens)
+    def never_fits(self, prompt_tokens: int, length: int = 0) -> str | None:
+        """Why no serving worker could ever take a prompt this long, with `length` tokens in all;
+        None when one could."""
+        return self.board.never_fits(prompt_tokens, length)
 
     def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None) -> list[int]:
         """The pages' hashes as the worker computes them: the same salt, the same tenant (pages of
@@ -124,7 +125,9 @@ class Fleet:
         ps = page_size or self.page_size
         return page_hashes(ids, ps, extra_key=tenant_extra_key(self.cache_salt, tenant)) if ps and ids else []
 
-    def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None) -> Choice | None:
+    def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None,
+               length: int = 0) -> Choice | None:
+        """The worker for a request of prompt `ids`, `length` tokens in all with its output."""
         ps = self.page_size
         if ps is None:
             return None
@@ -136,7 +139,7 @@ class Fleet:
         else:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
-        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack)
+        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length)
         if self.routing == "cache":
             choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid)
         else:

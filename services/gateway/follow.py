@@ -92,6 +92,7 @@ class Follower:
         self.pushed = True   # the worker pushes its load (WatchServerStats); False: it is polled
         self._events: asyncio.Task | None = None
         self._load: asyncio.Task | None = None
+        self._events_stopped = False
 
     def start(self) -> None:
         name = self.worker.address
@@ -101,6 +102,9 @@ class Follower:
     async def stop_events(self) -> None:
         """Its cache routes nothing more: the event stream ends and its pages leave the index. Its
         load is still watched, so that streams still running there move if it fails."""
+        if self._events_stopped:   # once: the address may be another worker's by now (re-added)
+            return
+        self._events_stopped = True
         await _cancel(self._events)
         self.index.drop(self.worker.address)
 

@@ -47,6 +47,20 @@ def _too_large(exc: grpc.aio.AioRpcError) -> bool:
         exc.details() or "")
 
 
+def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
+    """The finish reason when a worker refused a continuation this gateway made because the
+    tokens it carries had already ended the sequence (request_builder's refusals of one), else
+    None: the worker that failed had sent its last token but not its end."""
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    details = exc.details() or ""
+    if "leaves none to generate" in details or "fill the model length" in details:
+        return pb.FINISH_REASON_LENGTH
+    if "nothing left to generate" in details:   # a stop condition, or a completed format
+        return pb.FINISH_REASON_STOP
+    return None
+
+
 def renamed(request_id: str) -> str:
     """A moved request's id once another request holds it at the worker: a random suffix, within
     the length a worker allows."""
@@ -75,6 +89,7 @@ class Relay:
         self.ids = ids
         self.migration_limit = migration_limit
         self.worker: Worker | None = None     # the worker streaming it now
+        self.routed = False                   # some worker has taken it (it holds or held room there)
         self.cancelled = False                # Cancel(request_id) while it waited
         self.ended: str | None = None         # the gateway is stopping: end with this, UNAVAILABLE
         self._call = None
@@ -156,13 +171,18 @@ class Relay:
                     yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ABORT, usage=usage),
                                               index=i)
 
+        # what a worker's model length must hold: the prompt and every token it may generate (the
+        # continuation's among them), or at least one (a fleet may mix --max-model-len)
+        sampling = self.request.sampling
+        length = len(self.ids) + (sampling.max_tokens if sampling.HasField("max_tokens") else 1)
+
         def route() -> Choice | None:
-            why = fleet.never_fits(len(self.ids))   # a queue's head that no worker can take would stall it
+            why = fleet.never_fits(len(self.ids), length)   # a queue's head that no worker can take would stall it
             if why is not None and prefill_sent:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
-            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid)
+            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length)
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size
@@ -178,11 +198,12 @@ class Relay:
             # A moved stream waits at the head of the queue, and its client is not told: to it the
             # stream only pauses.
             # closed on the way out, so that it leaves the queue even if run() is closed while it waits
-            async with aclosing(self._acquire(route, front=prefill_sent)) as acquired:
+            moved = prefill_sent or moves > 0
+            async with aclosing(self._acquire(route, front=moved)) as acquired:
                 async for item in acquired:
                     if isinstance(item, Choice):
                         choice = item
-                    elif not prefill_sent:
+                    elif not moved:
                         yield item
             if choice is None:   # cancelled while it waited
                 for response in aborted():
@@ -196,7 +217,7 @@ class Relay:
                 msg.continuation.ids.extend(earlier + streamed.get(0, []))
             if prefill_sent:   # the client has the prompt's logprobs: not computed again (nor the cache skipped)
                 msg.sampling.ClearField("prompt_logprobs")
-            self.worker, self._moved = worker, False
+            self.worker, self._moved, self.routed = worker, False, True
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
@@ -228,6 +249,12 @@ class Relay:
                     renames += 1
                     self.request_id = renamed(self.request_id)
                     continue
+                reason = _already_ended(exc) if (moves or self._resumed) else None
+                if reason is not None:   # the worker failed between the sequence's last token and its end
+                    usage = pb.Usage(prompt_tokens=len(self.ids), cached_tokens=first_cached,
+                                     completion_tokens=len(earlier) + len(streamed.get(0, [])))
+                    yield pb.GenerateResponse(finished=pb.Finished(finish_reason=reason, usage=usage), index=0)
+                    return
                 if _too_large(exc) and not self._moved:   # as large at any worker: no move helps
                     raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \
                         from None
@@ -291,7 +318,9 @@ class Relay:
                 msg.sampling.seed = child_seed(msg.sampling.seed, i)
             del msg.continuation.ids[:]
             msg.continuation.ids.extend(streamed.get(i, []))
-            suffix = f".{i}"   # the worker's id for it, within the length a worker allows
+            # the worker's id for it, within the length a worker allows, and random: a client could
+            # send `<id>.<i>` of its own
+            suffix = f".{i}.{uuid.uuid4().hex[:8]}"
             part_id = self.request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
             part = Relay(self.fleet, msg, part_id, self.ids, moves_left, self.no_worker_timeout_s, self.tenant,
                          resumed=True, avoid=failed)

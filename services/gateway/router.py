@@ -46,16 +46,18 @@ class Policy:
     overlap_weight: float = 1.0
     worker_queue_depth: int = 2
     balance_slack: int = 4
+    length: int = 0   # the request's prompt and output together: a worker's model must hold it
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
     """Room for a request now: serving, its queue not full, pages enough, and a model length that
-    leaves the prompt room for output (a fleet may mix --max-model-len)."""
+    holds the prompt and its output (a fleet may mix --max-model-len)."""
     ld, info = w.load, w.info
     batch = info.max_num_seqs if info is not None and info.max_num_seqs else 1
     longest = info.max_model_len if info is not None else 0
     return (w.state == SERVING and w.active < batch + policy.worker_queue_depth
-            and ld.free_pages + ld.cached_pages >= pages_needed and (not longest or prompt_tokens < longest))
+            and ld.free_pages + ld.cached_pages >= pages_needed
+            and (not longest or max(prompt_tokens + 1, policy.length) <= longest))
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,

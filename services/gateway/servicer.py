@@ -81,7 +81,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             del self.relays[tenant, request_id]
             if ended is not None:
                 self.fleet.ended[ended] += 1
-            self.fleet.queue.stream_ended()
+            if relay.routed:   # room freed at a worker: what the queue's wait estimate counts
+                self.fleet.queue.stream_ended()
 
     def _tenant(self, context) -> str:
         if self.keys is None:

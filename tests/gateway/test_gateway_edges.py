@@ -227,7 +227,8 @@ def test_a_request_of_n_sequences_moves_as_one_request_per_unfinished_sequence(t
     assert all(f.usage.cached_tokens == 2 for f in ends.values())
     assert [f.usage.completion_tokens for f in (ends[0], ends[1], ends[2])] == [6, 2, 6]
     parts = sorted(other.requests, key=lambda r: r.request_id)
-    assert [r.request_id for r in parts] == ["r.0", "r.2"]
+    # ids a client cannot pick: `<id>.<i>.<8 hex>` (`r.0` of the client's own met a part there)
+    assert [re.fullmatch(r"r\.(\d)\.[0-9a-f]{8}", r.request_id)[1] for r in parts] == ["0", "2"]
     assert [(r.sampling.n, r.sampling.seed) for r in parts] == [(1, 7), (1, child_seed(7, 2))]
     assert not any(r.sampling.HasField("prompt_logprobs") for r in parts)   # the client had them
     assert [list(r.continuation.ids) for r in parts] == [want[0][:3], want[2][:3]]
@@ -249,7 +250,7 @@ def test_a_cancel_reaches_every_part_of_a_split_request(tiny_dirs):
     aborted = sorted(e.index for e in rest if e.HasField("finished"))
     assert aborted == [0, 2] and all(e.finished.finish_reason == pb.FINISH_REASON_ABORT
                                      for e in rest if e.HasField("finished"))
-    assert sorted(slow.cancels) == ["c.0", "c.2"]
+    assert [re.fullmatch(r"c\.(\d)\.[0-9a-f]{8}", c)[1] for c in sorted(slow.cancels)] == ["0", "2"]
     wait_until(lambda: slow.calls_cancelled == 2, what="both calls to the worker ended")
 
 
@@ -283,21 +284,26 @@ class HoldingWorker(SamplingWorker):
             yield response
 
 
-def test_a_part_whose_id_another_request_holds_goes_on_under_a_fresh_one(tiny_dirs):
-    """The worker a split goes on at already runs a request of its own named `r.2` (another
-    client's id): that part goes on under a fresh id instead of ending the client's call
-    ALREADY_EXISTS, and without spending a move."""
+def test_a_part_whose_id_another_request_holds_goes_on_under_a_fresh_one(tiny_dirs, monkeypatch):
+    """The worker a split goes on at already runs a request of that part's id: that part goes
+    on under a fresh id instead of ending the client's call ALREADY_EXISTS, and without spending
+    a move. (Part ids are random; here the ones drawn are known.)"""
+    import uuid
+
+    from kvserve.services.gateway import relay
+    drawn_ids = iter(range(1, 100))
+    monkeypatch.setattr(relay.uuid, "uuid4", lambda: uuid.UUID(int=next(drawn_ids) << 96))
     failing = SamplingWorker(cached_tokens=0, fail_at=3)
-    other = HoldingWorker({"r.2"}, cached_tokens=0, running=3)
+    other = HoldingWorker({"r.2.00000002"}, cached_tokens=0, running=3)
     with scripted_fleet(tiny_dirs, failing, other, migration_limit=1) as (_, stub, _):
         msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6)
         events = list(stub.Generate(msg, timeout=30))
     want = {i: [drawn(child_seed(7, i), k) for k in range(2 if i == 1 else 6)] for i in range(3)}
     assert by_index(events) == want
     ids = [r.request_id for r in other.requests]
-    assert sorted(ids)[:2] == ["r.0", "r.2"] and len(ids) == 3
-    (fresh,) = [i for i in ids if i not in ("r.0", "r.2")]
-    assert re.fullmatch(r"r\.2\.[0-9a-f]{8}", fresh)
+    assert sorted(ids)[:2] == ["r.0.00000001", "r.2.00000002"] and len(ids) == 3
+    (fresh,) = [i for i in ids if i not in ("r.0.00000001", "r.2.00000002")]
+    assert fresh == "r.2.00000002.00000003"
 
 
 def test_a_split_request_ends_unavailable_when_a_part_runs_out_of_moves(tiny_dirs):
@@ -543,3 +549,107 @@ def test_a_request_larger_than_the_workers_take_is_refused_once_and_moves_nowher
             assert reply.status == 413 and b"larger than 40960 bytes" in reply.read()
         finally:
             conn.close()
+
+
+class EndlessWorker(ScriptedWorker):
+    """Streams every token of a request (max_tokens of them) and fails before its finished."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(request_id=request.request_id, prompt_tokens=3))
+        for k in range(request.sampling.max_tokens):
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[10 + k]))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+
+class StrictWorker(ScriptedWorker):
+    """Refuses a continuation that leaves nothing to generate, as a worker's request builder does."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if len(request.continuation.ids) >= request.sampling.max_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the continuation has {len(request.continuation.ids)} tokens; max_tokens "
+                                f"({request.sampling.max_tokens}) leaves none to generate")
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(request_id=request.request_id, prompt_tokens=3))
+
+
+def test_a_worker_failing_between_the_last_token_and_its_end_ends_the_stream_as_it_would_have(tiny_dirs):
+    """Every token was streamed, the finished was not: the next worker refuses a continuation
+    that leaves nothing to generate, and that refusal reached the client as INVALID_ARGUMENT
+    for a complete answer. The gateway ends the stream itself, with the usage."""
+    endless = EndlessWorker(running=0)
+    strict = StrictWorker(running=3)   # busier: the request goes to the endless worker first
+    with scripted_fleet(tiny_dirs, endless, strict) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0), timeout=30))
+    assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == [10, 11, 12, 13]
+    (end,) = [e.finished for e in events if e.HasField("finished")]
+    assert end.finish_reason == pb.FINISH_REASON_LENGTH and end.usage.completion_tokens == 4
+    assert end.usage.prompt_tokens == 3 and len(strict.requests) == 1
+
+
+
+class PrefillFailure(ScriptedWorker):
+    """Fails every request UNAVAILABLE before its prefill_done (its process died mid-prefill)."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await asyncio.sleep(1.5)   # a load report (a heartbeat a second) comes first
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+
+def test_a_request_moved_before_its_prefill_done_waits_at_the_head_of_the_queue(tiny_dirs):
+    """Moved before any event of the worker reached its client, it went to the back of the
+    queue as a new request would, or was refused RESOURCE_EXHAUSTED by a full one."""
+    failing = PrefillFailure(running=5)   # room for one more request (4 in a batch + 2 queued)
+    busy = ScriptedWorker(running=10)     # no room until the test makes some
+    with scripted_fleet(tiny_dirs, failing, busy, max_queued=1) as (gateway, stub, _):
+        moved = stub.Generate(request(token_ids=[1, 2, 3], request_id="moved", max_tokens=4), timeout=30)
+        wait_until(lambda: len(failing.requests) == 1, what="the first request at the failing worker")
+        failing.running = 6   # full from its next report on: the moved request cannot go back there
+        later = stub.Generate(request(token_ids=[4, 5, 6], request_id="later", max_tokens=4), timeout=30)
+        wait_until(lambda: len(gateway.fleet.queue) == 1, what="the later request queued")
+        wait_until(lambda: gateway.fleet.migrations == 1, what="the first request moved")
+        wait_until(lambda: len(gateway.fleet.queue) == 2, what="the moved request waiting again")
+        busy.running = 0
+        moved_events, later_events = list(moved), list(later)
+    assert [r.request_id for r in busy.requests] == ["moved", "later"]   # the moved one first
+    assert moved_events[-1].HasField("finished") and later_events[-1].HasField("finished")
+    assert not any(e.HasField("queued") for e in moved_events)   # to its client the stream only paused
+
+
+def test_refused_requests_are_not_taken_for_room_freed_at_a_worker(tiny_dirs):
+    """The queue's wait estimate counts streams that ended at a worker; refusals counted too and
+    told a waiting client its turn was a millisecond away while no worker had served anything."""
+    busy = ScriptedWorker(running=10)   # no room
+    with scripted_fleet(tiny_dirs, busy, max_queued=1) as (gateway, stub, _):
+        waiting = stub.Generate(request(token_ids=[1, 2, 3], request_id="w", max_tokens=4), timeout=30)
+        assert next(waiting).HasField("queued")
+        for i in range(5):
+            err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2], max_tokens=2), timeout=10)))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        queue = gateway.fleet.queue
+        assert len(queue._ends) == 0 and queue.eta_ms(1) == 0   # no estimate yet: nothing ran
+        stub.Cancel(pb.CancelRequest(request_id="w"), timeout=10)
+        list(waiting)
+        assert len(queue._ends) == 0   # cancelled while queued: it freed no worker's room
+
+
+def test_a_worker_removed_then_added_again_keeps_its_new_pages_in_the_index():
+    """The old worker's follower, stopped once its last stream ended, dropped the index entries
+    of the address again: the new worker's, whose event stream (live) never sent them again."""
+    from types import SimpleNamespace
+
+    from kvserve.services.gateway.follow import Follower
+    from kvserve.services.gateway.index import PrefixIndex
+
+    async def run():
+        index = PrefixIndex()
+        old = Follower(SimpleNamespace(address="w:1"), index, "", 1.0, lambda: None, lambda w: None)
+        index.add("w:1", [11, 12])
+        await old.stop_events()             # removed: its pages leave the index
+        assert index.pages_of("w:1") == 0
+        index.add("w:1", [21, 22, 23])      # added again: the new worker's snapshot
+        await old.stop()                    # the old one's last stream ended
+        return index.pages_of("w:1")
+    assert asyncio.run(run()) == 3

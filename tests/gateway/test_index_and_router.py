@@ -207,6 +207,20 @@ def test_a_prompt_goes_only_to_workers_whose_model_length_leaves_it_room():
     from kvserve.services.gateway.router import choose_blind
     assert {choose_blind([short, long_], 40, POLICY, "round-robin", t, None).worker.address for t in range(4)} == \
         {"long"}
+    # the prompt fits both, its output only the long one (a fleet may mix --max-model-len)
+    wants = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, length=508)
+    assert choose([short, long_], {"short": 2}, 8, wants, b"k").worker is long_
+    assert choose_blind([short, long_], 8, wants, "round-robin", 0, None).worker is long_
+
+
+def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would():
+    board = LoadBoard()
+    for name, length in (("a", 256), ("b", 512)):
+        w = worker(name)
+        w.info.max_model_len = length
+        board.add(w)
+    assert board.never_fits(8, 500) is None
+    assert board.never_fits(8, 600) == "prompt (8 tokens) + max_tokens (592) = 600 exceeds the model length 512"
 
 
 def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():
