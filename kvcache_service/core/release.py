@@ -73,14 +73,16 @@ def release(state: ManagerState, seq: Sequence, defer_id: bool = False) -> tuple
     return freed, cached
 
 
-def truncate_cost(state: ManagerState, seq: Sequence, num_tokens: int) -> int:
-    """1 when the new last page is partial and shared (it must be copied), else 0."""
+def truncate_cost(state: ManagerState, seq: Sequence, num_tokens: int, forecast: DropForecast | None = None) -> int:
+    """1 when the new last page is partial and shared (it must be copied), else 0; shared as it
+    will be after the drops `forecast` has seen (a Step's earlier releases and truncations)."""
     new_len = len(seq.tokens) - num_tokens
     keep = -(-new_len // state.page_size)
     if new_len % state.page_size == 0 or keep > len(seq.pages):
         return 0
     last = seq.pages[keep - 1]
-    return 1 if (state.tree.is_node(last) or state.pool.ref[last] > 1) else 0
+    refs = state.pool.ref[last] - (forecast.refs.get(last, 0) if forecast is not None else 0)
+    return 1 if (state.tree.is_node(last) or refs > 1) else 0
 
 
 def release_gain(forecast: DropForecast, seq: Sequence) -> int:

@@ -101,10 +101,10 @@ class _Step:
             return NeedResult(True, need.seq_id, [])
         if n <= state.available():   # fits without preempting anybody: the common case, kept short
             return NeedResult(True, need.seq_id, state.grow(seq, need.num_tokens))
-        room = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
-        if n > room:   # no preemption could make room: nobody is preempted for it
-            return NeedResult(False, need.seq_id, reason=f"needs {n} more pages; the pool holds {room} beside "
-                              "the sequence's own, even with every other sequence gone")
+        room = self._room_ever(seq, need.seq_id)
+        if n > room:   # it could never fit: nobody is preempted for it, itself included
+            return NeedResult(False, need.seq_id, reason=f"needs {n} more pages; at most {room} could be had "
+                              "even with every other sequence gone")
         cost = Cost(n)
         while not state.fits(cost):
             victim = next(reversed(state.running))
@@ -113,6 +113,20 @@ class _Step:
                 return NeedResult(False, need.seq_id, reason="preempted: not enough pages even after "
                                   "preempting every lower-priority sequence")
         return allocation.grow(state, seq, need.num_tokens)
+
+    def _room_ever(self, seq, seq_id: int) -> int:
+        """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own
+        pages, and less the pages a slide of its own left blocked (they come back only when it
+        lets go of the pages below them). Worked out page by page only when blocked pages could
+        make the difference: there are none without sliding windows."""
+        state = self.state
+        bound = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
+        blocked = state.tree.num_parked - state.tree.num_evictable
+        if not blocked:
+            return bound
+        forecast = release.DropForecast(state)
+        return state.available() + sum(forecast.drop(page) for other_id, other in state.seqs.items()
+                                       if other_id != seq_id for page in reversed(other.pages) if page >= 0)
 
     def _admit(self, need: Admit) -> NeedResult:
         state = self.state

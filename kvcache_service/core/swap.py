@@ -1,8 +1,8 @@
 """Swapping a sequence's private pages to the CPU pool and back.
 
 Swap-out moves only pages nobody else references, tail first; pages another live sequence
-shares stay on the device (and a slid sequence's tree pages: _leaving). Swap-in shares pages that are (still or again) in the tree
-instead of copying them back.
+shares stay on the device (and a slid sequence's tree pages: _leaving). Swap-in shares pages that
+are (still or again) in the tree instead of copying them back.
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = Non
 
 
 def check_need(state: ManagerState, need: Need, pending: set[str] | None = None,
-               released: frozenset[str] = frozenset()) -> None:
+               released: frozenset[str] = frozenset(), computed: int | None = None) -> None:
     """Raises for a malformed need or one naming a sequence in the wrong state. `pending`:
-    request ids admitted or forked earlier in the same Step; `released`: those it releases."""
+    request ids admitted or forked earlier in the same Step; `released`: those it releases;
+    `computed`: a fork's parent's computed tokens once the Step's truncations and commits ran."""
     if isinstance(need, Grow):
         state.running_seq(need.seq_id)
         if need.num_tokens <= 0:
@@ -76,9 +77,10 @@ def check_need(state: ManagerState, need: Need, pending: set[str] | None = None,
     elif isinstance(need, Fork):
         parent = state.running_seq(need.parent_seq_id)
         check_new_request_id(state, need.request_id, "fork", pending, released)
-        if need.num_tokens and need.num_tokens < parent.num_computed:
+        shared = parent.num_computed if computed is None else computed
+        if need.num_tokens and need.num_tokens < shared:
             raise InvalidArgument(f"fork of seq id {need.parent_seq_id}: num_tokens {need.num_tokens} is fewer "
-                                  f"than the {parent.num_computed} tokens the child shares")
+                                  f"than the {shared} tokens the child shares")
     else:
         raise InvalidArgument(f"unknown need {need!r}")
 
@@ -149,7 +151,7 @@ def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, ava
     before it runs (and the drops `forecast` has seen). Returns the pages available after it."""
     forecast = forecast if forecast is not None else release.DropForecast(state)
     available += release.truncate_gain(state, seq, num_tokens, forecast)
-    cost = release.truncate_cost(state, seq, num_tokens)
+    cost = release.truncate_cost(state, seq, num_tokens, forecast)
     if cost > available:
         raise ResourceExhausted(f"truncating seq id {seq.seq_id} needs {cost} page for the copy of its "
                                 f"last page, {available} available")
@@ -210,10 +212,18 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
         check_slide(state, s, computed.get(s.seq_id), truncated.get(s.seq_id))
     # A request released by this Step may be admitted again by it (a client retrying an id).
     freed = frozenset(state.seqs[seq_id].request_id for seq_id in released) if released else frozenset()
-    _validate_needs(state, req, live, freed)
+    _validate_needs(state, req, live, freed, truncated, computed)
 
 
-def _validate_needs(state: ManagerState, req: StepRequest, live, freed: frozenset[str]) -> None:
+def _validate_needs(state: ManagerState, req: StepRequest, live, freed: frozenset[str],
+                    truncated: dict[int, int], computed: dict[int, int]) -> None:
+    def computed_after(seq_id: int) -> int:
+        """The sequence's computed tokens once the Step's truncations and commits have run."""
+        if seq_id in computed:
+            return computed[seq_id]
+        n = state.seqs[seq_id].num_computed
+        return min(n, truncated[seq_id]) if seq_id in truncated else n
+
     new_ids: set[str] = set()
     needing: set[int] = set()
     seqs = state.seqs
@@ -228,7 +238,9 @@ def _validate_needs(state: ManagerState, req: StepRequest, live, freed: frozense
                 raise InvalidArgument(f"step: seq id {seq_id} has two needs")
             needing.add(seq_id)
             continue
-        check_need(state, need, new_ids, freed)
+        parent = need.parent_seq_id if isinstance(need, Fork) else None
+        check_need(state, need, new_ids, freed,
+                   computed_after(parent) if parent is not None and parent in state.seqs else None)
         if isinstance(need, (Admit, Fork)):
             new_ids.add(need.request_id)
         if isinstance(need, Fork):

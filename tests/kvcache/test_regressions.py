@@ -82,3 +82,17 @@ def test_a_truncations_copy_frees_its_old_last_page_for_the_next_truncation():
     plan = m.step(StepRequest(truncations=[Truncation(x.seq_id, 5), Truncation(y.seq_id, 2)]))
     assert len(plan.copies) == 2
     check_invariants(m.state)
+
+
+def test_a_fork_counts_its_parents_tokens_as_the_steps_truncation_leaves_them():
+    """Validated against the parent's computed tokens from before the Step's truncation, a Fork
+    asking slots for the truncated length was refused INVALID_ARGUMENT (a resync for an engine)."""
+    from kvserve.kvcache_service.core import Fork
+    m = KVCacheManager(ManagerConfig(num_pages=16, page_size=4, max_seqs=4))
+    (a,) = m.step(StepRequest(needs=[Admit("a", list(range(10)))])).results
+    m.step(StepRequest(commits=[Commit(a.seq_id, 10)]))
+    plan = m.step(StepRequest(truncations=[Truncation(a.seq_id, 4)], needs=[Fork(a.seq_id, "child", num_tokens=6)]))
+    assert plan.results[0].granted
+    check_invariants(m.state)
+    with pytest.raises(InvalidArgument, match="num_tokens 5 is fewer than the 6 tokens the child shares"):
+        m.step(StepRequest(needs=[Fork(a.seq_id, "other", num_tokens=5)]))   # a has 6 computed now

@@ -216,3 +216,25 @@ def test_a_grow_no_preemption_could_serve_preempts_nobody():
     (r,) = step(m, needs=[Grow(sids[0], 2**32 - 1)]).results
     assert not r.granted and "even with every other sequence gone" in r.reason
     assert list(m.state.running) == sids and not m.state.counters.preemptions_recompute
+    # pages the grower's own slide left blocked come back from no preemption either
+    m = make(num_pages=8)
+    a = running(m, "a", list(range(16)))              # pages 0..3
+    step(m, slides=[Slide(a, 0, 3)])                  # 0..2 blocked: a holds node 3 below them
+    b = running(m, "b", [50 + i for i in range(8)])   # pages 4, 5
+    plan = step(m, needs=[Grow(a, 36)])               # 5 more pages: at most 4 could ever be had
+    assert not plan.results[0].granted and plan.preempted == [] and list(m.state.running) == [a, b]
+
+
+def test_a_release_earlier_in_the_step_unshares_a_truncations_last_page():
+    """Released first, the sharer leaves the page to the truncated sequence alone: no copy is
+    needed, though validation priced one from the refcounts before the Step and refused it."""
+    m = make(num_pages=4)
+    a = running(m, "a", list(range(5)))          # page 0 (a node), page 1 (partial)
+    step(m, slides=[Slide(a, 0, 1)])              # slid: it stores nothing more in the tree
+    step(m, needs=[Grow(a, 8)])
+    step(m, commits=[Commit(a, 8, [5, 6, 7])])   # page 1 full, private
+    (b,) = step(m, needs=[Fork(a, "b")]).results  # b shares page 1
+    running(m, "c", [20 + i for i in range(12)])  # the pool is full
+    assert m.state.available() == 0
+    plan = step(m, releases=[b.seq_id], truncations=[Truncation(a, 2)])
+    assert plan.copies == []
