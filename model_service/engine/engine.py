@@ -201,7 +201,7 @@ class Engine:
         """Ends every request in flight with `error` (a drain past its grace period), within a
         moment even while the engine waits on a manager that does not answer."""
         self._inbox.put(("end_all", error))
-        self.link.interrupt_wait()
+        self.link.hurry()
 
     def num_live(self) -> int:
         """Requests submitted and not yet ended."""
@@ -428,6 +428,9 @@ class Engine:
         self.runner.kv_cache.execute(plan)   # the plan's page copies, in the manager's order
         t3 = clock()
         work = sched.apply(proposal, plan)
+        while sched.unservable:
+            r, why = sched.unservable.pop()
+            self._fail(r, InvalidRequest(f"the request cannot go on with this server's KV cache: {why}"))
         c.steps += 1
         progress.step = c.steps
         self._count()

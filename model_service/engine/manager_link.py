@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 RETRY_WAIT_S = 0.5   # one reconnection attempt waits this long: the engine reads its inbox between
 PROBE_TIMEOUT_S = 1.0   # an idle engine's check that the manager still answers
+ENDING_WAIT_S = 0.5     # a Step's answer waited for once every request is being ended (hurry())
 
 
 class ManagerLink:
@@ -30,6 +31,7 @@ class ManagerLink:
         self.page_size = page_size
         self.num_pages = num_pages
         self.timeout_s = timeout_s
+        self.wait_limit_s = timeout_s   # the watchdog gives up on a Step's answer after this (hurry())
         self.clock = clock
         self.epoch = 0
         self.lost_since: float | None = None   # when the manager stopped answering
@@ -119,7 +121,7 @@ class ManagerLink:
         then meets ManagerUnavailable and calls lose())."""
         with self._lock:
             since = self._waiting_since
-            if since is None or self.clock() - since <= self.timeout_s:
+            if since is None or self.clock() - since <= self.wait_limit_s:
                 return False
             self._waiting_since, self._overdue_since = None, since
         log.warning("the KV-cache manager at %s has not answered a Step for %.1f s; treating it as lost",
@@ -143,13 +145,11 @@ class ManagerLink:
         since = self.quiet_since
         return None if since is None else self.clock() - since
 
-    def interrupt_wait(self) -> None:
-        """Ends a wait for a Step's answer now, if one is under way (a drain that must end the
-        streams within its grace period, whatever the manager is doing)."""
-        with self._lock:
-            if self._waiting_since is None:
-                return
-        self.kv.interrupt()
+    def hurry(self) -> None:
+        """From now on a Step's answer is waited for ENDING_WAIT_S at most, not timeout_s (a drain
+        must end the streams within its grace period, whatever the manager is doing; a healthy
+        manager answers well within it, and is not taken for lost)."""
+        self.wait_limit_s = min(self.wait_limit_s, ENDING_WAIT_S)
 
     def _live_epoch(self) -> int | None:
         try:

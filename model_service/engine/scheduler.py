@@ -114,6 +114,9 @@ class Scheduler:
         self.running: list[Request] = []   # running order: admitted or resumed, oldest first
         self.swapped: deque[Request] = deque()
         self._releases: list[int] = []     # seq ids to release in the next step
+        # running requests the manager refused a Grow that could never fit, with its reason: the
+        # engine ends them (asked again, the Grow never would fit)
+        self.unservable: list[tuple[Request, str]] = []
         self.by_seq: dict[int, Request] = {}
         self.forks = 0                     # children of parallel sampling forked, since start
         self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
@@ -311,6 +314,7 @@ class Scheduler:
         resume_refused = False
         self.available_pages = plan.available_pages
         recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
+        preempted = {p.seq_id for p in plan.preempted}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
             self._releases = [s for s in self._releases if s not in recomputed]
         for ask in proposal.asks:
@@ -330,6 +334,8 @@ class Scheduler:
                     refused = refused or result.reason
                 elif r.status is Status.SWAPPED:
                     resume_refused = True
+                elif r.seq_id not in preempted:   # a Grow that could never fit: asked again, it never would
+                    self.unservable.append((r, result.reason))
                 continue
             if type(ask.need) is Fork:
                 self._forked(r, result, ask.need.num_tokens - 1)

@@ -22,6 +22,7 @@ class Shape(NamedTuple):
     page_size: int
     max_model_len: int
     num_pages: int
+    streams: bool = False   # it keeps attention sinks: output may run past max_model_len
 
 
 class LoadBoard:
@@ -49,7 +50,8 @@ class LoadBoard:
         if worker.state != SERVING or worker.info is None:
             return
         info = worker.info
-        active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages)
+        active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages,
+                                             info.attention_sink > 0)
         self._place[worker] = active, shape
         row = self._rows.get(active)
         if row is None:
@@ -84,7 +86,7 @@ class LoadBoard:
         if longest and prompt_tokens >= longest:
             return (f"the prompt has {prompt_tokens} tokens; the model length is {longest}, which leaves no "
                     "room for output")
-        if longest and length > longest:
+        if longest and length > longest and not any(s.streams for s in self._shapes):
             return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
                     f"the model length {longest}")
         if all(s.num_pages and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):

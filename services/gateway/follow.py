@@ -187,6 +187,11 @@ class Follower:
                              w.address, self.poll_s)
                     self.pushed = False
                     continue
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.pushed:   # its streams are full:
+                    log.warning("worker %s keeps no more WatchServerStats streams (%s); polling it every %g s",
+                                w.address, exc.details(), self.poll_s)                # it is not failing
+                    self.pushed = False
+                    continue
                 self._down(f"{exc.code().name}: {exc.details()}")
             except asyncio.TimeoutError:
                 self._down(f"its load stream sent nothing for {self._load_watch()[1]:g} s")

@@ -57,7 +57,7 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
     longest = info.max_model_len if info is not None else 0
     return (w.state == SERVING and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed
-            and (not longest or max(prompt_tokens + 1, policy.length) <= longest))
+            and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink else policy.length) <= longest))
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,

@@ -58,6 +58,12 @@ class _Quiet(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:   # a line per scrape on stderr: no
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, ConnectionError):   # went silent, or away: closed, nothing to report
+            pass   # (socketserver printed a traceback for each)
+
 
 class _Bounded(ThreadingWSGIServer):
     """A thread per connection, up to MAX_CONNECTIONS at once; past them a connection is closed

@@ -164,3 +164,19 @@ def test_the_cpu_backend_refuses_a_sliding_window_with_a_reason(tiny_dirs):
         pytest.skip("the cpu backend's kernel does not load here")
     with pytest.raises(RuntimeError, match="sliding-window model runs on the torch backend"):
         backend.set_window(WINDOW)
+
+
+def test_a_stream_whose_pool_can_never_hold_its_next_page_ends_saying_so(tiny_dirs):
+    """The manager refuses a Grow that could never fit (here: the prompt's pages the stream slid
+    past stay cached, blocked by the pages it holds, in a pool barely larger than its window).
+    The engine asked again every step, for ever; it ends the request with the reason."""
+    from tests.engine.harness import EngineHarness
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, num_pages=32, attention_sink=8,
+                      max_num_batched_tokens=32)
+    try:
+        o = h.submit(list(range(20, 140)), 100)
+        assert o.done.wait(30), "the request never ended"
+        assert o.failure is not None and "cannot go on with this server's KV cache" in o.failure
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()

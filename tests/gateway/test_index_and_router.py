@@ -221,6 +221,13 @@ def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would(
         board.add(w)
     assert board.never_fits(8, 500) is None
     assert board.never_fits(8, 600) == "prompt (8 tokens) + max_tokens (592) = 600 exceeds the model length 512"
+    # a worker keeping attention sinks streams past its model length: it takes such a request
+    sinks = worker("c")
+    sinks.info.max_model_len, sinks.info.attention_sink = 512, 8
+    board.add(sinks)
+    assert board.never_fits(8, 600) is None
+    wants = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, length=600)
+    assert choose(board, {}, 8, wants, b"k").worker is sinks
 
 
 def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():

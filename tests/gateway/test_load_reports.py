@@ -64,6 +64,22 @@ def test_a_worker_without_the_stream_is_polled(tiny_dirs, monkeypatch, caplog):
         assert "does not push its load (no WatchServerStats); polling it every 0.05 s" in caplog.text
 
 
+def test_a_worker_whose_streams_are_full_is_polled_not_taken_for_failed(tiny_dirs, monkeypatch, caplog):
+    """A worker keeps at most 64 WatchServerStats streams: the gateway that asks for one more
+    took the RESOURCE_EXHAUSTED for a failure, marked the worker down and moved its streams."""
+    async def full(self, request, context):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "64 WatchServerStats streams are open")
+        yield
+
+    monkeypatch.setattr(InferenceServicer, "WatchServerStats", full)
+    polls = count_polls(monkeypatch)
+    for fleet in make_fleet(tiny_dirs["tiny"], 1):   # serving: make_fleet waits for it
+        out = generate(fleet.stub, request(token_ids=PROMPT, **greedy(3)))
+        assert len(out.tokens) == 3 and polls[0] > 0
+        assert [w.state for w in fleet.gateway.fleet.workers.values()] == ["serving"]
+        assert "keeps no more WatchServerStats streams" in caplog.text and "is down" not in caplog.text
+
+
 class HangingWorker(pb_grpc.InferenceServicer):
     """Answers GetModelInfo, sends one load report, then says nothing more: a hung worker
     whose connection stays up."""
