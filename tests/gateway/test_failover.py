@@ -156,11 +156,17 @@ def migrated(address: str) -> int:
 
 
 def busy_model_service(up_pid: int, address: str) -> int:
-    """The pid of a worker that runs some of the streams now, as the gateway sees it."""
-    with grpc.insecure_channel(address) as ch:
-        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-    busy = [w.address for w in stats.workers if w.running > 0]
-    assert busy, stats
+    """The pid of a worker that runs some of the streams now, as the gateway sees it (its view
+    comes from the workers' load reports: a moment behind on a loaded machine)."""
+    seen: list = []
+
+    def reported() -> bool:
+        with grpc.insecure_channel(address) as ch:
+            stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        seen[:] = [w.address for w in stats.workers if w.running > 0]
+        return bool(seen)
+    wait_until(reported, timeout=30, what="a worker reporting running streams")
+    busy = seen
     for pid in model_services(up_pid):
         if busy[0].encode() in open(f"/proc/{pid}/cmdline", "rb").read():
             return pid

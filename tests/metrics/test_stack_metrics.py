@@ -99,7 +99,8 @@ def test_idle_connections_neither_pile_up_threads_nor_keep_scrapes_out(monkeypat
         for s in idle:
             s.close()
         endpoint.close()
-    assert "Traceback" not in capfd.readouterr().err   # a timed-out connection is not an error
+    # a timed-out connection is not an error (socketserver printed one, with a traceback, for each)
+    assert "Exception occurred during processing of request" not in capfd.readouterr().err
 
 
 @pytest.mark.slow
