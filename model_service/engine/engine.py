@@ -589,7 +589,7 @@ class Engine:
             else:
                 self.counters.finished += 1
             with self._lock:
-                owner_id = r.request_id if family is None else family.parent.request_id
+                owner_id = _owner(r).request_id
                 self._live.pop(owner_id, None)
                 self._cancelled.discard(owner_id)
         if r.unsent:
@@ -602,7 +602,7 @@ class Engine:
     def _fail(self, r: Request, error: RequestFailed) -> None:
         """Ends one request, every sequence of it, with `error` (its stream ends with the
         error's status); its pages go back in the next step."""
-        owner = r if r.family is None else r.family.parent
+        owner = _owner(r)
         with self._lock:
             self._live.pop(owner.request_id, None)
             self._cancelled.discard(owner.request_id)
@@ -651,7 +651,7 @@ def _prompt_logprobs(r: Request) -> PromptLogprobs | None:
     """What PrefillDone says of the prompt's logprobs, which sequence 0 took for all."""
     if r.params is None or r.params.prompt_logprobs is None:
         return None
-    owner = r if r.family is None else r.family.parent
+    owner = _owner(r)
     return PromptLogprobs(r.prompt_ids, owner.prompt_logprobs)
 
 
