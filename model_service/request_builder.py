@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from kvserve.kvcache_service.contract.hashing import tenant_extra_key
 from kvserve.inference.v1 import inference_pb2 as pb
-from kvserve.model_service.engine.errors import InvalidRequest
+from kvserve.model_service.engine.errors import InvalidRequest, NothingToGenerate
 from kvserve.model_service import prompt_tokens
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request
@@ -109,11 +109,11 @@ class RequestBuilder:
             raise RequestError(f"continuation token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(tokens) >= request.max_tokens:
             if request.params.max_tokens is None:   # the bound is the model length, not a value sent
-                raise RequestError(f"the prompt ({len(request.prompt_ids)} tokens) and the continuation "
-                                   f"({len(tokens)}) fill the model length ({self.stack.max_model_len}): "
-                                   "nothing is left to generate")
-            raise RequestError(f"the continuation has {len(tokens)} tokens; max_tokens ({request.max_tokens}) "
-                               "leaves none to generate")
+                raise NothingToGenerate(f"the prompt ({len(request.prompt_ids)} tokens) and the continuation "
+                                        f"({len(tokens)}) fill the model length ({self.stack.max_model_len}): "
+                                        "nothing is left to generate", "FINISH_REASON_LENGTH")
+            raise NothingToGenerate(f"the continuation has {len(tokens)} tokens; max_tokens ({request.max_tokens}) "
+                                    "leaves none to generate", "FINISH_REASON_LENGTH")
         request.tokens.extend(tokens)
         request.output = await self.lanes.run(4 * len(tokens), self._primed_output, request, tokens)
         if request.matcher is not None:   # the format goes on from where the continuation left it
@@ -122,15 +122,16 @@ class RequestBuilder:
                     raise RequestError(f"continuation token {i} ({token}) does not fit the structured output's "
                                        "format")
             if request.matcher.is_stopped():
-                raise RequestError("the continuation already completes the structured output's format: there is "
-                                   "nothing left to generate")
+                raise NothingToGenerate("the continuation already completes the structured output's format: "
+                                        "there is nothing left to generate", "FINISH_REASON_STOP")
 
     def _primed_output(self, request: Request, tokens: list[int]) -> OutputProcessor:
         output = OutputProcessor(request, self.tokenizer, self.stack.eos_token_ids)
         for token in tokens:
             if output.add(token)[1]:
-                raise RequestError("the continuation already meets a stop condition (EOS, a stop token id "
-                                   "or a stop string): there is nothing left to generate")
+                raise NothingToGenerate("the continuation already meets a stop condition (EOS, a stop token "
+                                        "id or a stop string): there is nothing left to generate",
+                                        "FINISH_REASON_STOP")
         return output
 
     async def tokenize(self, msg) -> list[int]:

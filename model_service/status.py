@@ -14,7 +14,9 @@ from kvserve.kvcache_service.contract.errors import ManagerUnavailable
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
     InternalError,
+    ENDED_TRAILER,
     InvalidRequest,
+    NothingToGenerate,
     QueueFull,
     RequestFailed,
     Unauthenticated,
@@ -46,4 +48,5 @@ def as_request_failed(exc: Exception, what: str) -> RequestFailed:
 
 async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
     code = next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
-    await context.abort(code, str(error))
+    trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else ()
+    await context.abort(code, str(error), trailers)

@@ -16,6 +16,20 @@ class InvalidRequest(RequestFailed, ValueError):
     """Bad input: the request can never be served as sent."""
 
 
+# The trailing metadata key a refused continuation carries (NothingToGenerate): the name of the
+# FinishReason its tokens already reached, so that a gateway whose worker died between a
+# sequence's last token and its end can end the stream as it would have ended.
+ENDED_TRAILER = "kvserve-already-ended"
+
+
+class NothingToGenerate(InvalidRequest):
+    """A continuation (GenerateRequest.continuation) whose tokens already end the sequence."""
+
+    def __init__(self, message: str, finish_reason: str) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason   # a FinishReason name: FINISH_REASON_LENGTH, _STOP
+
+
 class QueueFull(RequestFailed):
     """More requests wait than --max-waiting allows: try again later."""
 

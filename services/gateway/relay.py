@@ -22,6 +22,7 @@ from contextlib import aclosing
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.model_service.engine.errors import ENDED_TRAILER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.services.gateway.fleet import Fleet
@@ -49,16 +50,12 @@ def _too_large(exc: grpc.aio.AioRpcError) -> bool:
 
 def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
     """The finish reason when a worker refused a continuation this gateway made because the
-    tokens it carries had already ended the sequence (request_builder's refusals of one), else
-    None: the worker that failed had sent its last token but not its end."""
+    tokens it carries had already ended the sequence (its ENDED_TRAILER says how), else None:
+    the worker that failed had sent its last token but not its end."""
     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
         return None
-    details = exc.details() or ""
-    if "leaves none to generate" in details or "fill the model length" in details:
-        return pb.FINISH_REASON_LENGTH
-    if "nothing left to generate" in details:   # a stop condition, or a completed format
-        return pb.FINISH_REASON_STOP
-    return None
+    name = next((value for key, value in exc.trailing_metadata() or () if key == ENDED_TRAILER), None)
+    return pb.FinishReason.Value(name) if name in pb.FinishReason.keys() else None
 
 
 def renamed(request_id: str) -> str:

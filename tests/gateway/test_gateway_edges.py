@@ -19,6 +19,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.model_service.engine.errors import ENDED_TRAILER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
@@ -570,7 +571,8 @@ class StrictWorker(ScriptedWorker):
         if len(request.continuation.ids) >= request.sampling.max_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the continuation has {len(request.continuation.ids)} tokens; max_tokens "
-                                f"({request.sampling.max_tokens}) leaves none to generate")
+                                f"({request.sampling.max_tokens}) leaves none to generate",
+                                ((ENDED_TRAILER, "FINISH_REASON_LENGTH"),))
         yield pb.GenerateResponse(prefill_done=pb.PrefillDone(request_id=request.request_id, prompt_tokens=3))
 
 

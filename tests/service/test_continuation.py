@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvserve.model_service.engine.errors import ENDED_TRAILER
 from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error
 
 PROMPT = "The model token cache pages the batch memory"
@@ -44,14 +45,17 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub):
     msg.continuation.ids.extend([5, 6, 7, 8])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "leaves none to generate" in err.details()
+    assert ended(err) == "FINISH_REASON_LENGTH"   # a gateway ends the stream by this, not the text
     msg = request(prompt=PROMPT, **greedy(8))
     msg.continuation.ids.extend([5, 99999])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.details()
+    assert ended(err) is None   # a bad continuation: nothing ended
     msg = request(prompt=PROMPT, temperature=0.0, max_tokens=8, stop_token_ids=[6])
     msg.continuation.ids.extend([5, 6])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop condition" in err.details()
+    assert ended(err) == "FINISH_REASON_STOP"
     # max_tokens unset: the model length is the bound, and the message names it, not a value never sent
     msg = request(token_ids=[5] * 2040, temperature=0.0)
     msg.continuation.ids.extend([6] * 8)
@@ -59,3 +63,8 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details() == ("the prompt (2040 tokens) and the continuation (8) fill the model length (2048): "
                              "nothing is left to generate")
+    assert ended(err) == "FINISH_REASON_LENGTH"
+
+
+def ended(err: grpc.RpcError) -> str | None:
+    return dict(err.trailing_metadata() or ()).get(ENDED_TRAILER)

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.model_service.engine.errors import ENDED_TRAILER
 from tests.service.util import Stream, assert_pages_free, generate, greedy, request
 
 _rng = random.Random(99)
@@ -176,6 +177,12 @@ def test_structured_output_over_grpc(stub, tokenizer):
         msg = request(token_ids=prompt, temperature=0, max_tokens=32, structured=pb.StructuredOutput(json_schema=schema))
         msg.continuation.ids.extend(whole.tokens[:k])
         assert generate(stub, msg).tokens == whole.tokens[k:], k
+    msg.ClearField("continuation")   # every token: the format (or its EOS) already ended it
+    msg.continuation.ids.extend(whole.tokens)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, msg)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nothing left to generate" in info.value.details()
+    assert dict(info.value.trailing_metadata())[ENDED_TRAILER] == "FINISH_REASON_STOP"
     choice = generate(stub, request(token_ids=prompt, temperature=0, max_tokens=8,
                                     structured=pb.StructuredOutput(choice=pb.Choices(choices=["alpha", "beta"]))))
     assert choice.text in ("alpha", "beta")
