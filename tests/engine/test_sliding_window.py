@@ -166,17 +166,29 @@ def test_the_cpu_backend_refuses_a_sliding_window_with_a_reason(tiny_dirs):
         backend.set_window(WINDOW)
 
 
-def test_a_stream_whose_pool_can_never_hold_its_next_page_ends_saying_so(tiny_dirs):
-    """The manager refuses a Grow that could never fit (here: the prompt's pages the stream slid
-    past stay cached, blocked by the pages it holds, in a pool barely larger than its window).
-    The engine asked again every step, for ever; it ends the request with the reason."""
+def test_the_smallest_pool_accepted_serves_a_stream_past_two_windows(tiny_dirs):
+    """The prompt's pages a stream slid past stay cached, blocked by the pages it still holds,
+    until the last of them leaves the window: a sequence may hold two windows' pages. A pool
+    with less was accepted, and the stream ended part-way ("cannot go on with this server's KV
+    cache"); it is refused at start now, and the smallest pool accepted serves the stream
+    through, token for token, with a prompt long enough to be chunked and every page back."""
+    from transformers import AutoModelForCausalLM
+
     from tests.engine.harness import EngineHarness
-    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, num_pages=32, attention_sink=8,
-                      max_num_batched_tokens=32)
+    sizes = dict(page_size=4, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"32 pages of 4 tokens are too few for this model's 64-token sliding "
+                                         r"window: a sequence may hold two windows' pages and a chunk's; at least "
+                                         r"38 are needed"):
+        EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, **sizes)
+    prompt = list(range(20, 140))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["tiny-mistral"], dtype=torch.float32).eval()
+    ref = hf_greedy(hf, prompt, 200)
+    h = EngineHarness(tiny_dirs["tiny-mistral"], num_pages=38, **sizes)
     try:
-        o = h.submit(list(range(20, 140)), 100)
-        assert o.done.wait(30), "the request never ended"
-        assert o.failure is not None and "cannot go on with this server's KV cache" in o.failure
+        o = h.submit(prompt, 200)
+        assert o.done.wait(120), "the request never ended"
+        assert o.failure is None, o.failure
+        assert_same_tokens(o.tokens, *ref, "a stream past two windows in the smallest pool")
         assert h.stats().used_pages == 0
     finally:
         h.close()
