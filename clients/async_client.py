@@ -154,8 +154,9 @@ class AsyncInferenceClient:
         await self._unary("Cancel", pb.CancelRequest(request_id=request_id))
 
     async def tokenize(self, prompt: str | None = None, messages: Sequence[Message] | None = None, *,
-                       add_special_tokens: bool | None = None) -> Tokenized:
-        request = convert.tokenize_request(prompt, messages, add_special_tokens)
+                       add_special_tokens: bool | None = None, **chat: Any) -> Tokenized:
+        """The keywords are InferenceClient.tokenize's."""
+        request = convert.tokenize_request(prompt, messages, add_special_tokens, **chat)
         return convert.tokenized(await self._unary("Tokenize", request))
 
     async def model_info(self) -> ModelInfo:

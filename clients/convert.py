@@ -121,8 +121,18 @@ class Collector:
 
 # --------------------------------------------------------------------------- requests
 
-def _chat(messages: Sequence[Message]) -> pb.ChatMessages:
-    out = pb.ChatMessages()
+def _chat(messages: Sequence[Message], add_generation_prompt: bool | None = None,
+          continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
+          ) -> pb.ChatMessages:
+    """The messages and the chat template's options (the server checks what they may hold)."""
+    out = pb.ChatMessages(continue_final_message=continue_final_message)
+    if add_generation_prompt is not None:   # unset: true, unless continue_final_message
+        out.add_generation_prompt = add_generation_prompt
+    if chat_template_kwargs:
+        try:
+            out.template_kwargs = json.dumps(dict(chat_template_kwargs))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"chat_template_kwargs must be JSON values ({exc})") from None
     for i, m in enumerate(messages):
         if isinstance(m, Mapping) and "role" in m and "content" in m:
             role, content = m["role"], m["content"]
@@ -173,6 +183,9 @@ def generate_request(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
     structured: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest of InferenceClient.generate's arguments; None leaves a field unset
     (the server's default)."""
@@ -197,6 +210,9 @@ def generate_request(
     with _field("request_id or session_id", None):
         request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
     inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
+    chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs)
+    _chat_options_need_messages(inputs, chat)
     if "prompt" in inputs:
         with _field("prompt", None):
             request.prompt = prompt
@@ -205,8 +221,14 @@ def generate_request(
         request.token_ids.ids.extend(_token_ids(token_ids))
     elif "messages" in inputs:
         request.messages.SetInParent()
-        request.messages.MergeFrom(_chat(messages))
+        request.messages.MergeFrom(_chat(messages, **chat))
     return request
+
+
+def _chat_options_need_messages(inputs: dict[str, Any], chat: dict[str, Any]) -> None:
+    given = [name for name, value in chat.items() if value not in (None, False)]
+    if given and "messages" not in inputs:
+        raise ValueError(f"{' and '.join(given)} shape how messages are rendered: give messages")
 
 
 def structured_output(structured: Mapping[str, Any]) -> pb.StructuredOutput:
@@ -259,15 +281,20 @@ def _field(name: str, value):
 
 
 def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | None = None,
-                     add_special_tokens: bool | None = None) -> pb.TokenizeRequest:
+                     add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
+                     continue_final_message: bool = False,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> pb.TokenizeRequest:
     request = pb.TokenizeRequest()
     inputs = _one_input(prompt=prompt, messages=messages)
+    chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs)
+    _chat_options_need_messages(inputs, chat)
     if "prompt" in inputs:
         with _field("prompt", None):
             request.prompt = prompt
     elif "messages" in inputs:
         request.messages.SetInParent()
-        request.messages.MergeFrom(_chat(messages))
+        request.messages.MergeFrom(_chat(messages, **chat))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request

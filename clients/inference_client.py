@@ -164,6 +164,9 @@ class InferenceClient:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
         structured: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerateStream:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
         (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
@@ -172,14 +175,19 @@ class InferenceClient:
         (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone. logit_bias
         adds to tokens' logits (token id -> [-100, 100]); min_tokens holds EOS and stop_token_ids
         back until that many tokens. structured holds the output to a format: {"json_schema": a
-        schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]} or {"lark_grammar": ...}."""
+        schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]} or {"lark_grammar": ...}.
+        With messages, the chat template's options as vLLM takes them: add_generation_prompt
+        (default true), continue_final_message (the last message continued, not closed) and
+        chat_template_kwargs (the template's own variables, e.g. {"enable_thinking": False})."""
         request = convert.generate_request(
             prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
             request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs,
-            logit_bias=logit_bias, min_tokens=min_tokens, structured=structured)
+            logit_bias=logit_bias, min_tokens=min_tokens, structured=structured,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)
         try:
             call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating
@@ -203,11 +211,15 @@ class InferenceClient:
         self._unary("Cancel", pb.CancelRequest(request_id=request_id))
 
     def tokenize(self, prompt: str | None = None, messages: Sequence[Message] | None = None, *,
-                 add_special_tokens: bool | None = None) -> Tokenized:
+                 add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
+                 continue_final_message: bool = False,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> Tokenized:
         """The token ids the server would feed the model for this prompt, or for these
-        messages rendered with the chat template (with the generation prompt)."""
-        return convert.tokenized(self._unary("Tokenize", convert.tokenize_request(prompt, messages,
-                                                                                  add_special_tokens)))
+        messages rendered with the chat template (with the generation prompt unless the
+        template's options, as generate() takes them, say otherwise)."""
+        request = convert.tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt,
+                                           continue_final_message, chat_template_kwargs)
+        return convert.tokenized(self._unary("Tokenize", request))
 
     def model_info(self) -> ModelInfo:
         return convert.model_info(self._unary("GetModelInfo", pb.GetModelInfoRequest()))

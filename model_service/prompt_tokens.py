@@ -4,6 +4,8 @@ the ones the worker's manager will store). No torch here: the gateway imports it
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model_service import tiny_model
@@ -46,13 +48,58 @@ def check_roles(roles) -> None:
             raise ValueError(f"messages[{i}].role has {len(role):,} characters; at most {MAX_ROLE_CHARS} are allowed")
 
 
-def render_chat(tokenizer, chat: list[dict]) -> list[int]:
-    """The chat template's tokens with the generation prompt; ValueError saying why the template
-    refused the messages."""
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+# apply_chat_template's own arguments and the variables it sets: a client's template variable
+# may not stand in for them (it would change what is rendered, or how, behind the options' backs).
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    "unk_token", "pad_token", "raise_exception", "strftime_now"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the chat template renders a conversation (ChatMessages' options)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+
+
+def chat_options(messages) -> ChatOptions:
+    """A ChatMessages' template options; ValueError saying what is wrong with them."""
+    add = messages.add_generation_prompt if messages.HasField("add_generation_prompt") else \
+        not messages.continue_final_message
+    if add and messages.continue_final_message:
+        raise ValueError("continue_final_message continues the last message: it cannot be given with "
+                         "add_generation_prompt true")
+    kwargs = {}
+    if messages.template_kwargs:
+        if len(messages.template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES:   # characters: at most as many
+            raise ValueError(f"template_kwargs is longer than {MAX_TEMPLATE_KWARGS_BYTES >> 10} KiB")
+        try:
+            kwargs = json.loads(messages.template_kwargs)
+        except (ValueError, RecursionError):
+            raise ValueError("template_kwargs is not a JSON object") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("template_kwargs is not a JSON object")
+        taken = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
+        if taken:
+            raise ValueError(f"template_kwargs may not set {', '.join(taken)}: "
+                             + ("they are" if len(taken) > 1 else "it is") + " the template call's own")
+    return ChatOptions(add, messages.continue_final_message, kwargs)
+
+
+def render_chat(tokenizer, chat: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+    """The chat template's tokens, the generation prompt added unless `options` say otherwise;
+    ValueError saying why the template refused the messages."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
     try:
-        out = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(chat, add_generation_prompt=options.add_generation_prompt,
+                                            continue_final_message=options.continue_final_message, tokenize=True,
+                                            **options.template_kwargs)
     except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
         raise ValueError(f"the chat template rejected the messages: {exc}") from None
     # transformers 5 returns a BatchEncoding here, 4.x a plain list

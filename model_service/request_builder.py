@@ -179,7 +179,7 @@ class RequestBuilder:
         cfg, limit = self.config, self.stack.max_model_len
         fewest = fewest_tokens(nbytes, self.bytes_per_token)
         if fit and fewest >= limit:
-            raise RequestError(f"{what} {nbytes:,} bytes, which is at least {fewest:,} tokens; "
+            raise RequestError(f"{what} at least {nbytes:,} bytes, so at least {fewest:,} tokens; "
                                f"the model length is {limit}")
         if most_bytes > cfg.max_prompt_chars and (chars := count_chars()) > cfg.max_prompt_chars:
             raise RequestError(f"{what} {chars:,} characters; at most {cfg.max_prompt_chars:,} are "
@@ -227,13 +227,17 @@ class RequestBuilder:
             self._check_chat(messages.messages, fit)
         if not messages.messages:
             raise RequestError("messages is empty")
+        try:
+            options = prompt_tokens.chat_options(messages)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         chat = [{"role": m.role, "content": m.content} for m in messages.messages]
         size = sum(len(m["content"]) for m in chat)
-        return await self.lanes.run(size, self._render_chat, chat)
+        return await self.lanes.run(size, self._render_chat, chat, options)
 
-    def _render_chat(self, chat: list[dict]) -> list[int]:
+    def _render_chat(self, chat: list[dict], options: prompt_tokens.ChatOptions) -> list[int]:
         try:
-            return prompt_tokens.render_chat(self.tokenizer, chat)
+            return prompt_tokens.render_chat(self.tokenizer, chat, options)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 

@@ -53,8 +53,9 @@ class Inputs:
             if not chat:
                 raise InputError("messages is empty")
             try:
+                options = prompt_tokens.chat_options(msg.messages)
                 return await self._lanes.run(sum(len(m["content"]) for m in chat), prompt_tokens.render_chat,
-                                             self.tokenizer, chat)
+                                             self.tokenizer, chat, options)
             except ValueError as exc:
                 raise InputError(str(exc)) from None
         # the inputs the message has, as the worker names them

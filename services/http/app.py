@@ -144,6 +144,8 @@ class Front:
             msg = request_of(kind, body)
             model = await self.model(metadata)
             asked = body.get("model")
+            if asked is not None and not isinstance(asked, str):
+                raise HttpError(400, "'model' must be a string", param="model")
             if asked not in (None, "", model):
                 await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
                 raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
@@ -151,6 +153,8 @@ class Front:
             call = self.stub.Generate(msg, metadata=metadata)
             stream = body.get("stream") is True
             options = body.get("stream_options") or {}
+            if options and not stream:   # as OpenAI and vLLM answer it
+                raise HttpError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
             echo = kind == "completion" and body.get("echo") is True
             prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
             events = self._events(call, echo or prompt_top is not None)

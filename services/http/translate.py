@@ -26,6 +26,13 @@ UNSUPPORTED = {
     "function_call": lambda v, body: v in _NOTHING or v == "none" or (v == "auto" and not body.get("functions")),
     "n_best": lambda v, body: v in _NOTHING,
     "include_stop_str_in_output": lambda v, body: v in _NOTHING,
+    "use_beam_search": lambda v, body: v in _NOTHING,
+    "allowed_token_ids": lambda v, body: v is None,   # [] would allow no token at all
+    "bad_words": lambda v, body: v in _NOTHING,
+    "truncate_prompt_tokens": lambda v, body: v is None,
+    "logits_processors": lambda v, body: v in _NOTHING,
+    "chat_template": lambda v, body: v is None,   # the model's own template only: no client's Jinja
+    "modalities": lambda v, body: v is None or v == ["text"],
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
@@ -81,9 +88,9 @@ def sampling(body: dict) -> pb.SamplingParams:
     max_tokens = _number(body, "max_completion_tokens", int, 1, UINT32) or _number(body, "max_tokens", int, 1, UINT32)
     if max_tokens is not None:
         out.max_tokens = max_tokens
-    seed = _number(body, "seed", int, 0, 2**63 - 1)
+    seed = _number(body, "seed", int, -2**63, 2**63 - 1)   # OpenAI's int64
     if seed is not None:
-        out.seed = seed
+        out.seed = seed % 2**64   # the server's seed is unsigned: a negative one as its two's complement
     stop = body.get("stop")
     if isinstance(stop, str):
         out.stop.append(stop)
@@ -112,7 +119,8 @@ def sampling(body: dict) -> pb.SamplingParams:
         if not isinstance(bias, dict):
             raise HttpError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
         for key in bias:
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= INT32):
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
+                    and int(key) <= INT32):
                 raise HttpError(400, f"'logit_bias' key {shown(key)!r} is not a token id", param="logit_bias")
             value = bias[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
@@ -213,6 +221,8 @@ def request_of(kind: str, body: dict) -> pb.GenerateRequest:
     except UnicodeEncodeError:
         raise HttpError(400, "a string in the body holds a lone UTF-16 surrogate (such as \\ud800), which is "
                              "not text") from None
+    except RecursionError:   # a schema nested nearly as deep as the body's parse allows, re-encoded deeper
+        raise HttpError(400, "the request's structured output schema nests too deeply") from None
     return msg
 
 
@@ -287,6 +297,19 @@ def chat_request(body: dict) -> pb.GenerateRequest:
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         msg.messages.messages.add(role=m["role"], content=content)
+    for name in ("add_generation_prompt", "continue_final_message"):   # vLLM's template options
+        if body.get(name) not in (None, True, False):
+            raise HttpError(400, f"'{name}' must be true or false", param=name)
+    if body.get("add_generation_prompt") is not None:
+        msg.messages.add_generation_prompt = body["add_generation_prompt"]
+    if body.get("continue_final_message") is True:   # (alone: no generation prompt, where vLLM refuses it)
+        msg.messages.continue_final_message = True
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise HttpError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+        if kwargs:
+            msg.messages.template_kwargs = json.dumps(kwargs)
     return msg
 
 

@@ -126,6 +126,32 @@ def test_messages_input_uses_the_chat_template(client: InferenceClient) -> None:
     assert client.tokenize(messages=pairs).token_ids == rendered.token_ids
 
 
+def test_the_chat_templates_options_shape_the_prompt(client: InferenceClient) -> None:
+    """vLLM's three: no generation prompt, the last message continued (its end of turn left
+    off), and the template's own variables; refusals are INVALID_ARGUMENT naming what is wrong."""
+    messages = [SYSTEM, {"role": "user", "content": "What is a page?"}]
+    full = client.tokenize(messages=messages).tokens
+    assert client.tokenize(messages=messages, add_generation_prompt=False).tokens == full[:-1]
+    answer = messages + [{"role": "assistant", "content": "A page"}]
+    continued = client.tokenize(messages=answer, continue_final_message=True).tokens
+    closed = client.tokenize(messages=answer, add_generation_prompt=False).tokens
+    assert closed[-1] == "<|end|>" and continued == closed[:-1]
+    done = client.complete(messages=answer, continue_final_message=True, max_tokens=4, temperature=0)
+    assert done.prefill.prompt_tokens == len(continued)
+    # the tiny template reads no variables of its own: one given changes nothing, and is accepted
+    assert client.tokenize(messages=messages, chat_template_kwargs={"enable_thinking": False}).tokens == full
+    for kwargs, words in [(dict(continue_final_message=True, add_generation_prompt=True), "cannot be given with add_generation_prompt true"),
+                          (dict(chat_template_kwargs={"tools": [], "messages": []}),
+                           "template_kwargs may not set messages, tools: they are the template call's own")]:
+        with pytest.raises(KVServeError) as info:
+            client.tokenize(messages=messages, **kwargs)
+        assert info.value.code == "INVALID_ARGUMENT" and words in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match="continue_final_message shape how messages are rendered: give messages"):
+        client.tokenize("hello", continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs must be JSON values"):
+        client.tokenize(messages=messages, chat_template_kwargs={"x": object()})
+
+
 def test_chat_history_rerenders_as_a_prefix(client: InferenceClient) -> None:
     """What `kvserve chat` relies on: turn n+1's prompt starts with all of turn n's prompt
     tokens, so every full page of it comes from the prefix cache."""

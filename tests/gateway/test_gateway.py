@@ -143,7 +143,14 @@ def test_the_gateway_hashes_prompts_as_the_workers_store_them(tiny_dirs, salt):
         chat = request(messages=[("system", "be brief"), ("user", "the cache, the page, the batch " * 2)],
                        **greedy(1))
         ids = request(token_ids=list(range(50, 90)), **greedy(1))
-        for msg in (prompt, chat, ids):
+        turns = [("user", "the cache, the page, the batch " * 2), ("assistant", "the page, the memory")]
+        continued = request(messages=turns, **greedy(1))   # the chat template's options, rendered alike
+        continued.messages.continue_final_message = True
+        continued.messages.template_kwargs = '{"enable_thinking": false}'
+        closed = request(messages=turns, **greedy(1))
+        closed.messages.add_generation_prompt = False
+        assert fleet.gateway.call(inputs.ids(continued)) != fleet.gateway.call(inputs.ids(closed))
+        for msg in (prompt, chat, ids, continued, closed):
             generate(fleet.stub, msg)
             hashes = gw.hashes(fleet.gateway.call(inputs.ids(msg)))
             assert hashes and set(hashes) <= tree_hashes(fleet.workers[0]), msg.WhichOneof("input")

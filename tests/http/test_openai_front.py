@@ -195,6 +195,10 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "logprobs": 50}', "logprobs"),          # past the server's --max-logprobs
     ('{"prompt": "x", "logprobs": -1}', "logprobs"),
     ('{"prompt": "x", "top_logprobs": 2}', "chat field"),
+    ('{"prompt": "x", "logit_bias": {"' + "1" * 5000 + '": 1}}', "is not a token id"),   # past int()'s digits
+    ('{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+    ('{"prompt": "x", "stream_options": {"include_usage": true}}', "only allowed when 'stream' is true"),
+    ('{"prompt": "x", "model": 5}', "'model' must be a string"),
 ])
 def test_numbers_out_of_range_are_a_400_in_openais_shape(front, body, message):
     req = urllib.request.Request(f"http://{front.servicer.http_front.address}/v1/completions", data=body.encode(),
@@ -457,7 +461,8 @@ def test_logprobs_of_tokens_a_format_masks_are_json_numbers(front):
 @pytest.mark.parametrize("extra", [
     {"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"response_format": {"type": "text"}},
     {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}, {"logit_bias": {}}, {"min_tokens": 0},
-    {"include_stop_str_in_output": False}, {"guided_json": None},
+    {"include_stop_str_in_output": False}, {"guided_json": None}, {"use_beam_search": False},
+    {"modalities": ["text"]}, {"seed": -1},
 ])
 def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
@@ -469,6 +474,9 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     {"best_of": 3}, {"suffix": "x"}, {"tool_choice": "required"},
     {"tools": [{"type": "function", "function": {"name": "f"}}]},
     {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"},
+    {"allowed_token_ids": [40]}, {"allowed_token_ids": []}, {"bad_words": ["the"]}, {"use_beam_search": True},
+    {"truncate_prompt_tokens": 1}, {"logits_processors": ["x"]}, {"chat_template": "{{ messages }}"},
+    {"modalities": ["audio"]},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, **extra}
@@ -476,6 +484,51 @@ def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     (name,) = extra
     assert status == 400 and answer["error"]["message"] == f"'{name}' is not supported by this server"
     assert answer["error"]["param"] == name
+
+
+def test_a_negative_seed_is_a_seed_as_openai_takes_it(front):
+    """OpenAI's seed is an int64: a negative one draws reproducibly, and not as its absolute value."""
+    def text(seed):
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        status, answer = _post(front, "/v1/completions", json.dumps(body).encode())
+        assert status == 200, answer
+        return answer["choices"][0]["text"]
+    assert text(-7) == text(-7) != text(7)
+
+
+def test_the_chat_templates_options_as_vllm_takes_them(front, client, model):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the template
+    (the prompt's tokens say so); values that cannot be used are a 400 saying why."""
+    def prompt_tokens(**extra):
+        reply = client.chat.completions.create(model=model, messages=MESSAGES + [{"role": "assistant", "content": "Red"}],
+                                               max_tokens=2, temperature=0, extra_body=extra)
+        return reply.usage.prompt_tokens
+    opened = prompt_tokens()
+    assert prompt_tokens(add_generation_prompt=False) == opened - 1            # no <|assistant|>
+    assert prompt_tokens(continue_final_message=True) == opened - 2            # nor the last <|end|>
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == opened
+    for extra, words in [({"chat_template_kwargs": {"tools": []}}, "template_kwargs may not set tools"),
+                         ({"chat_template_kwargs": [1]}, "'chat_template_kwargs' must be an object"),
+                         ({"add_generation_prompt": "no"}, "'add_generation_prompt' must be true or false"),
+                         ({"continue_final_message": True, "add_generation_prompt": True},
+                          "cannot be given with add_generation_prompt true")]:
+        status, answer = _post(front, "/v1/chat/completions", json.dumps({"messages": MESSAGES, **extra}).encode())
+        assert status == 400 and words in answer["error"]["message"], answer
+
+
+def test_a_schema_nested_past_what_json_can_encode_again_is_a_400():
+    """A body parses at a depth its schema cannot be re-encoded at (json.dumps recurses deeper):
+    a 400, not a 500 that also closed the client's connection."""
+    from kvserve.services.http.translate import HttpError, request_of
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"a": deep}
+    for kind, body in [("chat", {"messages": MESSAGES, "guided_json": deep}),
+                       ("chat", {"messages": MESSAGES, "chat_template_kwargs": {"x": deep}}),
+                       ("completion", {"prompt": "x", "structured_outputs": {"json": deep}})]:
+        with pytest.raises(HttpError) as err:
+            request_of(kind, body)
+        assert err.value.status == 400 and "nests too deeply" in err.value.message
 
 
 @pytest.mark.parametrize("body, message", [
@@ -576,7 +629,7 @@ def test_an_unknown_model_is_named_in_the_404_whatever_it_holds(front, model):
     status, answer = _post(front, "/v1/completions", rb'{"prompt": "hi", "model": "x\ud800"}')
     assert status == 404 and "the model `x\\ud800` does not exist" in answer["error"]["message"]
     status, answer = _post(front, "/v1/completions", b'{"prompt": "hi", "model": ["x"]}')
-    assert status == 404 and "the model `a JSON list` does not exist" in answer["error"]["message"]
+    assert status == 400 and answer["error"]["message"] == "'model' must be a string"
 
 
 def test_flags_that_are_not_booleans_are_a_400(front):

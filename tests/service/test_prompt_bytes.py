@@ -81,3 +81,17 @@ def test_a_role_past_64_characters_is_refused_before_any_rendering():
                                                                  pb.ChatMessage(role="r" * 7_000_000, content="")]))
     with pytest.raises(RequestError, match=r"messages\[1\].role has 7,000,000 characters; at most 64"):
         builder.check_limits(long, "id")
+
+
+def test_a_prompt_too_long_for_the_model_is_told_its_bytes_as_the_bound_they_are():
+    """The byte count read from encoded sizes is a little under the text's: said as "at least"."""
+    import pytest
+
+    from kvserve.model_service.request_builder import RequestError
+    builder = _builder(1 << 30)
+    builder.stack.max_model_len = 64
+    builder.bytes_per_token = 4
+    msg = pb.GenerateRequest(prompt="a" * 1000, request_id="r" * 30)
+    with pytest.raises(RequestError, match=r"^the prompt has at least 9\d\d bytes, so at least 2\d\d tokens; "
+                                           r"the model length is 64$"):
+        builder.check_limits(msg, "id")

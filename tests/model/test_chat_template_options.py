@@ -1,0 +1,67 @@
+"""ChatMessages' template options (prompt_tokens.chat_options and render_chat), as the model
+service and the gateway both render them: a template's own variables reach it, apply_chat_template's
+arguments cannot be set through them, and what is not a JSON object is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.model_service import prompt_tokens
+
+THINKING_TEMPLATE = (   # Qwen3's switch, in the tiny tokenizer's markup
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<|system|><|end|>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("thinking") / "tiny"
+    shutil.copytree(tiny_dirs["tiny"], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return prompt_tokens.load_tokenizer(path)
+
+
+def chat(**options) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hello there")], **options)
+
+
+def render(tokenizer, msg: pb.ChatMessages) -> list[str]:
+    turns = [{"role": m.role, "content": m.content} for m in msg.messages]
+    return tokenizer.convert_ids_to_tokens(prompt_tokens.render_chat(tokenizer, turns, prompt_tokens.chat_options(msg)))
+
+
+def test_a_templates_own_variable_reaches_it(tokenizer):
+    thinking = render(tokenizer, chat())
+    assert thinking[-1] == "<|assistant|>"
+    assert render(tokenizer, chat(template_kwargs='{"enable_thinking": true}')) == thinking
+    assert render(tokenizer, chat(template_kwargs='{"enable_thinking": false}')) == thinking + ["<|system|>", "<|end|>"]
+    assert render(tokenizer, chat(add_generation_prompt=False)) == thinking[:-1]
+
+
+def test_continuing_the_last_message_leaves_its_turn_open(tokenizer):
+    msg = chat()
+    msg.messages.add(role="assistant", content="general")
+    tokens = render(tokenizer, pb.ChatMessages(messages=msg.messages, continue_final_message=True))
+    assert tokens[-1] != "<|end|>" and tokens[-3:-1] != ["<|end|>", "<|assistant|>"]
+    assert tokens == render(tokenizer, pb.ChatMessages(messages=msg.messages, add_generation_prompt=False))[:-1]
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(continue_final_message=True, add_generation_prompt=True), "cannot be given with add_generation_prompt true"),
+    (dict(template_kwargs="[1, 2]"), "template_kwargs is not a JSON object"),
+    (dict(template_kwargs="{not json"), "template_kwargs is not a JSON object"),
+    (dict(template_kwargs="[" * 100_000 + "]" * 100_000), "longer than 64 KiB"),
+    (dict(template_kwargs="[" * 30_000 + "]" * 30_000), "template_kwargs is not a JSON object"),   # too deep to parse
+    (dict(template_kwargs='{"add_generation_prompt": false}'), "template_kwargs may not set add_generation_prompt"),
+    (dict(template_kwargs='{"messages": [], "bos_token": "x"}'), "may not set bos_token, messages: they are"),
+])
+def test_options_that_cannot_be_used_are_refused_saying_why(options, words):
+    with pytest.raises(ValueError, match=words):
+        prompt_tokens.chat_options(chat(**options))
