@@ -48,7 +48,7 @@ def check_roles(roles) -> None:
             raise ValueError(f"messages[{i}].role has {len(role):,} characters; at most {MAX_ROLE_CHARS} are allowed")
 
 
-MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+MAX_TEMPLATE_KWARGS_CHARS = 64 << 10
 # apply_chat_template's own arguments and the variables it sets: a client's template variable
 # may not stand in for them (it would change what is rendered, or how, behind the options' backs).
 RESERVED_TEMPLATE_NAMES = frozenset({
@@ -76,8 +76,9 @@ def chat_options(messages) -> ChatOptions:
                          "add_generation_prompt true")
     kwargs = {}
     if messages.template_kwargs:
-        if len(messages.template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES:   # characters: at most as many
-            raise ValueError(f"template_kwargs is longer than {MAX_TEMPLATE_KWARGS_BYTES >> 10} KiB")
+        if len(messages.template_kwargs) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ValueError(f"template_kwargs has {len(messages.template_kwargs):,} characters; at most "
+                             f"{MAX_TEMPLATE_KWARGS_CHARS:,} are allowed")
         try:
             kwargs = json.loads(messages.template_kwargs)
         except (ValueError, RecursionError):

@@ -221,8 +221,9 @@ def request_of(kind: str, body: dict) -> pb.GenerateRequest:
     except UnicodeEncodeError:
         raise HttpError(400, "a string in the body holds a lone UTF-16 surrogate (such as \\ud800), which is "
                              "not text") from None
-    except RecursionError:   # a schema nested nearly as deep as the body's parse allows, re-encoded deeper
-        raise HttpError(400, "the request's structured output schema nests too deeply") from None
+    except RecursionError:   # a value nested nearly as deep as the body's parse allows, re-encoded deeper
+        raise HttpError(400, "a value in the body (a schema, chat_template_kwargs) nests too deeply to pass "
+                             "on") from None
     return msg
 
 

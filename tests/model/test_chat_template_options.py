@@ -57,7 +57,7 @@ def test_continuing_the_last_message_leaves_its_turn_open(tokenizer):
     (dict(continue_final_message=True, add_generation_prompt=True), "cannot be given with add_generation_prompt true"),
     (dict(template_kwargs="[1, 2]"), "template_kwargs is not a JSON object"),
     (dict(template_kwargs="{not json"), "template_kwargs is not a JSON object"),
-    (dict(template_kwargs="[" * 100_000 + "]" * 100_000), "longer than 64 KiB"),
+    (dict(template_kwargs="[" * 100_000 + "]" * 100_000), "template_kwargs has 200,000 characters; at most 65,536 are allowed"),
     (dict(template_kwargs="[" * 30_000 + "]" * 30_000), "template_kwargs is not a JSON object"),   # too deep to parse
     (dict(template_kwargs='{"add_generation_prompt": false}'), "template_kwargs may not set add_generation_prompt"),
     (dict(template_kwargs='{"messages": [], "bos_token": "x"}'), "may not set bos_token, messages: they are"),
