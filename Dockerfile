@@ -48,7 +48,8 @@ COPY --from=build /opt/kvserve /opt/kvserve
 USER kvserve
 WORKDIR /home/kvserve
 
-# 50051: model service / gateway (Inference API); 50061: KV-cache manager.
-EXPOSE 50051 50061
+# 50051: model service / gateway (Inference API). The KV-cache manager `up` starts listens inside
+# the container only; deploy/ runs it as a sidecar on a Unix socket.
+EXPOSE 50051
 # The whole stack on the built-in tiny model; give --model /models/NAME for a real checkpoint.
 CMD ["kvserve", "up", "--model", "tiny", "--listen", "0.0.0.0:50051"]

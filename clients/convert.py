@@ -245,6 +245,8 @@ def structured_output(structured: Mapping[str, Any]) -> pb.StructuredOutput:
         elif kind == "json_object":
             out.json_object = bool(value)
         elif kind == "choice":
+            if isinstance(value, (str, bytes)):   # would be taken as one choice per character
+                raise ValueError(f"structured choice is a list of strings, not one string: [{value!r}]")
             out.choice.choices.extend(value)
         elif kind in ("regex", "lark_grammar"):
             setattr(out, kind, value)

@@ -3,6 +3,8 @@ Every field is a flag (services/plumbing/config_flags.py generates them)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
@@ -29,8 +31,8 @@ class KVCacheServerConfig:
     def __post_init__(self) -> None:
         if not self.listen:
             raise ValueError("--listen: give at least one address")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
+            raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         self.server_tls()
 
     def server_tls(self) -> ServerTLS | None:

@@ -199,7 +199,7 @@ def build_on_a_thread_that_ends(cfg: ModelServiceConfig, on_step_end: Callable[[
         except BaseException as exc:   # raised again on the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="kvserve-build")
+    thread = threading.Thread(target=run, name="kvserve-build", daemon=True)   # Ctrl-C need not wait for it
     thread.start()
     thread.join()
     if "error" in box:

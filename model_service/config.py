@@ -7,6 +7,8 @@ it as a process or the model service holds it in-process (`--kvcache inprocess`)
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
@@ -148,8 +150,8 @@ class ModelServiceConfig:
                                  f"got {getattr(self, name)}")
         if not isinstance(self.attention_sink, int) or self.attention_sink < 0:
             raise ValueError(f"--attention-sink must be an integer >= 0, got {self.attention_sink!r}")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
+            raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
             raise ValueError(f"--cuda-graph-max-batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:

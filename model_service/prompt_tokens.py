@@ -22,14 +22,21 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
+# Files a Hugging Face tokenizer is commonly read from: named when a load fails and none is there.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:   # no tokenizer files, or ones that do not read
-        text = str(exc).strip().splitlines()
-        raise ValueError(f"cannot load a tokenizer from {path}: {text[0] if text else type(exc).__name__}") from None
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"cannot load a tokenizer from {path}: it has none of the usual tokenizer files "
+                             f"({', '.join(TOKENIZER_FILES)})") from None
+        text = " ".join(line.strip() for line in str(exc).strip().splitlines())   # the whole reason, on one line
+        raise ValueError(f"cannot load a tokenizer from {path}: {text[:1000] or type(exc).__name__}") from None
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.model_service.assembly import build_on_a_thread_that_ends
@@ -20,9 +23,10 @@ from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
-                                                   wait_for_signal)
+                                                   drain_wait, stop_server, wait_for_signal)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVENTS_REFUSED = ("this model service checks API keys (--api-keys): it serves clients, not gateways, and does not "
                   "publish its cache's page hashes; a gateway follows workers started with --trust-tenant-metadata")
@@ -33,11 +37,11 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     # The engine hands each step's events to this loop at once, through the relay.
     config.check_files()
     relay = EventRelay(asyncio.get_running_loop())
-    # The executor's thread only waits; torch runs on one that ends.
-    stack = await asyncio.to_thread(build_on_a_thread_that_ends, config, relay.flush)
+    # This thread only waits; torch runs on one that ends.
+    stack = await _on_a_daemon_thread(build_on_a_thread_that_ends, config, relay.flush)
     servicer = running = None
     try:
-        await asyncio.to_thread(stack.engine.start, config.kvcache_timeout_s)
+        await _on_a_daemon_thread(stack.engine.start, config.kvcache_timeout_s)
         keys = ApiKeys(config.api_keys) if config.api_keys else None
         servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats), keys)
         if config.metrics_listen:
@@ -53,7 +57,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         running = await _create(config.listen, specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards,
             health_listen=config.health_listen)
-        servicer.health = HealthReporter(running.health, [SERVICE_NAME], stack.engine)
+        # the events relay the manager's stream: down, draining or stalled with the Inference service
+        servicer.health = HealthReporter(running.health, [SERVICE_NAME, EVENTS_SERVICE_NAME], stack.engine)
         servicer.health.start()
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
@@ -73,32 +78,54 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         raise
 
 
-async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: float) -> None:
-    """NOT_SERVING first, then no new requests; in-flight streams get up to `grace_s` to finish,
-    and what is left ends with UNAVAILABLE (the manager is still there for their releases)."""
+async def _on_a_daemon_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) on a thread that does not hold the process up. asyncio.to_thread's executor is
+    joined before asyncio.run returns: Ctrl-C during a start that waits (for a manager, up to
+    --kvcache-timeout; for a large checkpoint to load) did nothing until the wait was over."""
     loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not done.done():   # cancelled meanwhile: the process is on its way out
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:   # raised again on the loop's thread
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:   # the loop has closed: nobody is waiting
+            pass
+
+    threading.Thread(target=run, name=f"kvserve-{getattr(fn, '__name__', 'start')}", daemon=True).start()
+    return await done
+
+
+async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: float,
+                hurry: asyncio.Event | None = None) -> None:
+    """NOT_SERVING first, then no new requests; in-flight streams get up to `grace_s` to finish
+    (none once `hurry` is set: Ctrl-C twice), and what is left ends with UNAVAILABLE (the
+    manager is still there for their releases)."""
     engine = servicer.engine
     await servicer.health.drain()
     servicer.drain()
-    deadline = loop.time() + grace_s
-    while engine.num_live() and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await drain_wait(engine.num_live, grace_s, hurry)
     if engine.num_live():
-        log.warning("%d requests still running after the %.1f s grace period end with UNAVAILABLE",
-                    engine.num_live(), grace_s)
-        engine.end_all(Unavailable(f"the server shut down before the request finished (it was given "
+        hurried = hurry is not None and hurry.is_set()
+        log.warning("%d requests still running %s end with UNAVAILABLE", engine.num_live(),
+                    "when told to stop now" if hurried else f"after the {grace_s:.1f} s grace period")
+        engine.end_all(Unavailable("the server was stopped before the request finished" if hurried else
+                                   f"the server shut down before the request finished (it was given "
                                    f"{grace_s:g} s to finish)"))
-        stop_at = loop.time() + 2.0
-        while engine.num_live() and loop.time() < stop_at:
-            await asyncio.sleep(0.02)
+        await drain_wait(engine.num_live, 2.0)
     # The engine is done with them; each call still has to take its last event off its queue
     # and return (a busy loop can take a while): only then does the server's stop leave it be.
-    stop_at = loop.time() + 5.0
-    while servicer.open_streams and loop.time() < stop_at:
-        await asyncio.sleep(0.02)
+    await drain_wait(lambda: bool(servicer.open_streams), 5.0, hurry)
     if servicer.cache_events is not None:   # a gateway's event stream ends UNAVAILABLE, not cancelled
         await servicer.cache_events.close()
-    await running.server.stop(LAST_MESSAGES_S)
+    await stop_server(running.server, LAST_MESSAGES_S, hurry)
 
 
 async def serve(config: ModelServiceConfig) -> None:
@@ -107,8 +134,8 @@ async def serve(config: ModelServiceConfig) -> None:
     if servicer.keys is not None:
         servicer.keys.reload_on_sighup()
     try:
-        await wait_for_signal(running.server, config.grace_s)
-        await drain(running, servicer, config.grace_s)   # which also ends the relayed event streams
+        hurry = await wait_for_signal(running.server, config.grace_s)
+        await drain(running, servicer, config.grace_s, hurry)   # which also ends the relayed event streams
         if servicer.http_front is not None:
             await servicer.http_front.stop()
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
@@ -93,8 +94,8 @@ class GatewayConfig:
             raise ValueError(f"--routing must be cache, round-robin or random, got {self.routing!r}")
         if self.overlap_weight < 0:
             raise ValueError(f"--overlap-weight must not be negative, got {self.overlap_weight}")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace-period must not be negative, got {self.grace_s}")
+        if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
+            raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         self.server_tls()
         self.worker_tls()
 

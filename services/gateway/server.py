@@ -23,7 +23,7 @@ from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
-                                                   wait_for_signal)
+                                                   drain_wait, stop_server, wait_for_signal)
 
 log = logging.getLogger(__name__)
 
@@ -113,25 +113,24 @@ async def serve(config: GatewayConfig) -> None:
     log.info("gateway on %s, %d workers given%s", gateway.running.address, len(config.worker),
              f", following {config.workers_dns}" if config.workers_dns else "")
     try:
-        await wait_for_signal(gateway.running.server, config.grace_s)
-        await drain(gateway, config.grace_s)
+        hurry = await wait_for_signal(gateway.running.server, config.grace_s)
+        await drain(gateway, config.grace_s, hurry)
     finally:
         await gateway.close()
 
 
-async def drain(gateway: Gateway, grace_s: float) -> None:
-    """NOT_SERVING and no new requests; streams get `grace_s` to finish, then end UNAVAILABLE
-    (their workers' pages are freed as the upstream calls are cancelled)."""
-    loop, servicer = asyncio.get_running_loop(), gateway.servicer
+async def drain(gateway: Gateway, grace_s: float, hurry: asyncio.Event | None = None) -> None:
+    """NOT_SERVING and no new requests; streams get `grace_s` to finish (none once `hurry` is
+    set: Ctrl-C twice), then end UNAVAILABLE (their workers' pages are freed as the upstream
+    calls are cancelled)."""
+    servicer = gateway.servicer
     servicer.draining = True
     for name in ("", SERVICE_NAME):
         await gateway.running.health.set(name, NOT_SERVING)
-    deadline = loop.time() + grace_s
-    while servicer.relays and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await drain_wait(lambda: bool(servicer.relays), grace_s, hurry)
+    why = ("the gateway was stopped before the request finished" if hurry is not None and hurry.is_set() else
+           f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")
     for relay in list(servicer.relays.values()):
-        relay.end(f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")
-    stop_at = loop.time() + 2.0
-    while servicer.relays and loop.time() < stop_at:
-        await asyncio.sleep(0.02)
-    await gateway.running.server.stop(LAST_MESSAGES_S)
+        relay.end(why)
+    await drain_wait(lambda: bool(servicer.relays), 2.0)
+    await stop_server(gateway.running.server, LAST_MESSAGES_S, hurry)

@@ -151,13 +151,13 @@ async def serve_until_signal(
     ``on_stop`` runs first, e.g. to end long-lived streams that would otherwise
     hold the drain for the whole grace period.
 
-    Must run in the main thread (asyncio signal handlers). The handlers are
-    removed before draining, so a second Ctrl-C interrupts a slow drain.
+    Must run in the main thread (asyncio signal handlers). A second Ctrl-C cuts a slow drain
+    short (wait_for_signal).
     """
-    await wait_for_signal(server, grace_s)
+    hurry = await wait_for_signal(server, grace_s)
     if on_stop is not None:
         on_stop()
-    await stop_gracefully(server, health, grace_s)
+    await stop_gracefully(server, health, grace_s, hurry)
 
 
 # The last stop of a draining server: every handler has returned, but a stream's last messages
@@ -166,11 +166,14 @@ async def serve_until_signal(
 LAST_MESSAGES_S = 5.0
 
 
-async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None) -> signal.Signals | None:
-    """Returns on SIGTERM or SIGINT (which it returns), or when the server stops (None). A server
-    that drains in its own way (the model service) starts from here; `grace_s` is for the log."""
+async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None) -> asyncio.Event:
+    """Returns on SIGTERM or SIGINT, or when the server stops. A server that drains in its own way
+    (the model service, the gateway) starts from here; `grace_s` is for the log. The event it
+    returns is set by SIGINT during the drain (Ctrl-C twice: stop now): drains end their grace
+    periods at once when it is (drain_wait, stop_gracefully), and the process exits cleanly."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     received: list[signal.Signals] = []
     watched = (signal.SIGTERM, signal.SIGINT)
     for sig in watched:
@@ -189,22 +192,47 @@ async def wait_for_signal(server: grpc.aio.Server, grace_s: float | None = None)
     if received:
         # SIGTERM again (a supervisor's second, Kubernetes' after a preStop hook) must not cut the
         # drain short: with no handler it would end the process at once, every stream reset.
-        # SIGINT again still does (Ctrl-C twice: stop now).
         loop.add_signal_handler(signal.SIGTERM, log.info, "SIGTERM again: already draining")
+        # SIGINT again does, through the drain: Python's own KeyboardInterrupt would tear the
+        # loop down under the server (a traceback, and streams ended CANCELLED with no reason).
+        loop.add_signal_handler(signal.SIGINT, lambda: (log.warning("SIGINT again: stopping now"), hurry.set()))
         if grace_s is not None:
             log.info("%s received: draining for up to %.1f s", received[0].name, grace_s)
-    return received[0] if received else None
+    return hurry
+
+
+async def drain_wait(busy: Callable[[], bool], seconds: float, hurry: asyncio.Event | None = None) -> None:
+    """Until busy() is false, `seconds` have passed or `hurry` is set."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while busy() and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
+        await asyncio.sleep(0.02)
+
+
+async def stop_server(server: grpc.aio.Server, grace_s: float | None, hurry: asyncio.Event | None = None) -> None:
+    """server.stop(grace_s), cut to no grace when `hurry` is set meanwhile (every call left then
+    ends UNAVAILABLE)."""
+    stopping = asyncio.ensure_future(server.stop(grace_s))
+    if hurry is not None:
+        hurried = asyncio.ensure_future(hurry.wait())
+        await asyncio.wait({stopping, hurried}, return_when=asyncio.FIRST_COMPLETED)
+        hurried.cancel()
+        if not stopping.done():
+            await server.stop(0)   # a second stop with less grace shortens the first
+    await stopping
 
 
 async def stop_gracefully(
-    server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float = 5.0
+    server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float = 5.0,
+    hurry: asyncio.Event | None = None,
 ) -> None:
     """Report NOT_SERVING first (so load balancers and probes move away), then stop.
 
-    In-flight calls get ``grace_s`` seconds to finish; new calls are refused.
+    In-flight calls get ``grace_s`` seconds to finish (none once ``hurry`` is set); new calls
+    are refused.
     """
     await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    await stop_server(server, grace_s, hurry)
 
 
 def _check_services(services: Iterable[Any]) -> list[ServiceSpec]:

@@ -178,6 +178,10 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
             short_call, short_events = _stream_until_chunk(stub, request(token_ids=PROMPT + [5], **greedy(8)))
             draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 1.0), server.loop)
             wait_until(lambda: serving() == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
+            from kvserve.model_service.cache_events import SERVICE_NAME as EVENTS
+            for name in (EVENTS, "kvserve.inference.v1.Inference"):   # each service by name, as "" says
+                assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.NOT_SERVING, name
             err = rpc_error(lambda: stub.Generate(request(token_ids=PROMPT, **greedy(3)), timeout=10))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
             short_events += list(short_call)
@@ -189,6 +193,35 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
             assert info.value.details() == ("the server shut down before the request finished "
                                             "(it was given 1 s to finish)")
             draining.result(15)
+        assert_pages_free(server.servicer)
+    finally:
+        server.stop()
+
+
+def test_a_hurried_drain_ends_the_streams_at_once_saying_so(tiny_dirs):
+    """Ctrl-C twice (wait_for_signal's event): the grace period is cut short, and what runs ends
+    UNAVAILABLE saying the server was stopped, not that it had its grace period."""
+    import time
+
+    from kvserve.model_service.server import drain
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"])
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            long_call, _ = _stream_until_chunk(pb_grpc.InferenceStub(ch), request(token_ids=PROMPT, **greedy(1900)))
+            hurry = asyncio.Event()
+            draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 600.0, hurry),
+                                                        server.loop)
+            start = time.monotonic()
+            server.loop.call_soon_threadsafe(hurry.set)
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in long_call:
+                    pass
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE, "the server was stopped before the request finished"), info.value
+            draining.result(30)
+            assert time.monotonic() - start < 60   # not the 600 s grace
         assert_pages_free(server.servicer)
     finally:
         server.stop()

@@ -218,3 +218,23 @@ def test_a_model_service_killed_while_loading_is_started_again(tiny_dirs, tmp_pa
         terminate(proc)
         stop_pids(kids)
     assert "the model service was killed by SIGKILL; starting it again" in proc.stderr.read()
+
+
+def test_ctrl_c_while_a_model_service_waits_for_its_manager_ends_it_at_once(tiny_dirs):
+    """The start ran on asyncio's executor, which is joined before the process may exit: Ctrl-C
+    while it waited for a manager did nothing until --kvcache-timeout was over."""
+    import time
+
+    proc = kvserve("model", "--model", str(tiny_dirs["tiny"]), "--listen", f"127.0.0.1:{free_port()}",
+                   "--kvcache", f"127.0.0.1:{free_port()}", "--kvcache-timeout", "300", "--num-pages", "64",
+                   "--device", "cpu", stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:   # the pool is sized and warmed just before the manager is dialled
+            if "warm-up step" in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130   # well inside the 300 s wait
+        assert "kvserve model: interrupted" in proc.stderr.read()
+    finally:
+        terminate(proc)

@@ -101,3 +101,14 @@ def test_a_failed_tls_handshake_is_one_line_without_grpcs_own_log():
     finally:
         plaintext.stop()
     assert code != 0 and len(stderr.splitlines()) == 1 and stderr.startswith("kvserve stats: UNAVAILABLE"), stderr
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_grace_period_that_is_no_number_of_seconds_is_refused_by_every_server(value):
+    """NaN passed the old `< 0` checks, and a drain compared against it ended every stream at once."""
+    from kvserve.kvcache_service.config import KVCacheServerConfig
+    from kvserve.model_service.config import ModelServiceConfig
+    from kvserve.services.gateway.config import GatewayConfig
+    for config, kwargs in [(ModelServiceConfig, {}), (KVCacheServerConfig, {}), (GatewayConfig, {"worker": ["127.0.0.1:1"]})]:
+        with pytest.raises(ValueError, match=r"--grace-period must be a number of seconds, 0 or more, got"):
+            config(grace_s=value, **kwargs)

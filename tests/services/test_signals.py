@@ -23,24 +23,26 @@ from kvserve.services.plumbing.logging_setup import configure_logging
 
 async def main() -> None:
     running = await create_server("127.0.0.1:0", [])
-    serving = asyncio.create_task(serve_until_signal(running.server, running.health, grace_s=1.0))
+    serving = asyncio.create_task(serve_until_signal(running.server, running.health, grace_s=GRACE_S))
     await asyncio.sleep(0)  # lets the task install its signal handlers before we say ready
     print(running.address, flush=True)
     await serving
 
+import sys
+GRACE_S = float(sys.argv[1])
 configure_logging("info")
 asyncio.run(main())
 """
 
 
 @contextlib.contextmanager
-def server_process(tmp_path: Path):
+def server_process(tmp_path: Path, grace_s: float = 1.0):
     """SERVER_SCRIPT running: (its process, its address); killed if a test leaves it running."""
     script = tmp_path / "server.py"
     script.write_text(SERVER_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script), str(grace_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         address = proc.stdout.readline().strip()
@@ -108,3 +110,20 @@ time.sleep(1.0)
         if child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
+
+
+def test_sigint_again_while_draining_stops_now_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C twice: the second cuts a long drain short. It used to be Python's KeyboardInterrupt
+    tearing the loop down under the server: a traceback, and calls ended CANCELLED unexplained."""
+    with server_process(tmp_path, grace_s=600.0) as (proc, address), grpc.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGINT)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING   # draining, for up to 600 s
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(grpc.RpcError) as info:
+            next(watch)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert proc.wait(timeout=30) == 0
+        stderr = proc.stderr.read()
+        assert "SIGINT again: stopping now" in stderr and "Traceback" not in stderr, stderr

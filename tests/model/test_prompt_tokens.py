@@ -1,6 +1,7 @@
-"""ChatMessages' template options (prompt_tokens.chat_options and render_chat), as the model
-service and the gateway both render them: a template's own variables reach it, apply_chat_template's
-arguments cannot be set through them, and what is not a JSON object is refused by name."""
+"""model_service/prompt_tokens.py, which the model service and the gateway both read inputs with:
+ChatMessages' template options (a template's own variables reach it, apply_chat_template's
+arguments cannot be set through them, what is not a JSON object is refused by name), and a
+checkpoint whose tokenizer cannot be loaded told why."""
 
 from __future__ import annotations
 
@@ -65,3 +66,12 @@ def test_continuing_the_last_message_leaves_its_turn_open(tokenizer):
 def test_options_that_cannot_be_used_are_refused_saying_why(options, words):
     with pytest.raises(ValueError, match=words):
         prompt_tokens.chat_options(chat(**options))
+
+
+def test_a_checkpoint_without_tokenizer_files_is_told_so(tiny_dirs, tmp_path):
+    """transformers' own reason was cut to its first line, which names nothing."""
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_dirs["tiny"] / name, tmp_path / name)
+    with pytest.raises(ValueError, match=r"cannot load a tokenizer from .*: it has none of the usual tokenizer "
+                                         r"files \(tokenizer.json, tokenizer.model, vocab.json"):
+        prompt_tokens.load_tokenizer(tmp_path)
