@@ -98,7 +98,13 @@ class Child:
 
 
 class RestartLimit(Exception):
-    """A child exited more often in a minute than the limit allows."""
+    """A child exited more often in a minute than the limit allows, or in a way a restart cannot
+    mend; `exit_code` is the stack's (a child's EXIT_CANNOT_LISTEN is passed on, as a supervisor
+    above reads it: never restart)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Supervisor:
@@ -112,7 +118,7 @@ class Supervisor:
         reason = child.exit_reason()
         if child.proc.returncode == EXIT_CANNOT_LISTEN:   # it would fail the same way again
             raise RestartLimit(f"{child.name} cannot listen on its address (in use, or not permitted; its "
-                               "error is above); stopping the stack")
+                               "error is above); stopping the stack", EXIT_CANNOT_LISTEN)
         if now - child.started_at > STEADY_S:
             child.backoff_s = FIRST_BACKOFF_S
         child.exits.append(now)

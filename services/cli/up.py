@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         except RestartLimit as exc:
             log.error("%s", exc)
-            return 1
+            return exc.exit_code
         finally:
             if gateway is not None:
                 gateway.stop(model_config.grace_s + 10)
