@@ -4,6 +4,7 @@ the floor under bench/gateway_bench.py's "gateway adds".
 
     .venv/bin/python bench/hop_floor.py                  # 400 calls of each, in turn
     .venv/bin/python bench/hop_floor.py --calls 1000
+    .venv/bin/python bench/hop_floor.py --h2             # also bench/h2_relay.py (pip install h2)
 
 Three measurements, each in one run on the same cores:
   - a thread wake-up: two threads passing a token back and forth through eventfds, both on one
@@ -13,8 +14,10 @@ Three measurements, each in one run on the same cores:
     nothing else, called directly, through bench/bare_relay.py (the same grpc.aio hop the
     gateway makes, nothing more), and through a relay that copies the TCP bytes both ways on
     one asyncio loop without reading them (no HTTP/2, no gRPC: what the hop costs when nothing
-    is parsed). Calls go to the three in turn; the figures are p50s and the medians of the
-    paired differences from the direct call;
+    is parsed); with --h2, also through bench/h2_relay.py (HTTP/2 on the h2 library, each
+    request message parsed: a relay that speaks gRPC's framing without grpcio). Calls go to
+    each in turn; the figures are p50s and the medians of the paired differences from the
+    direct call;
   - the CPU time each server process spends per call (/proc), over a run of calls to it alone.
 """
 
@@ -150,6 +153,7 @@ def cpu_per_call(address: str, pids: dict[str, int], n: int) -> dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--h2", action="store_true", help="also relay through bench/h2_relay.py (needs the h2 package)")
     ap.add_argument("--serve-empty", metavar="LISTEN", help=argparse.SUPPRESS)
     ap.add_argument("--serve-tcp-relay", nargs=2, metavar=("LISTEN", "UPSTREAM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,23 +171,27 @@ def main() -> None:
         line += f", two CPUs {cross * 1e6:.1f} us"
     print(line)
 
-    direct, relay, tcp = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    direct, relay, tcp, h2 = (f"127.0.0.1:{free_port()}" for _ in range(4))
+    targets = {"direct": (direct, ["server"]), "grpc.aio relay": (relay, ["server", "grpc.aio relay"]),
+               "tcp relay": (tcp, ["server", "tcp relay"])}
     procs = {"server": start(__file__, "--serve-empty", direct)}
     try:
         wait_ready(direct)
         procs["grpc.aio relay"] = start(str(ROOT / "bench" / "bare_relay.py"), relay, direct)
         procs["tcp relay"] = start(__file__, "--serve-tcp-relay", tcp, direct)
-        wait_ready(relay)
-        wait_ready(tcp)
-        times = in_turn({"direct": direct, "grpc.aio relay": relay, "tcp relay": tcp}, args.calls)
+        if args.h2:
+            procs["h2 relay"] = start(str(ROOT / "bench" / "h2_relay.py"), h2, direct)
+            targets["h2 relay"] = (h2, ["server", "h2 relay"])
+        for address, _ in targets.values():
+            wait_ready(address)
+        times = in_turn({name: address for name, (address, _) in targets.items()}, args.calls)
         print(f"\nan empty Generate call, {args.calls} to each in turn:")
         for name, xs in times.items():
             paired = statistics.median(b - a for a, b in zip(times["direct"], xs))
             print(f"  {name:<15} p50 {statistics.median(xs) * 1e3:6.3f} ms"
                   + (f"   adds {paired * 1e3:+.3f} ms" if name != "direct" else ""))
         print("\nCPU per call (ms), each target called alone:")
-        for name, address, pids in (("direct", direct, ["server"]), ("grpc.aio relay", relay, ["server", "grpc.aio relay"]),
-                                    ("tcp relay", tcp, ["server", "tcp relay"])):
+        for name, (address, pids) in targets.items():
             per = cpu_per_call(address, {p: procs[p].pid for p in pids}, args.calls)
             print(f"  {name:<15} " + ", ".join(f"{p} {v * 1e3:.3f}" for p, v in per.items()))
     finally:
