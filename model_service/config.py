@@ -116,6 +116,9 @@ class ModelServiceConfig:
     max_stop_strings: int = option(64, "most stop strings in one request")
     max_logprobs: int = option(20, "most top logprobs a request may ask for per token")
     max_n: int = option(16, "most sequences one request may sample in parallel (SamplingParams.n)")
+    max_unread_tokens: int = option(32768, "most tokens a stream's client may leave unread (each logprob asked "
+                                           "counts one more) before its request is cancelled and the stream "
+                                           "ends RESOURCE_EXHAUSTED")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the server's "
                                        "event loop")
     # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
@@ -139,7 +142,7 @@ class ModelServiceConfig:
             positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval",
                      "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n",
-                     "num_draft_tokens"):
+                     "num_draft_tokens", "max_unread_tokens"):
             positive(name, allow_none=False)
         for name in ("max_stop_strings", "max_logprobs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:

@@ -26,6 +26,7 @@ from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
 from kvserve.model_service.status import abort, as_request_failed
+from kvserve.model_service.stream_backlog import StreamBacklog, Unread
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
 from kvserve.services.plumbing import stats_watch
@@ -38,6 +39,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # client's deadline (`kvserve top` polls every few seconds), not one that waits --manager-timeout.
 MANAGER_STATS_TIMEOUT_S = 1.0
 CANCELLED_ID_WAIT_S = 5.0   # the longest a request waits for a cancelled one of its id to end
+# Tokens that piled up for a slow client merge into chunks of at most this many: one message of a
+# whole backlog (with logprobs) passed the 4 MiB a gRPC client takes by default, and the stream died.
+MAX_CHUNK_TOKENS = 256
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -72,7 +76,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         self.open_streams += 1
         try:
-            events: asyncio.Queue = asyncio.Queue()
             clock = self.metrics.stream()
             try:
                 if self.draining:
@@ -81,6 +84,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 tenant = self._tenant(context)
                 request_id = request.request_id or uuid.uuid4().hex
                 req = await self.builder.build(request, request_id, tenant)
+                events = StreamBacklog(self.stack.config.max_unread_tokens, 1 + (req.params.logprobs or 0),
+                                       lambda: self.engine.cancel(req.request_id))
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
                 await abort(context, as_request_failed(exc, "building the request failed"))
@@ -93,6 +98,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await context.send_initial_metadata(())
                 while not finished:
                     event = await events.get()
+                    if isinstance(event, Unread):
+                        await abort(context, event.error)
                     batch = [event]
                     while not events.empty():  # coalesce what piled up while the client was slow
                         batch.append(events.get_nowait())
@@ -255,6 +262,9 @@ def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]
     for event in events:
         if isinstance(event, Tokens):
             if chunk is not None and event.index != index:
+                yield pb.GenerateResponse(chunk=chunk, index=index), False, None
+                chunk = None
+            if chunk is not None and len(chunk.token_ids) >= MAX_CHUNK_TOKENS:
                 yield pb.GenerateResponse(chunk=chunk, index=index), False, None
                 chunk = None
             if chunk is None:

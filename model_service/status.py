@@ -15,6 +15,8 @@ from kvserve.model_service.engine.errors import (
     DuplicateRequest,
     InternalError,
     ENDED_TRAILER,
+    FINAL_TRAILER,
+    ClientTooSlow,
     InvalidRequest,
     NothingToGenerate,
     QueueFull,
@@ -48,5 +50,6 @@ def as_request_failed(exc: Exception, what: str) -> RequestFailed:
 
 async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
     code = next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
-    trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else ()
+    trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else \
+        ((FINAL_TRAILER, "1"),) if isinstance(error, ClientTooSlow) else ()
     await context.abort(code, str(error), trailers)

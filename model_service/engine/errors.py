@@ -34,6 +34,15 @@ class QueueFull(RequestFailed):
     """More requests wait than --max-waiting allows: try again later."""
 
 
+# Trailing metadata on a status that is the request's own although its code says "try another
+# server" (RESOURCE_EXHAUSTED): a gateway passes it on instead of moving the request.
+FINAL_TRAILER = "kvserve-final"
+
+
+class ClientTooSlow(QueueFull):
+    """The stream's client left more tokens unread than --max-unread-tokens."""
+
+
 class DuplicateRequest(RequestFailed):
     """A request with this id is already in flight."""
 

@@ -22,7 +22,7 @@ from contextlib import aclosing
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
-from kvserve.model_service.engine.errors import ENDED_TRAILER
+from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.services.gateway.fleet import Fleet
@@ -56,6 +56,12 @@ def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
         return None
     name = next((value for key, value in exc.trailing_metadata() or () if key == ENDED_TRAILER), None)
     return pb.FinishReason.Value(name) if name in pb.FinishReason.keys() else None
+
+
+def _final(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker says its status is the request's own (FINAL_TRAILER: its client did not read),
+    though the code alone would send it to another worker."""
+    return any(key == FINAL_TRAILER for key, _ in exc.trailing_metadata() or ())
 
 
 def renamed(request_id: str) -> str:
@@ -255,7 +261,7 @@ class Relay:
                 if _too_large(exc) and not self._moved:   # as large at any worker: no move helps
                     raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \
                         from None
-                if exc.code() not in RETRYABLE and not self._moved:
+                if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
                     raise Refused(exc.code(), exc.details()) from None
                 why = f"{exc.code().name}: {exc.details()}"
             except asyncio.CancelledError:
