@@ -74,7 +74,9 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
 
     async def Register(self, request, context):
         m = self.m
-        reset = await self._run(context, lambda: m.register(request.epoch, request.page_size, request.num_pages))
+        cpu_pages = request.cpu_pages if request.HasField("cpu_pages") else None
+        reset = await self._run(context, lambda: m.register(request.epoch, request.page_size, request.num_pages,
+                                                            cpu_pages))
         c = m.config
         return pb.RegisterResponse(reset=reset, page_size=c.page_size, num_pages=c.num_pages,
                                    cpu_pages=c.cpu_pages, max_seqs=c.max_seqs)

@@ -154,6 +154,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         stall_timeout_s=cfg.stall_timeout_s,
         on_step_end=on_step_end,
         drafter=NgramDrafter(cfg.num_draft_tokens) if cfg.speculative == "ngram" else None,
+        cpu_pages=kv_cache.num_cpu_pages,
     )
     log.info("model %s (%s, %s, %s): %d pages of %d tokens (%s), backend %s, GEMM %s, max_model_len %d%s",
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, kv_dtype, backend.name,

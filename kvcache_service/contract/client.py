@@ -37,8 +37,9 @@ _CHANNEL_OPTIONS = [
 class KVClient(Protocol):
     address: str
 
-    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
-        """Raises KVCacheError: InvalidArgument for sizes the manager does not share,
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None,
+                 cpu_pages: int | None = None) -> None:
+        """cpu_pages: the caller's swap pages, checked against the manager's. Raises KVCacheError: InvalidArgument for sizes the manager does not share,
         FailedPrecondition for an epoch older than its live one, ManagerUnavailable."""
         ...
 
@@ -69,8 +70,9 @@ class InProcessKVClient:
     def __init__(self, manager) -> None:
         self.manager = manager
 
-    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
-        self.manager.register(epoch, page_size, num_pages)
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None,
+                 cpu_pages: int | None = None) -> None:
+        self.manager.register(epoch, page_size, num_pages, cpu_pages)
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:
         try:
@@ -116,10 +118,12 @@ class RemoteKVClient:
             raise ConnectionError(f"the KV-cache manager at {self.address} did not answer "
                                   f"within {timeout_s:.0f} s") from None
 
-    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None) -> None:
+    def register(self, epoch: int, page_size: int, num_pages: int, timeout_s: float | None = None,
+                 cpu_pages: int | None = None) -> None:
         """Waits for the channel up to `timeout_s` (default: the client's timeout)."""
         try:
-            self._stub.Register(pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages),
+            self._stub.Register(pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages,
+                                                   cpu_pages=cpu_pages),
                                 timeout=self._timeout if timeout_s is None else timeout_s, wait_for_ready=True,
                                 metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -128,7 +132,8 @@ class RemoteKVClient:
                 raise InvalidArgument(
                     f"the KV-cache manager at {self.address} refused to register this model service: "
                     f"{str(error).removeprefix('register: ')} (start both with the same --page-size and "
-                    "--num-pages, or use `kvserve up`)") from None
+                    "--num-pages, the model service's --swap-pages at least the manager's --cpu-pages, or use "
+                    "`kvserve up`)") from None
             raise error from None
 
     def send_step(self, request: StepRequest) -> Callable[[], StepPlan]:

@@ -59,7 +59,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ the engine
 
-    def register(self, epoch: int, page_size: int, num_pages: int) -> bool:
+    def register(self, epoch: int, page_size: int, num_pages: int, cpu_pages: int | None = None) -> bool:
         """A model service (re)starts. Returns True when the epoch was new and the
         manager reset, so no stale page table outlives the device bytes. Epochs only move
         forward: the live epoch again changes nothing, an older one is refused (a stale
@@ -81,6 +81,10 @@ class KVCacheManager:
         if num_pages != self.config.num_pages:
             raise InvalidArgument(
                 f"register: num_pages {num_pages} does not match the manager's {self.config.num_pages}")
+        if cpu_pages is not None and cpu_pages < self.config.cpu_pages:
+            raise InvalidArgument(
+                f"register: the model service holds {cpu_pages} CPU swap pages, fewer than the manager's "
+                f"{self.config.cpu_pages} (--cpu-pages): swaps would be planned into pages it does not have")
         if epoch == self.state.epoch:
             return False
         self.state.reset(epoch)

@@ -112,6 +112,7 @@ class Engine:
         stall_timeout_s: float = 30.0,
         on_step_end: Callable[[], None] = lambda: None,
         drafter: NgramDrafter | None = None,
+        cpu_pages: int | None = None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
@@ -122,7 +123,7 @@ class Engine:
         self.stream_interval = stream_interval  # tokens per Tokens event (the first goes alone)
         self.stall_timeout_s = stall_timeout_s
         # A new epoch on every start and every reconnection: the manager drops stale tables.
-        self.link = ManagerLink(kv, scheduler_config.page_size, num_pages, manager_timeout_s)
+        self.link = ManagerLink(kv, scheduler_config.page_size, num_pages, manager_timeout_s, cpu_pages=cpu_pages)
         self.counters = EngineCounters()
         self.drafter = drafter
         self.scheduler = Scheduler(scheduler_config, preemptions=self.counters.preemptions, drafter=drafter)

@@ -26,8 +26,9 @@ ENDING_WAIT_S = 0.5     # a Step's answer waited for once every request is being
 
 class ManagerLink:
     def __init__(self, kv: KVClient, page_size: int, num_pages: int, timeout_s: float,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, cpu_pages: int | None = None) -> None:
         self.kv = kv
+        self.cpu_pages = cpu_pages   # this service's swap pages: the manager checks it has at least its own
         self.page_size = page_size
         self.num_pages = num_pages
         self.timeout_s = timeout_s
@@ -49,7 +50,7 @@ class ManagerLink:
         """Registers a new epoch (newer than any before: the manager drops what an older one held).
         Raises the manager's KVCacheError; ManagerUnavailable when it did not answer in time."""
         epoch = max(time.time_ns(), self.epoch + 1)
-        self.kv.register(epoch, self.page_size, self.num_pages, timeout_s)
+        self.kv.register(epoch, self.page_size, self.num_pages, timeout_s, self.cpu_pages)
         self.epoch = epoch
 
     def wait_for_plan(self, plan_of):

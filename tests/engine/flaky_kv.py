@@ -47,14 +47,15 @@ class FlakyKV:
     def _unavailable(self) -> ManagerUnavailable:
         return ManagerUnavailable(f"the KV-cache manager at {self.address} did not answer (UNAVAILABLE)")
 
-    def register(self, epoch, page_size, num_pages, timeout_s=None) -> None:
+    def register(self, epoch, page_size, num_pages, timeout_s=None, cpu_pages=None) -> None:
         if self.refuse_register:   # a manager of another pool size, say
             raise InvalidArgument(self.refuse_register)
         if self.down.is_set():
             if timeout_s:
                 self.down.wait(0)   # a real client waits up to timeout_s for the channel
             raise self._unavailable()
-        self.inner.register(epoch, page_size, num_pages)
+        self.registered_cpu_pages = cpu_pages
+        self.inner.register(epoch, page_size, num_pages, cpu_pages=cpu_pages)
 
     def send_step(self, request):
         self.steps += 1

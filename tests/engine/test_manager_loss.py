@@ -296,6 +296,16 @@ def test_a_manager_that_refuses_this_engine_ends_its_requests_and_the_engine_liv
         h.close()
 
 
+def test_the_engine_tells_the_manager_its_swap_pages(tiny_dirs):
+    """The manager refuses a model service with fewer swap pages than it plans swaps into."""
+    wrap, box = flaky()
+    h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, swap_pages=24, **CONFIG)
+    try:
+        assert box["kv"].registered_cpu_pages == h.engine.runner.kv_cache.num_cpu_pages == 24
+    finally:
+        h.close()
+
+
 def test_an_idle_engine_notices_a_manager_that_stopped_answering(tiny_dirs):
     """No Step goes out while idle: health said SERVING for ever after the manager died."""
     wrap, box = flaky()

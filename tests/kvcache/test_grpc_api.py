@@ -50,6 +50,17 @@ def test_register_resets_on_a_new_epoch_only(kv: KV) -> None:
     assert kv.stats().num_sequences == 0 and kv.stats().epoch == 8
 
 
+def test_a_model_service_with_fewer_swap_pages_than_the_manager_is_refused(kv: KV) -> None:
+    """Its swaps would be planned into CPU pages it does not have: the first swap failed its engine
+    step, and every request in flight with it. Unset (an older client) is not checked."""
+    err = rpc_error(lambda: kv.call("Register", pb.RegisterRequest(epoch=7, page_size=4, num_pages=16, cpu_pages=4)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == ("register: the model service holds 4 CPU swap pages, fewer than the manager's 8 "
+                             "(--cpu-pages): swaps would be planned into pages it does not have")
+    for enough in (8, 64, None):
+        assert kv.call("Register", pb.RegisterRequest(epoch=8, page_size=4, num_pages=16, cpu_pages=enough))
+
+
 def test_a_stale_epochs_register_is_refused_and_the_live_state_is_intact(kv: KV) -> None:
     kv.call("Register", pb.RegisterRequest(epoch=8, page_size=4, num_pages=16))
     kv.step(needs=[admit("live", T10)], epoch=8)

@@ -184,16 +184,18 @@ class SequenceRef(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("epoch", "page_size", "num_pages", "instance")
+    __slots__ = ("epoch", "page_size", "num_pages", "instance", "cpu_pages")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    CPU_PAGES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     page_size: int
     num_pages: int
     instance: str
-    def __init__(self, epoch: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    cpu_pages: int
+    def __init__(self, epoch: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., instance: _Optional[str] = ..., cpu_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("reset", "page_size", "num_pages", "cpu_pages", "max_seqs")
