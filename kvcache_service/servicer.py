@@ -75,8 +75,16 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
     async def Register(self, request, context):
         m = self.m
         cpu_pages = request.cpu_pages if request.HasField("cpu_pages") else None
+        before = m.state.epoch, m.stats().num_sequences
         reset = await self._run(context, lambda: m.register(request.epoch, request.page_size, request.num_pages,
                                                             cpu_pages))
+        if reset:   # who holds the pool now, and what the one before lost with it
+            who = f"{request.instance[:128]!r} at {context.peer()}" if request.instance else context.peer()
+            if before[0]:
+                log.warning("model service %s registered epoch %d in place of epoch %d: %d sequences dropped, "
+                            "the pool reset", who, request.epoch, before[0], before[1])
+            else:
+                log.info("model service %s registered epoch %d", who, request.epoch)
         c = m.config
         return pb.RegisterResponse(reset=reset, page_size=c.page_size, num_pages=c.num_pages,
                                    cpu_pages=c.cpu_pages, max_seqs=c.max_seqs)

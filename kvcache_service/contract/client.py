@@ -9,7 +9,9 @@ the same address is found within about a second), and the next Step opens a new 
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -25,6 +27,9 @@ from kvserve.kvcache_service.contract.types import Stats, StepPlan, StepRequest
 from kvserve.services.plumbing.tls import ClientTLS, channel as tls_channel
 
 # gRPC's default reconnect backoff grows to two minutes; a restarted manager is found sooner.
+# RegisterRequest.instance: which process holds the manager's pool, for its log
+INSTANCE = f"{socket.gethostname()} pid {os.getpid()}"
+
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
@@ -123,7 +128,7 @@ class RemoteKVClient:
         """Waits for the channel up to `timeout_s` (default: the client's timeout)."""
         try:
             self._stub.Register(pb.RegisterRequest(epoch=epoch, page_size=page_size, num_pages=num_pages,
-                                                   cpu_pages=cpu_pages),
+                                                   cpu_pages=cpu_pages, instance=INSTANCE),
                                 timeout=self._timeout if timeout_s is None else timeout_s, wait_for_ready=True,
                                 metadata=self._metadata)
         except grpc.RpcError as exc:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Page ids, seq ids, token counts and the pool sizes in Register are uint32 on the wire
+# (kvcache.proto): a pool past this could never be served, and building it took every byte of memory.
+MAX_POOL = 2**32 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
@@ -26,3 +30,7 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.cpu_pages, int) or self.cpu_pages < 0:
             raise ValueError(f"cpu_pages must be a non-negative integer, got {self.cpu_pages!r}")
+        for name in ("num_pages", "page_size", "max_seqs", "cpu_pages"):
+            if getattr(self, name) > MAX_POOL:
+                raise ValueError(f"{name} must be at most {MAX_POOL:,} (the protocol's ids and sizes are 32-bit), "
+                                 f"got {getattr(self, name):,}")

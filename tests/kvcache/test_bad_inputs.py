@@ -40,3 +40,11 @@ def test_bad_input_is_refused_and_changes_nothing(kind):
             commits = [Commit(d, 2)] if with_valid_parts and target != d else []
             call, exc = bad_call(m, kind, target, releases, commits, "new-request")
             expect_refusal(m, kind, call, exc)
+
+
+@pytest.mark.parametrize("name", ["num_pages", "max_seqs", "cpu_pages", "page_size"])
+def test_a_pool_the_protocol_cannot_address_is_refused_before_it_is_built(name):
+    """Its ids are uint32 on the wire: --num-pages 4294967296 built a deque of that many ids until
+    the memory ran out (a traceback, or the OOM killer)."""
+    with pytest.raises(ValueError, match=f"{name} must be at most 4,294,967,295 .*got 4,294,967,296"):
+        ManagerConfig(**{name: 2**32})

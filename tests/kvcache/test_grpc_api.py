@@ -35,7 +35,8 @@ from tests.kvcache.conftest import (
 
 # --------------------------------------------------------------------- Register
 
-def test_register_resets_on_a_new_epoch_only(kv: KV) -> None:
+def test_register_resets_on_a_new_epoch_only(kv: KV, caplog) -> None:
+    caplog.set_level("INFO", logger="kvserve.kvcache_service.servicer")
     kv.admit("before", T10)
     first = kv.call("Register", pb.RegisterRequest(epoch=7, page_size=4, num_pages=16, instance="model-0"))
     assert first == pb.RegisterResponse(reset=True, page_size=4, num_pages=16, cpu_pages=8, max_seqs=8)
@@ -48,6 +49,9 @@ def test_register_resets_on_a_new_epoch_only(kv: KV) -> None:
 
     assert kv.call("Register", pb.RegisterRequest(epoch=8, page_size=4, num_pages=16)).reset
     assert kv.stats().num_sequences == 0 and kv.stats().epoch == 8
+    # the log says who took the pool, and what the one before lost with it
+    assert "model service 'model-0' at " in caplog.text and "registered epoch 7" in caplog.text
+    assert "registered epoch 8 in place of epoch 7: 1 sequences dropped" in caplog.text
 
 
 def test_a_model_service_with_fewer_swap_pages_than_the_manager_is_refused(kv: KV) -> None:
