@@ -158,6 +158,9 @@ class KVCacheManager:
         need = swap.swap_out_cost(state, seq)
         if need > len(state.cpu.free):
             raise ResourceExhausted(f"swap out seq id {seq_id}: needs {need} CPU pages, {len(state.cpu.free)} free")
+        if not self.config.cpu_pages:   # (its pages all shared: it would move nothing, yet be "swapped")
+            raise ResourceExhausted(f"swap out seq id {seq_id}: this manager has no CPU pages (--cpu-pages 0): "
+                                    "swapping is off")
         copies = swap.swap_out(state, seq)
         state.settle()
         return copies

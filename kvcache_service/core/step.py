@@ -30,6 +30,7 @@ from kvserve.kvcache_service.contract.types import (
     Preemption,
     PreemptionMode,
     Resume,
+    SeqState,
     StepPlan,
     StepRequest,
 )
@@ -115,18 +116,23 @@ class _Step:
         return allocation.grow(state, seq, need.num_tokens)
 
     def _room_ever(self, seq, seq_id: int) -> int:
-        """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own
-        pages, and less the pages a slide of its own left blocked (they come back only when it
-        lets go of the pages below them). Worked out page by page only when blocked pages could
-        make the difference: there are none without sliding windows."""
+        """Pages a Grow of `seq` could have were every other running sequence gone (a Step
+        preempts only those): the pool less its own pages and the device pages swapped sequences
+        keep (the ones they share), and less the pages a slide of its own left blocked (they come
+        back only when it lets go of the pages below them). Worked out page by page only when
+        blocked pages could make the difference: there are none without sliding windows."""
         state = self.state
-        bound = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
+        kept = {page for page in seq.pages if page >= 0}
+        kept.update(page for other in state.seqs.values() if other.state is SeqState.SWAPPED
+                    for page in other.pages if page >= 0)
+        bound = state.pool.num_pages - len(kept)
         blocked = state.tree.num_parked - state.tree.num_evictable
         if not blocked:
             return bound
         forecast = release.DropForecast(state)
         return state.available() + sum(forecast.drop(page) for other_id, other in state.seqs.items()
-                                       if other_id != seq_id for page in reversed(other.pages) if page >= 0)
+                                       if other_id != seq_id and other.state is not SeqState.SWAPPED
+                                       for page in reversed(other.pages) if page >= 0)
 
     def _admit(self, need: Admit) -> NeedResult:
         state = self.state
@@ -175,7 +181,9 @@ class _Step:
         seq = state.seqs[seq_id]
         mode = PreemptionMode.RECOMPUTE if seq_id in self.fresh else self.req.preemption_mode
         self.resumed.pop(seq_id, None)  # its swap-in copies would land in freed pages
-        if mode is PreemptionMode.SWAP and swap.swap_out_cost(state, seq) <= len(state.cpu.free):
+        # A swap that moves nothing (every page shared, or no CPU pool) frees no device page: the
+        # pages it shares stay held by it. Recomputing lets go of them.
+        if mode is PreemptionMode.SWAP and 0 < swap.swap_out_cost(state, seq) <= len(state.cpu.free):
             plan.swap_out.extend(swap.swap_out(state, seq))
             state.counters.preemptions_swap += 1
         else:

@@ -7,11 +7,13 @@ import pytest
 from kvserve.kvcache_service.core import (
     Admit,
     Commit,
+    Fork,
     Grow,
     InvalidArgument,
     KVCacheManager,
     ManagerConfig,
     PreemptionMode,
+    ResourceExhausted,
     Resume,
     StepRequest,
     Truncation,
@@ -96,3 +98,47 @@ def test_a_fork_counts_its_parents_tokens_as_the_steps_truncation_leaves_them():
     check_invariants(m.state)
     with pytest.raises(InvalidArgument, match="num_tokens 5 is fewer than the 6 tokens the child shares"):
         m.step(StepRequest(needs=[Fork(a.seq_id, "other", num_tokens=5)]))   # a has 6 computed now
+
+
+def _forked_pair(m: KVCacheManager, first: str = "A") -> tuple[int, int]:
+    """A committed two-page sequence and a fork of it: every page of the fork is shared."""
+    a = m.step(StepRequest(needs=[Admit(first, list(range(8)))])).results[0].seq_id
+    m.step(StepRequest(commits=[Commit(a, 8)]))
+    b = m.step(StepRequest(needs=[Fork(a, first + "-fork")])).results[0].seq_id
+    return a, b
+
+
+def test_a_grow_no_preemption_can_serve_because_swapped_sequences_keep_shared_pages_preempts_nobody():
+    """A Step never preempts a swapped sequence, and one keeps the device pages it shares: they
+    were counted as room, and a Grow that could never fit preempted every running sequence,
+    itself last."""
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=8, cpu_pages=8))
+    parent, child = _forked_pair(m, "P")
+    m.swap_out(child)              # all its pages are the parent's: it keeps them on the device
+    m.step(StepRequest(releases=[parent]))
+    g, x, y = (r.seq_id for r in m.step(StepRequest(needs=[Admit("G", [100] * 4), Admit("X", [200] * 4),
+                                                           Admit("Y", [300] * 4)])).results)
+    plan = m.step(StepRequest(needs=[Grow(g, 28)]))
+    (result,) = plan.results
+    assert not result.granted and "at most 5 could be had" in result.reason, result.reason
+    assert plan.preempted == [] and {x, y} <= set(m.state.running)
+    check_invariants(m.state)
+
+
+@pytest.mark.parametrize("cpu_pages", [8, 0])
+def test_a_swap_that_would_move_nothing_is_a_recompute(cpu_pages):
+    """A fork whose pages are all shared frees nothing when swapped (it keeps them), and with no
+    CPU pages swapping is off: both were "swapped", the Grow was refused with room to spare."""
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=8, cpu_pages=cpu_pages))
+    g = m.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
+    a, b = _forked_pair(m)
+    plan = m.step(StepRequest(needs=[Grow(g, 28)], preemption_mode=PreemptionMode.SWAP))
+    assert plan.results[0].granted
+    modes = {p.seq_id: p.mode for p in plan.preempted}
+    assert modes[b] is PreemptionMode.RECOMPUTE   # nothing of its own to move
+    assert modes[a] is (PreemptionMode.SWAP if cpu_pages else PreemptionMode.RECOMPUTE)
+    assert m.stats().num_swapped == (1 if cpu_pages else 0)
+    check_invariants(m.state)
+    if not cpu_pages:
+        with pytest.raises(ResourceExhausted, match="no CPU pages \\(--cpu-pages 0\\): swapping is off"):
+            m.swap_out(m.step(StepRequest(needs=[Fork(g, "g-fork")])).results[0].seq_id)
