@@ -163,14 +163,19 @@ def check_truncate_room(state: ManagerState, seq: Sequence, num_tokens: int, ava
 
 def validate_step(state: ManagerState, req: StepRequest) -> None:
     """Checks the whole request against the state it will meet, before any change."""
-    # Each entry of these names a distinct sequence the manager holds: more cannot be valid. (Needs
-    # are not bounded so: admissions past the free seq ids are refused one by one, not the Step.)
+    # Each entry of these names a distinct sequence the manager holds: more cannot be valid.
     most = state.seq_ids.max_seqs
     for what, entries in (("releases", req.releases), ("truncations", req.truncations), ("commits", req.commits),
                           ("slides", req.slides)):
         if len(entries) > most:
             raise InvalidArgument(f"step: {len(entries)} {what}, more than the {most} sequences the manager "
                                   "holds at once")
+    # Needs: a Grow per sequence held, and new ones (admissions past the free seq ids are refused
+    # one by one). Past twice the pool the whole Step is: the answer to a million needs outgrew
+    # gRPC's message limit after the Step had been applied, and the client read "nothing changed".
+    if len(req.needs) > 2 * most:
+        raise InvalidArgument(f"step: {len(req.needs)} needs, more than twice the {most} sequences the manager "
+                              "holds at once")
     released = set()
     gained = 0  # pages the releases make available (freed or parked evictable) before the truncations run
     forecast = release.DropForecast(state)

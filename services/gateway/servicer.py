@@ -27,7 +27,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # How a stream the gateway took can fail (no worker, its worker lost past --migration-limit, a
 # worker's fault), as a worker counts its requests_failed
 FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.DEADLINE_EXCEEDED})
+                    grpc.StatusCode.DATA_LOSS})
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
@@ -73,7 +73,16 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                     yield response
             ended = "aborted" if relay.cancelled else "finished"
         except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed
-            ended = "failed" if exc.code in FAULTS else None
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # the client's own deadline (the worker's call carries it), met there first: the
+                # client left, as a worker counts it; once it has passed here too, grpc has ended
+                # the call itself, and an abort would fail on a finished call
+                ended = "aborted"
+                left = context.time_remaining()
+                if left is not None and left <= 0:
+                    return
+            else:
+                ended = "failed" if exc.code in FAULTS else None
             if exc.trailers:
                 context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)

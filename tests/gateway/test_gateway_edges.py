@@ -655,3 +655,25 @@ def test_a_worker_removed_then_added_again_keeps_its_new_pages_in_the_index():
         await old.stop()                    # the old one's last stream ended
         return index.pages_of("w:1")
     assert asyncio.run(run()) == 3
+
+
+class DeadlineWorker(ScriptedWorker):
+    """Meets the client's deadline (its call carries it) before the gateway does."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(request_id=request.request_id, prompt_tokens=3))
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def test_a_clients_deadline_met_at_the_worker_first_is_the_client_leaving_not_a_fault(tiny_dirs, caplog):
+    """The gateway counted a failure where the worker counts an abort (and, once the deadline
+    had passed here too, aborting the finished call logged a traceback)."""
+    with scripted_fleet(tiny_dirs, DeadlineWorker()) as (gateway, stub, _):
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=50, temperature=0.0), timeout=30))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: gateway.fleet.ended["aborted"] == 3, what="three aborted")
+        assert gateway.fleet.ended["failed"] == 0
+    assert "ExecuteBatchError" not in caplog.text

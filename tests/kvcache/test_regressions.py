@@ -142,3 +142,14 @@ def test_a_swap_that_would_move_nothing_is_a_recompute(cpu_pages):
     if not cpu_pages:
         with pytest.raises(ResourceExhausted, match="no CPU pages \\(--cpu-pages 0\\): swapping is off"):
             m.swap_out(m.step(StepRequest(needs=[Fork(g, "g-fork")])).results[0].seq_id)
+
+
+def test_a_step_of_more_needs_than_twice_the_seq_pool_is_refused_whole_and_changes_nothing():
+    """Its answer (a refusal per admission) outgrew gRPC's message limit after it was applied."""
+    m = KVCacheManager(ManagerConfig(num_pages=16, page_size=4, max_seqs=4))
+    before = snapshot(m.state)
+    with pytest.raises(InvalidArgument, match="step: 9 needs, more than twice the 4 sequences"):
+        m.step(StepRequest(needs=[Admit(f"r{i}", [1]) for i in range(9)]))
+    assert snapshot(m.state) == before
+    plan = m.step(StepRequest(needs=[Admit(f"r{i}", [1]) for i in range(8)]))   # four past the pool: each refused
+    assert [r.granted for r in plan.results] == [True] * 4 + [False] * 4
