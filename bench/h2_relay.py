@@ -32,12 +32,12 @@ def reencoded(data: bytes) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
 
-class Upstream(asyncio.Protocol):
-    """One client connection to the server behind; streams map back to (front, stream id)."""
+class _Side(asyncio.Protocol):
+    """One HTTP/2 connection: its h2 state machine and its socket."""
 
-    def __init__(self) -> None:
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-        self.routes: dict[int, tuple[Front, int]] = {}
+    def __init__(self, client_side: bool) -> None:
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=client_side,
+                                                                         header_encoding=None))
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
@@ -48,6 +48,14 @@ class Upstream(asyncio.Protocol):
     def flush(self) -> None:
         if out := self.conn.data_to_send():
             self.transport.write(out)
+
+
+class Upstream(_Side):
+    """One client connection to the server behind; streams map back to (front, stream id)."""
+
+    def __init__(self) -> None:
+        super().__init__(client_side=True)
+        self.routes: dict[int, tuple[Front, int]] = {}
 
     def data_received(self, data: bytes) -> None:
         for event in self.conn.receive_data(data):
@@ -70,23 +78,13 @@ class Upstream(asyncio.Protocol):
         self.flush()
 
 
-class Front(asyncio.Protocol):
+class Front(_Side):
     """One client's connection: its streams opened upstream as they come."""
 
     def __init__(self, upstream: Upstream) -> None:
+        super().__init__(client_side=False)
         self.upstream = upstream
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
         self.streams: dict[int, int] = {}   # ours -> upstream's
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.conn.initiate_connection()
-        self.flush()
-
-    def flush(self) -> None:
-        if out := self.conn.data_to_send():
-            self.transport.write(out)
 
     def data_received(self, data: bytes) -> None:
         up = self.upstream
