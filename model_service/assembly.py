@@ -117,7 +117,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
             need = -(-(2 * window + cfg.attention_sink + 6 * page_size) // page_size)
             raise ValueError(f"{num_pages} pages of {page_size} tokens are too few for this model's "
                              f"{window}-token sliding window: a sequence may hold two windows' pages and a "
-                             f"chunk's; at least {need} are needed")
+                             f"chunk's; at least {need} are needed (--num-pages, or more --kv-cache-memory)")
         max_model_len = model_len
     else:
         max_model_len = min(model_len, num_pages * page_size)
