@@ -111,13 +111,15 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     if window:   # pages past the window go back as a sequence runs: it holds a bounded number
         # A sequence holds at most two windows and two chunks: the pages it put in the prefix cache
         # before its first slide (a window and a chunk, or a prefix hit as long) stay, blocked by
-        # their own continuation, until the last of them has left the window behind it.
-        max_chunk = (num_pages * page_size - 2 * window - cfg.attention_sink) // 2 - 2 * page_size
+        # their own continuation, until the last of them has left the window behind it. Without
+        # sinks none holds more than the model length.
+        held = 2 * window if cfg.attention_sink else min(2 * window, model_len)
+        max_chunk = (num_pages * page_size - held - cfg.attention_sink) // 2 - 2 * page_size
         if max_chunk < page_size:
-            need = -(-(2 * window + cfg.attention_sink + 6 * page_size) // page_size)
+            need = -(-(held + cfg.attention_sink + 6 * page_size) // page_size)
             raise ValueError(f"{num_pages} pages of {page_size} tokens are too few for this model's "
-                             f"{window}-token sliding window: a sequence may hold two windows' pages and a "
-                             f"chunk's; at least {need} are needed (--num-pages, or more --kv-cache-memory)")
+                             f"{window}-token sliding window: a sequence may hold {held} tokens' pages and two "
+                             f"chunks'; at least {need} are needed (--num-pages, or more --kv-cache-memory)")
         max_model_len = model_len
     else:
         max_model_len = min(model_len, num_pages * page_size)

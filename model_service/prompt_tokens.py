@@ -4,6 +4,7 @@ the ones the worker's manager will store). No torch here: the gateway imports it
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,11 +59,14 @@ def check_roles(roles) -> None:
 MAX_TEMPLATE_KWARGS_CHARS = 64 << 10
 # apply_chat_template's own arguments and the variables it sets: a client's template variable
 # may not stand in for them (it would change what is rendered, or how, behind the options' backs).
+# (render_chat also refuses the installed transformers' own arguments and the tokenizer's special
+# tokens, whatever their version adds.)
 RESERVED_TEMPLATE_NAMES = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
-    "unk_token", "pad_token", "raise_exception", "strftime_now"})
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now"})
 
 
 @dataclass(frozen=True)
@@ -99,11 +103,25 @@ def chat_options(messages) -> ChatOptions:
     return ChatOptions(add, messages.continue_final_message, kwargs)
 
 
+def _check_not_arguments(tokenizer, kwargs: dict) -> None:
+    """ValueError when a template variable would be taken as one of apply_chat_template's own
+    arguments, or stand in for a special token, in the transformers installed here."""
+    own = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    own.update(getattr(tokenizer, "special_tokens_map", {}) or {})
+    taken = sorted(own.intersection(kwargs))
+    if taken:
+        raise ValueError(f"template_kwargs may not set {', '.join(taken)}: "
+                         + ("they are" if len(taken) > 1 else "it is") + " the template call's own")
+
+
 def render_chat(tokenizer, chat: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
     """The chat template's tokens, the generation prompt added unless `options` say otherwise;
     ValueError saying why the template refused the messages."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
+    if options.template_kwargs:
+        _check_not_arguments(tokenizer, options.template_kwargs)
     try:
         out = tokenizer.apply_chat_template(chat, add_generation_prompt=options.add_generation_prompt,
                                             continue_final_message=options.continue_final_message, tokenize=True,

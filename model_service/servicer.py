@@ -114,7 +114,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         finished = not left
                         yield message
             finally:
-                if not finished:  # cancelled, deadline, client gone: free the pages now
+                # cancelled, deadline, client gone: free the pages now (an overflow cancelled it
+                # already, and its id may be another request's by now)
+                if not finished and events.overflowed is None:
                     self.engine.cancel(req.request_id)
         finally:
             self.open_streams -= 1

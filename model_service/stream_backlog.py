@@ -42,7 +42,8 @@ class StreamBacklog:
             return   # the request is cancelled; nobody will read what it still sends
         if isinstance(event, Tokens):
             self.waiting += len(event.token_ids) * self.entries_per_token
-            if self.waiting > self.limit:
+            # (one event alone is never too much: the client has had no chance to read it yet)
+            if self.waiting > self.limit and not self._queue.empty():
                 self._overflow()
                 return
         self._queue.put_nowait(event)

@@ -30,7 +30,6 @@ from kvserve.kvcache_service.contract.types import (
     Preemption,
     PreemptionMode,
     Resume,
-    SeqState,
     StepPlan,
     StepRequest,
 )
@@ -116,23 +115,20 @@ class _Step:
         return allocation.grow(state, seq, need.num_tokens)
 
     def _room_ever(self, seq, seq_id: int) -> int:
-        """Pages a Grow of `seq` could have were every other running sequence gone (a Step
-        preempts only those): the pool less its own pages and the device pages swapped sequences
-        keep (the ones they share), and less the pages a slide of its own left blocked (they come
-        back only when it lets go of the pages below them). Worked out page by page only when
-        blocked pages could make the difference: there are none without sliding windows."""
+        """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own
+        pages, and less the pages a slide of its own left blocked (they come back only when it
+        lets go of the pages below them). Worked out page by page only when blocked pages could
+        make the difference: there are none without sliding windows. (Pages swapped sequences
+        keep on the device count as room: they come back when those resume and end, so a Grow
+        short of them now is preempted and runs later, not refused for good.)"""
         state = self.state
-        kept = {page for page in seq.pages if page >= 0}
-        kept.update(page for other in state.seqs.values() if other.state is SeqState.SWAPPED
-                    for page in other.pages if page >= 0)
-        bound = state.pool.num_pages - len(kept)
+        bound = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
         blocked = state.tree.num_parked - state.tree.num_evictable
         if not blocked:
             return bound
         forecast = release.DropForecast(state)
         return state.available() + sum(forecast.drop(page) for other_id, other in state.seqs.items()
-                                       if other_id != seq_id and other.state is not SeqState.SWAPPED
-                                       for page in reversed(other.pages) if page >= 0)
+                                       if other_id != seq_id for page in reversed(other.pages) if page >= 0)
 
     def _admit(self, need: Admit) -> NeedResult:
         state = self.state

@@ -29,6 +29,8 @@ from kvserve.kvcache_service.core.state import ManagerState
 
 _INT32_MAX = 2**31 - 1
 
+MAX_NEEDS = 1 << 16   # a Step's needs, unless twice the seq-id pool is more: answers stay a few MB
+
 
 def out_of_range(token_ids: Seq[int]) -> int | None:
     """The first token id outside [0, 2^31), or None."""
@@ -170,12 +172,13 @@ def validate_step(state: ManagerState, req: StepRequest) -> None:
         if len(entries) > most:
             raise InvalidArgument(f"step: {len(entries)} {what}, more than the {most} sequences the manager "
                                   "holds at once")
-    # Needs: a Grow per sequence held, and new ones (admissions past the free seq ids are refused
-    # one by one). Past twice the pool the whole Step is: the answer to a million needs outgrew
-    # gRPC's message limit after the Step had been applied, and the client read "nothing changed".
-    if len(req.needs) > 2 * most:
-        raise InvalidArgument(f"step: {len(req.needs)} needs, more than twice the {most} sequences the manager "
-                              "holds at once")
+    # Needs: a Grow per sequence held, and new ones; admissions past the free seq ids are refused
+    # one by one (an engine may run more sequences than this manager's pool and learns it so). Past
+    # MAX_NEEDS the whole Step is: the answer to a million needs outgrew gRPC's message limit after
+    # the Step had been applied, and the client read "nothing changed".
+    if len(req.needs) > max(MAX_NEEDS, 2 * most):
+        raise InvalidArgument(f"step: {len(req.needs):,} needs, more than the {max(MAX_NEEDS, 2 * most):,} a Step "
+                              "may carry")
     released = set()
     gained = 0  # pages the releases make available (freed or parked evictable) before the truncations run
     forecast = release.DropForecast(state)

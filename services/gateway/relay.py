@@ -6,9 +6,10 @@ A request of n > 1 sequences that fails after its first tokens goes on as one re
 sequence not yet finished, each continuing its own tokens with the seed that sequence draws with.
 
 A worker fails when its call ends UNAVAILABLE (killed, draining past its grace period, its
-manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it), or
-when its load stream finds it down (it failed or went silent: the call is cancelled here). Any
-other status is the request's own and reaches the client as the worker gave it.
+manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it; not
+one marked kvserve-final, the request's own: its client did not read), or when its load stream
+finds it down (it failed or went silent: the call is cancelled here). Any other status is the
+request's own and reaches the client as the worker gave it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
         return None
     name = next((value for key, value in exc.trailing_metadata() or () if key == ENDED_TRAILER), None)
-    return pb.FinishReason.Value(name) if name in pb.FinishReason.keys() else None
+    if name is not None:
+        return pb.FinishReason.Value(name) if name in pb.FinishReason.keys() else None
+    # A worker of the release before the trailer says it only in words (a fleet mid-upgrade).
+    details = exc.details() or ""
+    if "leaves none to generate" in details or "fill the model length" in details:
+        return pb.FINISH_REASON_LENGTH
+    return pb.FINISH_REASON_STOP if "nothing left to generate" in details else None
 
 
 def _final(exc: grpc.aio.AioRpcError) -> bool:

@@ -48,6 +48,15 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def _flag(body: dict, name: str) -> bool | None:
+    """A JSON boolean or nothing: 1 and 1.0 are not flags (1.0 == True in Python: it passed a
+    `not in (True, False)` test, and the protobuf field refused it with a 500)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise HttpError(400, f"'{name}' must be true or false", param=name)
+    return value
+
+
 def _number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None):
     value = body.get(name)
     if value is None:
@@ -108,8 +117,7 @@ def sampling(body: dict) -> pb.SamplingParams:
     if repetition is not None:
         out.repetition_penalty = repetition
     for name in ("ignore_eos", "stream", "skip_special_tokens"):
-        if body.get(name) not in (None, True, False):
-            raise HttpError(400, f"'{name}' must be true or false", param=name)
+        _flag(body, name)
     if body.get("ignore_eos") is True:
         out.ignore_eos = True
     if body.get("skip_special_tokens") is not None:
@@ -258,9 +266,7 @@ def completion_request(body: dict) -> pb.GenerateRequest:
         raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:
         raise HttpError(400, "'prompt' must be a string or a list of token ids (0 to 2^31-1)", param="prompt")
-    echo = body.get("echo")
-    if echo not in (None, True, False):
-        raise HttpError(400, "'echo' must be true or false", param="echo")
+    echo = _flag(body, "echo")
     if echo and (logprobs is not None or not msg.HasField("prompt")):
         # the prompt's own logprobs; for token ids, also the prompt's text (the server decodes it)
         msg.sampling.prompt_logprobs = logprobs or 0
@@ -274,9 +280,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     if body.get("echo") not in (None, False):
         raise HttpError(400, "'echo' is a completion field: a chat does not echo its messages", param="echo")
     msg = pb.GenerateRequest(sampling=sampling(body))
-    wanted = body.get("logprobs")
-    if wanted not in (None, True, False):
-        raise HttpError(400, "'logprobs' must be true or false", param="logprobs")
+    wanted = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", int, 0, UINT32)   # the server bounds it (--max-logprobs)
     if wanted is True:
         msg.sampling.logprobs = top or 0
@@ -299,8 +303,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
             raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         msg.messages.messages.add(role=m["role"], content=content)
     for name in ("add_generation_prompt", "continue_final_message"):   # vLLM's template options
-        if body.get(name) not in (None, True, False):
-            raise HttpError(400, f"'{name}' must be true or false", param=name)
+        _flag(body, name)
     if body.get("add_generation_prompt") is not None:
         msg.messages.add_generation_prompt = body["add_generation_prompt"]
     if body.get("continue_final_message") is True:   # (alone: no generation prompt, where vLLM refuses it)

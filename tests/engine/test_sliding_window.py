@@ -177,9 +177,11 @@ def test_the_smallest_pool_accepted_serves_a_stream_past_two_windows(tiny_dirs):
     from tests.engine.harness import EngineHarness
     sizes = dict(page_size=4, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match=r"32 pages of 4 tokens are too few for this model's 64-token sliding "
-                                         r"window: a sequence may hold two windows' pages and a chunk's; at least "
+                                         r"window: a sequence may hold 128 tokens' pages and two chunks'; at least "
                                          r"38 are needed \(--num-pages, or more --kv-cache-memory\)"):
         EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, **sizes)
+    # served no longer than its window, a sequence never slides: a pool for one window will do
+    EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, max_model_len=64, **sizes).close()
     prompt = list(range(20, 140))
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["tiny-mistral"], dtype=torch.float32).eval()
     ref = hf_greedy(hf, prompt, 200)

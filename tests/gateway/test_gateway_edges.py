@@ -293,10 +293,11 @@ def test_a_part_whose_id_another_request_holds_goes_on_under_a_fresh_one(tiny_di
 
     from kvserve.services.gateway import relay
     drawn_ids = iter(range(1, 100))
-    monkeypatch.setattr(relay.uuid, "uuid4", lambda: uuid.UUID(int=next(drawn_ids) << 96))
     failing = SamplingWorker(cached_tokens=0, fail_at=3)
     other = HoldingWorker({"r.2.00000002"}, cached_tokens=0, running=3)
     with scripted_fleet(tiny_dirs, failing, other, migration_limit=1) as (_, stub, _):
+        # (patched once the fleet is up: modules imported while it starts draw uuids too)
+        monkeypatch.setattr(relay.uuid, "uuid4", lambda: uuid.UUID(int=next(drawn_ids) << 96))
         msg = request(token_ids=[1, 2, 3], request_id="r", n=3, seed=7, temperature=1.0, max_tokens=6)
         events = list(stub.Generate(msg, timeout=30))
     want = {i: [drawn(child_seed(7, i), k) for k in range(2 if i == 1 else 6)] for i in range(3)}

@@ -633,9 +633,13 @@ def test_an_unknown_model_is_named_in_the_404_whatever_it_holds(front, model):
 
 
 def test_flags_that_are_not_booleans_are_a_400(front):
-    for name in ("stream", "ignore_eos"):
-        status, answer = _post(front, "/v1/completions", json.dumps({"prompt": "hi", name: "yes"}).encode())
-        assert status == 400 and answer["error"]["message"] == f"'{name}' must be true or false"
+    for name in ("stream", "ignore_eos", "skip_special_tokens", "echo"):
+        for value in ("yes", 1, 1.0):   # 1.0 == True in Python: it reached protobuf, a 500
+            status, answer = _post(front, "/v1/completions", json.dumps({"prompt": "hi", name: value}).encode())
+            assert status == 400 and answer["error"]["message"] == f"'{name}' must be true or false", (name, value)
+    for name in ("add_generation_prompt", "continue_final_message", "logprobs"):
+        status, answer = _post(front, "/v1/chat/completions", json.dumps({"messages": MESSAGES, name: 1.0}).encode())
+        assert status == 400 and answer["error"]["message"] == f"'{name}' must be true or false", name
 
 
 def test_a_huge_n_is_refused_by_the_server_before_the_front_builds_anything(front):

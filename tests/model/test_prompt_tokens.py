@@ -46,6 +46,16 @@ def test_a_templates_own_variable_reaches_it(tokenizer):
     assert render(tokenizer, chat(add_generation_prompt=False)) == thinking[:-1]
 
 
+def test_the_template_calls_own_arguments_and_special_tokens_are_no_template_variables(tokenizer):
+    """sanitize_control_tokens, say, is an argument of apply_chat_template in the transformers
+    installed here: given as a variable it changed how the prompt was tokenized."""
+    for kwargs in ('{"sanitize_control_tokens": true}', '{"pad_token": "x"}'):
+        msg = chat(template_kwargs=kwargs)
+        with pytest.raises(ValueError, match="template_kwargs may not set"):
+            render(tokenizer, msg)
+    assert render(tokenizer, chat(template_kwargs='{"kwargs": 1}')) == render(tokenizer, chat())
+
+
 def test_continuing_the_last_message_leaves_its_turn_open(tokenizer):
     msg = chat()
     msg.messages.add(role="assistant", content="general")

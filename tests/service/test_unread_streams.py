@@ -36,6 +36,14 @@ def test_the_backlog_counts_tokens_and_logprobs_and_overflows_once():
         assert isinstance(unread, Unread) and isinstance(unread.error, ClientTooSlow) and backlog.empty()
         assert "21 tokens waited unread" in str(unread.error) and "--max-unread-tokens 100" in str(unread.error)
         assert cancelled == [1]
+        # one event past the limit alone (a large --stream-interval with logprobs) is no overflow:
+        # the client has had no chance to read it
+        alone = StreamBacklog(limit=10, entries_per_token=21, on_overflow=lambda: cancelled.append(2))
+        alone.put_nowait(Tokens([1], "a"))
+        assert (await alone.get()).token_ids == [1] and cancelled == [1]
+        alone.put_nowait(Tokens([2], "b"))
+        alone.put_nowait(Tokens([3], "c"))   # two waiting, over the limit: the client is behind
+        assert cancelled == [1, 2]
     asyncio.run(run())
 
 
