@@ -338,17 +338,19 @@ class Relay:
             part.ended = self.ended
             self._parts.append(part)
             indices.append(i)
-        events: asyncio.Queue = asyncio.Queue()
+        # Bounded: a client that does not read holds the pumps, so the parts' workers see it (their
+        # --max-unread-tokens) instead of this gateway keeping what they send.
+        events: asyncio.Queue = asyncio.Queue(maxsize=4 * len(indices))
 
         async def pump(index: int, part: Relay) -> None:
             try:
                 async with aclosing(part.run(time_left)) as responses:
                     async for response in responses:
-                        events.put_nowait((index, response, None))
+                        await events.put((index, response, None))
             except Exception as exc:   # Refused, or a worker's own status: it ends the whole call
-                events.put_nowait((index, None, exc))
+                await events.put((index, None, exc))
             else:
-                events.put_nowait((index, None, None))
+                await events.put((index, None, None))
 
         pumps = [asyncio.ensure_future(pump(i, part)) for i, part in zip(indices, self._parts)]
         try:
