@@ -16,7 +16,7 @@ from kvserve.model_service.config import ModelServiceConfig
 from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
-from kvserve.model_service.health import HealthReporter
+from kvserve.model_service.health import NOT_SERVING, HealthReporter
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
@@ -57,8 +57,12 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         running = await _create(config.listen, specs, options={
             "grpc.max_receive_message_length": config.max_request_bytes}, tls=config.server_tls(), interceptors=guards,
             health_listen=config.health_listen)
-        # the events relay the manager's stream: down, draining or stalled with the Inference service
-        servicer.health = HealthReporter(running.health, [SERVICE_NAME, EVENTS_SERVICE_NAME], stack.engine)
+        # The events relay the manager's stream: down, draining or stalled with the Inference service;
+        # a server that checks keys refuses every events call, so says so for good.
+        servicer.health = HealthReporter(running.health, [SERVICE_NAME] if keys else [SERVICE_NAME, EVENTS_SERVICE_NAME],
+                                         stack.engine)
+        if keys:
+            await running.health.set(EVENTS_SERVICE_NAME, NOT_SERVING)
         servicer.health.start()
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),

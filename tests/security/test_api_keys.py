@@ -69,6 +69,9 @@ def test_no_key_or_an_unknown_one_is_refused_and_health_stays_open(keyed):
                                                                metadata=bearer("key-a"), timeout=10)
         err = rpc_error(lambda: list(events))
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "page hashes" in err.details()
+        events_health = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvserve.kvcache.v1.KVCacheEvents"), timeout=10)
+        assert events_health.status == health_pb2.HealthCheckResponse.NOT_SERVING   # as it refuses every call
 
 
 def test_without_a_key_bytes_that_do_not_parse_are_refused_as_unauthenticated(keyed):
