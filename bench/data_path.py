@@ -12,8 +12,8 @@ tokens to the front end's event loop (the relay's flush after the step that samp
 the prefill's token, then one decode step's), and the manager has answered every Step sent
 until then (the engine sends the next step's before its forward). A hop is one
 distinct (caller, callee) pair; a call made once per layer or per token counts once; a
-property read is data, not a hop, and is left out. docs/architecture.md lists the hops this
-prints, before and after the restructuring that shortened them.
+property read is data, not a hop, and is left out. docs/architecture.md lists the hops it
+printed right after the restructuring that shortened them, and counts today's.
 """
 
 from __future__ import annotations

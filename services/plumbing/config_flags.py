@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Iterable[
             continue
         meta, kind = f.metadata, _base_type(hints[f.name])
         notes = [" | ".join(meta["choices"])] if meta.get("choices") else []
-        if f.default is not None and kind is not bool and not isinstance(f.default, tuple):
+        if f.default not in (None, "") and kind is not bool and not isinstance(f.default, tuple):
             notes.append(f"default {f.default}")
         text = meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
         if meta.get("hidden"):
