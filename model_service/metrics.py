@@ -37,6 +37,8 @@ class ServiceMetrics:
                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.success = Counter("kvserve:request_success", "Requests finished, by why they finished",
                                ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):   # each series there from the start, at 0
+            self.success.labels(reason)
         r.register(_EngineState(engine, kv_stats))
 
     def stream(self) -> StreamClock:
@@ -44,39 +46,57 @@ class ServiceMetrics:
 
 
 class StreamClock:
-    """One Generate call's timings: the gaps between its tokens, and its Finished."""
+    """One Generate call's timings: the gaps between each sequence's tokens, and, once, the
+    request's end. A request of n sequences is one request here as in GetServerStats: its
+    histograms and its success count are observed when its last sequence finishes (under that
+    one's reason; abort if any was aborted), its generated tokens summed over them."""
 
-    __slots__ = ("metrics", "last")
+    __slots__ = ("metrics", "last", "sequences", "ends")
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
-        self.last: float | None = None
+        self.last: dict[int, float] = {}   # each sequence's last token time (its index)
+        self.sequences = 1                 # n, once the request is built
+        self.ends: list[Finished] = []
 
     def tokens(self, events) -> None:
         """Tokens events, timed when the engine sent them: a front end that falls behind and
-        takes several at once still sees each gap (one per token after the stream's first)."""
+        takes several at once still sees each gap (one per token after a sequence's first)."""
+        last = self.last
         for event in events:
             n = len(event.token_ids)
             if not n:
                 continue
-            if self.last is not None:
-                gap = max(0.0, event.at - self.last) / n   # tokens sent together share the wait
+            before = last.get(event.index)
+            if before is not None:
+                gap = max(0.0, event.at - before) / n   # tokens sent together share the wait
                 for _ in range(n):
                     self.metrics.itl.observe(gap)
-            else:   # the stream's first event: its first token has no gap, the rest came with it
+            else:   # the sequence's first event: its first token has no gap, the rest came with it
                 for _ in range(n - 1):
                     self.metrics.itl.observe(0.0)
-            self.last = event.at
+            last[event.index] = event.at
 
     def finished(self, f: Finished) -> None:
-        m = self.metrics
-        if f.completion_tokens:
-            m.ttft.observe(f.ttft_ms / 1e3)
-        m.e2e.observe(f.total_ms / 1e3)
+        self.ends.append(f)
+        if len(self.ends) < self.sequences:
+            return
+        m, ends = self.metrics, self.ends
+        generated = sum(e.completion_tokens for e in ends)
+        if generated:
+            m.ttft.observe(min(e.ttft_ms for e in ends if e.completion_tokens) / 1e3)
+        m.e2e.observe(max(e.total_ms for e in ends) / 1e3)
         m.queue.observe(f.queue_ms / 1e3)
         m.prompt.observe(f.prompt_tokens)
-        m.generation.observe(f.completion_tokens)
-        m.success.labels(f.reason).inc()
+        m.generation.observe(generated)
+        m.success.labels("abort" if any(e.reason == "abort" for e in ends) else f.reason).inc()
+
+    def abandoned(self) -> None:
+        """The call ended before the request did (the client left, cancelled it or ran out of
+        time; its client did not read): the engine aborts it, and nobody reads that Finished."""
+        if len(self.ends) < self.sequences:
+            self.ends = [None] * self.sequences   # counted once, whatever comes after
+            self.metrics.success.labels("abort").inc()
 
 
 class _EngineState:

@@ -90,8 +90,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except Exception as exc:
                 await abort(context, as_request_failed(exc, "building the request failed"))
             self.metrics.params_n.observe(req.params.n)
-            left = req.params.n   # sequences still running: the call ends after the last one's finished
-            finished = False
+            left = clock.sequences = req.params.n   # sequences running: the call ends after the last one's finished
+            finished = failed = False
             try:
                 # The response headers now, not with the first token: a gateway counts the request
                 # as this worker's from them (services/gateway/worker.py, Routing).
@@ -109,6 +109,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             clock.finished(e)
                     for message, ended, failure in _to_messages(request_id, batch, self._token_text):
                         if failure is not None:
+                            failed = True   # the engine's failure, not the client's leaving
                             await abort(context, failure)
                         left -= ended
                         finished = not left
@@ -118,6 +119,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # already, and its id may be another request's by now)
                 if not finished and events.overflowed is None:
                     self.engine.cancel(req.request_id)
+                if not finished and not failed:
+                    clock.abandoned()
         finally:
             self.open_streams -= 1
 

@@ -77,3 +77,52 @@ def test_inter_token_gaps_are_the_engines_whatever_batches_the_front_takes_them_
     samples = {s.name: s.value for s in metrics.itl.collect()[0].samples if not s.labels.get("le")}
     assert samples["kvserve:inter_token_latency_seconds_count"] == 4            # 5 tokens, 4 gaps
     assert samples["kvserve:inter_token_latency_seconds_sum"] == pytest.approx(1.75)   # 0.5 + 0.5 + 0.5 + 0.25
+
+
+def test_a_request_of_n_sequences_is_one_request_and_each_sequence_has_its_own_gaps(served):
+    """Its sequences' tokens come in the same steps: one clock for all of them measured the ~0 s
+    between siblings (a mean gap n times too small), and each Finished counted a request."""
+    address = served.servicer.metrics_endpoint.address
+    before = scrape(address)
+    with grpc.insecure_channel(served.address) as ch:
+        out = generate(pb_grpc.InferenceStub(ch), request(token_ids=list(range(5, 45)), n=3, temperature=1.0,
+                                                          seed=3, max_tokens=10, ignore_eos=True))
+    assert out.finished.usage.completion_tokens in (10, 30)   # (the last sequence's, or all of them)
+    after = scrape(address)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("kvserve:request_success_total", finished_reason="length") == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "request_params_n"):
+        assert moved(f"kvserve:{name}_count") == 1, name
+    assert moved("kvserve:request_prompt_tokens_sum") == 40 and moved("kvserve:request_generation_tokens_sum") == 30
+    assert moved("kvserve:inter_token_latency_seconds_count") == 27   # 9 gaps in each of 3 sequences
+
+
+@pytest.mark.parametrize("how", ["leave", "deadline"])
+def test_a_request_its_client_left_counts_as_aborted_as_the_engine_counts_it(served, how):
+    """The engine's abort Finished goes to a queue nobody reads any more: /metrics missed every
+    disconnect and deadline that GetServerStats counted."""
+    from tests.service.util import wait_until
+    address = served.servicer.metrics_endpoint.address
+    engine = served.servicer.engine
+    before, aborted = scrape(address), engine.counters.aborted
+    with grpc.insecure_channel(served.address) as ch:
+        call = pb_grpc.InferenceStub(ch).Generate(request(token_ids=list(range(5, 25)), max_tokens=1500,
+                                                          ignore_eos=True, temperature=0.0),
+                                                  timeout=0.5 if how == "deadline" else 60)
+        for event in call:
+            if event.HasField("chunk"):
+                break
+        if how == "leave":
+            call.cancel()
+        else:
+            with pytest.raises(grpc.RpcError):
+                for _ in call:
+                    pass
+    wait_until(lambda: engine.counters.aborted == aborted + 1, what="the engine's abort")
+    after = scrape(address)
+    assert value(after, "kvserve:request_success_total", finished_reason="abort") - \
+        value(before, "kvserve:request_success_total", finished_reason="abort") == 1
