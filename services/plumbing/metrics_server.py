@@ -103,13 +103,24 @@ def text_format(registry: CollectorRegistry):
 
 
 def only_metrics_path(app):
-    """`app` at /metrics; 404 elsewhere (prometheus_client answers every path with the series,
-    so a probe or a scanner of any URL would read them and a typo'd scrape config would work)."""
+    """`app` at /metrics for GET and HEAD (HEAD without the body: a keep-alive client would read
+    it as the next response); 404 elsewhere (prometheus_client answers every path with the
+    series, so a probe or a scanner of any URL would read them and a typo'd scrape config would
+    work), 405 for any other method."""
     def routed(environ, start_response):
-        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
-            return app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: the metrics are at /metrics\n"]
+        method = environ.get("REQUEST_METHOD", "GET")
+        if environ.get("PATH_INFO", "") not in ("/metrics", "/metrics/"):
+            status, body = "404 Not Found", b"not found: the metrics are at /metrics\n"
+        elif method not in ("GET", "HEAD"):
+            status, body = "405 Method Not Allowed", b"the metrics are read with GET\n"
+        else:
+            out = app(environ, start_response)
+            return [] if method == "HEAD" else out
+        headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        if status.startswith("405"):
+            headers.append(("Allow", "GET, HEAD"))
+        start_response(status, headers)
+        return [] if method == "HEAD" else [body]
     return routed
 
 

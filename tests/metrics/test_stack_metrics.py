@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import http.client
 import urllib.error
 import urllib.request
 
@@ -57,6 +58,23 @@ def test_the_series_are_at_metrics_only_and_addresses_that_cannot_serve_are_refu
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(f"http://{endpoint.address}{path}", timeout=10)
             assert err.value.code == 404 and b"/metrics" in err.value.read(), path
+        # HEAD has headers only (a body would be read as the next response on a kept-alive
+        # connection); other methods are a 405
+        conn = http.client.HTTPConnection(*endpoint.address.rsplit(":", 1), timeout=10)
+        try:
+            for path, status in (("/metrics", 200), ("/nope", 404)):
+                conn.request("HEAD", path)
+                reply = conn.getresponse()
+                assert reply.status == status and reply.read() == b"", path
+            conn.request("GET", "/metrics")   # the same connection still reads right
+            assert conn.getresponse().read().count(b"kvserve:probe_total 3.0") == 1
+            for method in ("POST", "DELETE"):
+                conn.request(method, "/metrics")
+                reply = conn.getresponse()
+                assert reply.status == 405 and reply.getheader("Allow") == "GET, HEAD", method
+                reply.read()
+        finally:
+            conn.close()
         with pytest.raises(CannotListen, match="cannot serve metrics on"):   # the port is taken: exit 3, no restart
             serve_metrics(endpoint.address, registry)
         # Prometheus 2 asks for OpenMetrics first; the text format comes back, its names as documented
