@@ -183,7 +183,7 @@ def simulate(n: int, args, routing: str) -> dict:
             queued += 1                              # first worker to free room, the least busy one
             choice = Choice(next(board.least_busy(PAGE)), 0)
         w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
-        w.view.routed(len(ids))
+        w.view.routed()
         cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)
         w.take_events()
         seen += 1

@@ -53,8 +53,8 @@ class _FleetState:
                                   "prefix index", labels=["worker"])
         routed = CounterMetricFamily("kvserve:gateway_routed_requests", "Requests sent to the worker",
                                      labels=["worker"])
-        prompt = CounterMetricFamily("kvserve:gateway_prompt_tokens", "Prompt tokens of the requests sent to the "
-                                     "worker", labels=["worker"])
+        prompt = CounterMetricFamily("kvserve:gateway_prompt_tokens", "Prompt tokens of the requests the worker "
+                                     "took (prefilled)", labels=["worker"])
         hits = CounterMetricFamily("kvserve:gateway_hit_tokens", "Prompt tokens the worker found in its cache",
                                    labels=["worker"])
         for address, st, run, wait, n, p, h, indexed in workers:

@@ -235,6 +235,8 @@ class Relay:
                 async for response in call:
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
+                        # the worker took it: its prompt and hits count now (not a request it refused)
+                        worker.prompt_tokens += response.prefill_done.prompt_tokens
                         worker.hit_tokens += response.prefill_done.cached_tokens
                         if prefill_sent:
                             continue

@@ -110,14 +110,14 @@ class Worker:
         self.ended_since_report = 0
         self.changed()
 
-    def routed(self, prompt_tokens: int) -> Routing:
-        """Counts a request sent here; returns its mark (Routing.take(), ended())."""
+    def routed(self) -> Routing:
+        """Counts a request sent here; returns its mark (Routing.take(), ended()). Its prompt
+        tokens count once the worker has taken it (relay.py, at its prefill_done)."""
         now = time.monotonic()
         mark = Routing()
         self.routed_at.append(mark)
         self.last_routed = now
         self.requests_routed += 1
-        self.prompt_tokens += prompt_tokens
         self.changed()
         return mark
 

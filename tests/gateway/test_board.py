@@ -21,7 +21,7 @@ def test_the_least_busy_come_first_and_equals_take_turns():
     for w in (a, b, c):
         board.add(w)
     assert list(board.least_busy(16)) == [a, b, c]
-    mark = a.routed(40)                  # a is busier until its request ends
+    mark = a.routed()                  # a is busier until its request ends
     assert list(board.least_busy(16)) == [b, c, a]
     a.ended(mark)                        # idle again, but it moved last: it waits its turn
     assert list(board.least_busy(16)) == [b, c, a]
@@ -48,7 +48,7 @@ def test_only_serving_workers_with_a_known_model_are_on_it():
     assert list(board.least_busy(16)) == [starting]
     board.remove(b)
     assert len(board) == 1 and b.on_change is None
-    b.routed(10)                         # a removed worker no longer moves anything
+    b.routed()                         # a removed worker no longer moves anything
     assert set(board) == {starting} and board.page_size == 16
 
 
@@ -73,7 +73,7 @@ def test_the_board_always_agrees_with_a_pass_over_the_fleet(ops):
     for op, i, n in ops:
         w = fleet[i]
         if op == "route":
-            marks[i].append(w.routed(n))
+            marks[i].append(w.routed())
         elif op == "end" and marks[i]:
             w.ended(marks[i].pop(0))
         elif op == "report":
@@ -97,7 +97,7 @@ def test_a_routing_stays_the_workers_until_a_report_made_after_the_worker_took_i
     import time
 
     a = worker("a")
-    mark = a.routed(40)
+    mark = a.routed()
     a.loaded(Load(running=0, asked_at=time.monotonic() + 60))   # a report long after: not taken yet
     assert a.pending == 1 and a.active == 1
     mark.take()

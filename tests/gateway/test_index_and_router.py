@@ -105,7 +105,7 @@ def test_a_burst_of_misses_spreads_instead_of_melting_the_emptiest_worker():
     for i in range(8):
         choice = choose(workers, {}, 40, POLICY, f"req{i}".encode(), mean_request_tokens=40)
         picked.append(choice.worker.address)
-        choice.worker.routed(40)     # pending until the worker's next report
+        choice.worker.routed()     # pending until the worker's next report
     assert sorted(picked) == sorted("abcd" * 2), picked
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import grpc
+import pytest
+
 from tests.gateway.conftest import make_fleet
 from tests.metrics.scrape import scrape, value
 from tests.service.util import generate, greedy, request
@@ -31,3 +34,11 @@ def test_routed_requests_and_hit_tokens_per_worker(tiny_dirs):
         assert value(samples, "kvserve:gateway_generation_tokens_total") == sum(len(o.tokens) for o in outs) == 12
         assert value(samples, "kvserve:gateway_queue_wait_seconds_count") == 3   # each found room at once
         assert value(samples, "kvserve:gateway_queue_wait_seconds_sum") == 0
+        # a request every worker refuses (a token outside the vocabulary) was sent, but nobody
+        # prefilled its prompt: the prompt tokens (the hit rate's denominator) leave it out
+        with pytest.raises(grpc.RpcError) as err:
+            generate(fleet.stub, request(token_ids=prompt[:20] + [5000], **greedy(2)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after = scrape(address)
+        assert sum(value(after, "kvserve:gateway_prompt_tokens_total", worker=w) for w in workers) == 3 * 48
+        assert sum(value(after, "kvserve:gateway_routed_requests_total", worker=w) for w in workers) == 4
