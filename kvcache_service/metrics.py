@@ -43,7 +43,10 @@ class _PoolState:
                   ("kv_cpu_pages_free", "CPU swap pages free", s.cpu_free_pages),
                   ("kv_sequences", "Live sequences", s.num_sequences),
                   ("kv_sequences_swapped", "Sequences swapped to CPU pages", s.num_swapped),
-                  ("kv_epoch", "The registered model service's epoch", s.epoch))
+                  # (its epoch is its registration time in ns: 19 digits, more than a float holds
+                  # exactly; in seconds it still tells a restart, and when)
+                  ("kv_epoch_seconds", "When the registered model service registered (its epoch), Unix "
+                                       "seconds; 0 before any", s.epoch / 1e9))
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"kvserve:{name}", text, value=value)
         yield CounterMetricFamily("kvserve:kv_evictions", "Cached pages evicted to make room", value=s.evictions)

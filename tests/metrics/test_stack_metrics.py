@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import http.client
+import time
 import urllib.error
 import urllib.request
 
@@ -138,6 +139,7 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
         wait_until(lambda: value(scrape(metrics), "kvserve:kv_pages_used") == 0, what="the pages released")
         samples = scrape(metrics)
         assert value(samples, "kvserve:kv_pages_total") == 256
+        assert abs(value(samples, "kvserve:kv_epoch_seconds") - time.time()) < 3600   # a registration time
         assert value(samples, "kvserve:kv_pages_cached") > 0
         assert value(samples, "kvserve:kv_step_seconds_count") > 0
         assert value(samples, "kvserve:kv_prefix_hit_tokens_total") > 0
