@@ -75,7 +75,7 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
     async def Register(self, request, context):
         m = self.m
         cpu_pages = request.cpu_pages if request.HasField("cpu_pages") else None
-        before = m.state.epoch, m.stats().num_sequences
+        before = m.state.epoch, len(m.state.seqs)
         reset = await self._run(context, lambda: m.register(request.epoch, request.page_size, request.num_pages,
                                                             cpu_pages))
         if reset:   # who holds the pool now, and what the one before lost with it

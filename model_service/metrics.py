@@ -51,13 +51,14 @@ class StreamClock:
     histograms and its success count are observed when its last sequence finishes (under that
     one's reason; abort if any was aborted), its generated tokens summed over them."""
 
-    __slots__ = ("metrics", "last", "sequences", "ends")
+    __slots__ = ("metrics", "last", "sequences", "ends", "counted")
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
         self.last: dict[int, float] = {}   # each sequence's last token time (its index)
         self.sequences = 1                 # n, once the request is built
         self.ends: list[Finished] = []
+        self.counted = False               # the request's end observed (finished or abandoned)
 
     def tokens(self, events) -> None:
         """Tokens events, timed when the engine sent them: a front end that falls behind and
@@ -81,6 +82,7 @@ class StreamClock:
         self.ends.append(f)
         if len(self.ends) < self.sequences:
             return
+        self.counted = True
         m, ends = self.metrics, self.ends
         generated = sum(e.completion_tokens for e in ends)
         if generated:
@@ -94,8 +96,8 @@ class StreamClock:
     def abandoned(self) -> None:
         """The call ended before the request did (the client left, cancelled it or ran out of
         time; its client did not read): the engine aborts it, and nobody reads that Finished."""
-        if len(self.ends) < self.sequences:
-            self.ends = [None] * self.sequences   # counted once, whatever comes after
+        if not self.counted:
+            self.counted = True
             self.metrics.success.labels("abort").inc()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
-from kvserve.model_service.assembly import build_on_a_thread_that_ends
+from kvserve.model_service import assembly
 from kvserve.model_service.cache_events import SERVICE_NAME as EVENTS_SERVICE_NAME, CacheEventsServicer
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.config import ModelServiceConfig
@@ -37,8 +37,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     # The engine hands each step's events to this loop at once, through the relay.
     config.check_files()
     relay = EventRelay(asyncio.get_running_loop())
-    # This thread only waits; torch runs on one that ends.
-    stack = await _on_a_daemon_thread(build_on_a_thread_that_ends, config, relay.flush)
+    # torch runs on a thread that ends once built (assembly.build_on_a_thread_that_ends says why)
+    stack = await _on_a_daemon_thread(assembly.build, config, relay.flush)
     servicer = running = None
     try:
         await _on_a_daemon_thread(stack.engine.start, config.kvcache_timeout_s)
@@ -83,9 +83,10 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
 
 
 async def _on_a_daemon_thread(fn: Callable[..., T], *args) -> T:
-    """fn(*args) on a thread that does not hold the process up. asyncio.to_thread's executor is
-    joined before asyncio.run returns: Ctrl-C during a start that waits (for a manager, up to
-    --kvcache-timeout; for a large checkpoint to load) did nothing until the wait was over."""
+    """fn(*args) on a thread that does not hold the process up, and has ended when this returns.
+    asyncio.to_thread's executor is joined before asyncio.run returns: Ctrl-C during a start that
+    waits (for a manager, up to --kvcache-timeout; for a large checkpoint to load) did nothing
+    until the wait was over."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -103,8 +104,11 @@ async def _on_a_daemon_thread(fn: Callable[..., T], *args) -> T:
         except RuntimeError:   # the loop has closed: nobody is waiting
             pass
 
-    threading.Thread(target=run, name=f"kvserve-{getattr(fn, '__name__', 'start')}", daemon=True).start()
-    return await done
+    thread = threading.Thread(target=run, name=f"kvserve-{getattr(fn, '__name__', 'start')}", daemon=True)
+    thread.start()
+    result = await done
+    thread.join()   # it has only its return left: an idle OpenMP pool of its would slow the engine
+    return result
 
 
 async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: float,
