@@ -678,3 +678,43 @@ def test_a_clients_deadline_met_at_the_worker_first_is_the_client_leaving_not_a_
         wait_until(lambda: gateway.fleet.ended["aborted"] == 3, what="three aborted")
         assert gateway.fleet.ended["failed"] == 0
     assert "ExecuteBatchError" not in caplog.text
+
+
+def test_a_split_requests_parts_hold_when_its_client_does_not_read(monkeypatch):
+    """The parts' events wait in a bounded queue: a client that reads nothing after the split
+    holds every part's pump within a few events, so the parts' workers see an unread stream (and
+    apply their --max-unread-tokens) rather than this gateway keeping all they send."""
+    from kvserve.services.gateway import relay as relay_mod
+
+    sent = {"events": 0}
+
+    async def endless(self, time_left):
+        while True:
+            sent["events"] += 1
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[7]))
+            await asyncio.sleep(0)   # a worker's stream: the loop runs between its messages
+
+    monkeypatch.setattr(relay_mod.Relay, "run", endless)
+
+    async def main():
+        request = pb.GenerateRequest(request_id="r", sampling=pb.SamplingParams(n=3, max_tokens=10_000))
+        whole = relay_mod.Relay(fleet=None, request=request, request_id="r", ids=[1, 2], migration_limit=3)
+        parts = whole._split({0: [5], 1: [5], 2: [5]}, set(), 0, failed=None, time_left=lambda: None,
+                             moves_left=2)
+        first = await parts.__anext__()
+        assert first.index in (0, 1, 2) and list(first.chunk.token_ids) == [7]
+        for _ in range(50):   # the pumps run as far as the queue lets them
+            await asyncio.sleep(0)
+        held = sent["events"]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert sent["events"] == held   # nothing more is produced while the client reads nothing
+        assert held <= 4 * 3 + 3 + 1    # the queue's bound, an event per pump waiting, the one read
+        read = 1
+        for _ in range(40):             # reading lets them go on
+            await parts.__anext__()
+            read += 1
+        assert sent["events"] >= read
+        await parts.aclose()            # the client leaves: every pump is cancelled
+
+    asyncio.run(main())
