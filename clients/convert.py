@@ -243,7 +243,10 @@ def structured_output(structured: Mapping[str, Any]) -> pb.StructuredOutput:
         if kind == "json_schema":
             out.json_schema = value if isinstance(value, str) else json.dumps(value)
         elif kind == "json_object":
-            out.json_object = bool(value)
+            if value is not True:
+                raise ValueError(f"structured json_object is True (any JSON object), not {value!r}; leave "
+                                 "structured out for free text")
+            out.json_object = True
         elif kind == "choice":
             if isinstance(value, (str, bytes)):   # would be taken as one choice per character
                 raise ValueError(f"structured choice is a list of strings, not one string: [{value!r}]")

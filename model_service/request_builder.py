@@ -268,6 +268,9 @@ def _format(structured) -> Format:
     if kind is None:
         raise ValueError("structured output: set one of json_schema, json_object, regex, choice, lark_grammar")
     if kind == "json_object":
+        if not structured.json_object:   # set, but false: asks for no format while naming one
+            raise ValueError("structured output json_object is false: set it true for any JSON object, or "
+                             "leave structured unset for free text")
         return Format(kind, "")
     if kind == "choice":
         return Format(kind, json.dumps(list(structured.choice.choices)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,9 @@ def _grammar(llguidance, fmt: Format) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (a schema)")
         if isinstance(schema, dict):
-            options = schema.get("x-guidance") or {}
+            options = schema.get("x-guidance")
+            if options is None:
+                options = {}
             if not isinstance(options, dict):
                 raise ValueError("json_schema's x-guidance must be an object")
             options = dict(options)
@@ -92,10 +95,8 @@ class Grammars:
         llguidance = _llguidance()
         with self._lock:
             if self._llg_tokenizer is None:
-                import llguidance.hf
-
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                   eos_token=self.eos_token_ids or None)
+                self._llg_tokenizer = _vocabulary(llguidance, self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids or None)
             compiled = self._compiled.get((tenant, fmt))
             if compiled is not None:
                 return compiled.deep_copy()
@@ -121,6 +122,44 @@ class Grammars:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[(tenant, fmt)] = compiled
             return compiled.deep_copy()
+
+
+def _vocabulary(llguidance, tokenizer, vocab_size: int, eos_token_ids) -> Any:
+    """The model's vocabulary as llguidance reads it, where a format's literal text is only text.
+    Built from the tokenizer's JSON alone, llguidance tokenized a forced "<s>" or "</s>" (an HTML
+    tag; Qwen's "<think>") as the special token, then refused that very token as output: the
+    request failed mid-stream. Here every special token keeps its id and its place in the masks,
+    and text is tokenized as before, except that a special token's spelling inside it is spelled
+    out in ordinary tokens."""
+    import llguidance.hf
+
+    base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+    special = [i for i in range(base.vocab_size) if base.is_special_token(i)]
+    spellings = sorted({text for i in special if (text := tokenizer.convert_ids_to_tokens(i))},
+                       key=len, reverse=True)
+    if not spellings:
+        return base
+    splitter = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
+
+    class Tokens:
+        eos_token_id = tokenizer.eos_token_id
+        bos_token_id = tokenizer.bos_token_id
+        special_token_ids = special
+        tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
+        for i in special:
+            tokens[i] = (tokenizer.convert_ids_to_tokens(i) or "").encode()
+
+        def __call__(self, text: str | bytes) -> list[int]:
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            ids: list[int] = []
+            for k, piece in enumerate(splitter.split(text)):   # odd pieces: a special token's spelling
+                if piece:
+                    ids += base.greedy_tokenize(piece) if k % 2 else base.tokenize_str(piece)
+            return ids
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), n_vocab=vocab_size,
+                                  eos_token=eos_token_ids)
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:

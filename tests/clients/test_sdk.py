@@ -71,6 +71,8 @@ def test_a_value_no_request_can_carry_is_a_value_error_naming_its_field(client: 
         InferenceClient("127.0.0.1:1", api_key=5)
     with pytest.raises(ValueError, match=r"structured choice is a list of strings, not one string: \['yes'\]"):
         client.generate("hi", structured={"choice": "yes"})   # was three choices: "y", "e", "s"
+    with pytest.raises(ValueError, match=r"structured json_object is True \(any JSON object\), not False"):
+        client.generate("hi", structured={"json_object": False})   # was sent, and held to JSON
 
 
 def test_token_ids_may_be_any_iterable_of_integers(client: InferenceClient) -> None:

@@ -134,3 +134,27 @@ def test_each_tenant_compiles_its_own_formats(harness):
     assert kept() == [("alpha", fmt)]
     grammars.matcher(fmt, "beta")
     assert kept() == [("alpha", fmt), ("beta", fmt)]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (Format("regex", "<s>x"), "<s>x"),
+    (Format("regex", "ok</s>"), "ok</s>"),
+    (Format("json_schema", json.dumps({"const": "a</s>"})), '"a</s>"'),
+    (Format("choice", json.dumps(["<pad>", "</s> and <s>"])), None),
+])
+def test_a_format_that_spells_a_special_token_is_followed_as_text(harness, fmt, text):
+    """A format's literal "<s>" is text (an HTML tag; Qwen's "<think>" likewise), written in
+    ordinary tokens: the mask offered the special token the tokenizer reads it as, the matcher
+    refused it, and the request failed mid-stream."""
+    o = harness.submit(PROMPTS[2], 24, format=fmt, skip_special_tokens=False)
+    wait([o])
+    assert o.failure is None and o.finished.reason == "stop", o.failure
+    specials = set(harness.stack.tokenizer.all_special_ids)
+    assert not specials & set(o.tokens[:-1])   # spelled out; an EOS may end it
+    assert (o.text == text) if text is not None else o.text in json.loads(fmt.spec), o.text
+
+
+def test_x_guidance_must_be_an_object_when_given(harness):
+    with pytest.raises(ValueError, match="x-guidance must be an object"):
+        harness.stack.grammars.matcher(Format("json_schema", json.dumps({"type": "string", "x-guidance": []})))
+    harness.stack.grammars.matcher(Format("json_schema", json.dumps({"type": "string", "x-guidance": None})))

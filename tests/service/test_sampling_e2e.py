@@ -193,6 +193,7 @@ def test_structured_output_over_grpc(stub, tokenizer):
         (pb.StructuredOutput(choice=pb.Choices()), "choice needs at least one choice"),
         (pb.StructuredOutput(lark_grammar="start: undefined_rule"), "the lark_grammar cannot be used: "),
         (pb.StructuredOutput(), "structured output: set one of json_schema"),
+        (pb.StructuredOutput(json_object=False), "structured output json_object is false"),
         (pb.StructuredOutput(json_schema='{"type": "string", "x-guidance": 5}'), "json_schema's x-guidance must be"),
         (pb.StructuredOutput(json_schema='{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000),
          "the json_schema nests too deeply"),
