@@ -75,12 +75,13 @@ class RequestBuilder:
         if len(prompt) >= limit:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model length is {limit}, "
                                "which leaves no room for output")
+        what = "the model length"
         if self.config.attention_sink:   # a stream with attention sinks may run past the model length
-            limit = STREAM_LIMIT
+            limit, what = STREAM_LIMIT, "the longest stream with attention sinks"
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
-                               f"{len(prompt) + max_tokens} exceeds the model length {limit}")
+                               f"{len(prompt) + max_tokens} exceeds {what} {limit}")
         salt = tenant_extra_key(self.config.cache_salt, tenant)
         if not self.config.prefix_caching:
             # pages of this request only: nothing is ever shared (a client's own id, reused, would be)

@@ -30,3 +30,24 @@ def test_past_the_window_through_the_gateway(tiny_dirs):
         assert servicer.engine.scheduler.slid_pages > 0
         text = urllib.request.urlopen(f"http://{servicer.metrics_endpoint.address}/metrics", timeout=10).read()
         assert b"kvserve:sliding_window_released_pages_total" in text
+
+
+def test_with_attention_sinks_a_stream_past_its_limit_is_refused_naming_that_limit(tiny_dirs):
+    """With sinks a stream may run past the model length; a request past the longest stream is
+    refused naming that limit, not the model length (which it may pass)."""
+    from kvserve.model_service.request_builder import STREAM_LIMIT
+
+    server = ModelServerThread(tiny_dirs["tiny-mistral"], attention_sink=4)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            try:
+                generate(stub, request(token_ids=PROMPT, **greedy(STREAM_LIMIT)))
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert exc.details().endswith(f"exceeds the longest stream with attention sinks {STREAM_LIMIT}")
+            else:
+                raise AssertionError("a stream past the limit was taken")
+            assert len(generate(stub, request(token_ids=PROMPT, **greedy(4))).tokens) == 4
+    finally:
+        server.stop()
