@@ -19,10 +19,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_model(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
+
+    config = from_args(ModelServiceConfig, args, "kvserve model")
+    if config.api_keys:   # before the imports and the model's load, which take seconds
+        keep_sighup_until_watched()
     from kvserve.kvcache_service.contract.errors import KVCacheError
     from kvserve.model_service.server import serve
 
-    config = from_args(ModelServiceConfig, args, "kvserve model")
     try:
         asyncio.run(serve(config))
     except (ValueError, ConnectionError, KVCacheError) as exc:  # bad model/config, manager refused or unreachable

@@ -66,7 +66,7 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         servicer.health.start()
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
-                                                        config.server_tls(), config.max_request_bytes)
+                                                        config.server_tls(), config.max_request_bytes, keys)
         return running, servicer
     except Exception:   # nothing half-started outlives the failure
         if running is not None:

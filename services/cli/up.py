@@ -138,7 +138,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     reloads: list[Child] = []   # the child that checks API keys: SIGHUP goes on to it
-    signal.signal(signal.SIGHUP, lambda _signum, _frame: [child.signal(signal.SIGHUP) for child in reloads])
+
+    def on_sighup(_signum, _frame):
+        if not reloads:   # passed on, it would kill a child that has nothing to re-read
+            log.info("SIGHUP ignored: there are no API keys to re-read (--api-keys)")
+        for child in reloads:
+            child.signal(signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, on_sighup)
     metrics = StackMetrics() if model_config.metrics_listen else None
     endpoint = None
     with tempfile.TemporaryDirectory(prefix="kvserve-up-") as tmp:
@@ -170,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 log.error("%s", exc)
                 return 2
-        reloads.append(gateway if gateway is not None else pairs[0].model)
+        if model_config.api_keys:
+            reloads.append(gateway if gateway is not None else pairs[0].model)
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:

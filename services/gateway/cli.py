@@ -19,11 +19,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.services.gateway.server import serve
+    from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
 
     config = from_args(GatewayConfig, args, "kvserve gateway")
     if not config.worker and not config.workers_dns:
         raise SystemExit("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
+    if config.api_keys:   # before the imports and the tokenizer's load
+        keep_sighup_until_watched()
+    from kvserve.services.gateway.server import serve
+
     try:
         asyncio.run(serve(config))
     except ValueError as exc:   # an address it cannot serve on, a certificate or key file it cannot read

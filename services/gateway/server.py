@@ -81,7 +81,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                                                      name="gateway dns"))
         if config.http_listen:
             gateway.http_front = await HttpFront.start(config.http_listen, gateway.running.local_channel(),
-                                                       config.server_tls(), config.max_request_bytes)
+                                                       config.server_tls(), config.max_request_bytes, keys)
         return gateway
     except BaseException:
         if gateway.running is not None:

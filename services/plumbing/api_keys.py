@@ -83,9 +83,22 @@ class ApiKeys:
         log.info("API keys reloaded from %s: %d keys", self.path, len(tenants))
 
     def reload_on_sighup(self) -> None:
-        """From the main thread's running loop (the servers' serve())."""
+        """From the main thread's running loop (the servers' serve()); a SIGHUP kept while the
+        server started (keep_sighup_until_watched) is answered now."""
         import asyncio
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+        if _sighup_kept:
+            _sighup_kept.clear()
+            self.reload()
+
+    def refusal(self, metadata) -> str | None:
+        """Why a call with this metadata (or HTTP headers as pairs) is refused; None if its key is known."""
+        token = bearer_token(metadata)
+        if token is None:
+            return "this server requires an API key: send `authorization: Bearer KEY` metadata"
+        if self.tenant(token) is None:
+            return "unknown API key"
+        return None
 
     def tenant(self, key: str | None) -> str | None:
         """The key's tenant; None for a missing or unknown key."""
@@ -93,6 +106,18 @@ class ApiKeys:
             return None
         return self._tenants.get(key)
 
+
+
+def keep_sighup_until_watched() -> None:
+    """From the main thread, before a server that checks keys starts (imports, model loading):
+    SIGHUP's default action would kill the process, and every request a supervisor such as
+    `kvserve up` had sent it meanwhile; kept instead, it is answered by a reload once the keys
+    are read and watched (ApiKeys.reload_on_sighup)."""
+    _sighup_kept.clear()
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: _sighup_kept.append(True))
+
+
+_sighup_kept: list[bool] = []   # a SIGHUP came while the server started
 
 
 def read_token(path: str, what: str = "admin token") -> str:
@@ -105,4 +130,7 @@ def read_token(path: str, what: str = "admin token") -> str:
         raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror or exc}") from None
     if not token:
         raise ValueError(f"the {what} file {path!r} is empty")
+    if not (token.isascii() and token.isprintable()):   # gRPC metadata carries it
+        raise ValueError(f"the {what} file {path!r} holds characters other than printable ASCII (a byte order "
+                         "mark?)")
     return token

@@ -50,13 +50,8 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or _service_of(details.method) not in self.services:
             return handler
-        token = bearer_token(details.invocation_metadata)
-        if token is None:
-            return _deny(handler, grpc.StatusCode.UNAUTHENTICATED,
-                         "this server requires an API key: send `authorization: Bearer KEY` metadata")
-        if self.keys.tenant(token) is None:
-            return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
-        return handler
+        why = self.keys.refusal(details.invocation_metadata)
+        return handler if why is None else _deny(handler, grpc.StatusCode.UNAUTHENTICATED, why)
 
 
 class Refuse(grpc.aio.ServerInterceptor):
@@ -103,7 +98,7 @@ class LocalOrAdmin(grpc.aio.ServerInterceptor):
         if handler is None or _service_of(method) != self.service or method.split("/", 1)[1] in self.open_methods:
             return handler
         token = bearer_token(details.invocation_metadata)
-        if self.admin_token and token is not None and hmac.compare_digest(token, self.admin_token):
+        if self.admin_token and token is not None and hmac.compare_digest(token.encode(), self.admin_token.encode()):
             return handler
         return _guard_peer(handler, method.split("/", 1)[1])
 

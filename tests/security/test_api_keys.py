@@ -234,17 +234,25 @@ def reload_now(server) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one model service", "a gateway and 2 workers"])
 def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path, workers):
+    """A SIGHUP while the front still starts is kept and answered once it serves (its default
+    action killed the child, and up started it again)."""
     import signal
+    import time
 
     from tests.service.processes import free_port, kvserve, terminate, wait_serving
 
     path = tmp_path / "keys"
     path.write_text("old-key alpha\n")
     address = f"127.0.0.1:{free_port()}"
-    proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
-                   f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
-                   "--api-keys", str(path), *workers, "--log-level", "warning")
+    log = tmp_path / "up.log"
+    with open(log, "wb") as err:
+        proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                       f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
+                       "--api-keys", str(path), *workers, "--log-level", "warning", stderr=err)
     try:
+        time.sleep(1.5)   # the children import and load
+        path.write_text("early-key alpha\n")
+        proc.send_signal(signal.SIGHUP)
         wait_serving(address, proc)
         with grpc.insecure_channel(address) as ch:
             stub = pb_grpc.InferenceStub(ch)
@@ -257,10 +265,80 @@ def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path, worke
                     assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
                     return False
 
-            assert works("old-key") and not works("new-key")
+            wait_until(lambda: works("early-key"), what="the key of the early SIGHUP in force")
             path.write_text("new-key alpha\n")
             proc.send_signal(signal.SIGHUP)
             wait_until(lambda: works("new-key"), what="the new key in force")
-            assert not works("old-key") and proc.poll() is None   # up passed it on and runs on
+            assert not works("early-key") and proc.poll() is None   # up passed it on and runs on
     finally:
         terminate(proc)
+    assert "SIGHUP" not in log.read_text(), log.read_text()   # no child was killed by one
+
+
+@pytest.mark.slow
+def test_sighup_to_kvserve_up_without_keys_leaves_its_children_serving(tiny_dirs, tmp_path):
+    """Nothing to re-read: up keeps the signal (passed on, it killed the model service and every
+    stream on it, and up started it again)."""
+    import signal
+
+    from tests.service.processes import free_port, kvserve, terminate, wait_serving
+
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "up.log"
+    with open(log, "wb") as err:
+        proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
+                       f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
+                       "--log-level", "info", stderr=err)
+    try:
+        wait_serving(address, proc)
+        with grpc.insecure_channel(address) as ch:
+            stream = pb_grpc.InferenceStub(ch).Generate(request(token_ids=[5, 6, 7], **greedy(200)),
+                                                         timeout=60)
+            first = next(stream)
+            proc.send_signal(signal.SIGHUP)
+            rest = list(stream)
+        assert first.HasField("prefill_done") and rest[-1].finished.usage.completion_tokens == 200
+        assert proc.poll() is None
+    finally:
+        terminate(proc)
+    text = log.read_text()
+    assert "SIGHUP ignored: there are no API keys to re-read" in text and "killed by SIGHUP" not in text, text
+
+
+def test_a_sighup_while_a_keyed_server_starts_is_kept_and_answered_once_its_keys_are_watched(tmp_path):
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
+
+    path = tmp_path / "keys"
+    path.write_text("old-key alpha\n")
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        keep_sighup_until_watched()
+        keys = ApiKeys(str(path))
+        path.write_text("new-key alpha\n")
+        os.kill(os.getpid(), signal.SIGHUP)   # its default action would end this process
+        time.sleep(0.05)
+        assert keys.tenant("old-key") == "alpha"
+
+        async def watch():
+            keys.reload_on_sighup()
+
+        asyncio.run(watch())
+        assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_an_admin_token_that_metadata_cannot_carry_is_refused_when_read(tmp_path):
+    from kvserve.services.plumbing.api_keys import read_token
+
+    path = tmp_path / "token"
+    path.write_text("\ufeffs3cret\n")   # a byte order mark, as some editors write
+    with pytest.raises(ValueError, match="holds characters other than printable ASCII"):
+        read_token(str(path))
+    path.write_text("  s3cret\n")
+    assert read_token(str(path)) == "s3cret"
