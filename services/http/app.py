@@ -1,8 +1,9 @@
 """The ASGI app (Starlette): each route a call to the Inference service this front stands beside,
 through the channel it is given (the server's local_channel(): its handlers, in this process,
 behind its interceptors). The client's `Authorization: Bearer KEY` goes along as gRPC metadata,
-so keys, tenants and their caches work exactly as over gRPC; gRPC status codes come back as
-OpenAI's error shapes. A client that disconnects cancels its call, which frees its pages.
+so keys, tenants and their caches work exactly as over gRPC (a call without a known key is
+refused before its body is read, as the interceptor refuses it before any work); gRPC status
+codes come back as OpenAI's error shapes. A client that disconnects cancels its call, which frees its pages.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.routing import Route
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.http.translate import HttpError, Reply, request_of, shown
+from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ def sse(obj: dict | str) -> bytes:
 class Front:
     """What the routes share: the channel to the Inference service and the limits."""
 
-    def __init__(self, channel: grpc.aio.Channel, max_body_bytes: int) -> None:
+    def __init__(self, channel: grpc.aio.Channel, max_body_bytes: int, keys: ApiKeys | None = None) -> None:
+        self.keys = keys   # the server's own: a caller without a key is refused before its body is read
         self.stub = pb_grpc.InferenceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         self.max_body_bytes = max_body_bytes
@@ -72,7 +75,8 @@ class Front:
             return ()
         if len(auth) > MAX_AUTHORIZATION or not (auth.isascii() and auth.isprintable()):
             raise HttpError(401, "the Authorization header is malformed: it is `Bearer KEY`, printable ASCII, at "
-                                 f"most {MAX_AUTHORIZATION} characters", "authentication_error")
+                                 f"most {MAX_AUTHORIZATION} characters", "authentication_error",
+                            code="unauthenticated")
         return (("authorization", auth),)
 
     async def body(self, request: Request) -> dict:
@@ -140,6 +144,8 @@ class Front:
     async def _generate(self, request: Request, kind: str) -> Response:
         try:
             metadata = self.metadata(request)
+            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
+                raise HttpError(401, why, "authentication_error", code="unauthenticated")   # as from gRPC
             body = await self.body(request)
             msg = request_of(kind, body)
             model = await self.model(metadata)
@@ -279,8 +285,8 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     return error_response(HttpError(exc.status_code, exc.detail or "", "invalid_request_error"))
 
 
-def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20) -> Starlette:
-    front = Front(channel, max_body_bytes)
+def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: ApiKeys | None = None) -> Starlette:
+    front = Front(channel, max_body_bytes, keys)
     return Starlette(routes=[
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),

@@ -113,6 +113,8 @@ class ClientTLS:
 def channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.Channel:
     """A blocking channel: TLS when `tls` is given and the address is TCP."""
     import grpc
+    if tls is not None and address.startswith("unix:"):
+        tls.credentials()   # a Unix socket stays plaintext, but a bad file is still said at once
     if tls is None or address.startswith("unix:"):
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
@@ -121,6 +123,8 @@ def channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> 
 def aio_channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.aio.Channel:
     """An asyncio channel: TLS when `tls` is given and the address is TCP."""
     import grpc
+    if tls is not None and address.startswith("unix:"):
+        tls.credentials()   # a Unix socket stays plaintext, but a bad file is still said at once
     if tls is None or address.startswith("unix:"):
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])

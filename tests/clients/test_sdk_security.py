@@ -61,6 +61,8 @@ def test_bad_tls_settings_fail_when_the_client_is_made(certs, tmp_path) -> None:
         InferenceClient("127.0.0.1:1", tls=ClientTLS(ca=certs.ca, cert=certs.client.cert))
     with pytest.raises(ValueError, match="cannot read CA certificate"):
         InferenceClient("127.0.0.1:1", tls=ClientTLS(ca=str(tmp_path / "missing.pem")))
+    with pytest.raises(ValueError, match="cannot read CA certificate"):   # a Unix socket stays plaintext
+        InferenceClient(f"unix://{tmp_path}/s.sock", tls=ClientTLS(ca=str(tmp_path / "missing.pem")))
     with pytest.raises(TypeError):
         InferenceClient("127.0.0.1:1", tls="ca.pem")
 

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -156,6 +157,16 @@ def test_keys_are_bearer_tokens_over_http(tiny_dirs, tmp_path):
         with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as c:   # the served model's name
             with pytest.raises(openai.AuthenticationError, match="unknown API key"):   # is not told without a key
                 c.completions.create(model="another", prompt=prompt, max_tokens=2)
+        # Without a key, nothing of the body is read: neither its faults nor its size are told.
+        for headers, body in [({}, b'{"max_tokens": -5}'), ({}, b"{{{"), ({"Authorization": "Bearer wrong"},
+                                                                        b'{"tools": [1]}')]:
+            answer = httpx.post(f"{base}/completions", headers=headers, content=body, timeout=10)
+            assert answer.status_code == 401, (headers, answer.text)
+            assert answer.json()["error"]["code"] == "unauthenticated"
+        host, port = server.servicer.http_front.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:   # a gigabyte declared, none sent
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
     finally:
         server.stop()
 
