@@ -121,9 +121,15 @@ class AsyncInferenceClient:
         self._metadata = auth_metadata(api_key)
         self._channel = aio_channel(address, self.tls, channel_options(options))
         self._stub = pb_grpc.InferenceStub(self._channel)
+        self._closed = False
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:   # grpc says so with its own exception types, which callers need not know
+            raise KVServeError("CANCELLED", "the client is closed")
 
     async def __aenter__(self) -> AsyncInferenceClient:
         return self
@@ -136,6 +142,7 @@ class AsyncInferenceClient:
         """Start a generation (not a coroutine: the call starts with the first read); the
         keywords are InferenceClient.generate's."""
         request = convert.generate_request(prompt, token_ids, messages, **sampling)
+        self._check_open()
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         return AsyncGenerateStream(call, sampling.get("request_id", ""))
 
@@ -166,6 +173,7 @@ class AsyncInferenceClient:
         return convert.server_stats(await self._unary("GetServerStats", pb.GetServerStatsRequest()))
 
     async def _unary(self, method: str, request: Any) -> Any:
+        self._check_open()
         try:
             return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:

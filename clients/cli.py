@@ -64,7 +64,10 @@ def register_stats(subparsers: argparse._SubParsersAction) -> None:
 
 def run_stats(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from kvserve.clients.top import is_gateway
 
     from kvserve.clients.inference_client import KVServeError
 
@@ -80,10 +83,10 @@ def run_stats(args: argparse.Namespace) -> int:
         return 1
     hit = f"{s.cached_tokens / s.prompt_tokens:.0%}" if s.prompt_tokens else "-"
     console.print(f"running {s.running}, waiting {s.waiting}, prompt tokens {s.prompt_tokens:,} "
-                  f"({hit} from cache)" + (f", queued at the gateway {s.queued}" if s.workers else ""))
+                  f"({hit} from cache)" + (f", queued at the gateway {s.queued}" if is_gateway(s) else ""))
     if not s.serving:
         console.print(f"NOT SERVING: {s.not_serving}", markup=False)
-    if not s.workers:
+    if not is_gateway(s):
         console.print(f"requests finished {s.requests_finished:,}, aborted {s.requests_aborted:,}, failed "
                       f"{s.requests_failed:,}; manager {'reachable' if s.manager_reachable else 'UNREACHABLE'}")
         return 0
@@ -91,7 +94,7 @@ def run_stats(args: argparse.Namespace) -> int:
                   "cache hits", "index pages", "events", "moved off")
     for w in s.workers:
         hits = f"{w.hit_tokens / w.prompt_tokens:.0%}" if w.prompt_tokens else "-"
-        table.add_row(w.address, w.state, str(w.running), str(w.waiting),
+        table.add_row(escape(w.address), w.state, str(w.running), str(w.waiting),
                       f"{w.used_pages} / {w.free_pages} / {w.cached_pages}", str(w.requests_routed), hits,
                       str(w.index_pages), f"epoch {w.epoch}" if w.events_live else "not followed",
                       str(w.migrated_away))

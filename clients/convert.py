@@ -49,7 +49,11 @@ def _token_logprobs(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
 
 
 def _finish_reason(value: int) -> str:
-    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+    """"stop", "length", "abort", ...; a reason a newer server added is "reason_<number>"."""
+    try:
+        return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+    except ValueError:   # proto3 enums are open
+        return f"reason_{value}"
 
 
 def event(msg: pb.GenerateResponse) -> Event | None:

@@ -125,9 +125,15 @@ class InferenceClient:
         self._metadata = auth_metadata(api_key)
         self._channel = channel(address, self.tls, channel_options(options))
         self._stub = pb_grpc.InferenceStub(self._channel)
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:   # grpc says so with its own exception types, which callers need not know
+            raise KVServeError("CANCELLED", "the client is closed")
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -188,6 +194,7 @@ class InferenceClient:
             logit_bias=logit_bias, min_tokens=min_tokens, structured=structured,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)
+        self._check_open()
         try:
             call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:  # raised here only by a broken channel; statuses come while iterating
@@ -228,6 +235,7 @@ class InferenceClient:
         return convert.server_stats(self._unary("GetServerStats", pb.GetServerStatsRequest()))
 
     def _unary(self, method: str, request: Any) -> Any:
+        self._check_open()
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:

@@ -86,7 +86,7 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    reason: str  # "stop" | "length" | "abort" ("unspecified" if the server sent none)
+    reason: str  # "stop" | "length" | "abort" ("unspecified" if the server sent none; "reason_N" for one newer than this SDK)
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -192,6 +192,7 @@ class ServerStats:
     queued: int = 0                # requests waiting in a gateway's queue
     serving: bool = True           # takes new requests now (a gateway: while a worker does)
     not_serving: str = ""          # why not, when serving is false
+    gateway: bool = False          # a gateway's answer (it may have no workers yet)
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

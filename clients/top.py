@@ -64,7 +64,7 @@ def rate(prev: Sample | None, cur: Sample, counter: str) -> float | None:
 
 
 def is_gateway(s: ServerStats) -> bool:
-    return bool(s.workers)
+    return s.gateway or bool(s.workers)   # (workers alone: a gateway of before the flag)
 
 
 def _percent(part: int, whole: int) -> str:
@@ -122,6 +122,8 @@ def render(address: str, cur: Sample, prev: Sample | None, note: str) -> Rendera
     summary.add_row("tokens/s", f"generated {generated_rate(prev, cur)}, prompt {prompt_rate}")
     summary.add_row("KV cache", kv_cache(s))
     summary.add_row("prefix hits", prefix_hits(s))
+    if not s.serving:
+        summary.add_row("NOT SERVING", Text(s.not_serving or "(no reason given)"))
     if not is_gateway(s):
         manager = "reachable" if s.manager_reachable else "UNREACHABLE"
         summary.add_row("ended", f"finished {s.requests_finished:,}, aborted {s.requests_aborted:,}, "
@@ -130,7 +132,7 @@ def render(address: str, cur: Sample, prev: Sample | None, note: str) -> Rendera
     workers = Table("worker", "state", "running", "waiting", "pages used / free / cached", "routed",
                     "hit tokens")
     for w in s.workers:
-        workers.add_row(w.address, w.state, str(w.running), str(w.waiting),
+        workers.add_row(Text(w.address), w.state, str(w.running), str(w.waiting),
                         f"{w.used_pages} / {w.free_pages} / {w.cached_pages}", f"{w.requests_routed:,}",
                         f"{w.hit_tokens:,} ({_percent(w.hit_tokens, w.prompt_tokens)})")
     return Group(head, summary, workers)

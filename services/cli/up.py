@@ -159,13 +159,11 @@ def run(args: argparse.Namespace) -> int:
                                Path(tmp), None, metrics) for i in range(up.workers)]
             gateway_metrics = []
             if metrics is not None:
-                gateway_metrics = ["--metrics-listen", free_local_port()]
-                metrics.add(gateway_metrics[1])
-            gateway = Child("the gateway", cli + ["gateway", "--listen", model_config.listen,
-                                                  "--model", model_config.model,
-                                                  "--cache-salt", model_config.cache_salt, *gateway_metrics,
-                                                  *front_flags(model_config),
-                                                  *[a for p in pairs for a in ("--worker", p.config.listen)]])
+                port = free_local_port()
+                gateway_metrics = [f"--metrics-listen={port}"]
+                metrics.add(port)
+            gateway = Child("the gateway", cli + gateway_argv(model_config, [p.config.listen for p in pairs],
+                                                              gateway_metrics))
         else:
             pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics)]
             gateway = None
@@ -211,6 +209,14 @@ def run(args: argparse.Namespace) -> int:
                 pair.manager.stop(10)
             if endpoint is not None:
                 endpoint.close()
+
+
+def gateway_argv(model_config: ModelServiceConfig, workers: list[str], extra: list[str]) -> list[str]:
+    """`kvserve gateway ...` in front of `workers`. Each flag `--flag=value`, as to_argv writes the
+    others': a value may begin with "-" (a salt), which argparse takes for a flag otherwise."""
+    return ["gateway", f"--listen={model_config.listen}", f"--model={model_config.model}",
+            f"--cache-salt={model_config.cache_salt}", *extra, *front_flags(model_config),
+            *[f"--worker={address}" for address in workers]]
 
 
 def front_flags(model_config: ModelServiceConfig) -> list[str]:

@@ -158,7 +158,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()),
                              generated_tokens=self.fleet.generated_tokens, requests_finished=ended["finished"],
                              requests_aborted=ended["aborted"], requests_failed=ended["failed"],
-                             serving=not not_serving, not_serving=not_serving)
+                             serving=not not_serving, not_serving=not_serving, gateway=True)
         for w in workers:
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running

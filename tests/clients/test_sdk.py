@@ -357,3 +357,33 @@ def test_finished_covers_the_contract() -> None:
     usage = {f.name for f in pb.Usage.DESCRIPTOR.fields}
     finished = {f.name for f in pb.Finished.DESCRIPTOR.fields} - {"usage", "finish_reason"} | {"reason"}
     assert {f.name for f in dataclasses.fields(Finished)} == usage | finished | {"index"}   # the response's
+
+
+def test_a_closed_client_says_so_as_a_kvserve_error() -> None:
+    import asyncio
+
+    from kvserve.clients.async_client import AsyncInferenceClient
+
+    c = InferenceClient("127.0.0.1:1")
+    c.close()
+    for call in (c.model_info, lambda: list(c.generate("a")), lambda: c.cancel("x")):
+        with pytest.raises(KVServeError, match="CANCELLED: the client is closed"):
+            call()
+
+    async def main():
+        a = AsyncInferenceClient("127.0.0.1:1")
+        await a.close()
+        with pytest.raises(KVServeError, match="the client is closed"):
+            await a.model_info()
+        with pytest.raises(KVServeError, match="the client is closed"):
+            await a.complete("a")
+
+    asyncio.run(main())
+
+
+def test_a_finish_reason_newer_than_the_sdk_is_named_by_its_number() -> None:
+    from kvserve.clients import convert
+
+    msg = pb.GenerateResponse(finished=pb.Finished(finish_reason=9))
+    assert convert.event(msg).reason == "reason_9"
+    assert convert.event(pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_STOP))).reason == "stop"

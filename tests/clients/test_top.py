@@ -186,3 +186,49 @@ def test_live_view_keeps_polling_until_ctrl_c(model_server, reachable: bool) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_gateway_without_workers_is_shown_as_one_with_its_queue_and_why_it_does_not_serve() -> None:
+    """A gateway whose --workers-dns names no ready pod yet: a gateway still (it was shown as a
+    model service whose manager is down), with its queue; an IPv6 worker's address is text, not
+    markup ("[fd00:...]" was taken for a style)."""
+    from rich.console import Console
+
+    from kvserve.clients.top import render
+
+    def shown(s: ServerStats) -> str:
+        console = Console(width=200, record=True, file=open("/dev/null", "w"))
+        console.print(render("gw:1", Sample(1.0, s), None, "polling"))
+        return console.export_text()
+
+    empty = shown(stats(gateway=True, queued=3, serving=False, not_serving="no worker is serving"))
+    assert "gw:1 (gateway, 0 workers)" in empty and "queued at the gateway 3" in empty, empty
+    assert "NOT SERVING  no worker is serving" in empty and "manager" not in empty, empty
+    worker = WorkerStats("[fd00:10:244::5]:50051", "serving", 1, 0, 10, 20, 2, 5, 8, 16, 1, True, 3, 0)
+    assert "[fd00:10:244::5]:50051" in shown(stats(gateway=True, workers=(worker,), serving=True))
+
+
+def test_stats_shows_a_gateway_without_workers_and_ipv6_workers_as_they_are(monkeypatch, capsys) -> None:
+    from kvserve.clients import cli
+
+    worker = WorkerStats("[fd00:10:244::5]:50051", "down", 0, 0, 0, 0, 0, 0, 0, 0, 0, False, 0, 0)
+    answers = [stats(gateway=True, queued=2, serving=False, not_serving="no worker is serving"),
+               stats(gateway=True, workers=(worker,), serving=False, not_serving="no worker is serving")]
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def server_stats(self):
+            return answers.pop(0)
+
+    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Fake())
+    for _ in range(2):
+        args = build_parser().parse_args(["stats"])
+        assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "queued at the gateway 2" in out and "manager" not in out, out
+    assert "[fd00:10:244::5]:50051" in out, out

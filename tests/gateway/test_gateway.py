@@ -261,6 +261,7 @@ def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
     assert {w.address for w in stats.workers} == {w.address for w in fleet.workers}
     assert sum(w.requests_routed for w in stats.workers) == 1
     assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (1, 0, 0)
+    assert stats.gateway   # a gateway says so (a model service leaves it false)
     assert main(["stats", "--address", fleet.gateway.address]) == 0
     out = capsys.readouterr().out
     assert all(w.address in out for w in fleet.workers) and "serving" in out and "epoch" in out

@@ -61,6 +61,19 @@ def test_the_gateway_in_front_of_workers_drains_as_long_as_the_flag_says():
     assert "--grace-period=5.0" in up.front_flags(ModelServiceConfig())
 
 
+def test_the_gateways_flags_keep_values_that_begin_with_a_dash():
+    """A salt such as "-prod" was read as a flag by the gateway, which exited 2, restarted, and
+    stopped the stack."""
+    from kvserve.services.cli.main import build_parser
+    from kvserve.services.gateway.config import GatewayConfig
+    from kvserve.services.plumbing.config_flags import from_args
+
+    argv = up.gateway_argv(ModelServiceConfig(cache_salt="-prod", listen="127.0.0.1:5"), ["unix:///w0", "unix:///w1"],
+                           ["--metrics-listen=127.0.0.1:9"])
+    config = from_args(GatewayConfig, build_parser().parse_args(argv), "kvserve gateway")
+    assert (config.cache_salt, config.listen, config.worker) == ("-prod", "127.0.0.1:5", ("unix:///w0", "unix:///w1"))
+
+
 def test_a_child_gets_only_what_differs_from_the_defaults():
     assert to_argv(ModelServiceConfig()) == []
     assert to_argv(ModelServiceConfig(max_num_seqs=7, grace_s=2.5)) == ["--max-num-seqs=7", "--grace-period=2.5"]

@@ -317,7 +317,7 @@ class WatchServerStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable", "workers", "queued", "serving", "not_serving")
+    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable", "workers", "queued", "serving", "not_serving", "gateway")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class ServerStats(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -364,7 +365,8 @@ class ServerStats(_message.Message):
     queued: int
     serving: bool
     not_serving: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving: _Optional[str] = ...) -> None: ...
+    gateway: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away")
