@@ -10,6 +10,9 @@ Policy:
 - Admissions and resumes never preempt. Once one is refused, every later
   admission and resume in the step is refused too, so nobody overtakes it
   (FCFS; swapped sequences resume before new ones when the engine lists them first).
+  A step in which a Grow preempted admits and resumes nothing either: the room it
+  freed would go to a younger request, which would overtake the victim (waiting at
+  the head again) and later be preempted before it, or make it the victim again.
 - Forks never preempt.
 - A victim is preempted by SWAP when the request asks for it and the CPU pool has
   room, else by RECOMPUTE. A victim whose pages were handed out or written by a copy
@@ -38,6 +41,7 @@ from kvserve.kvcache_service.core.state import Cost, ManagerState
 from kvserve.kvcache_service.core.validation import validate_step
 
 _QUEUE_CLOSED = "an earlier admission or resume was refused in this step"
+_PREEMPTED = "a running sequence was preempted in this step: the room goes to it first"
 
 
 def run_step(state: ManagerState, req: StepRequest) -> StepPlan:
@@ -56,7 +60,7 @@ class _Step:
         self.fresh: set[int] = set()                  # got pages or copies this step: RECOMPUTE if preempted
         self.resumed: dict[int, tuple[list, list[int]]] = {}  # seq id -> (swap-in copies, pages to re-publish)
         self.granted: dict[int, int] = {}             # seq id -> index of its granted result
-        self.queue_closed = False                     # an admission or resume was refused
+        self.queue_closed: str | None = None          # why admissions and resumes are refused now
 
     def run(self) -> StepPlan:
         state, req, plan = self.state, self.req, self.plan
@@ -109,6 +113,7 @@ class _Step:
         while not state.fits(cost):
             victim = next(reversed(state.running))
             self._preempt(victim)
+            self.queue_closed = self.queue_closed or _PREEMPTED
             if victim == need.seq_id:
                 return NeedResult(False, need.seq_id, reason="preempted: not enough pages even after "
                                   "preempting every lower-priority sequence")
@@ -133,10 +138,10 @@ class _Step:
     def _admit(self, need: Admit) -> NeedResult:
         state = self.state
         if self.queue_closed:
-            return NeedResult(False, reason=_QUEUE_CLOSED)
+            return NeedResult(False, reason=self.queue_closed)
         found = admission.match(state, need)
         if not state.fits(found.cost):
-            self.queue_closed = True
+            self.queue_closed = _QUEUE_CLOSED
             return NeedResult(False, reason=state.shortage(found.cost))
         result = admission.admit(state, need, found)
         self.fresh.add(result.seq_id)
@@ -145,11 +150,11 @@ class _Step:
     def _resume(self, need: Resume) -> NeedResult:
         state = self.state
         if self.queue_closed:
-            return NeedResult(False, need.seq_id, reason=_QUEUE_CLOSED)
+            return NeedResult(False, need.seq_id, reason=self.queue_closed)
         seq = state.seqs[need.seq_id]
         cost = swap.resume_cost(state, seq, need.num_tokens)
         if not state.fits(cost):
-            self.queue_closed = True
+            self.queue_closed = _QUEUE_CLOSED
             return NeedResult(False, need.seq_id, reason=state.shortage(cost))
         result, copies, renodes = swap.swap_in(state, seq, need.num_tokens, publish_now=False)
         self.resumed[need.seq_id] = (copies, renodes)

@@ -305,6 +305,26 @@ def test_refused_admission_blocks_later_ones():
     assert "earlier" in plan.results[1].reason
 
 
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_a_step_that_preempts_admits_and_resumes_nobody(mode):
+    """The room a Grow's preemption frees goes to its victim first (back at the head of its queue
+    at the next step), not to a younger request in the same step: that one overtook the victim,
+    and, ahead of it in the running order, made it the next victim too."""
+    m = make(num_pages=5, cpu_pages=8)
+    a, b = (admit(m, r, [i * 10 + t for t in range(8)]).seq_id for i, r in enumerate("ab"))
+    m.step(StepRequest(commits=[Commit(a, 8), Commit(b, 8)]))
+    c = admit(m, "c", [90, 91, 92, 93]).seq_id   # a swapped-out sequence to resume below
+    m.step(StepRequest(commits=[Commit(c, 4)]))
+    m.step(StepRequest(needs=[Grow(a, 12)], preemption_mode=PreemptionMode.SWAP))   # c, the tail, swaps out
+    assert m.sequence_info(c).state.name == "SWAPPED"
+    plan = m.step(StepRequest(needs=[Grow(a, 16), Resume(c, 4), Admit("d", [1, 2])], preemption_mode=mode))
+    assert [p.seq_id for p in plan.preempted] == [b] and plan.results[0].granted
+    assert [r.granted for r in plan.results[1:]] == [False, False]
+    assert all("preempted in this step" in r.reason for r in plan.results[1:])
+    plan = m.step(StepRequest(needs=[Admit("d", [1, 2])]))   # without a preemption: admitted
+    assert plan.results[0].granted
+
+
 def test_seq_ids_are_reused_fifo_and_released_once():
     m = make(max_seqs=3)
     ids = [admit(m, r, [1, 2, 3]).seq_id for r in "abc"]
