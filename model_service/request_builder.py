@@ -116,6 +116,7 @@ class RequestBuilder:
             raise NothingToGenerate(f"the continuation has {len(tokens)} tokens; max_tokens ({request.max_tokens}) "
                                     "leaves none to generate", "FINISH_REASON_LENGTH")
         request.tokens.extend(tokens)
+        request.continued = len(tokens)
         request.output = await self.lanes.run(4 * len(tokens), self._primed_output, request, tokens)
         if request.matcher is not None:   # the format goes on from where the continuation left it
             for i, token in enumerate(tokens):

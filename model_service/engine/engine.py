@@ -563,7 +563,7 @@ class Engine:
         self.counters.generated_tokens += 1
         text, done, reason, stop = r.output.add(token, format_done)
         r.unsent.append((token, text, logprobs))
-        n = r.num_output
+        n = r.num_output - r.continued   # this stream's own: its first goes alone, moved or not
         if done:
             self._finish(r, reason, stop)   # sends what is unsent first
         elif n == 1 or n % self.stream_interval == 0:

@@ -104,3 +104,17 @@ def test_interval_must_be_positive():
 
     with pytest.raises(ValueError, match="--stream-interval must be a positive integer"):
         ModelServiceConfig(stream_interval=0)
+
+
+@pytest.mark.parametrize("continued", [1, 2, 5])
+def test_a_continuation_s_first_new_token_comes_alone_too(chunked, stub, continued):
+    """A stream moved to this worker goes on from `continued` tokens: its first new token is
+    sent at once, then every INTERVAL of its own (the continuation's tokens counted, the first
+    waited for up to INTERVAL - 1 more)."""
+    whole = generate(stub, request(token_ids=PROMPT_IDS, **greedy(12)))
+    msg = request(token_ids=PROMPT_IDS, **greedy(12))
+    msg.continuation.ids.extend(whole.tokens[:continued])
+    out = generate(chunked, msg)
+    ends = _chunk_ends(out)
+    assert set(ends) <= _cuts(12 - continued) and ends[-1] == 12 - continued, ends
+    assert out.tokens == whole.tokens[continued:]
