@@ -141,6 +141,7 @@ class ModelInfo:
     kv_cache_dtype: str = ""    # the KV pages' dtype (--kv-cache-dtype); empty from a server older than the field
     trusts_tenant_metadata: bool = False   # takes a trusted front's tenant (--trust-tenant-metadata)
     attention_sink: int = 0     # tokens kept for a stream past the model length (--attention-sink)
+    max_waiting: int = 0        # requests it keeps waiting before refusing more (--max-waiting)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.

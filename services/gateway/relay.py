@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 CANCEL_TIMEOUT_S = 1.0
+# A worker refusing a request as full (its own --max-waiting reached before the gateway saw it) is
+# not a failure and costs no move; each refusal holds that worker off until its next report, and
+# past this many the request is refused as the gateway's own full queue refuses it.
+MAX_REFUSALS = 16
 # A prompt this long is hashed on a thread: on the event loop its hashing would hold up every
 # other stream's tokens (a 128k-token prompt hashes in about 10 ms).
 HASH_OFF_LOOP_TOKENS = 4096
@@ -164,7 +168,7 @@ class Relay:
         first_cached = 0   # prompt tokens from the cache at the first worker, as prefill_done said
         n = self.request.sampling.n or 1
         left = n   # sequences to finish: the call ends after the last
-        moves = renames = 0
+        moves = renames = refusals = 0
         avoid = self._avoid
 
         # Tokens a gateway in front of this one streamed before it moved the request here: a move
@@ -208,7 +212,7 @@ class Relay:
             # A moved stream waits at the head of the queue, and its client is not told: to it the
             # stream only pauses.
             # closed on the way out, so that it leaves the queue even if run() is closed while it waits
-            moved = prefill_sent or moves > 0
+            moved = prefill_sent or moves > 0 or refusals > 0
             async with aclosing(self._acquire(route, front=moved)) as acquired:
                 async for item in acquired:
                     if isinstance(item, Choice):
@@ -231,8 +235,10 @@ class Relay:
             worker.relays.add(self)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
+            answered = full = False   # the worker sent something; it refused the request as full
             try:
                 async for response in call:
+                    answered = True
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
                         # the worker took it: its prompt and hits count now (not a request it refused)
@@ -273,6 +279,7 @@ class Relay:
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
                     raise Refused(exc.code(), exc.details()) from None
                 why = f"{exc.code().name}: {exc.details()}"
+                full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -292,6 +299,15 @@ class Relay:
                 worker.relays.discard(self)
                 self.worker, self._call = None, None
                 call.cancel()
+            worker.hold_off()   # not chosen again before it reports after this
+            avoid = worker
+            if full:   # its queue was full, not the worker failing: the request waits for room, no move spent
+                refusals += 1
+                if refusals > MAX_REFUSALS:
+                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the workers refused the request as full "
+                                  f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
+                log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
+                continue
             if moves >= self.migration_limit:   # (the workers' addresses are the log's, not the client's)
                 log.warning("request %s: worker %s failed (%s); it has moved %d times, as many as "
                             "--migration-limit allows", self.request_id, worker.address, why, moves)
@@ -301,7 +317,6 @@ class Relay:
             moves += 1
             worker.migrated_away += 1
             self.fleet.migrations += 1
-            avoid = worker
             log.warning("request %s: worker %s failed (%s); going on elsewhere from %d streamed tokens (move %d)",
                         self.request_id, worker.address, why, sum(map(len, streamed.values())), moves)
             if streamed and n > 1:   # a continuation goes on one sequence: one request for each

@@ -136,9 +136,12 @@ class WaitQueue:
 
     def eta_ms(self, position: int) -> int:
         """Milliseconds until the waiter at `position` gets a worker, at the rate streams ended
-        over the last minute; 0 when none has ended yet (no estimate)."""
-        ends = self._ends
+        over the last minute (up to now: a burst of ends long ago, then none, is a slow rate, not
+        the burst's); 0 when fewer than two ended in it (no estimate)."""
+        ends, now = self._ends, time.monotonic()
+        while ends and ends[0] < now - self.WINDOW_S:
+            ends.popleft()
         if len(ends) < 2:
             return 0
-        rate = (len(ends) - 1) / max(ends[-1] - ends[0], 1e-3)
+        rate = (len(ends) - 1) / max(now - ends[0], 1e-3)
         return int(1000 * position / rate)

@@ -67,6 +67,7 @@ class Worker:
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
+    held_since: float = -math.inf   # a call there failed or was refused as full: no routing until a later report
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
 
     @classmethod
@@ -98,6 +99,17 @@ class Worker:
         """Requests running or waiting there as far as the gateway can tell: its last report,
         less this gateway's streams that ended since, plus those it sent since."""
         return max(0, self.load.running + self.load.waiting - self.ended_since_report) + self.pending
+
+    @property
+    def held_off(self) -> bool:
+        """A call there failed or was refused since its last report was asked: until a report
+        asked after that, what it said is not what it is (full, or gone), and a request sent
+        there would fail again (spending a move, or the next moved request's)."""
+        return self.load.asked_at < self.held_since
+
+    def hold_off(self) -> None:
+        self.held_since = time.monotonic()
+        self.changed()
 
     def changed(self) -> None:
         """Its state, info or load changed: its place on the board moves."""

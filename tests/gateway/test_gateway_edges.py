@@ -718,3 +718,108 @@ def test_a_split_requests_parts_hold_when_its_client_does_not_read(monkeypatch):
         await parts.aclose()            # the client leaves: every pump is cancelled
 
     asyncio.run(main())
+
+
+class FullAtFirst(ScriptedWorker):
+    """Refuses its first `refusals` calls as a worker whose own queue is full (its --max-waiting,
+    reached before the gateway's count of it showed it), then streams."""
+
+    def __init__(self, refusals: int, **kw) -> None:
+        super().__init__(**kw)
+        self.refusals, self.calls = refusals, 0
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        if self.refusals > 0:
+            self.refusals -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "1 requests are already waiting; try again later")
+        async for response in super().Generate(request, context):
+            yield response
+
+
+def test_a_worker_refusing_a_request_as_full_is_waited_for_and_costs_no_move(tiny_dirs):
+    """Its queue full is no failure: the request waits for its next report and goes on, even with
+    --migration-limit 0 (each refusal was a move: a burst through workers with a small
+    --max-waiting failed requests "a worker failed" with no worker failing)."""
+    worker = FullAtFirst(3)
+    with scripted_fleet(tiny_dirs, worker, migration_limit=0) as (gateway, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], **greedy(4)), timeout=30))
+        assert tokens_of(events) == [5, 6, 7, 8] and events[-1].HasField("finished")
+        assert worker.calls == 4 and gateway.fleet.migrations == 0
+
+
+def test_a_worker_takes_its_max_waiting_past_its_batch_at_most():
+    from kvserve.services.gateway.router import Policy, has_room
+    from kvserve.services.gateway.worker import SERVING, Load, Worker
+
+    w = Worker("w:1", channel=None, state=SERVING, info=pb.ModelInfo(max_num_seqs=2, max_waiting=1, max_model_len=100),
+               load=Load(running=2, waiting=0, free_pages=50, asked_at=1.0))
+    policy = Policy(page_size=4, worker_queue_depth=2)
+    assert has_room(w, policy, 1)
+    w.load.waiting = 1   # its --max-waiting reached: the gateway's --worker-queue-depth of 2 is not
+    assert not has_room(w, policy, 1)
+    w.load.waiting = 0
+    w.hold_off()          # a call there failed or was refused since that report
+    assert not has_room(w, policy, 1)
+    w.loaded(Load(running=2, waiting=0, free_pages=50, asked_at=w.held_since + 1))
+    assert has_room(w, policy, 1)
+
+
+class DiesOnce(ScriptedWorker):
+    """Its first stream fails after two tokens, and for `dead_s` after that it refuses every call
+    UNAVAILABLE and reports nothing (a worker killed and not yet restarted, its load stream not
+    yet seen to end), then serves."""
+
+    def __init__(self, dead_s: float, **kw) -> None:
+        super().__init__(fail_at=2, **kw)
+        self.dead_s, self.dead_until = dead_s, 0.0
+
+    async def WatchServerStats(self, request, context):
+        stream = super().WatchServerStats(request, context)
+        async for stats in stream:
+            while time.monotonic() < self.dead_until:
+                await asyncio.sleep(0.01)
+            yield stats
+
+    async def Generate(self, request, context):
+        if time.monotonic() < self.dead_until:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        first = not self.requests
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        for i, token in enumerate(self.tokens[len(request.continuation.ids):]):   # it goes on after them
+            if first and i == self.fail_at:
+                self.dead_until = time.monotonic() + self.dead_s
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token]))
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH))
+
+
+def test_a_failed_worker_is_not_sent_the_moved_request_before_it_reports_again(tiny_dirs):
+    """One failure costs one move: the request it failed waits for the worker's next report rather
+    than going straight back to it while it is still dead (which spent a second move, and with
+    --migration-limit 1 failed the stream)."""
+    worker = DiesOnce(dead_s=0.6, tokens=(5, 6, 7, 8, 9))
+    with scripted_fleet(tiny_dirs, worker, migration_limit=1) as (gateway, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], **greedy(5)), timeout=30))
+        assert tokens_of(events) == [5, 6, 7, 8, 9] and events[-1].HasField("finished")
+        assert gateway.fleet.migrations == 1 and len(worker.requests) == 2
+
+
+def test_the_queues_estimate_counts_only_the_last_minutes_ends_up_to_now(monkeypatch):
+    """Ends long ago give no estimate (a burst's fast rate was told ten minutes later), and a
+    pause since the last end slows the rate."""
+    from kvserve.services.gateway import waiting
+
+    now = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: now[0])
+    queue = WaitQueue(8)
+    monkeypatch.setattr(queue, "wake", lambda: None)
+    for i in range(11):   # ten intervals of 0.1 s
+        now[0] = 1000.0 + i / 10
+        queue.stream_ended()
+    assert queue.eta_ms(5) == 500
+    now[0] += 1.0         # a second with no end: 10 ends over 2 s
+    assert queue.eta_ms(5) == 1000
+    now[0] += 600         # ten minutes on, none within the window
+    assert queue.eta_ms(5) == 0
