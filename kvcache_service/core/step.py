@@ -1,7 +1,7 @@
 """Step: the engine's one round trip per iteration. The manager's policy lives here.
 
 Order inside a step: validate everything (a bad request changes nothing) →
-releases → truncations → commits → needs, highest priority first.
+releases → truncations → slides → commits → needs, highest priority first.
 
 Policy:
 - A Grow that does not fit preempts running sequences from the tail of the
@@ -71,10 +71,14 @@ class _Step:
             if copies:
                 plan.copies.extend(copies)
                 self.fresh.add(t.seq_id)
-        for c in req.commits:
-            commit.commit(state, c)
+        # Slides before commits: a sequence whose first slide comes with a commit stores none of
+        # what it commits (stored, the chunk after a prefix hit lengthened the cached chain by a
+        # chunk at each reuse, every page of it blocked by the sequence's own, until the chain
+        # outgrew the pool and a request that fits the model length was refused mid-prefill).
         for s in req.slides:
             release.slide(state, state.seqs[s.seq_id], s.first_page, s.end_page)
+        for c in req.commits:
+            commit.commit(state, c)
         for need in req.needs:
             result = self._grow(need) if type(need) is Grow else self._serve(need)
             if result.granted:

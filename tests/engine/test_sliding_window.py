@@ -104,6 +104,24 @@ def test_a_long_sequence_holds_a_bounded_number_of_pages(tiny_dirs):
         h.close()
 
 
+def test_a_conversation_s_turns_each_run_in_the_smallest_pool_accepted(tiny_dirs):
+    """Each turn's prompt extends the last (prompt, reply, a new message) and hits the cache:
+    the cached chain stays as long as one sequence stores before its first slide (each reuse
+    made it a chunk longer, blocked by the sequence's own pages, until a turn that fits the
+    model length was refused mid-prefill)."""
+    rng = random.Random(4)
+    h = EngineHarness(tiny_dirs["tiny-mistral"], num_pages=24)   # page_size 16: 384 tokens
+    try:
+        conversation = [rng.randrange(10, 1000) for _ in range(40)]
+        for _ in range(12):   # prompts of 40 to 590 tokens
+            (turn,) = h.run([conversation], 30)
+            assert len(turn.tokens) == 30 and turn.prefill.cached_tokens <= WINDOW + 16
+            conversation += turn.tokens + [rng.randrange(10, 1000) for _ in range(20)]
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
 def test_attention_sinks_keep_their_pages_and_run_past_the_model_length(tiny_dirs):
     sinks = 8
     h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS, attention_sink=sinks)

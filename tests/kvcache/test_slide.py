@@ -75,6 +75,20 @@ def test_a_slid_sequence_stores_nothing_more_in_the_tree():
     assert seq.held() == [seq.pages[3]] and not any(m.state.tree.live_below)
 
 
+def test_a_commit_that_comes_with_the_first_slide_stores_nothing():
+    """The chunk after a prefix hit as long as a window is committed in the step that first
+    slides: stored, it lengthened the cached chain by a chunk at each reuse (each page of it
+    blocked by the sequence's own), until a request that fits the model length could no longer
+    find the pages; a slide applies before the commit beside it."""
+    m = make()
+    first = running(m, "a", list(range(8)))             # pages 0, 1 stored
+    step(m, releases=[first])
+    (hit,) = step(m, needs=[Admit("b", list(range(16)))]).results
+    assert hit.cached_tokens == 8
+    step(m, commits=[Commit(hit.seq_id, 16)], slides=[Slide(hit.seq_id, 0, 2)])
+    assert len(m.state.tree) == 2                       # its pages 2, 3 stay private
+
+
 def test_slides_are_checked():
     m = make()
     sid = running(m, "a", list(range(10)))
