@@ -110,7 +110,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     max_chunk = None
     if window:   # pages past the window go back as a sequence runs: it holds a bounded number
         # A sequence holds at most two windows and two chunks: the pages it put in the prefix cache
-        # before its first slide (at most a window and a chunk, a prefix hit included) stay, blocked by
+        # before its first slide (a window and a chunk; a prefix hit is no longer) stay, blocked by
         # their own continuation, until the last of them has left the window behind it. Without
         # sinks none holds more than the model length.
         held = 2 * window if cfg.attention_sink else min(2 * window, model_len)

@@ -1,7 +1,8 @@
 """Step: the engine's one round trip per iteration. The manager's policy lives here.
 
 Order inside a step: validate everything (a bad request changes nothing) →
-releases → truncations → slides → commits → needs, highest priority first.
+releases → truncations → commits → slides (the first slide of a sequence that began with a
+prefix hit before its commit) → needs, highest priority first.
 
 Policy:
 - A Grow that does not fit preempts running sequences from the tail of the
@@ -71,14 +72,23 @@ class _Step:
             if copies:
                 plan.copies.extend(copies)
                 self.fresh.add(t.seq_id)
-        # Slides before commits: a sequence whose first slide comes with a commit stores none of
-        # what it commits (stored, the chunk after a prefix hit lengthened the cached chain by a
-        # chunk at each reuse, every page of it blocked by the sequence's own, until the chain
-        # outgrew the pool and a request that fits the model length was refused mid-prefill).
+        # A sequence that began with a prefix hit slides before it commits in the step of its
+        # first slide, and so stores none of that commit: stored, the chunk after the hit made the
+        # cached chain a chunk longer at each reuse, every page blocked by the sequence's own,
+        # until a request that fits the model length was refused mid-prefill. (One that began
+        # without a hit stores its first chunk even when that chunk crosses the window: its chain
+        # is what later requests hit.)
+        early = set()
         for s in req.slides:
-            release.slide(state, state.seqs[s.seq_id], s.first_page, s.end_page)
+            seq = state.seqs[s.seq_id]
+            if seq.cached_tokens and not seq.slid:
+                release.slide(state, seq, s.first_page, s.end_page)
+                early.add(s.seq_id)
         for c in req.commits:
             commit.commit(state, c)
+        for s in req.slides:
+            if s.seq_id not in early:
+                release.slide(state, state.seqs[s.seq_id], s.first_page, s.end_page)
         for need in req.needs:
             result = self._grow(need) if type(need) is Grow else self._serve(need)
             if result.granted:

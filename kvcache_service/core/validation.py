@@ -2,7 +2,7 @@
 
 A call that fails a check raises a KVCacheError and has changed nothing. Step validates its
 whole request first (validate_step, against the state each part will meet: releases, then
-truncations, then commits, then needs); a fine-grained call runs the same check for its one
+truncations, then commits, then slides, then needs); a fine-grained call runs the same check for its one
 operation.
 """
 

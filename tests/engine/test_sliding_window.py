@@ -122,6 +122,20 @@ def test_a_conversation_s_turns_each_run_in_the_smallest_pool_accepted(tiny_dirs
         h.close()
 
 
+@pytest.mark.parametrize("length", [100, 200, 400])
+def test_a_prompt_longer_than_the_window_is_a_prefix_hit_when_sent_again(tiny_dirs, length):
+    """Its first chunk crosses the window, and is committed beside its first slide: stored all
+    the same (it is the chain later requests hit), as long as the sequence began without a hit."""
+    h = EngineHarness(tiny_dirs["tiny-mistral"], num_pages=64)   # page_size 16
+    try:
+        prompt = [random.Random(length).randrange(10, 1000) for _ in range(length)]
+        first, again = h.run([prompt], 4)[0], h.run([prompt], 4)[0]
+        assert first.prefill.cached_tokens == 0 and again.prefill.cached_tokens == (length - 1) // 16 * 16
+        assert again.tokens == first.tokens
+    finally:
+        h.close()
+
+
 def test_attention_sinks_keep_their_pages_and_run_past_the_model_length(tiny_dirs):
     sinks = 8
     h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=PS, attention_sink=sinks)

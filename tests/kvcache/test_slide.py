@@ -75,11 +75,11 @@ def test_a_slid_sequence_stores_nothing_more_in_the_tree():
     assert seq.held() == [seq.pages[3]] and not any(m.state.tree.live_below)
 
 
-def test_a_commit_that_comes_with_the_first_slide_stores_nothing():
+def test_after_a_prefix_hit_the_commit_beside_the_first_slide_stores_nothing():
     """The chunk after a prefix hit as long as a window is committed in the step that first
     slides: stored, it lengthened the cached chain by a chunk at each reuse (each page of it
     blocked by the sequence's own), until a request that fits the model length could no longer
-    find the pages; a slide applies before the commit beside it."""
+    find the pages; that slide applies before the commit beside it."""
     m = make()
     first = running(m, "a", list(range(8)))             # pages 0, 1 stored
     step(m, releases=[first])
@@ -87,6 +87,18 @@ def test_a_commit_that_comes_with_the_first_slide_stores_nothing():
     assert hit.cached_tokens == 8
     step(m, commits=[Commit(hit.seq_id, 16)], slides=[Slide(hit.seq_id, 0, 2)])
     assert len(m.state.tree) == 2                       # its pages 2, 3 stay private
+
+
+def test_without_a_hit_the_commit_beside_the_first_slide_is_stored():
+    """A first chunk longer than the window: its commit comes with the first slide, and is what
+    a later request with the same prompt hits."""
+    m = make()
+    (a,) = step(m, needs=[Admit("a", list(range(16)))]).results
+    step(m, commits=[Commit(a.seq_id, 16)], slides=[Slide(a.seq_id, 0, 2)])
+    assert len(m.state.tree) == 4
+    step(m, releases=[a.seq_id])
+    (hit,) = step(m, needs=[Admit("b", list(range(17)))]).results
+    assert hit.cached_tokens == 16
 
 
 def test_slides_are_checked():

@@ -132,10 +132,11 @@ class KVCacheManagerServicer:
 
     def Step(self, request, context):
         """The engine's one round trip per iteration: releases, truncations,
-        slides and commits are applied first, in that order (what a sequence commits
-        with its first slide is not stored in the prefix tree), then the needs are
+        commits and slides are applied first (so a request released here may be
+        admitted again, under the same id; a sequence that began with a prefix hit
+        stores nothing of what it commits with its first slide), then the needs are
         served in priority order, admitting and resuming nobody once a Grow has
-        preempted (so a request released here may be admitted again, under the same id).
+        preempted.
         Running out of pages for a need is an answer (granted = false), not an
         error. FAILED_PRECONDITION when the epoch is stale; RESOURCE_EXHAUSTED
         only when a truncation must copy a shared last page and no page is left.
