@@ -27,6 +27,7 @@ CPU_GEMMS = ("auto", *choices.CPU_GEMMS)
 PREEMPTION_MODES = choices.PREEMPTION_MODES
 SPECULATIVE = choices.SPECULATIVE
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
+UINT32_MAX = 2**32 - 1   # the largest count ModelInfo can say
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,10 @@ class ModelServiceConfig:
                      "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n",
                      "num_draft_tokens", "max_unread_tokens"):
             positive(name, allow_none=False)
+        for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_waiting", "attention_sink"):
+            value = getattr(self, name)   # ModelInfo says each as a uint32
+            if isinstance(value, int) and value > UINT32_MAX:
+                raise ValueError(f"--{name.replace('_', '-')} must be at most {UINT32_MAX}, got {value}")
         for name in ("max_stop_strings", "max_logprobs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)!r}")

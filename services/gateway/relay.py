@@ -6,10 +6,13 @@ A request of n > 1 sequences that fails after its first tokens goes on as one re
 sequence not yet finished, each continuing its own tokens with the seed that sequence draws with.
 
 A worker fails when its call ends UNAVAILABLE (killed, draining past its grace period, its
-manager lost for good) or RESOURCE_EXHAUSTED (its queue filled before the gateway saw it; not
-one marked kvserve-final, the request's own: its client did not read), or when its load stream
-finds it down (it failed or went silent: the call is cancelled here). Any other status is the
-request's own and reaches the client as the worker gave it.
+manager lost for good) or RESOURCE_EXHAUSTED after it had sent something (not one marked
+kvserve-final, the request's own: its client did not read), or when its load stream finds it
+down (it failed or went silent: the call is cancelled here); a move costs one of
+--migration-limit. RESOURCE_EXHAUSTED before anything came is the worker's queue full (it filled
+before the gateway saw it): the request waits for room again and spends no move. Either way the
+worker is held off until it reports again. Any other status is the request's own and reaches
+the client as the worker gave it.
 """
 
 from __future__ import annotations

@@ -758,7 +758,12 @@ def test_a_worker_takes_its_max_waiting_past_its_batch_at_most():
     assert has_room(w, policy, 1)
     w.load.waiting = 1   # its --max-waiting reached: the gateway's --worker-queue-depth of 2 is not
     assert not has_room(w, policy, 1)
-    w.load.waiting = 0
+    w.load = Load(running=1, waiting=1, free_pages=50, asked_at=1.0)   # its batch held short by pages
+    assert not has_room(w, policy, 1)
+    w.load = Load(running=2, waiting=0, free_pages=50, asked_at=1.0)
+    w.routed()           # sent since the report: not yet admitted there, it waits
+    assert not has_room(w, policy, 1)
+    w.routed_at.clear()
     w.hold_off()          # a call there failed or was refused since that report
     assert not has_room(w, policy, 1)
     w.loaded(Load(running=2, waiting=0, free_pages=50, asked_at=w.held_since + 1))

@@ -91,6 +91,7 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["model", "--dtype", "float8"], "--dtype must be auto, float32, bfloat16 or float16, got 'float8'"),
     (["up", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
     (["up", "--max-seqs", "-1"], "--max-seqs must be a positive integer, got -1"),
+    (["model", "--max-waiting", "4294967296"], "--max-waiting must be at most 4294967295, got 4294967296"),
     (["kvcache", "--num-pages", "0"], "num_pages must be a positive integer, got 0"),
     (["model", "--listen", "127.0.0.1"], "--listen: '127.0.0.1': missing port"),
     (["up", "--health-listen", "0.0.0.0:70000"], "--health-listen: '0.0.0.0:70000': port 70000 is out of range"),
