@@ -162,6 +162,9 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
              path.name, mcfg.architecture, dtype, device, num_pages, page_size, kv_dtype, backend.name,
              model.lm_head.gemm, max_model_len,
              f", decode steps of up to {graphs.max_batch} sequences from CUDA graphs" if graphs else "")
+    if len(tokenizer) > mcfg.vocab_size:
+        log.warning("the tokenizer has %d tokens, more than the model's vocabulary (%d): a prompt that uses the "
+                    "others is refused", len(tokenizer), mcfg.vocab_size)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
                       Grammars(tokenizer, mcfg.vocab_size, eos_ids))

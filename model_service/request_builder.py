@@ -66,6 +66,7 @@ class RequestBuilder:
         self.vocab_size = stack.model_config.vocab_size
         self.lanes = lanes or TokenizerLanes(stack.config.tokenizer_threads)
         self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
+        self.tokenizer_ids = len(stack.tokenizer)   # more than the model's vocabulary: a fine-tune's added tokens
 
     async def build(self, msg, request_id: str, tenant: str = "") -> Request:
         self.check_limits(msg, request_id)
@@ -222,6 +223,12 @@ class RequestBuilder:
             raise RequestError("set one input: prompt, token_ids or messages")
         if not ids:
             raise RequestError("the input has no tokens")
+        if self.tokenizer_ids > self.vocab_size and kind != "token_ids":
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:   # the embedding would fail the whole engine step, every request in it
+                raise RequestError(f"the input's token {self.tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}) "
+                                   f"is past the model's vocabulary [0, {self.vocab_size}): its tokenizer has "
+                                   f"{self.tokenizer_ids} tokens")
         return ids
 
     async def _chat(self, messages, fit: bool = True) -> list[int]:

@@ -7,8 +7,9 @@ in the directory. HF names map to ours with "model." dropped and two fusions:
     layers.i.self_attn.{q,k,v}_proj.{weight,bias} -> layers.i.self_attn.qkv_proj  (cat on dim 0)
     layers.i.mlp.{gate,up}_proj.{weight,bias}     -> layers.i.mlp.gate_up_proj    (cat on dim 0)
 
-A checkpoint without lm_head.weight (tie_word_embeddings) uses embed_tokens'; one that stores a
-head of its own keeps it, tied or not (as transformers does).
+A checkpoint without lm_head.weight uses embed_tokens' when config.json ties them
+(tie_word_embeddings) and is refused when it does not; one that stores a head of its own keeps
+it, tied or not (as transformers does).
 The model is built on the meta device and the converted tensors are assigned
 to it, so no memory is spent on a random initialisation.
 """
@@ -183,9 +184,15 @@ def map_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
         if len({t.shape[1:] for t in tensors}) > 1:
             raise ValueError(f"{prefix}.{{{','.join(parts)}}}.{kind} have shapes "
                              f"{[tuple(t.shape) for t in tensors]}, which do not fit together")
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError(f"{prefix}.{{{','.join(parts)}}}.{kind} are stored as "
+                             f"{[str(t.dtype).removeprefix('torch.') for t in tensors]}, which do not fit together")
         return torch.cat(tensors, dim=0)
 
     out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if "lm_head.weight" not in src and not config.tie_word_embeddings:   # transformers would make up a random one
+        raise ValueError("checkpoint is missing 'lm_head.weight', and config.json does not tie the head to the "
+                         "embedding (tie_word_embeddings is false)")
     out["lm_head.weight"] = take("lm_head.weight") if "lm_head.weight" in src else out["embed_tokens.weight"]
     for i in range(config.num_layers):
         attn, mlp, layer = f"layers.{i}.self_attn", f"layers.{i}.mlp", f"layers.{i}"

@@ -50,13 +50,17 @@ def test_tied_head_shares_the_embedding(tiny_dirs) -> None:
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-def test_missing_lm_head_falls_back_to_the_embedding(tiny_dirs, tmp_path) -> None:
+def test_a_missing_lm_head_is_the_embedding_only_when_config_json_ties_them(tiny_dirs, tmp_path) -> None:
+    """Untied and missing, the head was the embedding without a word (transformers makes up a
+    random one and says it is MISSING): refused."""
     tensors = load_file(tiny_dirs["tiny"] / "model.safetensors")
     del tensors["lm_head.weight"]
-    dst = copy_without_weights(tiny_dirs["tiny"], tmp_path / "headless")
-    save_file(tensors, dst / "model.safetensors")
-    model, _ = load_model(dst, gemm="torch")
+    tied = _checkpoint(tiny_dirs["tiny"], tmp_path / "tied", tensors, tie_word_embeddings=True)
+    model, _ = load_model(tied, gemm="torch")
     assert model.lm_head.weight is model.embed_tokens.weight
+    untied = _checkpoint(tiny_dirs["tiny"], tmp_path / "untied", tensors, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="missing 'lm_head.weight', and config.json does not tie the head"):
+        load_model(untied, gemm="torch")
 
 
 @pytest.mark.parametrize("change", ["missing", "extra"])
@@ -133,6 +137,9 @@ def test_weights_that_do_not_fit_config_json_are_refused_with_a_sentence(tiny_di
         (_checkpoint(src, tmp_path / "vocab", vocab_size=1000), r"embed_tokens.weight has shape \(1024, 64\); "
                                                                   r"config.json makes it \(1000, 64\)"),
         (_checkpoint(src, tmp_path / "q", narrow_q), r"q_proj,k_proj,v_proj\}.weight have shapes .* do not fit"),
+        (_checkpoint(src, tmp_path / "mixed", {**tensors, "model.layers.0.mlp.up_proj.weight":
+                                               tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)}),
+         r"gate_proj,up_proj\}.weight are stored as \['float32', 'float8_e4m3fn'\]"),
         (_checkpoint(src, tmp_path / "eps", rms_norm_eps=0), "config.json: "),
         (_checkpoint(src, tmp_path / "heads", num_attention_heads=0), "config.json: |num_attention_heads"),
     ]
