@@ -134,6 +134,11 @@ class Fleet:
         matches = {a: n for a, n in self.index.holders(hashes).items()
                    if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live}
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
+        if session_id and sticky is None and matches:
+            # A session this replica has not routed (another gateway did): the worker holding most
+            # of its prompt is its worker, as every replica reads the same index (each stuck it to
+            # a worker of its own, and the turns went back and forth, each losing the last's cache).
+            sticky = self.workers.get(max(matches, key=lambda address: (matches[address], address)))
         if session_id:
             key = session_id.encode()
         else:

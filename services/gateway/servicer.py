@@ -1,10 +1,12 @@
 """kvserve.inference.v1.Inference on the gateway: the workers' API, so every client works
-unchanged. Generate goes through the fleet (relay.py); Cancel follows the request to its worker;
+unchanged. Generate goes through the fleet (relay.py); Cancel follows the request to its worker
+(another replica's is asked of every worker);
 Tokenize answers here, with the workers' tokenizer; GetModelInfo is a worker's; GetServerStats
 (and WatchServerStats, as it changes) sums the workers and lists each."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from contextlib import aclosing
@@ -17,9 +19,9 @@ from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
 from kvserve.model_service.request_ids import id_problem
 from kvserve.services.gateway.inputs import InputError, Inputs
-from kvserve.services.gateway.relay import Refused, Relay
+from kvserve.services.gateway.relay import CANCEL_TIMEOUT_S, Refused, Relay
 from kvserve.services.plumbing import stats_watch
-from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
+from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +109,29 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         except Refused as exc:
             await context.abort(exc.code, exc.message)
         relay = self.relays.get((tenant, request.request_id))   # another tenant's is not there for this one
-        if relay is None:
+        if relay is not None:
+            await relay.cancel()
+            return pb.CancelResponse()
+        if not await self._cancel_at_workers(request.request_id, tenant):
             shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
-        await relay.cancel()
         return pb.CancelResponse()
+
+    async def _cancel_at_workers(self, request_id: str, tenant: str) -> bool:
+        """A request this replica does not stream may be another gateway's, behind the same Service:
+        each serving worker is asked to cancel it (as the tenant, which the worker checks), and the
+        replica streaming it ends it ABORT as the worker does. True if one had it."""
+        metadata = ((TENANT_METADATA, tenant),) if tenant else ()
+
+        async def ask(worker) -> bool:
+            try:
+                await worker.inference.Cancel(pb.CancelRequest(request_id=request_id), timeout=CANCEL_TIMEOUT_S,
+                                              metadata=metadata)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+
+        return any(await asyncio.gather(*(ask(w) for w in self.fleet.serving())))
 
     async def Tokenize(self, request, context):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
