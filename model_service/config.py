@@ -15,7 +15,7 @@ from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
 from kvserve.services.plumbing.address import check_dial, check_http_listen, is_private, parse_flag
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.config_flags import option, parse_bytes
+from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -152,6 +152,11 @@ class ModelServiceConfig:
         for name in ("max_stop_strings", "max_logprobs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not self.kvcache_timeout_s < 10**9:   # a deadline that far out is past what a timestamp holds
+            raise ValueError(f"--kvcache-timeout must be under 1e9 seconds, got {self.kvcache_timeout_s}")
+        if self.max_request_bytes > MAX_REQUEST_BYTES:
+            raise ValueError(f"--max-request-bytes must be at most {MAX_REQUEST_BYTES} (gRPC's limit), "
+                             f"got {self.max_request_bytes}")
         for name in ("kvcache_timeout_s", "manager_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import tempfile
@@ -63,7 +64,7 @@ class UpConfig:
         parse_flag("--kvcache-listen", self.kvcache_listen)
         if self.max_seqs is not None and self.max_seqs <= 0:
             raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
-        if self.startup_timeout_s <= 0:
+        if not 0 < self.startup_timeout_s < math.inf:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.address import check_dial, check_http_listen, parse_flag
-from kvserve.services.plumbing.config_flags import option, parse_bytes
+from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 DEFAULT_LISTEN = "127.0.0.1:50050"
@@ -79,9 +79,13 @@ class GatewayConfig:
             check_dial(flag, address, "a worker")
         if not 0.01 <= self.poll_interval_s <= 60:   # what WatchServerStats allows a look's interval
             raise ValueError(f"--poll-interval must be from 0.01 to 60 seconds, got {self.poll_interval_s:g}")
-        for name in ("dns_interval_s", "no_worker_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
+        if not 0.1 <= self.dns_interval_s <= 86400:   # a tiny one re-resolved in a busy loop
+            raise ValueError(f"--dns-interval must be from 0.1 to 86400 seconds, got {self.dns_interval_s:g}")
+        if not self.no_worker_timeout_s > 0:
+            raise ValueError("--no-worker-timeout must be positive")
+        if self.max_request_bytes > MAX_REQUEST_BYTES:
+            raise ValueError(f"--max-request-bytes must be at most {MAX_REQUEST_BYTES} (gRPC's limit), "
+                             f"got {self.max_request_bytes}")
         for name in ("worker_queue_depth", "max_queued", "tokenizer_threads", "max_request_bytes", "max_prompt_chars",
                      "max_chat_messages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
@@ -92,8 +96,8 @@ class GatewayConfig:
             raise ValueError(f"--migration-limit must be an integer >= 0, got {self.migration_limit!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"--routing must be cache, round-robin or random, got {self.routing!r}")
-        if self.overlap_weight < 0:
-            raise ValueError(f"--overlap-weight must not be negative, got {self.overlap_weight}")
+        if not 0 <= self.overlap_weight < math.inf:   # NaN or inf made every cost NaN: no worker chosen
+            raise ValueError(f"--overlap-weight must be a finite number, 0 or more, got {self.overlap_weight}")
         if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
             raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         self.server_tls()

@@ -122,12 +122,16 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
+MAX_REQUEST_BYTES = 2**31 - 1   # gRPC's message limits are C ints
+
+
 def parse_bytes(text: str) -> int:
     """A size: 512MiB, 2GiB, 1000000."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30, "tib": 2**40}
     t = text.strip().lower()
-    num = t.rstrip("kmgib")
+    num = t.rstrip("kmgtib")
     try:
         return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):   # OverflowError: inf
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)") from None

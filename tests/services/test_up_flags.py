@@ -92,6 +92,9 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["up", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
     (["up", "--max-seqs", "-1"], "--max-seqs must be a positive integer, got -1"),
     (["model", "--max-waiting", "4294967296"], "--max-waiting must be at most 4294967295, got 4294967296"),
+    (["model", "--max-request-bytes", "2GiB"], r"--max-request-bytes must be at most 2147483647 \(gRPC's limit\)"),
+    (["model", "--kvcache-timeout", "inf"], "--kvcache-timeout must be under 1e9 seconds, got inf"),
+    (["up", "--startup-timeout", "nan"], "--startup-timeout must be positive, got nan"),
     (["kvcache", "--num-pages", "0"], "num_pages must be a positive integer, got 0"),
     (["model", "--listen", "127.0.0.1"], "--listen: '127.0.0.1': missing port"),
     (["up", "--health-listen", "0.0.0.0:70000"], "--health-listen: '0.0.0.0:70000': port 70000 is out of range"),
@@ -110,6 +113,33 @@ def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
             from_args(ModelServiceConfig, args)
         else:
             from_args(cls, args)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--overlap-weight", "nan"], "--overlap-weight must be a finite number, 0 or more, got nan"),
+    (["--overlap-weight", "inf"], "--overlap-weight must be a finite number, 0 or more, got inf"),
+    (["--dns-interval", "1e-9"], "--dns-interval must be from 0.1 to 86400 seconds"),
+    (["--max-request-bytes", "3GiB"], "--max-request-bytes must be at most 2147483647"),
+])
+def test_a_bad_gateway_value_exits_with_its_flag_named(argv, words):
+    """NaN or inf weights made every cost NaN (each request UNKNOWN from min() of nothing); a
+    nanosecond DNS interval spun a core; a request limit past a C int killed the server at start."""
+    from kvserve.services.cli.main import build_parser
+    from kvserve.services.gateway.config import GatewayConfig
+
+    with pytest.raises(SystemExit, match=words):
+        from_args(GatewayConfig, build_parser().parse_args(["gateway", "--worker", "127.0.0.1:1", *argv]))
+
+
+def test_sizes_take_tib_and_refuse_infinity():
+    import argparse
+
+    from kvserve.services.plumbing.config_flags import parse_bytes
+
+    assert parse_bytes("1TiB") == 2**40
+    for text in ("inf", "infgib", "1e400"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            parse_bytes(text)
 
 
 def _together(argv: list[str]) -> None:
