@@ -24,7 +24,7 @@ from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import SchedulerConfig
 from kvserve.model_service.engine.speculation import NgramDrafter
 from kvserve.model_service.kv_cache import KVCache
-from kvserve.model_service.model.loader import load_model
+from kvserve.model_service.model.loader import first_line, load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
@@ -128,12 +128,18 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         max_model_len = min(model_len, num_pages * page_size)
     if max_model_len < model_len:
         log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)
-    model.rope.reserve(-(-max_model_len // page_size) * page_size)   # every position served, whole pages
-    if cfg.sizing_file:
+    use_graphs = device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and graph_safe(backend)
+    try:
+        model.rope.reserve(-(-max_model_len // page_size) * page_size)   # every position served, whole pages
+        kv_cache = KVCache(mcfg, num_pages, page_size, kv_dtype, device, cpu_pages=cfg.swap_pages,
+                           spare_page=use_graphs)
+    except (MemoryError, OSError, RuntimeError) as exc:   # torch's allocators say it as any of these
+        raise ValueError(f"cannot allocate the KV cache of {num_pages} pages of {page_size} tokens (and "
+                         f"{cfg.swap_pages} swap pages): {first_line(exc)}; give fewer (--num-pages, "
+                         "--kv-cache-memory, --page-size, --swap-pages)") from None
+    if cfg.sizing_file:   # only once the pool exists: a launcher sizes the manager by it
         _write_atomically(cfg.sizing_file, {"num_pages": num_pages, "page_size": page_size})
 
-    use_graphs = device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and graph_safe(backend)
-    kv_cache = KVCache(mcfg, num_pages, page_size, kv_dtype, device, cpu_pages=cfg.swap_pages, spare_page=use_graphs)
     graphs = _capture_graphs(model, backend, kv_cache, page_size, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                              max_model_len, device) if use_graphs else None
     kv = _connect(cfg, num_pages, page_size)

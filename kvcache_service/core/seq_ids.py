@@ -7,22 +7,29 @@ from collections import deque
 
 class SeqIdPool:
     """`max_seqs` ids, handed out FIFO: a released id goes to the back of the
-    queue, so it rests as long as possible before anybody reuses it."""
+    queue, so it rests as long as possible before anybody reuses it. The ids never
+    handed out yet are a counter, not a queue: a pool of billions (--max-seqs up to
+    2^32-1) costs nothing until used."""
 
-    __slots__ = ("max_seqs", "_free", "_in_use")
+    __slots__ = ("max_seqs", "_fresh", "_free", "_in_use")
 
     def __init__(self, max_seqs: int) -> None:
         self.max_seqs = max_seqs
-        self._free: deque[int] = deque(range(max_seqs))
+        self._fresh = 0                  # ids below it have been handed out at least once
+        self._free: deque[int] = deque()  # released ids, oldest first: after every fresh one
         self._in_use: set[int] = set()
 
     def __len__(self) -> int:
         """Free ids."""
-        return len(self._free)
+        return self.max_seqs - self._fresh + len(self._free)
 
     def acquire(self) -> int:
         """The caller checked len(self) > 0."""
-        seq_id = self._free.popleft()
+        if self._fresh < self.max_seqs:
+            seq_id = self._fresh
+            self._fresh += 1
+        else:
+            seq_id = self._free.popleft()
         self._in_use.add(seq_id)
         return seq_id
 
@@ -35,8 +42,9 @@ class SeqIdPool:
         return set(self._in_use)
 
     def free_ids(self) -> list[int]:
-        return list(self._free)
+        return list(range(self._fresh, self.max_seqs)) + list(self._free)
 
     def reset(self) -> None:
-        self._free = deque(range(self.max_seqs))
+        self._fresh = 0
+        self._free = deque()
         self._in_use = set()

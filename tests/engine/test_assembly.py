@@ -59,3 +59,23 @@ def test_cuda_graphs_are_a_cuda_flash_attn_matter(tiny_dirs) -> None:
         h.close()
     with pytest.raises(ValueError, match="--cuda-graph-max-batch must be an integer >= 0"):
         ModelServiceConfig(cuda_graph_max_batch=-1)
+
+
+def test_a_pool_that_cannot_be_allocated_is_a_sentence_and_no_sizing_is_written(tiny_dirs, tmp_path,
+                                                                                monkeypatch) -> None:
+    """It was a traceback after the sizing file was written, so `kvserve up` started a manager
+    of that size and restarted the model service into the same failure."""
+    from kvserve.model_service import assembly
+    from kvserve.model_service.config import ModelServiceConfig
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 179 GB")
+
+    monkeypatch.setattr(assembly, "KVCache", refuse)
+    sizing = tmp_path / "sizing.json"
+    cfg = ModelServiceConfig(model=str(tiny_dirs["tiny"]), kvcache="inprocess", device="cpu", num_pages=4096,
+                             sizing_file=str(sizing))
+    with pytest.raises(ValueError, match=r"cannot allocate the KV cache of 4096 pages .*can't allocate memory.*"
+                                         r"give fewer \(--num-pages"):
+        assembly.build(cfg)
+    assert not sizing.exists()

@@ -338,6 +338,22 @@ def test_seq_ids_are_reused_fifo_and_released_once():
     assert m.state.seq_ids.free_ids() == [0, 2]
 
 
+def test_a_pool_of_billions_of_seq_ids_costs_nothing_until_used():
+    """--max-seqs up to 2^32-1 is accepted: its ids were a queue built at start (gigabytes)."""
+    from kvserve.kvcache_service.core.seq_ids import SeqIdPool
+
+    pool = SeqIdPool(2**32 - 1)
+    assert len(pool) == 2**32 - 1
+    a, b = pool.acquire(), pool.acquire()
+    pool.release(a)
+    assert (a, b, pool.acquire(), len(pool)) == (0, 1, 2, 2**32 - 3)
+    small = SeqIdPool(3)
+    ids = [small.acquire() for _ in range(3)]
+    small.release(ids[1])
+    small.release(ids[0])
+    assert small.free_ids() == [1, 0] and small.acquire() == 1   # released ids, oldest first
+
+
 def test_a_new_epoch_resets_and_a_stale_one_is_refused():
     m = make()
     assert m.register(7, PS, 16) is True
