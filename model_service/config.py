@@ -145,6 +145,9 @@ class ModelServiceConfig:
                      "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n",
                      "num_draft_tokens", "max_unread_tokens"):
             positive(name, allow_none=False)
+        if self.max_model_len is not None and isinstance(self.max_model_len, int) and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2 (a prompt token and an output token), got "
+                             f"{self.max_model_len}")
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_waiting", "attention_sink"):
             value = getattr(self, name)   # ModelInfo says each as a uint32
             if isinstance(value, int) and value > UINT32_MAX:
@@ -167,8 +170,8 @@ class ModelServiceConfig:
             raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
             raise ValueError(f"--cuda-graph-max-batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
-        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
-            raise ValueError(f"--cpu-threads must be an integer >= 0, got {self.cpu_threads!r}")
+        if not isinstance(self.cpu_threads, int) or not 0 <= self.cpu_threads <= 4096:
+            raise ValueError(f"--cpu-threads must be an integer from 0 to 4096, got {self.cpu_threads!r}")
         if self.swap_pages < 0:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -185,9 +188,9 @@ class ModelServiceConfig:
         if self.attention_backend == "flash_attn" and self.device == "cpu":
             raise ValueError("--attention-backend flash_attn runs on CUDA only; on --device cpu choose auto, cpu "
                              "or torch")
-        for name in ("listen", "health_listen"):
-            if getattr(self, name):
-                parse_flag(f"--{name.replace('_', '-')}", getattr(self, name))
+        parse_flag("--listen", self.listen)   # empty too: refused before the model loads, not after
+        if self.health_listen:
+            parse_flag("--health-listen", self.health_listen)
         check_http_listen(self.http_listen)
         if self.kvcache != "inprocess":
             check_dial("--kvcache", self.kvcache)

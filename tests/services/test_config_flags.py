@@ -34,7 +34,8 @@ def _model_configs(num_pages, kv_cache_memory):
                      attention_backend=st.sampled_from(ATTENTION_BACKENDS), cpu_gemm=st.sampled_from(CPU_GEMMS),
                      page_size=MAYBE, num_pages=num_pages, kv_cache_memory=kv_cache_memory, max_num_seqs=POSITIVE,
                      gpu_memory_utilization=st.floats(0.01, 1.0), swap_pages=st.integers(0, 99),
-                     max_model_len=MAYBE, cache_salt=st.just("") | TEXT, prefix_caching=st.booleans(),
+                     max_model_len=st.none() | st.integers(2, 2**20), cache_salt=st.just("") | TEXT,
+                     prefix_caching=st.booleans(),
                      grace_s=st.floats(0, 60), listen=ADDRESSES)
 
 
