@@ -134,20 +134,21 @@ def _vocabulary(llguidance, tokenizer, vocab_size: int, eos_token_ids) -> Any:
     import llguidance.hf
 
     base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
-    special = [i for i in range(base.vocab_size) if base.is_special_token(i)]
-    spellings = sorted({text for i in special if (text := tokenizer.convert_ids_to_tokens(i))},
-                       key=len, reverse=True)
-    if not spellings:
+    spelled = {i: tokenizer.convert_ids_to_tokens(i) or "" for i in range(base.vocab_size)
+               if base.is_special_token(i)}
+    if not any(spelled.values()):
         return base
-    splitter = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
+    splitter = re.compile("(" + "|".join(map(re.escape, sorted(filter(None, set(spelled.values())),
+                                                                key=len, reverse=True))) + ")")
+    tokens = [spelled[i].encode() if i in spelled else base.decode_bytes([i]) for i in range(base.vocab_size)]
 
-    class Tokens:
+    class Tokens:   # what llguidance.TokenizerWrapper reads
         eos_token_id = tokenizer.eos_token_id
         bos_token_id = tokenizer.bos_token_id
-        special_token_ids = special
-        tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
-        for i in special:
-            tokens[i] = (tokenizer.convert_ids_to_tokens(i) or "").encode()
+        special_token_ids = list(spelled)
+
+        def __init__(self) -> None:
+            self.tokens = tokens
 
         def __call__(self, text: str | bytes) -> list[int]:
             if isinstance(text, bytes):

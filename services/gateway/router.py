@@ -4,9 +4,10 @@ matches and the gateway's own routings since those reports, and changes nothing.
 A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
 plus --worker-queue-depth, counting those sent since its last report; fewer waiting there,
 those sent since counted as waiting, than its own --max-waiting; pages enough for what it must
-compute; no call there failed or refused since that report) and no more than --balance-slack requests busier than the least busy such worker
-(so that no cache, however warm, draws everything to one worker while others idle; what the
-default, 4, costs and gains against 0 and 2 is in docs/benchmarks.md) costs
+compute; no call there failed or refused since that report) and no more than --balance-slack
+requests busier than the least busy such worker (so that no cache, however warm, draws
+everything to one worker while others idle; what the default, 4, costs and gains against 0 and 2
+is in docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
@@ -57,11 +58,10 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
     fleet may mix --max-model-len)."""
     ld, info = w.load, w.info
     batch = info.max_num_seqs if info is not None and info.max_num_seqs else 1
-    depth = policy.worker_queue_depth
     # its own bound counts every request it has not yet admitted (those sent since its report too)
     queue_full = info is not None and info.max_waiting and ld.waiting + w.pending >= info.max_waiting
     longest = info.max_model_len if info is not None else 0
-    return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + depth
+    return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed
             and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink else policy.length) <= longest))
 
