@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
-CANCEL_TIMEOUT_S = 1.0
 # A worker refusing a request as full (its own --max-waiting reached before the gateway saw it) is
 # not a failure and costs no move; each refusal holds that worker off until its next report, and
 # past this many the request is refused as the gateway's own full queue refuses it.
@@ -135,7 +134,7 @@ class Relay:
     async def cancel(self) -> None:
         """Cancel(request_id). Waiting here, it leaves the queue; on a worker, the worker cancels
         it and its stream ends ABORT with the usage so far. A worker that does not know the id yet
-        (routed a moment ago) or does not answer within CANCEL_TIMEOUT_S has the call to it ended
+        (routed a moment ago) or does not answer within worker.CANCEL_TIMEOUT_S has the call to it ended
         here instead, and the stream ends ABORT all the same. Either way it goes nowhere else."""
         self.cancelled = True
         if self._parts:
@@ -147,8 +146,7 @@ class Relay:
         if worker is None:
             return
         try:
-            await worker.inference.Cancel(pb.CancelRequest(request_id=self.request_id), timeout=CANCEL_TIMEOUT_S,
-                                          metadata=self._metadata)   # the worker checks the tenant
+            await worker.cancel(self.request_id, self._metadata)   # the worker checks the tenant
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: the worker's Cancel failed (%s); ending its call here", self.request_id,
                      exc.code().name)

@@ -19,7 +19,7 @@ from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
 from kvserve.model_service.request_ids import id_problem
 from kvserve.services.gateway.inputs import InputError, Inputs
-from kvserve.services.gateway.relay import CANCEL_TIMEOUT_S, Refused, Relay
+from kvserve.services.gateway.relay import Refused, Relay
 from kvserve.services.plumbing import stats_watch
 from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token
 
@@ -125,8 +125,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
 
         async def ask(worker) -> bool:
             try:
-                await worker.inference.Cancel(pb.CancelRequest(request_id=request_id), timeout=CANCEL_TIMEOUT_S,
-                                              metadata=metadata)
+                await worker.cancel(request_id, metadata)
                 return True
             except grpc.aio.AioRpcError:
                 return False

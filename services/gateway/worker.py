@@ -20,6 +20,7 @@ from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
+CANCEL_TIMEOUT_S = 1.0   # a worker that does not answer a Cancel in this long is not waited for
 
 
 @dataclass
@@ -110,6 +111,11 @@ class Worker:
     def hold_off(self) -> None:
         self.held_since = time.monotonic()
         self.changed()
+
+    async def cancel(self, request_id: str, metadata: tuple = ()) -> None:
+        """Cancel there (its tenant in `metadata`, which the worker checks); its status as raised."""
+        await self.inference.Cancel(pb.CancelRequest(request_id=request_id), timeout=CANCEL_TIMEOUT_S,
+                                    metadata=metadata)
 
     def changed(self) -> None:
         """Its state, info or load changed: its place on the board moves."""
