@@ -86,7 +86,16 @@ def from_args(cls: type[C], args: argparse.Namespace, prog: str = "kvserve") -> 
     try:
         return cls(**given)
     except ValueError as exc:
-        raise SystemExit(f"{prog}: {exc}") from None
+        raise SystemExit(f"{prog}: {_as_flag(cls, str(exc))}") from None
+
+
+def _as_flag(cls: type, message: str) -> str:
+    """A library config's message names its field ("num_pages must be ..."); a user typed the flag."""
+    name, sep, rest = message.partition(" ")
+    for f in options(cls):
+        if sep and name == f.name:
+            return f"{flag_of(f)} {rest}"
+    return message
 
 
 def to_argv(config: Any) -> list[str]:

@@ -98,7 +98,8 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["model", "--cpu-threads", "2147483648"], "--cpu-threads must be an integer from 0 to 4096"),
     (["model", "--max-model-len", "1"], "--max-model-len must be at least 2"),
     (["up", "--startup-timeout", "nan"], "--startup-timeout must be positive, got nan"),
-    (["kvcache", "--num-pages", "0"], "num_pages must be a positive integer, got 0"),
+    (["kvcache", "--num-pages", "0"], "^kvserve: --num-pages must be a positive integer, got 0"),   # the flag, not the field
+    (["kvcache", "--cpu-pages", "-1"], "^kvserve: --cpu-pages must be a non-negative integer"),
     (["model", "--listen", "127.0.0.1"], "--listen: '127.0.0.1': missing port"),
     (["up", "--health-listen", "0.0.0.0:70000"], "--health-listen: '0.0.0.0:70000': port 70000 is out of range"),
     (["up", "--kvcache-listen", "kv"], "--kvcache-listen: 'kv': missing port"),
