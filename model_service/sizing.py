@@ -24,14 +24,23 @@ CPU_DEFAULT_BYTES = 1 << 30
 def cpu_pages(config, dtype: torch.dtype, page_size: int, budget: int | None,
               max_num_seqs: int, max_len: int) -> int:
     want = max_num_seqs * -(-max_len // page_size)
-    return max(1, min(pages_for_memory(config, dtype, page_size, budget or CPU_DEFAULT_BYTES), want))
+    return min(budget_pages(config, dtype, page_size, budget or CPU_DEFAULT_BYTES), want)
+
+
+def budget_pages(config, dtype: torch.dtype, page_size: int, budget: int) -> int:
+    """The whole pages --kv-cache-memory holds; a budget smaller than one page is refused."""
+    pages = pages_for_memory(config, dtype, page_size, budget)
+    if pages <= 0:
+        raise ValueError(f"--kv-cache-memory {budget:,} B holds no KV page: one page of {page_size} tokens "
+                         f"takes {bytes_per_page(config, dtype, page_size):,} bytes for this model")
+    return pages
 
 
 def cuda_pages(model, config, backend, dtype: torch.dtype, device: torch.device, page_size: int,
                max_num_batched_tokens: int, utilization: float, budget: int | None) -> int:
     """Pages that fit next to the weights and a worst-case step's activations."""
     if budget is not None:
-        return pages_for_memory(config, dtype, page_size, budget)
+        return budget_pages(config, dtype, page_size, budget)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     dummy_step(model, config, backend, dtype, device, page_size, max_num_batched_tokens)

@@ -79,3 +79,15 @@ def test_a_pool_that_cannot_be_allocated_is_a_sentence_and_no_sizing_is_written(
                                          r"give fewer \(--num-pages"):
         assembly.build(cfg)
     assert not sizing.exists()
+
+
+def test_a_kv_cache_memory_that_holds_no_page_is_refused(tiny_dirs) -> None:
+    """A budget under one page's bytes was served as one page: a 4-token pool, max_model_len 4."""
+    from kvserve.model_service.assembly import build
+    from kvserve.model_service.config import ModelServiceConfig
+
+    cfg = ModelServiceConfig(model=str(tiny_dirs["tiny"]), kvcache="inprocess", device="cpu", page_size=4,
+                             kv_cache_memory=1)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 1 B holds no KV page: one page of 4 tokens "
+                                         r"takes [\d,]+ bytes for this model"):
+        build(cfg)
