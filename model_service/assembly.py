@@ -120,9 +120,11 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         max_chunk = (num_pages * page_size - held - cfg.attention_sink) // 2 - 2 * page_size
         if max_chunk < page_size:
             need = -(-(held + cfg.attention_sink + 6 * page_size) // page_size)
+            sink = f" and --attention-sink {cfg.attention_sink}'s" if cfg.attention_sink else ""
             raise ValueError(f"{num_pages} pages of {page_size} tokens are too few for this model's "
-                             f"{window}-token sliding window: a sequence may hold {held} tokens' pages and two "
-                             f"chunks'; at least {need} are needed (--num-pages, or more --kv-cache-memory)")
+                             f"{window}-token sliding window: a sequence may hold {held} tokens' pages{sink} "
+                             f"and two chunks'; at least {need} are needed (--num-pages, or more --kv-cache-memory"
+                             f"{', or a smaller --attention-sink' if sink else ''})")
         max_model_len = model_len
     else:
         max_model_len = min(model_len, num_pages * page_size)

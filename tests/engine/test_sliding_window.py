@@ -212,6 +212,10 @@ def test_the_smallest_pool_accepted_serves_a_stream_past_two_windows(tiny_dirs):
                                          r"window: a sequence may hold 128 tokens' pages and two chunks'; at least "
                                          r"38 are needed \(--num-pages, or more --kv-cache-memory\)"):
         EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, **sizes)
+    with pytest.raises(ValueError, match=r"may hold 128 tokens' pages and --attention-sink 1000's and two chunks'; "
+                                         r"at least 288 are needed \(--num-pages, or more --kv-cache-memory, or a "
+                                         r"smaller --attention-sink\)"):   # the sink named where it is what asks
+        EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, attention_sink=1000, **sizes)
     # served no longer than its window, a sequence never slides: a pool for one window will do
     EngineHarness(tiny_dirs["tiny-mistral"], num_pages=32, max_model_len=64, **sizes).close()
     prompt = list(range(20, 140))
