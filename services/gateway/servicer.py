@@ -7,6 +7,7 @@ Tokenize answers here, with the workers' tokenizer; GetModelInfo is a worker's; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from contextlib import aclosing
@@ -30,6 +31,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # worker's fault), as a worker counts its requests_failed
 FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                     grpc.StatusCode.DATA_LOSS})
+# The longest a request waits for a cancelled one of its id to end, as at a worker
+CANCELLED_ID_WAIT_S = 5.0
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
@@ -41,6 +44,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self.inputs = inputs
         self.migration_limit = migration_limit
         self.relays: dict[tuple[str, str], Relay] = {}   # (tenant, request id): each tenant's ids are its own
+        self._streams_over: dict[tuple[str, str], asyncio.Event] = {}   # set as its relay leaves `relays`
         self.draining = False
         self._shared_stats = stats_watch.SharedStats(self._built_stats, self._load)   # WatchServerStats' messages
 
@@ -61,12 +65,14 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             except QueueFull as exc:   # the long-text lane is full
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-            if (tenant, request_id) in self.relays:   # checked after the await, where another could have come
+            await self._cancelled_one_ended(tenant, request_id)
+            if (tenant, request_id) in self.relays:   # checked after the awaits, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
             await context.abort(exc.code, exc.message)
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[tenant, request_id] = relay
+        self._streams_over[tenant, request_id] = asyncio.Event()
         ended = "aborted"   # unless it runs to its end: the client went away
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
@@ -90,10 +96,20 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             await context.abort(exc.code, exc.message)
         finally:
             del self.relays[tenant, request_id]
+            self._streams_over.pop((tenant, request_id)).set()
             if ended is not None:
                 self.fleet.ended[ended] += 1
             if relay.routed:   # room freed at a worker: what the queue's wait estimate counts
                 self.fleet.queue.stream_ended()
+
+    async def _cancelled_one_ended(self, tenant: str, request_id: str) -> None:
+        """A client that cancelled a request (Cancel answered) and sends its id again is served once
+        the cancelled stream has ended (its worker's ABORT relayed: moments), not told the id is in
+        flight; one not cancelled keeps its id."""
+        relay = self.relays.get((tenant, request_id))
+        if relay is not None and relay.cancelled:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._streams_over[tenant, request_id].wait(), CANCELLED_ID_WAIT_S)
 
     def _tenant(self, context) -> str:
         if self.keys is None:

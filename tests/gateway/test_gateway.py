@@ -308,3 +308,20 @@ def test_a_request_id_in_flight_is_refused_through_the_gateway(two_workers):
     assert second.done.wait(30) and second.code == grpc.StatusCode.ALREADY_EXISTS
     fleet.stub.Cancel(pb.CancelRequest(request_id="twice"), timeout=10)
     assert first.done.wait(30) and first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+
+
+def test_a_cancelled_request_id_sent_again_at_once_is_served_through_the_gateway(two_workers):
+    """Cancel answers once the worker has the cancel; the stream ends a moment later. The id sent
+    again in that moment was ALREADY_EXISTS at the gateway (most tries), where a worker serves it."""
+    fleet = two_workers
+    for attempt in range(3):
+        first = Streamed(fleet.stub, request(request_id="again", token_ids=SYSTEM, **greedy(1500)))
+        wait_until(first.started, what="the first stream under way")
+        fleet.stub.Cancel(pb.CancelRequest(request_id="again"), timeout=10)
+        second = Streamed(fleet.stub, request(request_id="again", token_ids=SYSTEM, **greedy(2)))
+        assert second.done.wait(30), "the request sent again hung"
+        assert second.code == grpc.StatusCode.OK, (attempt, second.code)
+        assert second.events[-1].finished.usage.completion_tokens == 2
+        assert first.done.wait(30) and first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+    for w in fleet.workers:
+        wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
