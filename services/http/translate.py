@@ -296,7 +296,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)   # as vLLM joins them: the same prompt, the same answer
         elif content is None:
             content = ""
         elif not isinstance(content, str):

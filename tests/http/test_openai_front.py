@@ -527,6 +527,14 @@ def test_the_chat_templates_options_as_vllm_takes_them(front, client, model):
         assert status == 400 and words in answer["error"]["message"], answer
 
 
+def test_text_content_parts_are_joined_by_newlines_as_vllm_joins_them():
+    """They were joined with nothing: the same chat made another prompt than vLLM's."""
+    from kvserve.services.http.translate import request_of
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    msg = request_of("chat", {"messages": [{"role": "user", "content": parts}]})
+    assert [m.content for m in msg.messages.messages] == ["Name a colour.\nOne word."]
+
+
 def test_a_schema_nested_past_what_json_can_encode_again_is_a_400():
     """A body parses at a depth its schema cannot be re-encoded at (json.dumps recurses deeper):
     a 400, not a 500 that also closed the client's connection."""
