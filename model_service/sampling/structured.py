@@ -55,17 +55,20 @@ def _grammar(llguidance, fmt: Format) -> str:
             schema = json.loads(text)
         except ValueError as exc:
             raise ValueError(f"json_schema is not JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
+        if schema is False:
+            raise ValueError("json_schema false admits no JSON value")
+        if schema is True:   # any value, as {} says it: with {}'s whitespace rule below
+            schema = {}
+        if not isinstance(schema, dict):
             raise ValueError("json_schema must be a JSON object (a schema)")
-        if isinstance(schema, dict):
-            options = schema.get("x-guidance")
-            if options is None:
-                options = {}
-            if not isinstance(options, dict):
-                raise ValueError("json_schema's x-guidance must be an object")
-            options = dict(options)
-            options.setdefault("whitespace_flexible", False)
-            schema = {**schema, "x-guidance": options}
+        options = schema.get("x-guidance")
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise ValueError("json_schema's x-guidance must be an object")
+        options = dict(options)
+        options.setdefault("whitespace_flexible", False)
+        schema = {**schema, "x-guidance": options}
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
     if fmt.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(fmt.spec)

@@ -158,3 +158,26 @@ def test_x_guidance_must_be_an_object_when_given(harness):
     with pytest.raises(ValueError, match="x-guidance must be an object"):
         harness.stack.grammars.matcher(Format("json_schema", json.dumps({"type": "string", "x-guidance": []})))
     harness.stack.grammars.matcher(Format("json_schema", json.dumps({"type": "string", "x-guidance": None})))
+
+
+def _whitespace_outside_strings(text: str) -> int:
+    count, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (not escaped and ch == "\\"), in_string and (escaped or ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in " \t\n\r":
+            count += 1
+    return count
+
+
+def test_the_schema_true_is_any_value_as_compact_as_an_empty_schemas(harness):
+    """`true` reached llguidance without {}'s whitespace rule: its objects were free to hold
+    whitespace (where a model can loop on it for ever); `false` admits nothing and is refused."""
+    family = harness.submit(PROMPTS[1], 48, format=Format("json_schema", "true"), n=8, temperature=1.0, seed=2)
+    wait([family])
+    texts = [harness.stack.tokenizer.decode(ids) for ids in family.sequences.values()]
+    assert len(texts) == 8 and sum(map(_whitespace_outside_strings, texts)) == 0, texts
+    with pytest.raises(ValueError, match="json_schema false admits no JSON value"):
+        harness.stack.grammars.matcher(Format("json_schema", "false"))
