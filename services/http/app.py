@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import HttpError, Reply, request_of, shown
+from kvserve.services.http.translate import HttpError, Reply, request_of, shown, stream_usage
 from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -156,11 +156,9 @@ class Front:
                 await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
                 raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
                                 "not_found_error", "model", "model_not_found")
-            call = self.stub.Generate(msg, metadata=metadata)
             stream = body.get("stream") is True
-            options = body.get("stream_options") or {}
-            if options and not stream:   # as OpenAI and vLLM answer it
-                raise HttpError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+            usage = stream_usage(body.get("stream_options"), stream)
+            call = self.stub.Generate(msg, metadata=metadata)
             echo = kind == "completion" and body.get("echo") is True
             prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
             events = self._events(call, echo or prompt_top is not None)
@@ -175,7 +173,6 @@ class Front:
             return error_response(from_rpc(exc))
         if not stream:
             return await self._whole(request, call, events, first, reply)
-        usage = isinstance(options, dict) and options.get("include_usage") is True
         return StreamingResponse(self._stream(call, events, first, reply, usage), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 

@@ -33,6 +33,13 @@ UNSUPPORTED = {
     "logits_processors": lambda v, body: v in _NOTHING,
     "chat_template": lambda v, body: v is None,   # the model's own template only: no client's Jinja
     "modalities": lambda v, body: v is None or v == ["text"],
+    "audio": lambda v, body: v is None,
+    "web_search_options": lambda v, body: v is None,
+    "parallel_tool_calls": lambda v, body: v is None or not body.get("tools"),   # nothing without tools
+    "return_tokens_as_token_ids": lambda v, body: v in _NOTHING,
+    "prompt_embeds": lambda v, body: v is None,
+    # a completion's prompt is tokenized with them, a chat's template writes its own
+    "add_special_tokens": lambda v, body: v is None or v is ("messages" not in body),
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
@@ -72,6 +79,25 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
     if (low is not None and value < low) or (high is not None and value > high):
         raise HttpError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
     return value
+
+
+def stream_usage(options, stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk, from its stream_options (OpenAI's; vLLM's
+    continuous_usage_stats is not done here, and is refused rather than ignored)."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise HttpError(400, "'stream_options' must be an object", param="stream_options")
+    if options and not stream:   # as OpenAI and vLLM answer it
+        raise HttpError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for name, value in options.items():
+        if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            raise HttpError(400, f"'stream_options.{name}' is not an option of a stream", param="stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise HttpError(400, f"'stream_options.{name}' must be true or false", param="stream_options")
+        if name != "include_usage" and value:
+            raise HttpError(400, f"'stream_options.{name}' is not supported by this server", param="stream_options")
+    return options.get("include_usage") is True
 
 
 def sampling(body: dict) -> pb.SamplingParams:
@@ -289,6 +315,8 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        if m.get("tool_calls") or m.get("function_call"):   # the template would never see them
+            raise HttpError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
         content = m.get("content")
         if isinstance(content, list):   # content parts: only text
             texts = []

@@ -473,7 +473,8 @@ def test_logprobs_of_tokens_a_format_masks_are_json_numbers(front):
     {"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"response_format": {"type": "text"}},
     {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}, {"logit_bias": {}}, {"min_tokens": 0},
     {"include_stop_str_in_output": False}, {"guided_json": None}, {"use_beam_search": False},
-    {"modalities": ["text"]}, {"seed": -1},
+    {"modalities": ["text"]}, {"seed": -1}, {"add_special_tokens": True}, {"parallel_tool_calls": True},
+    {"return_tokens_as_token_ids": False}, {"stream_options": None}, {"stream_options": {}},
 ])
 def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
@@ -487,7 +488,8 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"},
     {"allowed_token_ids": [40]}, {"allowed_token_ids": []}, {"bad_words": ["the"]}, {"use_beam_search": True},
     {"truncate_prompt_tokens": 1}, {"logits_processors": ["x"]}, {"chat_template": "{{ messages }}"},
-    {"modalities": ["audio"]},
+    {"modalities": ["audio"]}, {"add_special_tokens": False}, {"return_tokens_as_token_ids": True},
+    {"prompt_embeds": "AAAA"}, {"web_search_options": {}}, {"audio": {"voice": "alloy", "format": "wav"}},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, **extra}
@@ -495,6 +497,36 @@ def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     (name,) = extra
     assert status == 400 and answer["error"]["message"] == f"'{name}' is not supported by this server"
     assert answer["error"]["param"] == name
+
+
+@pytest.mark.parametrize("path, extra, words", [
+    # each was a 200 that did not do what it asked
+    ("/v1/chat/completions", {"add_special_tokens": True}, "'add_special_tokens' is not supported by this server"),
+    ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[2]: tool calls are not supported by this server"),
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "true"}},
+     "'stream_options.include_usage' must be true or false"),
+    ("/v1/completions", {"stream": True, "stream_options": [{"include_usage": True}]},
+     "'stream_options' must be an object"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "'stream_options.continuous_usage_stats' is not supported by this server"),
+    ("/v1/completions", {"stream": True, "stream_options": {"usage": True}},
+     "'stream_options.usage' is not an option of a stream"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}},
+     "'stream_options' is only allowed when 'stream' is true"),
+])
+def test_asks_the_front_cannot_answer_are_a_400_naming_them(front, path, extra, words):
+    body = {"max_tokens": 2, **({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}), **extra}
+    status, answer = _post(front, path, json.dumps(body).encode())
+    assert status == 400 and answer["error"]["message"] == words, answer
+
+
+def test_stream_options_that_ask_for_nothing_are_accepted(client, model):
+    for options in ({"include_usage": False}, {"continuous_usage_stats": False, "include_obfuscation": None}):
+        chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, stream=True,
+                                                stream_options=options))
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
 
 
 def test_a_negative_seed_is_a_seed_as_openai_takes_it(front):
