@@ -20,14 +20,18 @@ class OutputProcessor:
         """(text to stream, finished, reason, the stop string or stop token id that ended it).
         `format_done`: the token completes the request's structured output, which ends it "stop"
         unless a stop or the length ended it first; the text the stop check held back goes out,
-        and an EOS that ended the format adds no text (even with ignore_eos)."""
-        eos_ends_format = format_done and token in self.eos_token_ids
-        result = self.stop.step(token, "" if eos_ends_format else self.detokenizer.add([token]))
-        text = result.text
+        and an EOS that ended the format adds no text (even with ignore_eos).
+        Whatever ends the request, the text the detokenizer still holds (a character the output
+        left incomplete: U+FFFD, as a whole decode gives it) goes out too, through the stop check."""
+        if self.stop.ends_by_id(token) or (format_done and token in self.eos_token_ids):
+            new_text = self.detokenizer.flush()   # not the token's own text: what came before it
+        else:
+            new_text = self.detokenizer.add([token])
+            if format_done or self.stop.is_last():
+                new_text += self.detokenizer.flush()
+        result = self.stop.step(token, new_text)
         if result.finished:
-            if result.finish_reason == "length":
-                text += self.detokenizer.flush()  # a cut-off character ends as U+FFFD, as a full decode would
-            return text, True, result.finish_reason, result.stop_reason
+            return result.text, True, result.finish_reason, result.stop_reason
         if format_done:
-            return text + self.stop.end() + self.detokenizer.flush(), True, "stop", None
-        return text, False, None, None
+            return result.text + self.stop.end(), True, "stop", None
+        return result.text, False, None, None

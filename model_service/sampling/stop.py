@@ -1,13 +1,15 @@
 """Decides when a request ends and which of its text may be streamed now.
 
 Per token, in this order:
-1. a stop token id, or EOS unless ignore_eos → finished "stop"; the token's own text is dropped
-   (the caller still reports its id) and any held-back text is released;
-2. the token's text joins the held-back text; the earliest stop string in it (ties: the shortest)
+1. the token's text joins the held-back text; the earliest stop string in it (ties: the shortest)
    → finished "stop"; the text before it is released, the string and everything after dropped;
+2. a stop token id, or EOS unless ignore_eos → finished "stop", all the text released. Such a
+   token's own text is not output: its caller passes instead what earlier tokens' text the
+   detokenizer still held (a character they left incomplete), which step 1 searched;
 3. otherwise the longest tail that is a proper prefix of some stop string is held back (it may
    yet become a stop string) and the rest released;
 4. the max_tokens-th token → finished "length" (unless 1–2 stopped it) with all text released.
+   Its caller passes the detokenizer's last text with it (`is_last`), searched in step 1.
 
 So the streamed text never contains a stop string or any part of one. Generation ends with the
 first token whose text completes a stop string, and the streamed text is then exactly the output
@@ -61,20 +63,28 @@ class StopChecker:
         """Text not yet streamed because it may still begin a stop string."""
         return self._held
 
+    def ends_by_id(self, token_id: int) -> bool:
+        """The token is a stop token id or an EOS that counts: it ends the request, its text unsaid."""
+        return token_id in self._stop_ids or token_id in self._eos_ids
+
+    def is_last(self) -> bool:
+        """The next token is the max_tokens-th: whatever text is held anywhere goes out with it."""
+        return self._max_tokens is not None and self._num_tokens + 1 >= self._max_tokens
+
     def step(self, token_id: int, new_text: str) -> StopResult:
         """Account for one output token and the detokenizer's new text for it."""
         if self.finished:
             raise RuntimeError("StopChecker.step called after the request finished")
         self._num_tokens += 1
-        if token_id in self._stop_ids or token_id in self._eos_ids:
-            return self._finish(self._release(), "stop", token_id)
-
         text = self._held + new_text
         match = self._first_stop_string(text)
         if match is not None:
             start, stop_string = match
             self._held = ""
             return self._finish(text[:start], "stop", stop_string)
+        if self.ends_by_id(token_id):
+            self._held = ""
+            return self._finish(text, "stop", token_id)
 
         hold = self._advance(new_text)
         self._held = text[len(text) - hold:] if hold else ""

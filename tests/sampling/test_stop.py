@@ -44,18 +44,30 @@ def test_the_longest_possible_start_is_held():
     assert checker.step(2, "c").text == "abac"
 
 
-def test_eos_stops_drops_its_text_and_releases_held_text():
+def test_eos_stops_and_releases_held_text():
     checker = StopChecker(stop_strings=["XY"], eos_token_ids=[EOS])
     assert checker.step(5, "aX").text == "a"
-    result = checker.step(EOS, "<eos>")
+    result = checker.step(EOS, "")   # (its caller passes no text of the EOS's own)
     assert result == StopResult("X", True, "stop", EOS)
+
+
+def test_text_earlier_tokens_left_with_an_eos_is_searched_for_stop_strings():
+    """With an EOS its caller passes the text the detokenizer still held (a character earlier
+    tokens completed only now): released, or, where it completes a stop string, stopped there."""
+    checker = StopChecker(stop_strings=["XY"], eos_token_ids=[EOS])
+    assert checker.step(5, "aX").text == "a"
+    assert checker.step(EOS, "Yb") == StopResult("", True, "stop", "XY")
+    checker = StopChecker(stop_strings=["XY"], eos_token_ids=[EOS])
+    assert checker.step(5, "aX").text == "a"
+    assert checker.step(EOS, "\ufffd") == StopResult("X\ufffd", True, "stop", EOS)
 
 
 def test_ignore_eos_keeps_going_but_stop_token_ids_still_stop():
     checker = StopChecker(stop_token_ids=[7], eos_token_ids=[EOS], ignore_eos=True)
     assert checker.step(EOS, "") == StopResult("")
     assert checker.step(3, "x") == StopResult("x")
-    assert checker.step(7, "<im_end>") == StopResult("", True, "stop", 7)
+    assert checker.ends_by_id(7) and not checker.ends_by_id(EOS)
+    assert checker.step(7, "") == StopResult("", True, "stop", 7)
 
 
 def test_max_tokens_finishes_with_length_and_releases_everything():
