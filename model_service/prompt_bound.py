@@ -44,10 +44,21 @@ def max_bytes_per_token(tokenizer) -> int | None:
     norms = _flatten(spec.get("normalizer"), "normalizers")
     if any(n["type"] not in _KEEPING_NORMALIZERS or (n["type"] == "Replace" and not _grows(n)) for n in norms):
         return None
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    longest = max(len(t.encode("utf-8")) for t in texts)
+    longest = max(_token_bytes(backend, len(tokenizer), set(tokenizer.all_special_ids)))
     shrinks = any(n["type"] in _SHRINKING_NORMALIZERS for n in norms)
     return longest * (SHRINK if shrinks else 1) or None
+
+
+def _token_bytes(backend, size: int, special: set[int]) -> list[int]:
+    """Each token's bytes of text, as the tokenizers library decodes it (transformers' clean-up
+    of spaces before punctuation would shorten it). Decoded after another token: a decoder that
+    strips the text's leading space (Llama 2's and Mistral's Strip, Metaspace) dropped a byte from
+    every token that begins with one, and the bound, too small, refused prompts that fit. A
+    byte-fallback token decodes to U+FFFD, three bytes for one: larger is safe."""
+    anchor = next(i for i in range(size) if i not in special and backend.decode([i]).strip())
+    base = len(backend.decode([anchor], skip_special_tokens=False).encode("utf-8"))
+    texts = backend.decode_batch([[anchor, i] for i in range(size)], skip_special_tokens=False)
+    return [len(t.encode("utf-8")) - base for t in texts]
 
 
 def fewest_tokens(nbytes: int, bytes_per_token: int | None) -> int:

@@ -1,0 +1,58 @@
+"""prompt_bound: the fewest tokens a text of n bytes can become is a true lower bound, for the
+tokenizer families it claims one for (byte-level BPE; SentencePiece-style byte fallback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
+
+WORD = " abcdefghij"   # its piece, "▁abcdefghij", is the vocabulary's longest
+CORPUS = [("the" + WORD + "  x   y") * 20, "quick brown fox " * 20]
+
+
+@pytest.fixture(scope="module")
+def llama2_style() -> PreTrainedTokenizerFast:
+    """As Llama 2 and Mistral ship theirs: "▁" for spaces, byte fallback, and a decoder that
+    strips the text's leading space."""
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()   # pieces learned within words, as SentencePiece's
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"],
+                                                            show_progress=False))
+    learned = trained.get_vocab()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(learned, key=learned.get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(trained.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_piece_that_begins_with_a_space_counts_its_space(llama2_style):
+    """Decoded alone, "▁abcdefghij" lost its space to the decoder's Strip: the bound took 10
+    bytes a token where one holds 11, and a prompt of such words that fit was refused."""
+    ids = llama2_style.encode("the" + WORD * 100, add_special_tokens=False)
+    assert llama2_style.convert_ids_to_tokens(ids[1:]) == ["▁abcdefghij"] * 100
+    per_token = max_bytes_per_token(llama2_style)
+    assert per_token == len(WORD.encode())
+    for text in ("the" + WORD * 100, "the" + WORD * 50 + "    " * 30, "   x" * 40):
+        assert len(llama2_style.encode(text, add_special_tokens=False)) >= fewest_tokens(len(text.encode()), per_token)
+
+
+def test_a_byte_level_tokenizers_bound_holds(tiny_dirs):
+    from kvserve.model_service.prompt_tokens import load_tokenizer
+    tok = load_tokenizer(tiny_dirs["tiny"])
+    per_token = max_bytes_per_token(tok)
+    assert per_token is not None
+    longest = max(range(len(tok)), key=lambda i: len(tok.decode([i]).encode()))
+    text = tok.decode([longest]) * 50
+    assert len(tok.encode(text, add_special_tokens=False)) >= fewest_tokens(len(text.encode()), per_token)
