@@ -66,6 +66,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             except QueueFull as exc:   # the long-text lane is full
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             await self._cancelled_one_ended(tenant, request_id)
+            if self.draining:   # again: a drain may have begun while it waited
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
             if (tenant, request_id) in self.relays:   # checked after the awaits, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
@@ -103,9 +105,11 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 self.fleet.queue.stream_ended()
 
     async def _cancelled_one_ended(self, tenant: str, request_id: str) -> None:
-        """A client that cancelled a request (Cancel answered) and sends its id again is served once
-        the cancelled stream has ended (its worker's ABORT relayed: moments), not told the id is in
-        flight; one not cancelled keeps its id."""
+        """A client that cancelled a request here (Cancel answered) and sends its id again is served
+        once the cancelled stream has ended (its worker's ABORT relayed: moments), not told the id
+        is in flight, as a worker serves it; one not cancelled keeps its id. (A client that left its
+        call frees the id as its handler ends; a Cancel answered by another gateway replica is not
+        seen here: the id is in flight until the worker's ABORT reaches this one.)"""
         relay = self.relays.get((tenant, request_id))
         if relay is not None and relay.cancelled:
             with contextlib.suppress(TimeoutError):

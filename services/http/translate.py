@@ -35,11 +35,8 @@ UNSUPPORTED = {
     "modalities": lambda v, body: v is None or v == ["text"],
     "audio": lambda v, body: v is None,
     "web_search_options": lambda v, body: v is None,
-    "parallel_tool_calls": lambda v, body: v is None or not body.get("tools"),   # nothing without tools
     "return_tokens_as_token_ids": lambda v, body: v in _NOTHING,
     "prompt_embeds": lambda v, body: v is None,
-    # a completion's prompt is tokenized with them, a chat's template writes its own
-    "add_special_tokens": lambda v, body: v is None or v is ("messages" not in body),
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
@@ -82,8 +79,9 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
 
 
 def stream_usage(options, stream: bool) -> bool:
-    """Whether a stream ends with a usage chunk, from its stream_options (OpenAI's; vLLM's
-    continuous_usage_stats is not done here, and is refused rather than ignored)."""
+    """Whether a stream ends with a usage chunk, from its stream_options. OpenAI's
+    include_obfuscation only pads chunks against length side channels: taken, with no padding.
+    vLLM's continuous_usage_stats is not done here, and is refused rather than ignored."""
     if options is None:
         return False
     if not isinstance(options, dict):
@@ -95,7 +93,7 @@ def stream_usage(options, stream: bool) -> bool:
             raise HttpError(400, f"'stream_options.{name}' is not an option of a stream", param="stream_options")
         if value is not None and not isinstance(value, bool):
             raise HttpError(400, f"'stream_options.{name}' must be true or false", param="stream_options")
-        if name != "include_usage" and value:
+        if name == "continuous_usage_stats" and value:
             raise HttpError(400, f"'stream_options.{name}' is not supported by this server", param="stream_options")
     return options.get("include_usage") is True
 
@@ -269,8 +267,16 @@ def shown(value) -> str:
     return f"a JSON {type(value).__name__}"
 
 
+def _special_tokens(body: dict, as_served: bool) -> None:
+    """vLLM's add_special_tokens: a completion's prompt is tokenized with them, a chat's template
+    writes its own; the other way is not done here."""
+    if _flag(body, "add_special_tokens") not in (None, as_served):
+        raise HttpError(400, "'add_special_tokens' is not supported by this server", param="add_special_tokens")
+
+
 def completion_request(body: dict) -> pb.GenerateRequest:
     prompt = body.get("prompt")
+    _special_tokens(body, True)
     msg = pb.GenerateRequest(sampling=sampling(body))
     if "top_logprobs" in body and body["top_logprobs"] is not None:
         raise HttpError(400, "'top_logprobs' is a chat field: a completion asks for its top-n with 'logprobs'",
@@ -305,6 +311,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
         raise HttpError(400, "'messages' must be a non-empty list", param="messages")
     if body.get("echo") not in (None, False):
         raise HttpError(400, "'echo' is a completion field: a chat does not echo its messages", param="echo")
+    _special_tokens(body, False)
     msg = pb.GenerateRequest(sampling=sampling(body))
     wanted = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", int, 0, UINT32)   # the server bounds it (--max-logprobs)
@@ -315,7 +322,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        if m.get("tool_calls") or m.get("function_call"):   # the template would never see them
+        if m.get("tool_calls") or m.get("function_call") or m.get("tool_call_id"):   # the template never sees them
             raise HttpError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
         content = m.get("content")
         if isinstance(content, list):   # content parts: only text

@@ -314,14 +314,39 @@ def test_a_cancelled_request_id_sent_again_at_once_is_served_through_the_gateway
     """Cancel answers once the worker has the cancel; the stream ends a moment later. The id sent
     again in that moment was ALREADY_EXISTS at the gateway (most tries), where a worker serves it."""
     fleet = two_workers
-    for attempt in range(3):
+    for attempt, how in enumerate(["Cancel", "client left"] * 3):
         first = Streamed(fleet.stub, request(request_id="again", token_ids=SYSTEM, **greedy(1500)))
         wait_until(first.started, what="the first stream under way")
-        fleet.stub.Cancel(pb.CancelRequest(request_id="again"), timeout=10)
+        if how == "Cancel":
+            fleet.stub.Cancel(pb.CancelRequest(request_id="again"), timeout=10)
+        else:   # a client's own deadline or cancel, then its retry under the same id
+            first.call.cancel()
         second = Streamed(fleet.stub, request(request_id="again", token_ids=SYSTEM, **greedy(2)))
         assert second.done.wait(30), "the request sent again hung"
-        assert second.code == grpc.StatusCode.OK, (attempt, second.code)
+        assert second.code == grpc.StatusCode.OK, (attempt, how, second.code)
         assert second.events[-1].finished.usage.completion_tokens == 2
-        assert first.done.wait(30) and first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+        assert first.done.wait(30)
+        if how == "Cancel":
+            assert first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
     for w in fleet.workers:
         wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
+
+
+def test_a_request_that_waited_for_a_cancelled_id_is_refused_if_a_drain_began_meanwhile(two_workers):
+    """The drain was checked only before the wait: such a request was taken while draining."""
+    fleet = two_workers
+    servicer = fleet.gateway.gateway.servicer
+    waited = servicer._cancelled_one_ended
+
+    async def drain_begins_meanwhile(tenant, request_id):
+        await waited(tenant, request_id)
+        servicer.draining = True
+
+    servicer._cancelled_one_ended = drain_begins_meanwhile
+    try:
+        s = Streamed(fleet.stub, request(request_id="late", token_ids=SYSTEM, **greedy(2)))
+        assert s.done.wait(30) and s.code == grpc.StatusCode.UNAVAILABLE and not s.events
+        assert not servicer.relays
+    finally:
+        servicer._cancelled_one_ended = waited
+        servicer.draining = False

@@ -488,7 +488,7 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     {"include_stop_str_in_output": True}, {"guided_decoding_backend": "xgrammar"},
     {"allowed_token_ids": [40]}, {"allowed_token_ids": []}, {"bad_words": ["the"]}, {"use_beam_search": True},
     {"truncate_prompt_tokens": 1}, {"logits_processors": ["x"]}, {"chat_template": "{{ messages }}"},
-    {"modalities": ["audio"]}, {"add_special_tokens": False}, {"return_tokens_as_token_ids": True},
+    {"modalities": ["audio"]}, {"return_tokens_as_token_ids": True},
     {"prompt_embeds": "AAAA"}, {"web_search_options": {}}, {"audio": {"voice": "alloy", "format": "wav"}},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
@@ -509,6 +509,10 @@ def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
      "'stream_options.include_usage' must be true or false"),
     ("/v1/completions", {"stream": True, "stream_options": [{"include_usage": True}]},
      "'stream_options' must be an object"),
+    ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+     "messages[2]: tool calls are not supported by this server"),
+    ("/v1/completions", {"add_special_tokens": False}, "'add_special_tokens' is not supported by this server"),
+    ("/v1/completions", {"add_special_tokens": "no"}, "'add_special_tokens' must be true or false"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "'stream_options.continuous_usage_stats' is not supported by this server"),
     ("/v1/completions", {"stream": True, "stream_options": {"usage": True}},
@@ -523,7 +527,8 @@ def test_asks_the_front_cannot_answer_are_a_400_naming_them(front, path, extra, 
 
 
 def test_stream_options_that_ask_for_nothing_are_accepted(client, model):
-    for options in ({"include_usage": False}, {"continuous_usage_stats": False, "include_obfuscation": None}):
+    # include_obfuscation (on by default at OpenAI) only pads chunks: taken, with no padding
+    for options in ({"include_usage": False}, {"continuous_usage_stats": False, "include_obfuscation": True}):
         chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, stream=True,
                                                 stream_options=options))
         assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
