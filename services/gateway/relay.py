@@ -427,7 +427,11 @@ class Relay:
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)
                     if told not in (None, 1):   # a client told its place sees it reach the head
-                        yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=0))
+                        try:
+                            yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=0))
+                        except BaseException:   # it left there: the worker chosen was never sent it
+                            choice.worker.ended(choice.mark)
+                            raise
                     yield choice
                     return
                 if position != told:

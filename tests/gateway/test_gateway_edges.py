@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import types
 from contextlib import contextmanager
 
 import grpc
@@ -828,3 +829,47 @@ def test_the_queues_estimate_counts_only_the_last_minutes_ends_up_to_now(monkeyp
     assert queue.eta_ms(5) == 1000
     now[0] += 600         # ten minutes on, none within the window
     assert queue.eta_ms(5) == 0
+
+
+def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_behind():
+    """The worker was chosen (its routing mark counted as pending there) before the client was
+    told it reached the head; one that left at that message kept the mark for good. After a few
+    such leavings under load the gateway saw its idle workers as full, and every new request
+    waited at the head of its queue until its deadline."""
+    from kvserve.services.gateway.relay import Relay
+    from kvserve.services.gateway.router import Choice
+
+    class OneWorker:
+        def __init__(self) -> None:
+            self.pending: list[object] = []
+
+        def ended(self, mark) -> None:
+            self.pending.remove(mark)
+
+    worker = OneWorker()
+    room = {"free": False}
+
+    def route():
+        if not room["free"]:
+            return None
+        mark = object()
+        worker.pending.append(mark)
+        return Choice(worker, 0, mark)
+
+    async def main():
+        queue = WaitQueue(max_queued=8)
+        fleet = types.SimpleNamespace(queue=queue, board=[object()])
+        relay = Relay(fleet=fleet, request=pb.GenerateRequest(request_id="r"), request_id="r", ids=[1, 2],
+                      migration_limit=3)
+        ahead = queue.enter("ahead")
+        acquired = relay._acquire(route)
+        first = await acquired.__anext__()
+        assert first.queued.position == 2
+        room["free"] = True
+        queue.leave(ahead)   # the head: a worker has room, and the client is told position 1 first
+        told = await asyncio.wait_for(acquired.__anext__(), 5)
+        assert told.queued.position == 1 and worker.pending
+        await acquired.aclose()   # the client leaves there
+        assert worker.pending == [] and len(queue) == 0
+
+    asyncio.run(main())
