@@ -98,7 +98,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
             raise
         raise ValueError(f"--attention-backend {cfg.attention_backend}: {exc}") from exc
 
-    model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # window-capped (config.py)
+    model_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)   # the flag, never past the model's
     if cfg.num_pages is not None:
         num_pages = cfg.num_pages
     elif device.type == "cuda":

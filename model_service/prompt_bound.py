@@ -10,7 +10,7 @@ bound divides by SHRINK * B; without (byte-level BPE as Llama 3 and Mistral ship
 
 It holds only when every byte of the text ends up in some token: byte-level BPE, or a model with
 byte fallback, and nothing along the way that drops text (a Strip normalizer, a splitter that
-removes what it matches). A tokenizer that may fold a run of unknown characters into one unknown
+removes what it matches, an added token that strips the whitespace beside it). A tokenizer that may fold a run of unknown characters into one unknown
 token (WordPiece, BPE without byte fallback) gets no bound, and every prompt is tokenized.
 """
 
@@ -35,6 +35,8 @@ def max_bytes_per_token(tokenizer) -> int | None:
     if backend is None:
         return None
     spec = json.loads(backend.to_str())
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
+        return None   # such a token takes in the whitespace beside it, however much: no bound
     pre = _flatten(spec.get("pre_tokenizer"), "pretokenizers")
     byte_level = any(p["type"] == "ByteLevel" for p in pre)
     if not (byte_level or spec["model"].get("byte_fallback")):

@@ -29,7 +29,7 @@ from typing import Any
 # differences themselves are read from the config's fields).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "attention_bias and mlp_bias flags",
-    "MistralForCausalLM": "sliding window (capped, see module docstring)",
+    "MistralForCausalLM": "sliding window (see module docstring)",
     "Qwen2ForCausalLM": "bias on q/k/v, none on o",
     "Qwen3ForCausalLM": "RMSNorm on q and k per head, explicit head_dim",
 }

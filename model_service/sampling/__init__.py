@@ -2,8 +2,9 @@
 
 Per engine step, for each running request (see README.md):
     SamplerOutput = Sampler()(logits, params, prompt_ids, output_ids, generators)
-    text          = IncrementalDetokenizer.add([token_id])
+    text          = IncrementalDetokenizer.add([token_id])   (+ flush() when the token ends it)
     StopResult    = StopChecker.step(token_id, text)   → stream StopResult.text; finish if told
+(engine/output.py does both, in that order.)
 """
 
 from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer

@@ -56,3 +56,14 @@ def test_a_byte_level_tokenizers_bound_holds(tiny_dirs):
     longest = max(range(len(tok)), key=lambda i: len(tok.decode([i]).encode()))
     text = tok.decode([longest]) * 50
     assert len(tok.encode(text, add_special_tokens=False)) >= fewest_tokens(len(text.encode()), per_token)
+
+
+def test_no_bound_where_an_added_token_takes_in_the_whitespace_beside_it(llama2_style):
+    """One such token and a run of spaces beside it are one token: 40,000 bytes in a handful."""
+    backend = Tokenizer.from_str(llama2_style.backend_tokenizer.to_str())
+    backend.add_special_tokens([AddedToken("<mask>", special=True, lstrip=True, rstrip=True, normalized=False)])
+    stripping = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+    text = (" " * 4000 + "<mask>") * 10
+    assert len(stripping.encode(text, add_special_tokens=False)) < 40
+    assert max_bytes_per_token(stripping) is None
+    assert max_bytes_per_token(llama2_style) is not None
