@@ -5,6 +5,9 @@ from __future__ import annotations
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_SESSION_ID_CHARS = 256   # the gateway remembers each session's worker
+# A request whose id a cancelled one still holds waits for it to end (within a step) this long at
+# most, then is refused ALREADY_EXISTS: a client that cancelled and sends the id again is served.
+CANCELLED_ID_WAIT_S = 5.0
 
 
 def id_problem(request_id: str, session_id: str = "") -> str | None:

@@ -25,6 +25,7 @@ from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, T
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
+from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.stream_backlog import StreamBacklog, Unread
 from kvserve.model_service.tiny_model import PRESETS
@@ -38,7 +39,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # The manager's stats, asked for a report: a hung manager makes a report without them, within a
 # client's deadline (`kvserve top` polls every few seconds), not one that waits --manager-timeout.
 MANAGER_STATS_TIMEOUT_S = 1.0
-CANCELLED_ID_WAIT_S = 5.0   # the longest a request waits for a cancelled one of its id to end
 # Tokens that piled up for a slow client merge into chunks of at most this many: one message of a
 # whole backlog (with logprobs) passed the 4 MiB a gRPC client takes by default, and the stream died.
 MAX_CHUNK_TOKENS = 256

@@ -18,7 +18,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
-from kvserve.model_service.request_ids import id_problem
+from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
 from kvserve.services.plumbing import stats_watch
@@ -31,8 +31,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # worker's fault), as a worker counts its requests_failed
 FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                     grpc.StatusCode.DATA_LOSS})
-# The longest a request waits for a cancelled one of its id to end, as at a worker
-CANCELLED_ID_WAIT_S = 5.0
 
 
 class GatewayServicer(pb_grpc.InferenceServicer):
