@@ -114,6 +114,9 @@ class Scheduler:
         self.running: list[Request] = []   # running order: admitted or resumed, oldest first
         self.swapped: deque[Request] = deque()
         self._releases: list[int] = []     # seq ids to release in the next step
+        # finished requests whose computed pages the manager has not heard of, with their seq ids:
+        # the next step commits them (into the prefix cache), the one after releases them
+        self._last_commits: list[tuple[Request, int]] = []
         # running requests the manager refused a Grow that could never fit, with its reason: the
         # engine ends them (asked again, the Grow never would fit)
         self.unservable: list[tuple[Request, str]] = []
@@ -129,7 +132,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._releases)
+        return bool(self.waiting or self.running or self.swapped or self._releases or self._last_commits)
 
     def finish(self, request: Request) -> None:
         """Done (stopped, length, aborted): its pages go back in the next step."""
@@ -143,10 +146,20 @@ class Scheduler:
         elif request.status is Status.SWAPPED:
             self.swapped.remove(request)
         if request.seq_id is not None:
-            self._releases.append(request.seq_id)
+            if request.status is Status.RUNNING and self._computed_untold(request):
+                # Ended in a step no proposal was built ahead of (one that may draft next): its
+                # last pages are committed first, as a step built ahead would have.
+                self._last_commits.append((request, request.seq_id))
+            else:
+                self._releases.append(request.seq_id)
             del self.by_seq[request.seq_id]
             request.seq_id = None
         request.status = Status.FINISHED
+
+    def _computed_untold(self, r: Request) -> bool:
+        """Whether `r` has full pages computed that no commit has told the manager of."""
+        ps = self.config.page_size
+        return r.told_computed // ps < r.num_computed // ps
 
     def requeue_all(self) -> int:
         """The manager was lost, and every page with it: each request waits again, in arrival
@@ -158,7 +171,7 @@ class Scheduler:
         held.sort(key=lambda r: r.order)
         self.running, self.swapped, self.waiting = [], deque(), deque(held)
         self.by_seq.clear()
-        self._releases = []
+        self._releases, self._last_commits = [], []
         return len(held)
 
     # --------------------------------------------------------------- build
@@ -245,8 +258,16 @@ class Scheduler:
                                        skip_prefix_hits=r.wants_prompt_logprobs))
             asks.append(Ask(r, count, need))
 
+        released_next = []
+        for r, seq_id in self._last_commits:   # finished: its rejected draft goes, its pages are told
+            if r.drafts_told:
+                truncations.append(Truncation(seq_id, r.drafts_told))
+                r.drafts_told = 0
+            commits.append(Commit(seq_id, r.num_computed, r.tokens[r.told_tokens:]))
+            released_next.append(seq_id)
+        self._last_commits = []
         step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode, slides)
-        self._releases = []
+        self._releases = released_next
         return Proposal(step, asks)
 
     def _slides(self) -> list[Slide]:
@@ -363,9 +384,10 @@ class Scheduler:
                 count = min(result.num_tokens, r.compute_end - result.cached_tokens)  # a parent stops at its fork
                 if count > 0:
                     work.append(Work(r, result.cached_tokens, count))
-        if resume_refused and not self.running and not self._releases and len(self.swapped) > 1:
+        if resume_refused and not self.running and not self._releases and not self._last_commits \
+                and len(self.swapped) > 1:
             self._unswap_behind_the_head()
-        if refused and not self.by_seq and not self._releases:
+        if refused and not self.by_seq and not self._releases and not self._last_commits:
             # Every seq id and page there is free or cached as far as this engine goes, and still
             # none for a request: another client of the manager's API holds them.
             raise HeldElsewhere(f"the KV-cache manager refused an admission ({refused}) while it holds no "

@@ -112,3 +112,37 @@ def test_a_drafting_sequence_holds_no_page_past_its_tokens(tiny_dirs):
         assert h.engine.counters.spec_draft_tokens > h.engine.counters.spec_accepted_tokens
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("ending", ["max_tokens=1", "stop-token", "after-a-draft"])
+def test_a_request_that_ends_where_it_could_draft_still_caches_its_pages(tiny_dirs, ending):
+    """No proposal is built ahead of a step whose requests may draft next, and that proposal is
+    what commits a step's new pages; a request ending in such a step (in its prefill: max_tokens 1,
+    a stop token first; or just after a verified draft) still gives its pages to the prefix cache,
+    and the next request with its prefix hits them as without speculation."""
+    prompt = _span * 4   # 48 tokens: 12 pages of 4
+    hits = {}
+    for spec in ("off", "ngram"):
+        h = EngineHarness(tiny_dirs["tiny"], page_size=4, speculative=spec, num_draft_tokens=4)
+        try:
+            if ending == "max_tokens=1":
+                first = h.run([prompt], 1)[0]
+            elif ending == "stop-token":
+                token = h.run([prompt], 1)[0].tokens[0]
+                first = h.run([prompt], 10, ignore_eos=False, stop_token_ids=[token])[0]
+                assert first.tokens == [token] and first.finished.reason == "stop"
+            else:   # a bias makes it repeat one token: drafts found and accepted, the last ends it
+                prompt = _span * 4 + [5] * 3
+                first = h.run([prompt], 10, logit_bias=((5, 100.0),))[0]
+                assert first.tokens == [5] * 10
+            again = h.run([prompt + first.tokens], 1)[0]
+            hits[spec] = again.prefill.cached_tokens
+            if spec == "ngram" and ending == "after-a-draft":
+                assert h.engine.counters.spec_drafts > 0
+            stats = h.stats()
+            assert stats.used_pages == 0 and stats.num_sequences == 0
+            real = set(page_hashes(prompt + first.tokens, 4))
+            assert tree_hashes(h) <= real   # no rejected draft token was committed
+        finally:
+            h.close()
+    assert hits["ngram"] == hits["off"] > 0
