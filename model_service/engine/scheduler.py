@@ -135,7 +135,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped or self._releases or self._last_commits)
 
     def finish(self, request: Request) -> None:
-        """Done (stopped, length, aborted): its pages go back in the next step."""
+        """Done (stopped, length, aborted): its pages go back in the next step (in the one after,
+        when the next commits its last pages)."""
         if request.family is not None and request in request.family.unforked:
             request.family.unforked.remove(request)
         if request.status is Status.WAITING:
