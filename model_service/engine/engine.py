@@ -566,7 +566,7 @@ class Engine:
         n = r.num_output - r.continued   # this stream's own: its first goes alone, moved or not
         if done:
             self._finish(r, reason, stop)   # sends what is unsent first
-        elif n == 1 or n % self.stream_interval == 0:
+        elif n == 1 or len(r.unsent) >= self.stream_interval:   # chunks of the interval after the first
             self._send_tokens(r)
 
     @staticmethod

@@ -1,8 +1,9 @@
 """The engine's side of --stream-interval: which Tokens events a request's listener gets.
 
 Over gRPC the servicer may merge events that pile up behind a slow client; here, at the
-engine, the cut is exact: the first token alone, then one event per INTERVAL tokens, the
-rest on finish, always before Finished.
+engine, the cut is exact: the first token alone, then one event per INTERVAL tokens (counted
+from the last event: --stream-interval is tokens per chunk), the rest on finish, always before
+Finished.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def events_of(harness: EngineHarness, request_id: str, max_tokens: int, **params
     return events, first, done
 
 
-@pytest.mark.parametrize("max_tokens, sizes", [(1, [1]), (4, [1, 3]), (5, [1, 3, 1]), (11, [1, 3, 4, 3])])
+@pytest.mark.parametrize("max_tokens, sizes", [(1, [1]), (4, [1, 3]), (5, [1, 4]), (6, [1, 4, 1]),
+                                                     (11, [1, 4, 4, 2])])
 def test_first_token_alone_then_every_interval(harness, max_tokens, sizes):
     events, _, done = events_of(harness, f"sizes-{max_tokens}", max_tokens, logprobs=1)
     assert done.wait(60)
