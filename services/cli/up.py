@@ -36,6 +36,7 @@ from kvserve.model_service.config import ModelServiceConfig
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.address import free_local_port, parse_flag
+from kvserve.services.plumbing.api_keys import read_token
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
@@ -57,6 +58,9 @@ class UpConfig:
                                       flag="--startup-timeout")
     max_restarts: int = option(5, "times one child may exit within a minute and be started again; one "
                                   "more stops the stack")
+    admin_token_file: str = option("", "file holding a token that lets a caller beyond this machine use the "
+                                       "manager's RPCs on a TCP --kvcache-listen (`authorization: Bearer TOKEN`); "
+                                       "without it only loopback may, and others get GetStats", metavar="FILE")
     workers: int = option(0, "run a gateway on --listen in front of this many workers, each a model service "
                              "with its own manager on private sockets (0: one model service on --listen)")
 
@@ -89,10 +93,11 @@ class Pair:
     sizing: Path
     kv_listen: tuple[str, ...]
     manager_metrics: str = ""   # the manager's private metrics address, when the stack serves metrics
+    admin_token_file: str = ""  # lets a caller beyond this machine use the manager's --kvcache-listen
 
     @classmethod
     def make(cls, name: str, cli: list[str], config: ModelServiceConfig, tmp: Path, kv_listen: str | None,
-             metrics: StackMetrics | None) -> Pair:
+             metrics: StackMetrics | None, admin_token_file: str = "") -> Pair:
         sizing = tmp / f"{name}-sizing.json"
         labels = {"worker": name} if name != "worker" else {}
         manager_metrics = ""
@@ -107,13 +112,14 @@ class Pair:
         listen = tuple(dict.fromkeys((kv_listen, link))) if kv_listen else (link,)
         suffix = f" of {name}" if name != "worker" else ""
         return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)]),
-                   Child(f"the KV-cache manager{suffix}", []), config, sizing, listen, manager_metrics)
+                   Child(f"the KV-cache manager{suffix}", []), config, sizing, listen, manager_metrics,
+                   admin_token_file)
 
     def start_manager(self, cli: list[str], size: dict, max_seqs: int | None) -> None:
         # TLS for a TCP --kvcache-listen; the model service's link is a Unix socket
         server = KVCacheServerConfig(listen=self.kv_listen, metrics_listen=self.manager_metrics,
                                      tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
-                                     tls_client_ca=self.config.tls_client_ca)
+                                     tls_client_ca=self.config.tls_client_ca, admin_token_file=self.admin_token_file)
         sized = self.config.manager_config(size["num_pages"], size["page_size"], max_seqs)
         self.manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
         self.manager.start()
@@ -128,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     check_together(up, model_config)
     try:
         model_config.check_files()
+        read_token(up.admin_token_file)   # a manager that cannot read it would only exit, again and again
     except ValueError as exc:
         raise SystemExit(f"kvserve up: {exc}") from None
     cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
@@ -166,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             gateway = Child("the gateway", cli + gateway_argv(model_config, [p.config.listen for p in pairs],
                                                               gateway_metrics))
         else:
-            pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics)]
+            pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics, up.admin_token_file)]
             gateway = None
         if metrics is not None:
             registry = CollectorRegistry()
@@ -236,6 +243,9 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
     if up.workers and up.kvcache_listen != KV_LISTEN:
         log.warning("--kvcache-listen %s is not used: with --workers each worker's manager listens on a private "
                     "socket (the gateway reads their events through the workers)", up.kvcache_listen)
+    if up.workers and up.admin_token_file:
+        log.warning("--admin-token-file %s is not used: with --workers each worker's manager listens on a private "
+                    "socket only", up.admin_token_file)
     if not up.workers and up.kvcache_listen == model_config.listen:
         raise SystemExit(f"kvserve up: --listen and --kvcache-listen are both {up.kvcache_listen}; the model "
                          "service and its manager need an address each")

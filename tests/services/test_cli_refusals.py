@@ -113,3 +113,9 @@ def test_a_grace_period_that_is_no_number_of_seconds_is_refused_by_every_server(
     for config, kwargs in [(ModelServiceConfig, {}), (KVCacheServerConfig, {}), (GatewayConfig, {"worker": ["127.0.0.1:1"]})]:
         with pytest.raises(ValueError, match=r"--grace-period must be a number of seconds, 0 or more, got"):
             config(grace_s=value, **kwargs)
+
+
+def test_up_names_an_admin_token_file_it_cannot_read_before_starting_anything(tmp_path):
+    code, stderr = run("up", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", "--kvcache-listen",
+                       f"127.0.0.1:{free_port()}", "--admin-token-file", str(tmp_path / "missing"))
+    assert code != 0 and "cannot read the admin token file" in stderr.splitlines()[-1], stderr

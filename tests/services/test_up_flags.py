@@ -171,3 +171,16 @@ def test_a_restarted_model_service_takes_the_pool_size_alone(tmp_path, monkeypat
     pair.start_manager(["kvserve"], {"num_pages": 100, "page_size": 16}, None)
     restarted = from_args(ModelServiceConfig, _parser().parse_args(pair.model.argv[1:]))
     assert (restarted.num_pages, restarted.page_size, restarted.kv_cache_memory) == (100, 16, None)
+
+
+def test_the_admin_token_file_reaches_the_manager(tmp_path, monkeypatch):
+    """`kvserve up --admin-token-file` lets a caller beyond this machine use the manager on its TCP
+    --kvcache-listen, as `kvserve kvcache --admin-token-file` does."""
+    monkeypatch.setattr(up.Child, "start", lambda self: None)
+    pair = up.Pair.make("worker", ["kvserve"], ModelServiceConfig(model="tiny"), tmp_path, "127.0.0.1:50051", None,
+                        admin_token_file="/secrets/admin")
+    pair.start_manager(["kvserve"], {"num_pages": 64, "page_size": 16}, None)
+    argv = pair.manager.argv
+    server = from_args(KVCacheServerConfig, _parser().parse_args(argv[1:]))
+    assert server.admin_token_file == "/secrets/admin"
+    assert "127.0.0.1:50051" in server.listen
