@@ -58,7 +58,8 @@ class ModelServiceConfig:
     page_size: int | None = option(None, "tokens per page (default: the attention backend's: 16; "
                                           "flash_attn 128 with flash-attn 4, 256 with flash-attn 2)")
     num_pages: int | None = option(None, "device KV pages (default: from the memory budget)")
-    kv_cache_memory: int | None = option(None, "bytes for KV pages, e.g. 2GiB (default 1GiB on CPU; "
+    kv_cache_memory: int | None = option(None, "bytes for KV pages, e.g. 2GiB (default on CPU: 1GiB, at "
+                                               "most what --max-num-seqs full-length sequences fill; "
                                                "profiled on CUDA)", parse=parse_bytes)
     gpu_memory_utilization: float = option(0.90, "CUDA: share of the GPU for weights, activations and pages")
     swap_pages: int = option(0, "CPU swap pages (preemption by swap); 0: recompute only")

@@ -1,7 +1,8 @@
 """How many KV pages to allocate.
 
-CPU: a memory budget (--kv-cache-memory, default 1 GiB), never more than
-max_num_seqs sequences of full model length need.
+CPU: a memory budget, --kv-cache-memory whole when it is given; by default 1 GiB, but never more
+than max_num_seqs sequences of full model length fill (the tiny models would take thousands of
+pages they cannot use).
 CUDA: a profile run. Forward one worst-case batch (max_num_batched_tokens
 prompt tokens, dummy_step.py) on a scratch cache, read the allocator's peak, and give
 what --gpu-memory-utilization leaves of the device to pages.
@@ -23,8 +24,10 @@ CPU_DEFAULT_BYTES = 1 << 30
 
 def cpu_pages(config, dtype: torch.dtype, page_size: int, budget: int | None,
               max_num_seqs: int, max_len: int) -> int:
+    if budget is not None:   # asked for: more pages than running sequences fill keep more prefixes cached
+        return budget_pages(config, dtype, page_size, budget)
     want = max_num_seqs * -(-max_len // page_size)
-    return min(budget_pages(config, dtype, page_size, budget or CPU_DEFAULT_BYTES), want)
+    return min(budget_pages(config, dtype, page_size, CPU_DEFAULT_BYTES), want)
 
 
 def budget_pages(config, dtype: torch.dtype, page_size: int, budget: int) -> int:

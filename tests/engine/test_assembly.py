@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 from tests.engine.harness import EngineHarness
 
@@ -91,3 +92,17 @@ def test_a_kv_cache_memory_that_holds_no_page_is_refused(tiny_dirs) -> None:
     with pytest.raises(ValueError, match=r"--kv-cache-memory 1 B holds no KV page: one page of 4 tokens "
                                          r"takes [\d,]+ bytes for this model"):
         build(cfg)
+
+
+def test_a_kv_cache_memory_given_is_taken_whole_and_the_default_is_capped(tiny_dirs) -> None:
+    """By default a CPU pool holds no more than --max-num-seqs full-length sequences fill; a
+    --kv-cache-memory given was capped the same way, so more memory never cached more prefixes."""
+    from kvserve.model_service import sizing
+    from kvserve.model_service.kv_cache import bytes_per_page
+    from kvserve.model_service.model.config import ModelConfig
+
+    mcfg = ModelConfig.from_pretrained(tiny_dirs["tiny"])
+    per_page = bytes_per_page(mcfg, torch.float32, 16)
+    capped = 2 * -(-2048 // 16)
+    assert sizing.cpu_pages(mcfg, torch.float32, 16, None, 2, 2048) == capped
+    assert sizing.cpu_pages(mcfg, torch.float32, 16, 3 * capped * per_page, 2, 2048) == 3 * capped
