@@ -109,10 +109,10 @@ def sampling(body: dict) -> pb.SamplingParams:
     temperature = _number(body, "temperature", float, 0, 2)
     if temperature is not None:
         out.temperature = temperature
-    top_p = _number(body, "top_p", float, 0, 1)
+    top_p = _number(body, "top_p", float)
     if top_p is not None:
-        if top_p == 0:
-            raise HttpError(400, "'top_p' must be greater than 0", param="top_p")
+        if not 0 < top_p <= 1:
+            raise HttpError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
         out.top_p = top_p
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name, float, -2, 2)

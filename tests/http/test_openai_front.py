@@ -87,6 +87,9 @@ def test_errors_come_in_openais_shapes(client, model):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=5)
     assert "'temperature' must be in [0, 2]" in str(bad.value)
+    for top_p in (0, 2):   # the range said is the range taken
+        with pytest.raises(openai.BadRequestError, match=rf"'top_p' must be in \(0, 1\], got {top_p}"):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=4, top_p=top_p)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-5", prompt=PROMPT, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="model length"):   # the server's own check, as 400
