@@ -25,21 +25,29 @@ PR_SET_PDEATHSIG = 1
 EXIT_CANNOT_LISTEN = 3
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """What a child runs before its program (Linux): SIGTERM when `up` dies, even by SIGKILL, so
+def _before_exec(parent: int, hold_sighup: bool) -> Callable[[], None] | None:
+    """What a child runs before its program. Linux: SIGTERM when `up` dies, even by SIGKILL, so
     that no child goes on serving (and holding its ports and sockets) without its supervisor.
-    Resolved here, in the parent: nothing is imported between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    `hold_sighup`: SIGHUP starts blocked (a mask outlives exec), so one sent while the child's
+    interpreter starts stays pending until the child has a handler for it
+    (api_keys.keep_sighup_until_watched) instead of killing it. Resolved here, in the parent:
+    nothing is imported between fork and exec."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            pass
+    if prctl is None and not hold_sighup:
         return None
 
     def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:   # `up` died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
+        if hold_sighup:
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:   # `up` died before the line above
+                os.kill(os.getpid(), signal.SIGTERM)
     return arm
 
 FIRST_BACKOFF_S = 0.5
@@ -56,10 +64,12 @@ class Child:
     backoff_s: float = FIRST_BACKOFF_S
     exits: deque = field(default_factory=deque)   # when it exited, within the last minute
     _terminated: subprocess.Popen | None = None   # the process already sent SIGTERM
+    hold_sighup: bool = False           # it re-reads keys on SIGHUP: one sent while it starts waits for it
 
     def start(self) -> None:
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
-        self.proc = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+        self.proc = subprocess.Popen(self.argv, start_new_session=True,
+                                     preexec_fn=_before_exec(os.getpid(), self.hold_sighup))
         self.started_at = time.monotonic()
 
     def exited(self) -> bool:

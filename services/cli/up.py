@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
         if model_config.api_keys:
             reloads.append(gateway if gateway is not None else pairs[0].model)
+            reloads[0].hold_sighup = True
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:

@@ -115,6 +115,9 @@ def keep_sighup_until_watched() -> None:
     are read and watched (ApiKeys.reload_on_sighup)."""
     _sighup_kept.clear()
     signal.signal(signal.SIGHUP, lambda _signum, _frame: _sighup_kept.append(True))
+    # `kvserve up` starts such a child with SIGHUP blocked (supervisor.py), so that one sent
+    # before this line waited: it comes now, to the handler above.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
 
 
 _sighup_kept: list[bool] = []   # a SIGHUP came while the server started

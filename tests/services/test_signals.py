@@ -127,3 +127,33 @@ def test_sigint_again_while_draining_stops_now_cleanly(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 0
         stderr = proc.stderr.read()
         assert "SIGINT again: stopping now" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_sighup_sent_while_a_key_checking_child_starts_is_kept_for_it(tmp_path: Path) -> None:
+    """`up` passes SIGHUP (re-read the API keys) to the child that checks keys; one sent before
+    the child's interpreter had installed its handler killed it (and counted towards
+    --max-restarts). The child starts with SIGHUP blocked, and the handler takes it when it comes."""
+    from kvserve.services.cli.supervisor import Child
+
+    kept, started = tmp_path / "kept", tmp_path / "started"
+    child = Child("a child", [sys.executable, "-c", f"""
+import time
+open({str(started)!r}, "w").close()
+time.sleep(0.5)   # the interpreter still starting: no handler yet
+from kvserve.services.plumbing import api_keys
+api_keys.keep_sighup_until_watched()
+time.sleep(0.2)
+open({str(kept)!r}, "w").write(str(len(api_keys._sighup_kept)))
+"""], hold_sighup=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        child.signal(signal.SIGHUP)
+        assert child.proc.wait(30) == 0, "the child was killed by the SIGHUP"
+        assert kept.read_text() == "1"
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
