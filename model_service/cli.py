@@ -20,8 +20,10 @@ def run_model(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
+    from kvserve.services.plumbing.temp_dir import require_temp_dir
 
     config = from_args(ModelServiceConfig, args, "kvserve model")
+    require_temp_dir("kvserve model")   # torch's caches: without one, the model "cannot load"
     if config.api_keys:   # before the imports and the model's load, which take seconds
         keep_sighup_until_watched()
     from kvserve.kvcache_service.contract.errors import KVCacheError

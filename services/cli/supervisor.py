@@ -103,6 +103,7 @@ class Child:
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %g s of SIGTERM: killed", self.name, timeout_s)
             self.proc.kill()
             self.proc.wait()
 

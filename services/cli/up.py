@@ -38,6 +38,7 @@ from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.address import free_local_port, parse_flag
 from kvserve.services.plumbing.api_keys import read_token
 from kvserve.services.plumbing.metrics_server import serve_metrics
+from kvserve.services.plumbing.temp_dir import require_temp_dir
 from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
 
 log = logging.getLogger("kvserve.up")
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         read_token(up.admin_token_file)   # a manager that cannot read it would only exit, again and again
     except ValueError as exc:
         raise SystemExit(f"kvserve up: {exc}") from None
+    require_temp_dir("kvserve up")   # the children's private sockets, and torch's caches
     cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
     stop = {"signal": None}
 
@@ -208,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
             log.error("%s", exc)
             return exc.exit_code
         finally:
+            if stop["signal"] is not None:
+                log.info("%s: stopping the stack", signal.Signals(stop["signal"]).name)
             if gateway is not None:
                 gateway.stop(model_config.grace_s + 10)
             for pair in pairs:   # they drain at once, each while its manager still serves it

@@ -157,3 +157,28 @@ open({str(kept)!r}, "w").write(str(len(api_keys._sighup_kept)))
         if child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
+
+
+def test_a_child_that_does_not_stop_is_killed_and_that_is_said(tmp_path: Path, caplog) -> None:
+    from kvserve.services.cli.supervisor import Child
+
+    ready = tmp_path / "ready"
+    child = Child("a stubborn child", [sys.executable, "-c", f"""
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open({str(ready)!r}, "w").close()
+time.sleep(60)
+"""])
+    child.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level("WARNING", logger="kvserve.up"):
+            child.stop(0.5)
+        assert child.proc.returncode == -signal.SIGKILL
+        assert "a stubborn child did not stop within 0.5 s of SIGTERM: killed" in caplog.text
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
