@@ -5,10 +5,11 @@
 #
 # CPU (default):
 #   docker build -t kvserve .
-# NVIDIA GPU: a CUDA runtime base and a CUDA torch wheel, e.g.
+# NVIDIA GPU: a CUDA runtime base, a CUDA torch wheel and flash-attn 4 (the fa4 extra; gpu is
+# flash-attn 2, built from source), e.g.
 #   docker build -t kvserve:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=fa4 .
 # (PyPI's Linux torch wheel already bundles CUDA libraries; TORCH_INDEX_URL
 #  picks a specific CUDA, or https://download.pytorch.org/whl/cpu for a small CPU-only image.)
 ARG BASE_IMAGE=python:3.11-slim
@@ -16,6 +17,7 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=
+ARG EXTRAS=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/kvserve/bin:$PATH
@@ -32,7 +34,7 @@ RUN apt-get update \
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 WORKDIR /src
 COPY . .
-RUN pip install . \
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
  && python -c "from kvserve.model_service.kernels.library import missing_builds as m; \
 assert not m(), f'native kernels not built: {m()}; pip install -v . shows why'"
 
