@@ -11,6 +11,7 @@ Refused here, before anything is queued, in order of cost:
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -96,6 +97,7 @@ class RequestBuilder:
                                                        params.format, tenant)
             except ValueError as exc:
                 raise RequestError(str(exc)) from None
+            request.forget_format = functools.partial(self.stack.grammars.forget, params.format, tenant)
         if msg.continuation.ids:
             if params.n > 1:
                 raise RequestError("a continuation goes on one sequence; it cannot be given with n > 1")

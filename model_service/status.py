@@ -48,8 +48,19 @@ def as_request_failed(exc: Exception, what: str) -> RequestFailed:
     return error
 
 
+# A status message travels in a header, which gRPC refuses past 16 KiB (the call then ends
+# RESOURCE_EXHAUSTED, a code the gateway reads as a full worker); percent-encoded, a character
+# may take 12 bytes.
+MAX_STATUS_CHARS = 1000
+
+
+def status_message(error: Exception) -> str:
+    text = str(error)
+    return text if len(text) <= MAX_STATUS_CHARS else text[:MAX_STATUS_CHARS - 1] + "…"
+
+
 async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
     code = next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
     trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else \
         ((FINAL_TRAILER, "1"),) if isinstance(error, ClientTooSlow) else ()
-    await context.abort(code, str(error), trailers)
+    await context.abort(code, status_message(error), trailers)

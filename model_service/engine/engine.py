@@ -644,6 +644,8 @@ def _format_complete(r: Request, token: int) -> bool:
     its lexer met while generating, a regex nothing matches)."""
     matcher = r.matcher
     if not matcher.consume_token(token) or matcher.is_error():
+        if r.forget_format is not None:
+            r.forget_format()
         raise InvalidRequest(f"the structured output cannot be followed: {first_lines(matcher.get_error())}")
     return matcher.is_stopped()
 

@@ -65,7 +65,7 @@ def spawn(parent: Request, n: int, make_generator) -> Family:
                         params, extra_key=parent.extra_key, arrival=parent.arrival, order=parent.order)
         child.index, child.family = index, family
         if parent.matcher is not None:   # each sequence goes through the format on its own
-            child.matcher = parent.matcher.deep_copy()
+            child.matcher, child.forget_format = parent.matcher.deep_copy(), parent.forget_format
         if params.seed is not None:
             child.generator = make_generator(params.seed)
         family.members.append(child)

@@ -51,6 +51,7 @@ class Request:
     slid_to: int = 0                 # sliding window: its pages before this one left it (but the sinks')
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. so far, when asked
     matcher: Any = None              # structured output's grammar matcher (sampling/structured.py)
+    forget_format: Any = None        # Callable[[], None]: its matcher failed, the compiled format is not kept
     continued: int = 0               # output tokens a continuation brought (generated elsewhere)
 
     def __post_init__(self) -> None:

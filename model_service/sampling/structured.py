@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 
 FORMATS = ("json_schema", "json_object", "regex", "choice", "lark_grammar")
 MAX_SPEC_CHARS = 256 << 10   # a schema or grammar, as text
+# llguidance compiles recursively, a level for each rule or $ref a chain of them goes through:
+# a 106 KB chain of $refs overflowed a thread's usual 8 MiB and killed the process (SIGSEGV).
+# The chains that fit MAX_SPEC_CHARS compile in 64 MiB; a compile gets four times that, on a
+# thread of its own (only the stack it touches takes memory, and only while it runs).
+COMPILE_STACK_BYTES = 256 << 20
+MAX_MESSAGE_CHARS = 500      # of llguidance's messages, which quote the grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +89,9 @@ class Grammars:
     each format compiled once into a matcher that is only ever copied (clients send the same
     schema again and again; compiling one can take a fifth of a second, a copy microseconds)."""
 
-    MAX_KEPT = 256
+    # Copies share their compiled format's lexer, which grows as outputs explore it (to 170 MB for
+    # a hostile regex): a format whose matcher failed is dropped (forget), and few are kept.
+    MAX_KEPT = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
@@ -103,6 +111,20 @@ class Grammars:
             compiled = self._compiled.get((tenant, fmt))
             if compiled is not None:
                 return compiled.deep_copy()
+        compiled = _on_deep_stack(self._compile, llguidance, fmt)
+        with self._lock:
+            if len(self._compiled) >= self.MAX_KEPT:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[(tenant, fmt)] = compiled
+            return compiled.deep_copy()
+
+    def forget(self, fmt: Format, tenant: str = "") -> None:
+        """A request's matcher of this format failed as it generated (a limit of llguidance's
+        met): the compiled format, whose lexer grew with it, is not kept."""
+        with self._lock:
+            self._compiled.pop((tenant, fmt), None)
+
+    def _compile(self, llguidance, fmt: Format) -> Any:
         try:
             grammar = _grammar(llguidance, fmt)
         except RecursionError:   # Python's json, reading or writing a schema thousands of levels deep
@@ -120,11 +142,34 @@ class Grammars:
         if compiled.is_error() or not first.any():
             why = f" (llguidance: {first_lines(compiled.get_error())})" if compiled.is_error() else ""
             raise ValueError(f"the {fmt.kind} allows no output, not even an empty one{why}")
-        with self._lock:
-            if len(self._compiled) >= self.MAX_KEPT:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[(tenant, fmt)] = compiled
-            return compiled.deep_copy()
+        return compiled
+
+
+_deep_stack_lock = threading.Lock()
+
+
+def _on_deep_stack(fn, *args) -> Any:
+    """fn(*args) on a thread of its own with COMPILE_STACK_BYTES of stack; its result, or what it
+    raised."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:   # re-raised in the caller's thread
+            outcome["error"] = exc
+
+    with _deep_stack_lock:   # the size is the process's for threads started meanwhile
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="kvserve-format-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _vocabulary(llguidance, tokenizer, vocab_size: int, eos_token_ids) -> Any:
@@ -208,5 +253,7 @@ def _llguidance():
 
 
 def first_lines(text: str, lines: int = 3) -> str:
-    """An llguidance message, short enough for a status."""
-    return " ".join(line.strip() for line in text.strip().splitlines()[:lines])
+    """An llguidance message, short enough for a status: its first lines, at most
+    MAX_MESSAGE_CHARS (its messages quote the grammar, which may be 256 KiB)."""
+    short = " ".join(line.strip() for line in text.strip().splitlines()[:lines])
+    return short if len(short) <= MAX_MESSAGE_CHARS else short[:MAX_MESSAGE_CHARS - 1] + "…"

@@ -29,6 +29,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
+from kvserve.model_service.status import status_message
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
@@ -88,6 +89,7 @@ class Refused(Exception):
     """The call ends with this status (and trailing metadata)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple = ()) -> None:
+        message = status_message(message)   # a header: past 16 KiB gRPC ends the call otherwise
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, trailers
 

@@ -19,6 +19,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
+from kvserve.model_service.status import status_message
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay
 from kvserve.services.plumbing import stats_watch
@@ -155,7 +156,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         try:
             ids = await self.inputs.ids(request, add_special)
         except InputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))

@@ -205,7 +205,7 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
         for key, value in outputs.items():
             if key in kinds:
                 if value not in (None, False):
-                    asked.append(("structured_outputs", kinds[key], value))
+                    asked.append((f"structured_outputs.{key}", kinds[key], value))
             elif key == "disable_any_whitespace":   # kvserve's JSON has no free whitespace either way
                 if not isinstance(value, bool):
                     raise HttpError(400, "'structured_outputs.disable_any_whitespace' must be true or false",
@@ -217,7 +217,7 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
         return None
     if len(asked) > 1:
         raise HttpError(400, f"give one structured output, not {' and '.join(f for f, _, _ in asked)}",
-                        param=asked[1][0])
+                        param=asked[1][0].split(".")[0])
     field, kind, value = asked[0]
     out = pb.StructuredOutput()
     if kind == "json_object":

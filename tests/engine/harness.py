@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,7 @@ class EngineHarness:
             request.generator = make_generator(sp.seed, self.stack.device)
         if sp.format is not None:   # as the request builder gives it one
             request.matcher = self.stack.grammars.matcher(sp.format)
+            request.forget_format = functools.partial(self.stack.grammars.forget, sp.format)
         outcome = Outcome(request.request_id, n=sp.n)
         self.engine.submit(request, outcome.sink)
         return outcome

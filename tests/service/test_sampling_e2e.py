@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,6 +204,23 @@ def test_structured_output_over_grpc(stub, tokenizer):
             generate(stub, request(token_ids=prompt, max_tokens=4, structured=structured))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(words), \
             info.value.details()
+    # llguidance's message quotes the whole pattern: past gRPC's 16 KiB header limit the call
+    # ended RESOURCE_EXHAUSTED (which the gateway took for a full worker, and tried 17 times)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, request(token_ids=prompt, max_tokens=4, structured=pb.StructuredOutput(regex="(" + "a" * 20000)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(info.value.details()) <= 1000
+    assert info.value.details().startswith("the regex cannot be used: "), info.value.details()[:200]
+    # Chains of $refs and of rules thousands deep (106 KB and 37 KB) overflowed the compiling
+    # thread's stack: the server died of SIGSEGV. They are served.
+    refs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+    refs["d3000"] = {"type": "integer"}
+    rules = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "z"'
+    for structured, keeps in [
+        (pb.StructuredOutput(json_schema=json.dumps({"$ref": "#/$defs/d0", "$defs": refs})), r"-?[0-9]+"),
+        (pb.StructuredOutput(lark_grammar=rules), "z"),
+    ]:
+        out = generate(stub, request(token_ids=prompt, temperature=0, max_tokens=8, structured=structured))
+        assert re.fullmatch(keeps, out.text) or out.finished.finish_reason == pb.FINISH_REASON_LENGTH, out.text
     with pytest.raises(grpc.RpcError) as info:   # compiles, then meets a limit of llguidance's lexer
         generate(stub, request(token_ids=prompt, max_tokens=4, structured=pb.StructuredOutput(regex="a{1000000}")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
