@@ -142,6 +142,7 @@ class ModelInfo:
     trusts_tenant_metadata: bool = False   # takes a trusted front's tenant (--trust-tenant-metadata)
     attention_sink: int = 0     # tokens kept for a stream past the model length (--attention-sink)
     max_waiting: int = 0        # requests it keeps waiting before refusing more (--max-waiting)
+    sliding_window: int = 0     # tokens a query attends back (a sliding-window model); 0: all
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.

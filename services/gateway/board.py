@@ -23,6 +23,7 @@ class Shape(NamedTuple):
     max_model_len: int
     num_pages: int
     streams: bool = False   # it keeps attention sinks: output may run past max_model_len
+    slides: bool = False    # a sliding window: a prompt longer than its KV cache still fits
 
 
 class LoadBoard:
@@ -51,7 +52,7 @@ class LoadBoard:
             return
         info = worker.info
         active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages,
-                                             info.attention_sink > 0)
+                                             info.attention_sink > 0, info.sliding_window > 0)
         self._place[worker] = active, shape
         row = self._rows.get(active)
         if row is None:
@@ -89,7 +90,7 @@ class LoadBoard:
         if longest and length > longest and not any(s.streams for s in self._shapes):
             return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
                     f"the model length {longest}")
-        if all(s.num_pages and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):
+        if all(s.num_pages and not s.slides and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):
             most = max(s.num_pages * s.page_size for s in self._shapes)
             return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {most}"
         return None

@@ -61,6 +61,8 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
     # its own bound counts every request it has not yet admitted (those sent since its report too)
     queue_full = info is not None and info.max_waiting and ld.waiting + w.pending >= info.max_waiting
     longest = info.max_model_len if info is not None else 0
+    if info is not None and info.sliding_window:   # a sequence there holds at most two windows (and sinks)
+        pages_needed = min(pages_needed, -(-(2 * info.sliding_window + info.attention_sink) // info.page_size))
     return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed
             and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink else policy.length) <= longest))

@@ -246,3 +246,19 @@ def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():
     a.state = NOT_SERVING   # neither has room: it waits
     assert choose([a, b], {"a": 10}, 40, POLICY, b"k", avoid=a) is None
     assert choose_blind([a, b], 40, POLICY, "random", 0, None, avoid=a) is None
+
+
+def test_a_sliding_window_worker_takes_prompts_longer_than_its_kv_cache():
+    """It gives pages past its window back as a sequence runs, and serves any prompt its model
+    length holds: the gateway refused prompts over its pages, as it does for a full-attention one."""
+    full, windowed = worker("full", free=38, tree=0), worker("windowed", free=38, tree=0)
+    for w in (full, windowed):
+        w.info.max_model_len, w.info.num_pages = 2048, 38
+    windowed.info.sliding_window = 64
+    alone = LoadBoard([full])
+    assert alone.never_fits(500, 510) == "the prompt has 500 tokens; the largest worker's KV cache holds 152"
+    assert choose(alone, {}, 500, POLICY, b"k") is None
+    board = LoadBoard([full, windowed])
+    assert board.never_fits(500, 510) is None
+    assert choose(board, {}, 500, POLICY, b"k").worker is windowed
+    assert choose(board, {}, 100, POLICY, b"k").worker in (full, windowed)   # both have room for 25 pages
