@@ -80,7 +80,8 @@ class RequestBuilder:
         what = "the model length"
         if self.config.attention_sink:   # a stream with attention sinks may run past the model length
             limit, what = STREAM_LIMIT, "the longest stream with attention sinks"
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
+        # unset: up to the model length, sinks or not (a stream past it is asked for by its length)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.stack.max_model_len - len(prompt)
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                                f"{len(prompt) + max_tokens} exceeds {what} {limit}")

@@ -8,6 +8,7 @@ import urllib.request
 
 import grpc
 
+from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.gateway.conftest import make_fleet
 from tests.service.conftest import ModelServerThread
@@ -49,5 +50,22 @@ def test_with_attention_sinks_a_stream_past_its_limit_is_refused_naming_that_lim
             else:
                 raise AssertionError("a stream past the limit was taken")
             assert len(generate(stub, request(token_ids=PROMPT, **greedy(4))).tokens) == 4
+    finally:
+        server.stop()
+
+
+def test_with_attention_sinks_max_tokens_unset_is_still_up_to_the_model_length(tiny_dirs):
+    """A stream runs past the model length when its max_tokens asks for it; unset, max_tokens
+    means up to the model length as everywhere (it meant 2^24 tokens, so a client that sent none
+    got a generation that ran on until it left)."""
+    server = ModelServerThread(tiny_dirs["tiny-mistral"], attention_sink=4, max_model_len=200)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            unset = generate(stub, request(token_ids=PROMPT, temperature=0, ignore_eos=True))
+            assert len(unset.tokens) == 200 - len(PROMPT)
+            assert unset.finished.finish_reason == pb.FINISH_REASON_LENGTH
+            past = generate(stub, request(token_ids=PROMPT, **greedy(80)))   # asked for: past the length
+            assert len(past.tokens) == 80
     finally:
         server.stop()
