@@ -106,20 +106,17 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                                       cfg.max_num_batched_tokens, cfg.gpu_memory_utilization,
                                       cfg.kv_cache_memory)
     else:
-        num_pages = sizing.cpu_pages(mcfg, kv_dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len)
+        num_pages = sizing.cpu_pages(mcfg, kv_dtype, page_size, cfg.kv_cache_memory, cfg.max_num_seqs, model_len,
+                                     sizing.window_min_pages(window, cfg.attention_sink, model_len, page_size))
     if device.type == "cpu":   # CUDA's profile run (sizing) has done the same
         dummy_step.warm_up(model, mcfg, backend, kv_dtype, device, page_size,
                            min(cfg.max_num_batched_tokens, model_len))
     max_chunk = None
     if window:   # pages past the window go back as a sequence runs: it holds a bounded number
-        # A sequence holds at most two windows and two chunks: the pages it put in the prefix cache
-        # before its first slide (a window and a chunk; a prefix hit is no longer) stay, blocked by
-        # their own continuation, until the last of them has left the window behind it. Without
-        # sinks none holds more than the model length.
-        held = 2 * window if cfg.attention_sink else min(2 * window, model_len)
+        held = sizing.window_held(window, cfg.attention_sink, model_len)
         max_chunk = (num_pages * page_size - held - cfg.attention_sink) // 2 - 2 * page_size
         if max_chunk < page_size:
-            need = -(-(held + cfg.attention_sink + 6 * page_size) // page_size)
+            need = sizing.window_min_pages(window, cfg.attention_sink, model_len, page_size)
             sink = f" and --attention-sink {cfg.attention_sink}'s" if cfg.attention_sink else ""
             raise ValueError(f"{num_pages} pages of {page_size} tokens are too few for this model's "
                              f"{window}-token sliding window: a sequence may hold {held} tokens' pages{sink} "

@@ -23,11 +23,29 @@ CPU_DEFAULT_BYTES = 1 << 30
 
 
 def cpu_pages(config, dtype: torch.dtype, page_size: int, budget: int | None,
-              max_num_seqs: int, max_len: int) -> int:
+              max_num_seqs: int, max_len: int, at_least: int = 0) -> int:
+    """`at_least`: the pages the model needs whatever its length (a sliding window's), which the
+    default's cap does not go below."""
     if budget is not None:   # asked for: more pages than running sequences fill keep more prefixes cached
         return budget_pages(config, dtype, page_size, budget)
-    want = max_num_seqs * -(-max_len // page_size)
+    want = max(max_num_seqs * -(-max_len // page_size), at_least)
     return min(budget_pages(config, dtype, page_size, CPU_DEFAULT_BYTES), want)
+
+
+def window_held(window: int, sinks: int, model_len: int) -> int:
+    """The tokens whose pages one sequence of a sliding-window model may hold, beside its chunks:
+    two windows. The pages it put in the prefix cache before its first slide (a window and a
+    chunk; a prefix hit is no longer) stay, blocked by their own continuation, until the last of
+    them has left the window behind it. Without sinks none holds more than the model length."""
+    return 2 * window if sinks else min(2 * window, model_len)
+
+
+def window_min_pages(window: int | None, sinks: int, model_len: int, page_size: int) -> int:
+    """The fewest pages that serve a sliding-window model (0 for another): what one sequence holds,
+    its sinks, and two chunks of at least a page."""
+    if not window:
+        return 0
+    return -(-(window_held(window, sinks, model_len) + sinks + 6 * page_size) // page_size)
 
 
 def budget_pages(config, dtype: torch.dtype, page_size: int, budget: int) -> int:

@@ -106,3 +106,14 @@ def test_a_kv_cache_memory_given_is_taken_whole_and_the_default_is_capped(tiny_d
     capped = 2 * -(-2048 // 16)
     assert sizing.cpu_pages(mcfg, torch.float32, 16, None, 2, 2048) == capped
     assert sizing.cpu_pages(mcfg, torch.float32, 16, 3 * capped * per_page, 2, 2048) == 3 * capped
+
+
+def test_the_default_pool_of_a_sliding_window_model_is_one_it_can_start_with(tiny_dirs) -> None:
+    """The default's cap (--max-num-seqs sequences of the model length) fell below what the window
+    needs with one short sequence: the model service refused its own default at start."""
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, max_num_seqs=1, max_model_len=100)
+    try:
+        assert h.stack.num_pages == 31 and h.stack.max_model_len == 100
+        assert len(h.run([list(range(10, 90))], 10)[0].tokens) == 10
+    finally:
+        h.close()
