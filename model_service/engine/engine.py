@@ -602,7 +602,7 @@ class Engine:
 
     def _fail(self, r: Request, error: RequestFailed) -> None:
         """Ends one request, every sequence of it, with `error` (its stream ends with the
-        error's status); its pages go back in the next step."""
+        error's status); its pages go back in the next step or the one after (Scheduler.finish)."""
         owner = _owner(r)
         with self._lock:
             self._live.pop(owner.request_id, None)
@@ -614,7 +614,7 @@ class Engine:
         self.counters.failed += 1
 
     def _fail_all(self, error: RequestFailed) -> None:
-        """Ends every live request with `error`; pages they hold go back in the next step."""
+        """Ends every live request with `error`; pages they hold go back (Scheduler.finish)."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
             self._cancelled.clear()

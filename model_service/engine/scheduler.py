@@ -250,8 +250,9 @@ class Scheduler:
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Resume(r.seq_id, r.num_computed + count))
             asks.append(Ask(r, count, need))
+        ending = {r.request_id for r, _ in self._last_commits}   # the manager holds their ids one step more
         for r in self.waiting:
-            if not budget or seqs >= cfg.max_num_seqs:
+            if not budget or seqs >= cfg.max_num_seqs or r.request_id in ending:   # (an id sent again)
                 break
             count = min(r.compute_end, budget, chunk)  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
@@ -265,6 +266,9 @@ class Scheduler:
                 truncations.append(Truncation(seq_id, r.drafts_told))
                 r.drafts_told = 0
             commits.append(Commit(seq_id, r.num_computed, r.tokens[r.told_tokens:]))
+            slide = self._slide(r, seq_id)   # with its commit, as the step built ahead would have sent it
+            if slide is not None:
+                slides.append(slide)
             released_next.append(seq_id)
         self._last_commits = []
         step = StepRequest(self.epoch, self._releases, truncations, commits, needs, cfg.preemption_mode, slides)
@@ -276,19 +280,22 @@ class Scheduler:
         (a query at p sees keys p-W+1 .. p; the next step's first query is at num_computed) go
         back to the manager, but the sinks'. The engine's table keeps their ids: attention
         masks them, so whatever another sequence writes there later is never read."""
+        if self.config.window is None:
+            return []
+        return [s for s in (self._slide(r, r.seq_id) for r in self.running) if s is not None]
+
+    def _slide(self, r: Request, seq_id: int) -> Slide | None:
+        """The Slide of `r`'s pages now before its window, if any (a sliding window)."""
         window, ps = self.config.window, self.config.page_size
         if window is None:
-            return []
-        sink_pages = -(-self.config.sinks // ps)
-        slides = []
-        for r in self.running:
-            end = max(0, r.num_computed - window + 1) // ps
-            first = max(sink_pages, r.slid_to)
-            if end > first:
-                slides.append(Slide(r.seq_id, first, end))
-                self.slid_pages += end - first
-                r.slid_to = end
-        return slides
+            return None
+        end = max(0, r.num_computed - window + 1) // ps
+        first = max(-(-self.config.sinks // ps), r.slid_to)
+        if end <= first:
+            return None
+        self.slid_pages += end - first
+        r.slid_to = end
+        return Slide(seq_id, first, end)
 
     def _draft(self, r: Request, budget: int) -> list[int]:
         """A draft for a decoding sequence to verify in this step, or []: none with speculation off,

@@ -122,6 +122,26 @@ def test_a_conversation_s_turns_each_run_in_the_smallest_pool_accepted(tiny_dirs
         h.close()
 
 
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_a_growing_prompt_s_cached_chain_stays_one_window_long(tiny_dirs, speculative):
+    """Each request extends the last prompt and asks for one token. Under speculation such a
+    request ends in a step no proposal was built ahead of, and its last commit went without the
+    slide beside it: the commit was stored, and the cached chain grew a chunk at each reuse."""
+    rng = random.Random(1)
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, speculative=speculative)
+    try:
+        prompt = [rng.randrange(10, 1000) for _ in range(60)]
+        h.run([prompt], 1)
+        hits = []
+        for _ in range(5):
+            prompt = prompt + [rng.randrange(10, 1000) for _ in range(20)]
+            hits.append(h.run([prompt], 1)[0].prefill.cached_tokens)
+        assert hits == [60] * 5
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("length", [100, 200, 400])
 def test_a_prompt_longer_than_the_window_is_a_prefix_hit_when_sent_again(tiny_dirs, length):
     """Its first chunk crosses the window, and is committed beside its first slide: stored all

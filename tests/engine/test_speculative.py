@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.kvcache_service.contract.hashing import page_hashes
-from tests.engine.harness import EngineHarness, assert_same_tokens, hf_greedy, wait
+from tests.engine.harness import EngineHarness, Outcome, assert_same_tokens, hf_greedy, wait
 
 NEW_TOKENS = 40
 _rng = random.Random(5)
@@ -146,3 +146,31 @@ def test_a_request_that_ends_where_it_could_draft_still_caches_its_pages(tiny_di
         finally:
             h.close()
     assert hits["ngram"] == hits["off"] > 0
+
+
+def test_an_id_sent_again_as_its_request_ends_in_a_step_it_could_draft_after(tiny_dirs):
+    """Such a request is released a step later than others (its last pages are committed first),
+    and the manager still holds its id in that step: a request sent again under that id at once
+    waits for the release instead of failing the step (ALREADY_EXISTS from the manager)."""
+    from kvserve.model_service.engine.events import Finished
+    from kvserve.model_service.engine.request import Request
+    from kvserve.model_service.sampling.params import SamplingParams
+
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, speculative="ngram")
+    try:
+        prompt = _span * 4
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        again = Outcome("same", n=1)
+
+        def first_sink(event) -> None:
+            if isinstance(event, Finished):   # on the engine thread, before the next step is built
+                h.engine.submit(Request("same", list(prompt), 1, sp), again.sink)
+
+        h.engine.submit(Request("same", list(prompt), 1, sp), first_sink)
+        wait([again])
+        assert len(again.tokens) == 1 and again.prefill.cached_tokens == 44   # all but the last token
+        assert h.engine.counters.failed == 0
+        stats = h.stats()
+        assert stats.used_pages == 0 and stats.num_sequences == 0
+    finally:
+        h.close()
