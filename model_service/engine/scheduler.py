@@ -452,7 +452,11 @@ class Scheduler:
 
     def _alone(self, child: Request) -> None:
         """A child that could not fork is admitted as a request of its own: it finds the prompt's
-        full pages in the prefix cache (the parent committed them) and computes the rest."""
+        full pages in the prefix cache (the parent committed them) and computes the rest. Its
+        request's cached tokens are its parent's, as a forked child's are (what it finds of its
+        sibling's pages is no prefix hit of the request's)."""
+        parent = child.family.parent
+        child.cached_tokens, child.scheduled_at = parent.cached_tokens, parent.scheduled_at
         child.family.unforked.remove(child)
         self.waiting.appendleft(child)
 

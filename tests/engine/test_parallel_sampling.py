@@ -137,3 +137,20 @@ def _wait_for(condition, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_child_that_could_not_fork_reports_its_requests_cached_tokens(tiny_dirs, prefix_caching):
+    """No page free for the fork: the child is admitted alone and finds its sibling's pages in
+    the cache. Its Finished said that hit (36 of 38 tokens, even with prefix caching off) where
+    PrefillDone and sequence 0 said the request's own (0)."""
+    h = EngineHarness(tiny_dirs["tiny"], page_size=4, num_pages=10, max_model_len=40,
+                      prefix_caching=prefix_caching)
+    try:
+        (o,) = h.run([list(range(100, 138))], 2, n=2)
+        _check_sequences(o, 2, 2)
+        assert o.prefill.cached_tokens == 0
+        assert [o.finishes[i].cached_tokens for i in range(2)] == [0, 0]
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()
