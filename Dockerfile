@@ -5,8 +5,8 @@
 #
 # CPU (default):
 #   docker build -t kvserve .
-# NVIDIA GPU: a CUDA runtime base, a CUDA torch wheel and flash-attn 4 (the fa4 extra; gpu is
-# flash-attn 2, built from source), e.g.
+# NVIDIA GPU: a CUDA runtime base, a CUDA torch wheel and flash-attn 4 (the fa4 extra; EXTRAS=gpu
+# is flash-attn 2, which builds from source: it needs a -devel base, with nvcc), e.g.
 #   docker build -t kvserve:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=fa4 .

@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     check_together(up, model_config)
     try:
         model_config.check_files()
-        read_token(up.admin_token_file)   # a manager that cannot read it would only exit, again and again
+        if not up.workers:   # (with workers it is not used: check_together says so)
+            read_token(up.admin_token_file)   # a manager that cannot read it would only exit, again and again
     except ValueError as exc:
         raise SystemExit(f"kvserve up: {exc}") from None
     require_temp_dir("kvserve up")   # the children's private sockets, and torch's caches
@@ -186,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
                 log.error("%s", exc)
                 return 2
         if model_config.api_keys:
-            reloads.append(gateway if gateway is not None else pairs[0].model)
-            reloads[0].hold_sighup = True
+            checker = gateway if gateway is not None else pairs[0].model
+            checker.hold_sighup = True   # a SIGHUP sent while it starts waits for its handler
+            reloads.append(checker)
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
         try:

@@ -217,8 +217,9 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
         return None
     if len(asked) > 1:
         raise HttpError(400, f"give one structured output, not {' and '.join(f for f, _, _ in asked)}",
-                        param=asked[1][0].split(".")[0])
+                        param=asked[1][0].split(".")[0])   # the request's own field, as below
     field, kind, value = asked[0]
+    param = field.split(".")[0]   # the request's own field; the message names the one inside it
     out = pb.StructuredOutput()
     if kind == "json_object":
         out.json_object = True
@@ -228,14 +229,14 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
         elif isinstance(value, (dict, bool)):
             out.json_schema = json.dumps(value)
         else:
-            raise HttpError(400, f"'{field}' must be a JSON schema", param=field)
+            raise HttpError(400, f"'{field}' must be a JSON schema", param=param)
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise HttpError(400, f"'{field}' must be a list of non-empty strings", param=field)
+            raise HttpError(400, f"'{field}' must be a list of non-empty strings", param=param)
         out.choice.choices.extend(value)
     else:
         if not isinstance(value, str):
-            raise HttpError(400, f"'{field}' must be a string", param=field)
+            raise HttpError(400, f"'{field}' must be a string", param=param)
         setattr(out, kind, value)
     return out
 
