@@ -115,6 +115,24 @@ def _check_not_arguments(tokenizer, kwargs: dict) -> None:
                          + ("they are" if len(taken) > 1 else "it is") + " the template call's own")
 
 
+_PROBE_CHAT = [{"role": "user", "content": "  kvserve probe one \n"},
+               {"role": "assistant", "content": "<think>kvserve probe two</think>kvserve probe three"},
+               {"role": "user", "content": "\nkvserve probe four  "}]
+
+
+def keeps_message_text(tokenizer) -> bool:
+    """Whether the chat template renders every message's text whole: then a conversation's
+    bytes bound its tokens from below (prompt_bound.py). Llama 3's trims each message and Qwen3's
+    drops earlier turns' <think> blocks: for them the messages' size bounds nothing."""
+    if not getattr(tokenizer, "chat_template", None):
+        return True   # no chat is served
+    try:
+        rendered = tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+    except Exception:   # a template that wants other roles: nothing is known of it
+        return False
+    return isinstance(rendered, str) and all(m["content"] in rendered for m in _PROBE_CHAT)
+
+
 def render_chat(tokenizer, chat: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
     """The chat template's tokens, the generation prompt added unless `options` say otherwise;
     ValueError saying why the template refused the messages."""

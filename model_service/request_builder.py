@@ -67,6 +67,7 @@ class RequestBuilder:
         self.vocab_size = stack.model_config.vocab_size
         self.lanes = lanes or TokenizerLanes(stack.config.tokenizer_threads)
         self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
+        self.chat_keeps_text = prompt_tokens.keeps_message_text(stack.tokenizer)   # its size bounds its tokens
         self.tokenizer_ids = len(stack.tokenizer)   # more than the model's vocabulary: a fine-tune's added tokens
 
     async def build(self, msg, request_id: str, tenant: str = "") -> Request:
@@ -203,7 +204,7 @@ class RequestBuilder:
         # Each message's encoded size, less its role and at most 12 bytes of tags and lengths.
         nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - 12) for m in messages)
         self._check_text(nbytes, sum(m.ByteSize() for m in messages), lambda: sum(len(m.content) for m in messages),
-                         "the chat messages have", fit)
+                         "the chat messages have", fit and self.chat_keeps_text)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return prompt_tokens.encode(self.tokenizer, text, add_special_tokens)

@@ -67,3 +67,21 @@ def test_no_bound_where_an_added_token_takes_in_the_whitespace_beside_it(llama2_
     assert len(stripping.encode(text, add_special_tokens=False)) < 40
     assert max_bytes_per_token(stripping) is None
     assert max_bytes_per_token(llama2_style) is not None
+
+
+@pytest.mark.parametrize("template, keeps", [
+    ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}", True),
+    # Llama 3's: each message trimmed
+    ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}", False),
+    # Qwen3's way: an assistant turn's <think> block left out
+    ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'].split('</think>')[-1] }}<|end|>{% endfor %}",
+     False),
+])
+def test_a_conversation_is_bounded_by_its_size_only_where_the_template_keeps_its_text(tiny_dirs, template, keeps):
+    """A template that drops text (trimmed spaces, a think block) makes fewer tokens than the
+    messages' bytes say: a conversation that fits was refused as too long before it was rendered."""
+    from kvserve.model_service import prompt_tokens
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_dirs["tiny"])
+    tokenizer.chat_template = template
+    assert prompt_tokens.keeps_message_text(tokenizer) is keeps
