@@ -81,6 +81,21 @@ def test_sigterm_again_while_draining_does_not_cut_the_drain_short(tmp_path: Pat
         assert "SIGTERM again: already draining" in proc.stderr.read()
 
 
+@contextlib.contextmanager
+def _started(child, ready: Path):
+    """`child` started and past the point where it writes `ready`; killed afterwards if it runs."""
+    child.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield child
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+
+
 def test_up_sends_each_child_one_sigterm(tmp_path: Path) -> None:
     """`up` stops a child with terminate() then stop(): one SIGTERM, not two (a second one used
     to reach a child mid-drain)."""
@@ -96,20 +111,12 @@ signal.signal(signal.SIGTERM, count)
 open({str(ready)!r}, "w").close()
 time.sleep(1.0)
 """])
-    child.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _started(child, ready):
         child.terminate()
         time.sleep(0.3)   # handled: a second SIGTERM now would not merge with the first
         child.stop(10)
         assert child.proc.returncode == 0
         assert counted.read_text() == "x"
-    finally:
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
 
 
 def test_sigint_again_while_draining_stops_now_cleanly(tmp_path: Path) -> None:
@@ -145,18 +152,10 @@ api_keys.keep_sighup_until_watched()
 time.sleep(0.2)
 open({str(kept)!r}, "w").write(str(len(api_keys._sighup_kept)))
 """], hold_sighup=True)
-    child.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not started.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _started(child, started):
         child.signal(signal.SIGHUP)
         assert child.proc.wait(30) == 0, "the child was killed by the SIGHUP"
         assert kept.read_text() == "1"
-    finally:
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
 
 
 def test_a_child_that_does_not_stop_is_killed_and_that_is_said(tmp_path: Path, caplog) -> None:
@@ -169,16 +168,8 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 open({str(ready)!r}, "w").close()
 time.sleep(60)
 """])
-    child.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _started(child, ready):
         with caplog.at_level("WARNING", logger="kvserve.up"):
             child.stop(0.5)
         assert child.proc.returncode == -signal.SIGKILL
         assert "a stubborn child did not stop within 0.5 s of SIGTERM: killed" in caplog.text
-    finally:
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
