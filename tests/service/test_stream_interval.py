@@ -35,8 +35,8 @@ def chunked(chunked_server: Served) -> Iterator[pb_grpc.InferenceStub]:
 
 
 def _cuts(n: int) -> set[int]:
-    """Where a chunk may end: after token 1, after every multiple of INTERVAL, and at the end."""
-    return {1, n} | set(range(INTERVAL, n, INTERVAL))
+    """Where a chunk may end: after token 1, after every INTERVAL more, and at the end."""
+    return {1, n} | set(range(1 + INTERVAL, n, INTERVAL))
 
 
 def _chunk_ends(out) -> list[int]:
@@ -109,8 +109,7 @@ def test_interval_must_be_positive():
 @pytest.mark.parametrize("continued", [1, 2, 5])
 def test_a_continuation_s_first_new_token_comes_alone_too(chunked, stub, continued):
     """A stream moved to this worker goes on from `continued` tokens: its first new token is
-    sent at once, then every INTERVAL of its own (the continuation's tokens counted, the first
-    waited for up to INTERVAL - 1 more)."""
+    sent at once, then every INTERVAL of its own."""
     whole = generate(stub, request(token_ids=PROMPT_IDS, **greedy(12)))
     msg = request(token_ids=PROMPT_IDS, **greedy(12))
     msg.continuation.ids.extend(whole.tokens[:continued])
