@@ -181,7 +181,7 @@ def simulate(n: int, args, routing: str) -> dict:
         decisions.append(time.perf_counter() - t0)
         if routing == "cache" and choice is None:   # no room anywhere: the queue would hand it to the
             queued += 1                              # first worker to free room, the least busy one
-            choice = Choice(next(board.least_busy(PAGE)), 0)
+            choice = Choice(next(board.least_busy()), 0)
         w = by_address[choice.worker.address] if choice is not None else route_rng.choice(workers)
         w.view.routed()
         cached, _ = w.run(ids, reply, now, args.prefill_us, args.decode_us)

@@ -26,6 +26,20 @@ class Shape(NamedTuple):
     slides: bool = False    # a sliding window: a prompt longer than its KV cache still fits
 
 
+def _why_not(s: Shape, prompt_tokens: int, length: int) -> str | None:
+    """Why a worker of shape `s` could never take the request, as it would say it (None: it
+    could); {most} stands for the largest KV cache of the fleet."""
+    if s.max_model_len and prompt_tokens >= s.max_model_len:
+        return (f"the prompt has {prompt_tokens} tokens; the model length is {s.max_model_len}, which leaves no "
+                "room for output")
+    if s.max_model_len and length > s.max_model_len and not s.streams:
+        return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
+                f"the model length {s.max_model_len}")
+    if s.num_pages and not s.slides and -(-prompt_tokens // s.page_size) > s.num_pages:
+        return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {{most}}"
+    return None
+
+
 class LoadBoard:
     def __init__(self, workers: Iterable[Worker] = ()) -> None:
         """A board of `workers` as they are now (they do not report their changes to it: for
@@ -61,12 +75,12 @@ class LoadBoard:
         self._shapes[shape] += 1
         self._by_address[worker.address] = worker
 
-    def least_busy(self, page_size: int, avoid: Worker | None = None) -> Iterator[Worker]:
-        """The workers of `page_size` but `avoid`, the least busy first; among equals, the one
-        whose load moved least recently first (so that idle workers take turns)."""
+    def least_busy(self, avoid: Worker | None = None) -> Iterator[Worker]:
+        """The workers but `avoid`, the least busy first; among equals, the one whose load moved
+        least recently first (so that idle workers take turns)."""
         for active in sorted(self._rows):
             for w in self._rows[active]:
-                if w is not avoid and self._place[w][1].page_size == page_size:
+                if w is not avoid:
                     yield w
 
     def get(self, address: str) -> Worker | None:
@@ -83,17 +97,12 @@ class LoadBoard:
         workers would say it."""
         if not self._shapes:
             return None
-        longest = max(s.max_model_len for s in self._shapes)
-        if longest and prompt_tokens >= longest:
-            return (f"the prompt has {prompt_tokens} tokens; the model length is {longest}, which leaves no "
-                    "room for output")
-        if longest and length > longest and not any(s.streams for s in self._shapes):
-            return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
-                    f"the model length {longest}")
-        if all(s.num_pages and not s.slides and -(-prompt_tokens // s.page_size) > s.num_pages for s in self._shapes):
-            most = max(s.num_pages * s.page_size for s in self._shapes)
-            return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {most}"
-        return None
+        reasons = {s: _why_not(s, prompt_tokens, length) for s in self._shapes}
+        if any(why is None for why in reasons.values()):
+            return None
+        # Each worker refuses it for a reason of its own: told as the one with the longest model says it.
+        most = max(s.num_pages * s.page_size for s in self._shapes)
+        return reasons[max(self._shapes, key=lambda s: (s.max_model_len, s.num_pages * s.page_size))].format(most=most)
 
     def __contains__(self, worker: Worker) -> bool:
         return worker in self._place

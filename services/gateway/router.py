@@ -61,6 +61,9 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
     # its own bound counts every request it has not yet admitted (those sent since its report too)
     queue_full = info is not None and info.max_waiting and ld.waiting + w.pending >= info.max_waiting
     longest = info.max_model_len if info is not None else 0
+    if info is not None and info.page_size and info.page_size != policy.page_size:
+        # the request is hashed in the fleet's smallest page size: no match is known here
+        pages_needed = -(-prompt_tokens // info.page_size)
     if info is not None and info.sliding_window:   # a sequence there holds at most two windows (and sinks)
         pages_needed = min(pages_needed, -(-(2 * info.sliding_window + info.attention_sink) // info.page_size))
     return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
@@ -116,7 +119,7 @@ def shortlist(board: LoadBoard, matches: Mapping[str, int], sticky: Worker | Non
     least busy few (every one, in a fleet of up to twice as many). Read off the board, so a
     large fleet's choice costs what a small one's does."""
     few = SHORTLIST_LEAST_BUSY if len(board) > 2 * SHORTLIST_LEAST_BUSY else len(board)
-    picked = dict.fromkeys(islice(board.least_busy(page_size, avoid), few))
+    picked = dict.fromkeys(islice(board.least_busy(avoid), few))
     for address in matches:
         w = board.get(address)
         if w is not None and w is not avoid and w.info.page_size == page_size:
@@ -141,7 +144,7 @@ def choose_blind(workers: LoadBoard | Iterable[Worker], prompt_tokens: int, poli
     room, in address order) or random among workers with room; neither looks at any cache."""
     board = _as_board(workers)
     pages = -(-prompt_tokens // policy.page_size)
-    room = sorted((w for w in board.least_busy(policy.page_size, avoid) if has_room(w, policy, pages, prompt_tokens)),
+    room = sorted((w for w in board.least_busy(avoid) if has_room(w, policy, pages, prompt_tokens)),
                   key=lambda w: w.address)
     if not room:
         return _avoided(board, avoid, policy, pages, prompt_tokens, {})

@@ -20,15 +20,15 @@ def test_the_least_busy_come_first_and_equals_take_turns():
     a, b, c = worker("a"), worker("b"), worker("c")
     for w in (a, b, c):
         board.add(w)
-    assert list(board.least_busy(16)) == [a, b, c]
+    assert list(board.least_busy()) == [a, b, c]
     mark = a.routed()                  # a is busier until its request ends
-    assert list(board.least_busy(16)) == [b, c, a]
+    assert list(board.least_busy()) == [b, c, a]
     a.ended(mark)                        # idle again, but it moved last: it waits its turn
-    assert list(board.least_busy(16)) == [b, c, a]
+    assert list(board.least_busy()) == [b, c, a]
     b.loaded(Load(running=3))
     c.loaded(Load(running=1))
-    assert list(board.least_busy(16)) == [a, c, b]
-    assert list(board.least_busy(16, avoid=a)) == [c, b]
+    assert list(board.least_busy()) == [a, c, b]
+    assert list(board.least_busy(avoid=a)) == [c, b]
 
 
 def test_only_serving_workers_with_a_known_model_are_on_it():
@@ -38,14 +38,14 @@ def test_only_serving_workers_with_a_known_model_are_on_it():
     for w in (a, b, starting):
         board.add(w)
     assert set(board) == {a, b} and board.page_size == 16
-    assert list(board.least_busy(32)) == [b] and board.get("b") is b and board.get("s") is None
+    assert list(board.least_busy()) == [a, b] and board.get("b") is b and board.get("s") is None
     a.state, a.info = DOWN, None
     a.changed()
     assert a not in board and board.page_size == 32
     starting.info = pb.ModelInfo(page_size=16)
     starting.state = SERVING
     starting.changed()
-    assert list(board.least_busy(16)) == [starting]
+    assert list(board.least_busy()) == [b, starting]
     board.remove(b)
     assert len(board) == 1 and b.on_change is None
     b.routed()                         # a removed worker no longer moves anything
@@ -55,7 +55,7 @@ def test_only_serving_workers_with_a_known_model_are_on_it():
 def test_a_board_made_of_workers_does_not_follow_them():
     a = worker("a")
     board = LoadBoard([a])
-    assert a.on_change is None and list(board.least_busy(16)) == [a]
+    assert a.on_change is None and list(board.least_busy()) == [a]
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["route", "end", "report", "state"]), st.integers(0, 4),
@@ -84,10 +84,9 @@ def test_the_board_always_agrees_with_a_pass_over_the_fleet(ops):
             w.changed()
         on = [w for w in fleet if w.state == SERVING and w.info is not None]
         assert set(board) == set(on)
-        for size in (16, 32):
-            listed = list(board.least_busy(size))
-            assert set(listed) == {w for w in on if w.info.page_size == size}
-            assert [w.active for w in listed] == sorted(w.active for w in listed)
+        listed = list(board.least_busy())
+        assert set(listed) == set(on)   # every page size: a request goes to any worker that can take it
+        assert [w.active for w in listed] == sorted(w.active for w in listed)
         assert board.page_size == min((w.info.page_size for w in on), default=None)
 
 

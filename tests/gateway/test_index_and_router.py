@@ -262,3 +262,32 @@ def test_a_sliding_window_worker_takes_prompts_longer_than_its_kv_cache():
     assert board.never_fits(500, 510) is None
     assert choose(board, {}, 500, POLICY, b"k").worker is windowed
     assert choose(board, {}, 100, POLICY, b"k").worker in (full, windowed)   # both have room for 25 pages
+
+
+def test_a_worker_of_another_page_size_takes_what_only_it_can():
+    """Requests are hashed in the fleet's smallest page size; a worker of a larger one was never
+    a candidate, though the request was judged against it: one only it could take waited at the
+    head of the queue for ever, and every request behind it too."""
+    small, large = worker("small"), worker("large")
+    small.info.max_model_len = 128
+    large.info.page_size, large.info.max_model_len = 8, 512
+    board = LoadBoard([small, large])
+    wants = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, length=205)
+    assert board.never_fits(200, 205) is None
+    assert choose(board, {}, 200, wants, b"k").worker is large
+    from kvserve.services.gateway.router import choose_blind
+    assert choose_blind(board, 200, wants, "round-robin", 0, None).worker is large
+    busy = worker("busy", waiting=6)   # a short request goes to the idle one, whatever its page size
+    assert choose(LoadBoard([busy, large]), {}, 8, POLICY, b"k").worker is large
+
+
+def test_a_request_every_worker_refuses_for_a_reason_of_its_own_is_refused():
+    """One worker streams past its length (sinks) but its length leaves no room for the prompt;
+    the other takes the prompt but not its output: checked against the fleet as a whole, the
+    request was neither routed nor refused."""
+    sinks, longer = worker("sinks"), worker("longer")
+    sinks.info.max_model_len, sinks.info.attention_sink = 64, 4
+    longer.info.max_model_len = 128
+    board = LoadBoard([sinks, longer])
+    assert board.never_fits(100, 200) == "prompt (100 tokens) + max_tokens (100) = 200 exceeds the model length 128"
+    assert board.never_fits(60, 200) is None   # the sinks' worker takes it
