@@ -99,6 +99,9 @@ def run_stats(args: argparse.Namespace) -> int:
                       str(w.index_pages), f"epoch {w.epoch}" if w.events_live else "not followed",
                       str(w.migrated_away))
     console.print(table)
+    for w in s.workers:
+        if w.not_serving:
+            console.print(f"{w.address} is not serving: {w.not_serving}", markup=False)
     return 0
 
 

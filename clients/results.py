@@ -143,6 +143,7 @@ class ModelInfo:
     attention_sink: int = 0     # tokens kept for a stream past the model length (--attention-sink)
     max_waiting: int = 0        # requests it keeps waiting before refusing more (--max-waiting)
     sliding_window: int = 0     # tokens a query attends back (a sliding-window model); 0: all
+    tokenizer_digest: str = ""  # what its tokenizer does, as 16 hex digits (a gateway compares them)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
@@ -166,6 +167,7 @@ class WorkerStats:
     events_live: bool
     index_pages: int
     migrated_away: int
+    not_serving: str = ""     # why it takes no requests, when its state is "not serving"
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,8 @@ def render(address: str, cur: Sample, prev: Sample | None, note: str) -> Rendera
         workers.add_row(Text(w.address), w.state, str(w.running), str(w.waiting),
                         f"{w.used_pages} / {w.free_pages} / {w.cached_pages}", f"{w.requests_routed:,}",
                         f"{w.hit_tokens:,} ({_percent(w.hit_tokens, w.prompt_tokens)})")
-    return Group(head, summary, workers)
+    why = [Text(f"{w.address} is not serving: {w.not_serving}") for w in s.workers if w.not_serving]
+    return Group(head, summary, workers, *why)
 
 
 def error_line(address: str, exc: KVServeError) -> str:

@@ -29,7 +29,7 @@ from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype, pick_kv_cache_dtype
-from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path
+from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path, tokenizer_digest
 from kvserve.services.plumbing.api_keys import read_token
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class ModelStack:
     eos_token_ids: frozenset[int]
     kv_cache_dtype: torch.dtype    # the pages' (--kv-cache-dtype): the model's, or narrower
     grammars: Grammars             # structured output's formats for this model's vocabulary
+    tokenizer_digest: str          # what its tokenizer does, for a gateway to compare (prompt_tokens.py)
 
 
 def pick_device(name: str) -> torch.device:
@@ -175,7 +176,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                     "others is refused", len(tokenizer), mcfg.vocab_size)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
-                      Grammars(tokenizer, mcfg.vocab_size, eos_ids))
+                      Grammars(tokenizer, mcfg.vocab_size, eos_ids), tokenizer_digest(tokenizer))
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

@@ -4,6 +4,7 @@ the ones the worker's manager will store). No torch here: the gateway imports it
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -43,6 +44,25 @@ def load_tokenizer(path: Path):
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     # The tokenizer itself, not its backend's encode: it releases the GIL (tokenizing.py).
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Texts a tokenizer_digest encodes: spaces, digits, accents, an emoji, something special-looking.
+_PROBE_TEXTS = ("Hello, world!", "  Ünïcödé\tnew\nlines 1234567 <|x|></s>[INST] 🙂", "")
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """16 hex digits that differ between tokenizers making other ids of the same text: its
+    vocabulary, the ids of a few probe texts (what it normalizes, splits and adds around them)
+    and its chat template. Read from what it does, not from its files, so that one tokenizer
+    gives one digest whichever files or library version loaded it. A gateway routes only to
+    workers whose digest is its own (services/gateway/fleet_model.py)."""
+    h = hashlib.sha256()
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    h.update(json.dumps(vocab, ensure_ascii=False).encode())
+    for text in _PROBE_TEXTS:
+        h.update(json.dumps(encode(tokenizer, text)).encode())
+    h.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 MAX_ROLE_CHARS = 64   # "system", "user", "assistant", "tool", ... and a template's own

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 from kvserve.kvcache_service.contract.hashing import page_hashes, tenant_extra_key
 from kvserve.services.gateway.board import LoadBoard
+from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
@@ -26,8 +27,9 @@ MAX_SESSIONS = 100_000
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
                  queue: WaitQueue, routing: str = "cache", balance_slack: int = 4,
-                 worker_tls: ClientTLS | None = None, tenants: bool = False) -> None:
+                 worker_tls: ClientTLS | None = None, tenants: bool = False, model: FleetModel | None = None) -> None:
         self.worker_tls = worker_tls
+        self.model = model   # what every worker must serve (None: not compared)
         self.tenants = tenants   # requests carry tenants (--api-keys): a worker must keep them apart
         self.balance_slack = balance_slack
         self.cache_salt = cache_salt
@@ -59,7 +61,7 @@ class Fleet:
         self.workers[address] = worker
         self.board.add(worker)
         follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off,
-                            self.tenants)
+                            self.tenants, self.model)
         self._followers[address] = follower
         follower.start()
         log.info("worker %s added", address)

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
+from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, Load, Worker
 from kvserve.services.plumbing import stats_watch
@@ -81,9 +82,12 @@ class EventCursor:
 
 class Follower:
     def __init__(self, worker: Worker, index: PrefixIndex, cache_salt: str, poll_s: float,
-                 on_change: Callable[[], None], on_down: Callable[[Worker], None], tenants: bool = False) -> None:
+                 on_change: Callable[[], None], on_down: Callable[[Worker], None], tenants: bool = False,
+                 model: FleetModel | None = None) -> None:
         self.worker = worker
         self.tenants = tenants
+        self.model = model   # the fleet's: a worker serving another is not routed to (None: not compared)
+        self.foreign: str | None = None   # why this worker serves another model than the fleet's
         self.index = index
         self.digest = extra_key_digest(cache_salt)
         self.poll_s = poll_s
@@ -175,6 +179,10 @@ class Follower:
                         log.error("worker %s does not take the gateway's tenants (it runs without "
                                   "--trust-tenant-metadata): every tenant would share its cache, so nothing is "
                                   "routed to it", w.address)
+                    self.foreign = self.model.differs(w.info) if self.model is not None else None
+                    if self.foreign:
+                        log.error("worker %s serves another model than the gateway's, so nothing is routed to it: "
+                                  "%s", w.address, self.foreign)
                 if self.pushed:
                     await self._watch_load()   # until the worker ends it: it drained
                 else:
@@ -262,12 +270,21 @@ class Follower:
         info = self.worker.info
         return self.tenants and info is not None and not info.trusts_tenant_metadata
 
+    def _refusal(self) -> str:
+        """Why the gateway routes nothing to a worker that serves ("": it routes there)."""
+        if self.foreign:
+            return f"another model: {self.foreign}"
+        if self._shares_tenants():
+            return ("it runs without --trust-tenant-metadata: the gateway's tenants would share its cache")
+        return ""
+
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache
-        state = SERVING if serving and not self._shares_tenants() else NOT_SERVING
+        why = (stats.not_serving or "it says it is not serving") if not serving else self._refusal()
+        state = NOT_SERVING if why else SERVING
         if state != w.state:
-            log.info("worker %s: %s%s", w.address, state, f" ({stats.not_serving})" if stats.not_serving else "")
-        w.state = state
+            log.info("worker %s: %s%s", w.address, state, f" ({why})" if why else "")
+        w.state, w.not_serving = state, why
         w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
                       asked))
 
@@ -276,7 +293,7 @@ class Follower:
         self.pushed = True   # what answers next may be a newer version
         if w.state != DOWN:
             log.warning("worker %s is down (%s)", w.address, why)
-            w.state = DOWN
+            w.state, w.not_serving = DOWN, why
             w.info = None
             w.load = Load()   # what it said last is not what it holds now
             w.changed()

@@ -14,6 +14,7 @@ from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_pa
 from kvserve.services.gateway.config import GatewayConfig
 from kvserve.services.gateway.discovery import follow_dns
 from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.inputs import Inputs
 from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
@@ -53,12 +54,14 @@ class Gateway:
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     config.check_files()
-    tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model_path(config.model)))
+    path = await asyncio.to_thread(resolve_model_path, config.model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, path)
+    model = await asyncio.to_thread(FleetModel.of, path, tokenizer)
     metrics = GatewayMetrics()
     queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
     keys = ApiKeys(config.api_keys) if config.api_keys else None
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
-                  config.routing, config.balance_slack, config.worker_tls(), tenants=keys is not None)
+                  config.routing, config.balance_slack, config.worker_tls(), tenants=keys is not None, model=model)
     inputs = Inputs(tokenizer, config.tokenizer_threads, config.max_prompt_chars, config.max_chat_messages)
     servicer = GatewayServicer(fleet, inputs, config.migration_limit,
                                config.no_worker_timeout_s, keys)

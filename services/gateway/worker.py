@@ -63,6 +63,7 @@ class Worker:
     epoch: int = 0
     events_live: bool = False
     hashes_match: bool = True   # its extra_key is ours: the index may route to its cache
+    not_serving: str = ""     # why its state is not serving or down, in its words or the gateway's
     requests_routed: int = 0
     hit_tokens: int = 0       # prompt tokens its cache held, as its PrefillDone events said
     prompt_tokens: int = 0
@@ -155,4 +156,4 @@ class Worker:
             used_pages=ld.used_pages, free_pages=ld.free_pages, cached_pages=ld.cached_pages,
             requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
             epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
-            migrated_away=self.migrated_away)
+            migrated_away=self.migrated_away, not_serving=self.not_serving)

@@ -206,12 +206,16 @@ def test_a_gateway_without_workers_is_shown_as_one_with_its_queue_and_why_it_doe
     assert "NOT SERVING  no worker is serving" in empty and "manager" not in empty, empty
     worker = WorkerStats("[fd00:10:244::5]:50051", "serving", 1, 0, 10, 20, 2, 5, 8, 16, 1, True, 3, 0)
     assert "[fd00:10:244::5]:50051" in shown(stats(gateway=True, workers=(worker,), serving=True))
+    other = WorkerStats("w:2", "not serving", 0, 0, 0, 20, 0, 0, 0, 0, 0, True, 0, 0, "another model: it serves q")
+    assert "w:2 is not serving: another model: it serves q" in shown(stats(gateway=True, workers=(worker, other),
+                                                                           serving=True))
 
 
 def test_stats_shows_a_gateway_without_workers_and_ipv6_workers_as_they_are(monkeypatch, capsys) -> None:
     from kvserve.clients import cli
 
-    worker = WorkerStats("[fd00:10:244::5]:50051", "down", 0, 0, 0, 0, 0, 0, 0, 0, 0, False, 0, 0)
+    worker = WorkerStats("[fd00:10:244::5]:50051", "down", 0, 0, 0, 0, 0, 0, 0, 0, 0, False, 0, 0,
+                         "UNAVAILABLE: failed to connect to all addresses")
     answers = [stats(gateway=True, queued=2, serving=False, not_serving="no worker is serving"),
                stats(gateway=True, workers=(worker,), serving=False, not_serving="no worker is serving")]
 
@@ -232,3 +236,4 @@ def test_stats_shows_a_gateway_without_workers_and_ipv6_workers_as_they_are(monk
     out = capsys.readouterr().out
     assert "queued at the gateway 2" in out and "manager" not in out, out
     assert "[fd00:10:244::5]:50051" in out, out
+    assert "[fd00:10:244::5]:50051 is not serving: UNAVAILABLE: failed to connect to all addresses" in out, out
