@@ -86,6 +86,9 @@ class RequestBuilder:
         if len(prompt) + max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                                f"{len(prompt) + max_tokens} exceeds {what} {limit}")
+        if params.min_tokens > max_tokens:   # against a max_tokens sent, SamplingParams refused it already
+            raise RequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the model length "
+                               f"({self.stack.max_model_len}) leaves after the prompt's {len(prompt)}")
         salt = tenant_extra_key(self.config.cache_salt, tenant)
         if not self.config.prefix_caching:
             # pages of this request only: nothing is ever shared (a client's own id, reused, would be)

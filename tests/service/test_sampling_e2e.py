@@ -163,6 +163,13 @@ def test_logit_bias_and_min_tokens(stub):
         with pytest.raises(grpc.RpcError) as info:
             generate(stub, request(token_ids=prompt, **{"max_tokens": 4, **sampling}))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == message
+    # max_tokens unset: the model length bounds the output, and min_tokens by it
+    left = 2048 - len(prompt)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, request(token_ids=prompt, min_tokens=left + 1, temperature=0))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == (
+        f"min_tokens ({left + 1}) exceeds the {left} tokens the model length (2048) leaves after the prompt's "
+        f"{len(prompt)}")
 
 
 def test_structured_output_over_grpc(stub, tokenizer):
