@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.model_service.engine.events import Finished
-from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, SCRAPE_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
+from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
                                                       TOKEN_LATENCY_BUCKETS)
 
 
@@ -122,7 +122,7 @@ class _EngineState:
         try:
             if e.link.lost:
                 raise ConnectionError("the engine lost its manager")
-            stats = self.kv_stats(timeout_s=SCRAPE_TIMEOUT_S)   # within Prometheus's scrape timeout
+            stats = self.kv_stats(timeout_s=PEER_TIMEOUT_S)   # a manager that hangs costs only its series
         except Exception:   # the manager is away: its series are left out of this scrape
             reachable.add_metric([], 0)
         else:

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import logging
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from kvserve.services.plumbing.metrics_server import SCRAPE_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
-FETCH_TIMEOUT_S = 2.0
+# Each child answers within it (a hung manager costs a model service PEER_TIMEOUT_S), and the
+# children are asked at once: one that hangs costs only its own series.
+FETCH_TIMEOUT_S = SCRAPE_TIMEOUT_S
 
 
 # The children listen on 127.0.0.1: never through a proxy the environment names.
@@ -34,16 +39,11 @@ class StackMetrics:
 
     def collect(self):
         families: dict[str, Metric] = {}
-        for labels, url in self.sources:
-            try:
-                with _OPENER.open(url, timeout=FETCH_TIMEOUT_S) as response:
-                    text = response.read().decode()
-            except OSError as exc:   # a child restarting: its series sit this scrape out
-                if url not in self._failing:
-                    log.warning("metrics from %s left out: %s", url, exc)
-                self._failing.add(url)
+        with ThreadPoolExecutor(max(1, len(self.sources)), thread_name_prefix="kvserve-metrics-fetch") as pool:
+            texts = list(pool.map(self._fetch, [url for _, url in self.sources]))
+        for (labels, _), text in zip(self.sources, texts):
+            if text is None:
                 continue
-            self._failing.discard(url)
             for family in text_string_to_metric_families(text):
                 merged = families.get(family.name)
                 if merged is None:
@@ -52,3 +52,16 @@ class StackMetrics:
                 merged.samples.extend(Sample(s.name, {**labels, **s.labels}, s.value, s.timestamp, s.exemplar)
                                       for s in family.samples)
         yield from families.values()
+
+    def _fetch(self, url: str) -> str | None:
+        """The child's series as text; None when it does not answer (restarting, or hung)."""
+        try:
+            with _OPENER.open(url, timeout=FETCH_TIMEOUT_S) as response:
+                text = response.read().decode()
+        except OSError as exc:   # its series sit this scrape out
+            if url not in self._failing:
+                log.warning("metrics from %s left out: %s", url, exc)
+            self._failing.add(url)
+            return None
+        self._failing.discard(url)
+        return text

@@ -4,7 +4,9 @@ with several workers, each worker's series carry its name."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import http.client
 import time
 import urllib.error
@@ -19,7 +21,7 @@ from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.plumbing.address import CannotListen
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from tests.metrics.scrape import scrape, value
-from tests.service.processes import free_port, kvserve, terminate, wait_serving
+from tests.service.processes import children, free_port, kvserve, terminate, wait_serving
 from tests.service.util import generate, greedy, request, wait_until
 
 
@@ -148,5 +150,19 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
         assert value(samples, "kvserve:num_requests_running") == 0
         with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as response:
             assert json.loads(response.read())["data"][0]["max_model_len"] > 0
+        # a manager that hangs (stopped, not dead) costs its own series only: the model service's
+        # stay, saying the manager does not answer (the model service waited on it as long as
+        # the stack waited on the model service, and the scrape had nothing)
+        [manager] = [pid for pid in children(proc.pid)
+                     if b"kvcache" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")]   # its subcommand
+        os.kill(manager, signal.SIGSTOP)
+        try:
+            samples = scrape(metrics)
+            assert value(samples, "kvserve:manager_reachable") == 0
+            assert value(samples, "kvserve:num_requests_running") == 0
+            assert value(samples, "kvserve:time_to_first_token_seconds_count") == 2
+            assert not any(name.startswith("kvserve:kv_pages") for name, _ in samples)
+        finally:
+            os.kill(manager, signal.SIGCONT)
     finally:
         terminate(proc)
