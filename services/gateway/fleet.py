@@ -49,6 +49,8 @@ class Fleet:
         self._prompt_tokens_seen = 0
         self.migrations = 0   # streams moved off a failed worker
         self.generated_tokens = 0   # streamed to this gateway's clients
+        self.prompt_tokens = 0      # of its clients' requests, once each, however often a request moved
+        self.cached_tokens = 0      # of those, found in the first worker's cache (what the client was told)
         self.ended = {"finished": 0, "aborted": 0, "failed": 0}   # this gateway's streams, by how they ended
         self._requests_seen = 0
 

@@ -251,6 +251,8 @@ class Relay:
                             continue
                         prefill_sent = True
                         first_cached = response.prefill_done.cached_tokens
+                        fleet.prompt_tokens += response.prefill_done.prompt_tokens
+                        fleet.cached_tokens += first_cached
                     elif kind == "chunk":
                         streamed.setdefault(response.index, []).extend(response.chunk.token_ids)
                         fleet.generated_tokens += len(response.chunk.token_ids)

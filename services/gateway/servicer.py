@@ -194,13 +194,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         not_serving = self._not_serving()
         ended = self.fleet.ended
         out = pb.ServerStats(queued=len(self.fleet.queue), manager_reachable=bool(self.fleet.serving()),
-                             generated_tokens=self.fleet.generated_tokens, requests_finished=ended["finished"],
+                             generated_tokens=self.fleet.generated_tokens, prompt_tokens=self.fleet.prompt_tokens,
+                             cached_tokens=self.fleet.cached_tokens, requests_finished=ended["finished"],
                              requests_aborted=ended["aborted"], requests_failed=ended["failed"],
                              serving=not not_serving, not_serving=not_serving, gateway=True)
         for w in workers:
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running
             out.waiting += w.load.waiting
-            out.prompt_tokens += w.prompt_tokens
-            out.cached_tokens += w.hit_tokens
         return out

@@ -143,6 +143,10 @@ def test_a_move_keeps_the_continuation_a_gateway_in_front_sent(tiny_dirs):
         assert tokens_of(events) == [5, 6, 7, 8]
         assert list(failing.requests[0].continuation.ids) == [41, 42]
         assert list(busier.requests[0].continuation.ids) == [41, 42, 5, 6]
+        # the client's request counts once in the gateway's totals, at each worker that prefilled it
+        stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert (stats.prompt_tokens, stats.generated_tokens) == (3, 4)
+        assert sorted(w.prompt_tokens for w in stats.workers) == [3, 3]
 
 
 def test_a_move_after_prefill_done_does_not_ask_for_the_prompts_logprobs_again(tiny_dirs):
