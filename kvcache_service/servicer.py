@@ -70,6 +70,12 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
             return self.m.seq_id_of(ref.request_id)
         raise InvalidArgument(f"{what}: set seq_id or request_id")
 
+    @staticmethod
+    def _commit(request: pb.CommitRequest):
+        if not request.HasField("commit"):   # unset, it reads as a commit of sequence 0
+            raise InvalidArgument("commit: set it (seq_id, num_computed and token_ids)")
+        return convert.commit_from_pb(request.commit)
+
     # --------------------------------------------------------------- RPCs
 
     async def Register(self, request, context):
@@ -112,7 +118,7 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         return convert.allocation_to_pb(out)
 
     async def Commit(self, request, context):
-        stored = await self._run(context, lambda: self.m.commit(convert.commit_from_pb(request.commit)))
+        stored = await self._run(context, lambda: self.m.commit(self._commit(request)))
         return pb.CommitResponse(pages_stored=stored)
 
     async def Release(self, request, context):

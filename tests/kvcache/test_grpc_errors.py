@@ -95,6 +95,7 @@ CASES: list[tuple[str, Callable[[KV], object], grpc.StatusCode, tuple[str, ...]]
     ("match-prefix-negative-id", call("MatchPrefix", pb.MatchPrefixRequest(token_ids=[1, -5, 2])), INVALID,
      ("token id -5",)),
     ("release-without-ref", call("Release", pb.ReleaseRequest()), INVALID, ("seq_id or request_id",)),
+    ("commit-unset", call("Commit", pb.CommitRequest()), INVALID, ("commit: set it",)),   # not sequence 0's
     ("fork-without-parent", call("Fork", pb.ForkRequest(request_id="c")), INVALID, ("parent",)),
     ("fork-empty-request-id", call("Fork", pb.ForkRequest(parent=ref(0))), INVALID, ("request_id",)),
     # ---- NOT_FOUND: unknown seq ids and request ids
