@@ -182,6 +182,7 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     request_id: str = "",
     session_id: str = "",
+    cache_salt: str = "",
     n: int | None = None,
     prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
@@ -211,8 +212,9 @@ def generate_request(
                 setattr(sampling, name, value)
     if structured is not None:
         sampling.structured.CopyFrom(structured_output(structured))
-    with _field("request_id or session_id", None):
-        request = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sampling)
+    with _field("request_id, session_id or cache_salt", None):
+        request = pb.GenerateRequest(request_id=request_id, session_id=session_id, cache_salt=cache_salt,
+                                     sampling=sampling)
     inputs = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
     chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs)

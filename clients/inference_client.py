@@ -165,6 +165,7 @@ class InferenceClient:
         skip_special_tokens: bool | None = None,
         request_id: str = "",
         session_id: str = "",
+        cache_salt: str = "",
         n: int | None = None,
         prompt_logprobs: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
@@ -184,13 +185,16 @@ class InferenceClient:
         schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]} or {"lark_grammar": ...}.
         With messages, the chat template's options as vLLM takes them: add_generation_prompt
         (default true), continue_final_message (the last message continued, not closed) and
-        chat_template_kwargs (the template's own variables, e.g. {"enable_thinking": False})."""
+        chat_template_kwargs (the template's own variables, e.g. {"enable_thinking": False}).
+        cache_salt keeps the request's prefix cache apart: its pages are shared only with
+        requests of the same salt."""
         request = convert.generate_request(
             prompt, token_ids, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, skip_special_tokens=skip_special_tokens,
-            request_id=request_id, session_id=session_id, n=n, prompt_logprobs=prompt_logprobs,
+            request_id=request_id, session_id=session_id, cache_salt=cache_salt, n=n,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias, min_tokens=min_tokens, structured=structured,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)

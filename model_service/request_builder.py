@@ -16,7 +16,7 @@ import json
 import uuid
 from collections.abc import Callable
 
-from kvserve.kvcache_service.contract.hashing import tenant_extra_key
+from kvserve.kvcache_service.contract.hashing import check_cache_salt, request_extra_key
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service.engine.errors import InvalidRequest, NothingToGenerate
 from kvserve.model_service import prompt_tokens
@@ -89,7 +89,7 @@ class RequestBuilder:
         if params.min_tokens > max_tokens:   # against a max_tokens sent, SamplingParams refused it already
             raise RequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the model length "
                                f"({self.stack.max_model_len}) leaves after the prompt's {len(prompt)}")
-        salt = tenant_extra_key(self.config.cache_salt, tenant)
+        salt = request_extra_key(self.config.cache_salt, tenant, msg.cache_salt)
         if not self.config.prefix_caching:
             # pages of this request only: nothing is ever shared (a client's own id, reused, would be)
             salt = f"{salt}\x00{uuid.uuid4().hex}"
@@ -163,6 +163,10 @@ class RequestBuilder:
         problem = id_problem(request_id, msg.session_id)
         if problem is not None:
             raise RequestError(problem)
+        try:
+            check_cache_salt(msg.cache_salt)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         kind = msg.WhichOneof("input")
         if kind == "prompt":
             self._check_text(_prompt_bytes(msg), msg.ByteSize(), lambda: len(msg.prompt), "the prompt has")

@@ -113,3 +113,23 @@ def tenant_extra_key(salt: str, tenant: str) -> str:
     tenants never share a page (a shared page would tell one, through its time to first token,
     what the other sent). The gateway and the worker both call this: their hashes agree."""
     return f"{salt}\x00tenant:{tenant}" if tenant else salt
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def request_extra_key(salt: str, tenant: str, cache_salt: str = "") -> str:
+    """The extra_key of one request: its tenant's, and the request's own cache_salt after it
+    (a salt shares pages only with requests of the same salt and tenant). The gateway and the
+    worker both call this."""
+    key = tenant_extra_key(salt, tenant)
+    return f"{key}\x00salt:{cache_salt}" if cache_salt else key
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """ValueError for a cache_salt no request may carry (a NUL is what parts an extra_key)."""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt has {len(cache_salt):,} characters; at most {MAX_CACHE_SALT_CHARS:,} "
+                         "are allowed")
+    if "\x00" in cache_salt:
+        raise ValueError("cache_salt must not contain NUL characters")

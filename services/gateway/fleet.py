@@ -9,7 +9,7 @@ import logging
 import random
 from collections import OrderedDict
 
-from kvserve.kvcache_service.contract.hashing import page_hashes, tenant_extra_key
+from kvserve.kvcache_service.contract.hashing import page_hashes, request_extra_key
 from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
@@ -123,11 +123,13 @@ class Fleet:
         None when one could."""
         return self.board.never_fits(prompt_tokens, length)
 
-    def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None) -> list[int]:
-        """The pages' hashes as the worker computes them: the same salt, the same tenant (pages of
-        the board's page size unless told)."""
+    def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None,
+               cache_salt: str = "") -> list[int]:
+        """The pages' hashes as the worker computes them: the same salt, the same tenant, the
+        request's own cache_salt (pages of the board's page size unless told)."""
         ps = page_size or self.page_size
-        return page_hashes(ids, ps, extra_key=tenant_extra_key(self.cache_salt, tenant)) if ps and ids else []
+        key = request_extra_key(self.cache_salt, tenant, cache_salt)
+        return page_hashes(ids, ps, extra_key=key) if ps and ids else []
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None,
                length: int = 0) -> Choice | None:

@@ -162,7 +162,7 @@ class Relay:
         def hashes_for() -> list[int]:   # once per page size (known once a worker has answered)
             ps = fleet.page_size
             if ps not in hashes:
-                hashes[ps] = fleet.hashes(self.ids, self.tenant)
+                hashes[ps] = fleet.hashes(self.ids, self.tenant, cache_salt=self.request.cache_salt)
             return hashes[ps]
 
         streamed: dict[int, list[int]] = {}   # each sequence's tokens so far, by index
@@ -203,7 +203,7 @@ class Relay:
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size
-            hashes[ps] = await asyncio.to_thread(fleet.hashes, self.ids, self.tenant, ps)
+            hashes[ps] = await asyncio.to_thread(fleet.hashes, self.ids, self.tenant, ps, self.request.cache_salt)
         while True:
             if self.cancelled:   # while it moved
                 for response in aborted():

@@ -18,6 +18,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
+from kvserve.kvcache_service.contract.hashing import check_cache_salt
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
 from kvserve.model_service.status import status_message
 from kvserve.services.gateway.inputs import InputError, Inputs
@@ -55,6 +56,10 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
             if (problem := id_problem(request_id, request.session_id)) is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)   # what its worker would refuse
+            try:
+                check_cache_salt(request.cache_salt)
+            except ValueError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if request.WhichOneof("input") == "token_ids" and \
                     (why := self.fleet.never_fits(len(request.token_ids.ids))) is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)   # before a list of them is made

@@ -166,7 +166,7 @@ class Front:
             reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
                           logprobs=msg.sampling.HasField("logprobs"), echo=echo,
                           prompt=msg.prompt if msg.HasField("prompt") else None,
-                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top)
+                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=msg.request_id)
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:

@@ -37,6 +37,12 @@ UNSUPPORTED = {
     "web_search_options": lambda v, body: v is None,
     "return_tokens_as_token_ids": lambda v, body: v in _NOTHING,
     "prompt_embeds": lambda v, body: v is None,
+    "documents": lambda v, body: v in _NOTHING,            # a template's documents (retrieval)
+    "priority": lambda v, body: v in _NOTHING,             # vLLM's priority scheduling: first come, first served here
+    "reasoning_effort": lambda v, body: v is None,
+    "return_token_ids": lambda v, body: v in _NOTHING,
+    "length_penalty": lambda v, body: v is None or v == 1,   # beam search's
+    "spaces_between_special_tokens": lambda v, body: v is None or v is True,   # the tokenizer's own decoding
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
@@ -251,6 +257,16 @@ def request_of(kind: str, body: dict) -> pb.GenerateRequest:
             msg.sampling.prompt_logprobs = max(prompt_top, msg.sampling.prompt_logprobs)
         if "user" in body and isinstance(body["user"], str):
             msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
+        salt = body.get("cache_salt")   # vLLM's: the request's prefix cache apart; the server checks its size
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise HttpError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+            msg.cache_salt = salt
+        request_id = body.get("request_id")   # vLLM's: the request's id at the server, and in the reply's
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise HttpError(400, "'request_id' must be a non-empty string", param="request_id")
+            msg.request_id = request_id   # the server checks it (and that no request of it is in flight)
     except UnicodeEncodeError:
         raise HttpError(400, "a string in the body holds a lone UTF-16 surrogate (such as \\ud800), which is "
                              "not text") from None
@@ -363,7 +379,8 @@ class Reply:
     """One response being built: the id, the model, each choice's text and how it finished."""
 
     def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False, echo: bool = False,
-                 prompt: str | None = None, echo_top: int = 0, prompt_top: int | None = None) -> None:
+                 prompt: str | None = None, echo_top: int = 0, prompt_top: int | None = None,
+                 request_id: str = "") -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
@@ -376,7 +393,7 @@ class Reply:
         self.vllm_prompt_logprobs: list[dict | None] | None = None
         self.tokens: dict[int, list] = defaultdict(list)   # each choice's TokenLogprobs, for whole()
         self.offset: dict[int, int] = defaultdict(int)     # characters of each choice's tokens so far
-        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self.text: dict[int, list[str]] = defaultdict(list)   # by the sequences that sent text
         self.finish_reason: dict[int, str] = {}

@@ -116,6 +116,10 @@ def test_token_ids_input_is_the_prompt_tokenized(client: InferenceClient) -> Non
     # the second identical prompt finds the first one's full pages in the prefix cache
     page = client.model_info().page_size
     assert by_ids.finished.cached_tokens == (len(ids) - 1) // page * page
+    # ...but not under a cache_salt, which shares pages with its own salt only
+    salted = [client.complete(token_ids=list(ids), max_tokens=2, cache_salt="mine").finished.cached_tokens
+              for _ in range(2)]
+    assert salted == [0, (len(ids) - 1) // page * page]
 
 
 def test_messages_input_uses_the_chat_template(client: InferenceClient) -> None:

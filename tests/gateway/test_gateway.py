@@ -154,6 +154,13 @@ def test_the_gateway_hashes_prompts_as_the_workers_store_them(tiny_dirs, salt):
             generate(fleet.stub, msg)
             hashes = gw.hashes(fleet.gateway.call(inputs.ids(msg)))
             assert hashes and set(hashes) <= tree_hashes(fleet.workers[0]), msg.WhichOneof("input")
+        # a request's own cache_salt, after the deployment's: its pages, and only they, hash with it
+        salted = request(token_ids=list(range(200, 240)), **greedy(1))
+        salted.cache_salt = "one user's"
+        generate(fleet.stub, salted)
+        ids = list(salted.token_ids.ids)
+        assert set(gw.hashes(ids, cache_salt="one user's")) <= tree_hashes(fleet.workers[0])
+        assert not set(gw.hashes(ids)) & tree_hashes(fleet.workers[0])
 
 
 def test_a_worker_with_another_salt_is_routed_by_load_only(tiny_dirs):

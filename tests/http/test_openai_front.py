@@ -481,6 +481,8 @@ def test_logprobs_of_tokens_a_format_masks_are_json_numbers(front):
     {"include_stop_str_in_output": False}, {"guided_json": None}, {"use_beam_search": False},
     {"modalities": ["text"]}, {"seed": -1}, {"add_special_tokens": True}, {"parallel_tool_calls": True},
     {"return_tokens_as_token_ids": False}, {"stream_options": None}, {"stream_options": {}},
+    {"priority": 0}, {"documents": []}, {"reasoning_effort": None}, {"return_token_ids": False},
+    {"length_penalty": 1.0}, {"spaces_between_special_tokens": True},
 ])
 def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
@@ -496,6 +498,9 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(front, extra):
     {"truncate_prompt_tokens": 1}, {"logits_processors": ["x"]}, {"chat_template": "{{ messages }}"},
     {"modalities": ["audio"]}, {"return_tokens_as_token_ids": True},
     {"prompt_embeds": "AAAA"}, {"web_search_options": {}}, {"audio": {"voice": "alloy", "format": "wav"}},
+    # each was a 200 that did not do what it asked
+    {"priority": 5}, {"documents": [{"title": "t", "text": "x"}]}, {"reasoning_effort": "low"},
+    {"return_token_ids": True}, {"length_penalty": 0.5}, {"spaces_between_special_tokens": False},
 ])
 def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
     body = {"prompt": PROMPT, "max_tokens": 2, **extra}
@@ -530,6 +535,29 @@ def test_asks_the_front_cannot_answer_are_a_400_naming_them(front, path, extra, 
     body = {"max_tokens": 2, **({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}), **extra}
     status, answer = _post(front, path, json.dumps(body).encode())
     assert status == 400 and answer["error"]["message"] == words, answer
+
+
+def test_a_cache_salt_keeps_a_requests_pages_apart_and_a_request_id_names_it(front, client, model):
+    """vLLM's cache_salt and request_id: pages shared only under one salt; the id is the
+    request's at the server (one in flight at a time) and in the reply's."""
+    prompt = "salted " * 40
+
+    def hit(**extra):
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+    assert hit(cache_salt="alice") == 0 and hit(cache_salt="alice") > 0
+    assert hit(cache_salt="bob") == 0 and hit() == 0
+    for salt, words in ((5, "'cache_salt' must be a non-empty string"), ("", "'cache_salt' must be a non-empty string"),
+                        ("a\u0000b", "cache_salt must not contain NUL characters")):
+        status, answer = _post(front, "/v1/completions", json.dumps(
+            {"prompt": PROMPT, "max_tokens": 2, "cache_salt": salt}).encode())
+        assert status == 400 and words in answer["error"]["message"], answer
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={
+        "request_id": "trace-42"})
+    assert reply.id == "chatcmpl-trace-42"
+    status, answer = _post(front, "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 2, "request_id": 42}).encode())
+    assert status == 400 and answer["error"]["message"] == "'request_id' must be a non-empty string"
 
 
 def test_stream_options_that_ask_for_nothing_are_accepted(client, model):

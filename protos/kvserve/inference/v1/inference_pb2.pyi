@@ -115,7 +115,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "session_id", "continuation")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "session_id", "continuation", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
@@ -130,7 +131,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     session_id: str
     continuation: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class QueueStatus(_message.Message):
     __slots__ = ("position", "eta_ms")
