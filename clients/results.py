@@ -144,6 +144,7 @@ class ModelInfo:
     max_waiting: int = 0        # requests it keeps waiting before refusing more (--max-waiting)
     sliding_window: int = 0     # tokens a query attends back (a sliding-window model); 0: all
     tokenizer_digest: str = ""  # what its tokenizer does, as 16 hex digits (a gateway compares them)
+    takes_cache_salt: bool = False   # it keeps a request's cache_salt (older versions ignore it)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
@@ -167,7 +168,7 @@ class WorkerStats:
     events_live: bool
     index_pages: int
     migrated_away: int
-    not_serving: str = ""     # why it takes no requests, when its state is "not serving"
+    not_serving: str = ""     # why it takes no requests, when its state is "not serving" or "down"
 
 
 @dataclass(frozen=True, slots=True)

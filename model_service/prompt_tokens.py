@@ -53,9 +53,10 @@ _PROBE_TEXTS = ("Hello, world!", "  Ünïcödé\tnew\nlines 1234567 <|x|></s>[IN
 def tokenizer_digest(tokenizer) -> str:
     """16 hex digits that differ between tokenizers making other ids of the same text: its
     vocabulary, the ids of a few probe texts (what it normalizes, splits and adds around them)
-    and its chat template. Read from what it does, not from its files, so that one tokenizer
-    gives one digest whichever files or library version loaded it. A gateway routes only to
-    workers whose digest is its own (services/gateway/fleet_model.py)."""
+    and its chat template. Read from what it does rather than from its files' bytes, so that
+    processes loading one checkpoint agree (a transformers or tokenizers version that reads
+    the same files otherwise may not). A gateway routes only to workers whose digest is its
+    own (services/gateway/fleet_model.py)."""
     h = hashlib.sha256()
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
     h.update(json.dumps(vocab, ensure_ascii=False).encode())

@@ -183,7 +183,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             max_num_seqs=s.config.max_num_seqs, kv_cache_dtype=str(s.kv_cache_dtype).removeprefix("torch."),
             trusts_tenant_metadata=s.config.trust_tenant_metadata,
             attention_sink=s.config.attention_sink, max_waiting=s.config.max_waiting,
-            sliding_window=s.model_config.sliding_window or 0, tokenizer_digest=s.tokenizer_digest)
+            sliding_window=s.model_config.sliding_window or 0, tokenizer_digest=s.tokenizer_digest,
+            takes_cache_salt=True)
 
     async def GetServerStats(self, request, context):
         return await self._stats()

@@ -115,7 +115,7 @@ def tenant_extra_key(salt: str, tenant: str) -> str:
     return f"{salt}\x00tenant:{tenant}" if tenant else salt
 
 
-MAX_CACHE_SALT_CHARS = 1024
+MAX_CACHE_SALT_BYTES = 256   # hashed into every page of the request
 
 
 def request_extra_key(salt: str, tenant: str, cache_salt: str = "") -> str:
@@ -128,8 +128,8 @@ def request_extra_key(salt: str, tenant: str, cache_salt: str = "") -> str:
 
 def check_cache_salt(cache_salt: str) -> None:
     """ValueError for a cache_salt no request may carry (a NUL is what parts an extra_key)."""
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt has {len(cache_salt):,} characters; at most {MAX_CACHE_SALT_CHARS:,} "
-                         "are allowed")
+    size = len(cache_salt.encode("utf-8", "surrogatepass"))
+    if size > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt has {size:,} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed")
     if "\x00" in cache_salt:
         raise ValueError("cache_salt must not contain NUL characters")

@@ -24,16 +24,22 @@ class Shape(NamedTuple):
     num_pages: int
     streams: bool = False   # it keeps attention sinks: output may run past max_model_len
     slides: bool = False    # a sliding window: a prompt longer than its KV cache still fits
+    salts: bool = False     # it keeps a request's cache_salt (an older version ignores it)
 
 
-def _why_not(s: Shape, prompt_tokens: int, length: int) -> str | None:
+def _why_not(s: Shape, prompt_tokens: int, length: int, output: str = "max_tokens",
+             salted: bool = False) -> str | None:
     """Why a worker of shape `s` could never take the request, as it would say it (None: it
-    could); {most} stands for the largest KV cache of the fleet."""
+    could); {most} stands for the largest KV cache of the fleet. `output` names what asked for
+    the tokens past the prompt; `salted`: the request carries a cache_salt."""
+    if salted and not s.salts:
+        return ("no serving worker takes a cache_salt (they run an older version, which would ignore it and "
+                "share the request's pages)")
     if s.max_model_len and prompt_tokens >= s.max_model_len:
         return (f"the prompt has {prompt_tokens} tokens; the model length is {s.max_model_len}, which leaves no "
                 "room for output")
     if s.max_model_len and length > s.max_model_len and not s.streams:
-        return (f"prompt ({prompt_tokens} tokens) + max_tokens ({length - prompt_tokens}) = {length} exceeds "
+        return (f"prompt ({prompt_tokens} tokens) + {output} ({length - prompt_tokens}) = {length} exceeds "
                 f"the model length {s.max_model_len}")
     if s.num_pages and not s.slides and -(-prompt_tokens // s.page_size) > s.num_pages:
         return f"the prompt has {prompt_tokens} tokens; the largest worker's KV cache holds {{most}}"
@@ -66,7 +72,8 @@ class LoadBoard:
             return
         info = worker.info
         active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages,
-                                             info.attention_sink > 0, info.sliding_window > 0)
+                                             info.attention_sink > 0, info.sliding_window > 0,
+                                             info.takes_cache_salt)
         self._place[worker] = active, shape
         row = self._rows.get(active)
         if row is None:
@@ -91,13 +98,15 @@ class LoadBoard:
         """The smallest page size on the board: requests are hashed and matched in it."""
         return min(s.page_size for s in self._shapes) if self._shapes else None
 
-    def never_fits(self, prompt_tokens: int, length: int = 0) -> str | None:
+    def never_fits(self, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
+                   salted: bool = False) -> str | None:
         """Why no worker on the board could ever take a prompt of `prompt_tokens`, `length` tokens
         with its output (None: one could, or the board is empty and nothing is known yet), as the
-        workers would say it."""
+        workers would say it; `output` names what asked for the output's length, `salted` says
+        the request carries a cache_salt."""
         if not self._shapes:
             return None
-        reasons = {s: _why_not(s, prompt_tokens, length) for s in self._shapes}
+        reasons = {s: _why_not(s, prompt_tokens, length, output, salted) for s in self._shapes}
         if any(why is None for why in reasons.values()):
             return None
         # Each worker refuses it for a reason of its own: told as the one with the longest model says it.

@@ -16,7 +16,7 @@ from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.gateway.worker import Worker
+from kvserve.services.gateway.worker import SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,11 @@ class Fleet:
     def page_size(self) -> int | None:
         return self.board.page_size
 
-    def never_fits(self, prompt_tokens: int, length: int = 0) -> str | None:
-        """Why no serving worker could ever take a prompt this long, with `length` tokens in all;
-        None when one could."""
-        return self.board.never_fits(prompt_tokens, length)
+    def never_fits(self, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
+                   salted: bool = False) -> str | None:
+        """Why no serving worker could ever take a prompt this long, with `length` tokens in all
+        (`output` asked for those past the prompt; `salted`: with a cache_salt); None when one could."""
+        return self.board.never_fits(prompt_tokens, length, output, salted)
 
     def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None,
                cache_salt: str = "") -> list[int]:
@@ -132,13 +133,15 @@ class Fleet:
         return page_hashes(ids, ps, extra_key=key) if ps and ids else []
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None,
-               length: int = 0) -> Choice | None:
-        """The worker for a request of prompt `ids`, `length` tokens in all with its output."""
+               length: int = 0, sequences: int = 1, salted: bool = False) -> Choice | None:
+        """The worker for a request of prompt `ids`, `length` tokens in all with its output, and
+        `sequences` (its n) to run."""
         ps = self.page_size
         if ps is None:
             return None
         matches = {a: n for a, n in self.index.holders(hashes).items()
-                   if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live}
+                   if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live
+                   and w.state == SERVING}   # (a worker of another model may hash alike: not a session's home)
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
         if session_id and sticky is None and matches:
             # A session this replica has not routed (another gateway did): the worker holding most
@@ -150,7 +153,7 @@ class Fleet:
         else:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
-        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length)
+        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted)
         if self.routing == "cache":
             choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid)
         else:
@@ -160,7 +163,7 @@ class Fleet:
             choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
         if choice is not None:
             w = choice.worker
-            choice = Choice(w, choice.matched_pages, w.routed())
+            choice = Choice(w, choice.matched_pages, w.routed(sequences))
             self._prompt_tokens_seen += len(ids)
             self._requests_seen += 1
             if session_id:

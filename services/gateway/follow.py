@@ -291,9 +291,10 @@ class Follower:
     def _down(self, why: str) -> None:
         w = self.worker
         self.pushed = True   # what answers next may be a newer version
+        w.not_serving = why   # its latest reason, down already or not
         if w.state != DOWN:
             log.warning("worker %s is down (%s)", w.address, why)
-            w.state, w.not_serving = DOWN, why
+            w.state = DOWN
             w.info = None
             w.load = Load()   # what it said last is not what it holds now
             w.changed()

@@ -189,17 +189,22 @@ class Relay:
                                               index=i)
 
         # what a worker's model length must hold: the prompt and every token it may generate (the
-        # continuation's among them), or at least one (a fleet may mix --max-model-len)
-        sampling = self.request.sampling
-        length = len(self.ids) + (sampling.max_tokens if sampling.HasField("max_tokens") else 1)
+        # continuation's among them), or, max_tokens unset, one and min_tokens (a worker refuses
+        # min_tokens past what its model length leaves; a fleet may mix --max-model-len)
+        sampling, salted = self.request.sampling, bool(self.request.cache_salt)
+        if sampling.HasField("max_tokens"):
+            output, length = "max_tokens", len(self.ids) + sampling.max_tokens
+        else:
+            output, length = "min_tokens", len(self.ids) + max(1, sampling.min_tokens)
 
         def route() -> Choice | None:
-            why = fleet.never_fits(len(self.ids), length)   # a queue's head that no worker can take would stall it
+            # a queue's head that no worker can take would stall it
+            why = fleet.never_fits(len(self.ids), length, output, salted)
             if why is not None and prefill_sent:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
-            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length)
+            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted)
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size

@@ -49,6 +49,7 @@ class Policy:
     worker_queue_depth: int = 2
     balance_slack: int = 4
     length: int = 0   # the request's prompt and output together: a worker's model must hold it
+    salted: bool = False   # it carries a cache_salt: only a worker that keeps it may take it
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
@@ -66,6 +67,8 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
         pages_needed = -(-prompt_tokens // info.page_size)
     if info is not None and info.sliding_window:   # a sequence there holds at most two windows (and sinks)
         pages_needed = min(pages_needed, -(-(2 * info.sliding_window + info.attention_sink) // info.page_size))
+    if policy.salted and not (info is not None and info.takes_cache_salt):
+        return False
     return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed
             and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink else policy.length) <= longest))

@@ -40,10 +40,11 @@ class Routing:
     after the worker took the call: during a burst a worker may take a call long after it was
     sent, and a report that does not count it yet must not make room for another."""
 
-    __slots__ = ("taken_at",)
+    __slots__ = ("taken_at", "sequences")
 
-    def __init__(self) -> None:
+    def __init__(self, sequences: int = 1) -> None:
         self.taken_at = math.inf   # until its response headers come
+        self.sequences = sequences   # its n: each runs in the worker's batch
 
     def take(self) -> None:
         """The worker has the call (its response headers came): reports from an interval on count it."""
@@ -98,9 +99,11 @@ class Worker:
 
     @property
     def active(self) -> int:
-        """Requests running or waiting there as far as the gateway can tell: its last report,
-        less this gateway's streams that ended since, plus those it sent since."""
-        return max(0, self.load.running + self.load.waiting - self.ended_since_report) + self.pending
+        """Its load as far as the gateway can tell: the sequences running there and the requests
+        waiting, as its last report counts them, less this gateway's streams that ended since,
+        plus the sequences of the requests sent since (a request of n runs n in the batch)."""
+        sent = sum(r.sequences for r in self.routed_at)
+        return max(0, self.load.running + self.load.waiting - self.ended_since_report) + sent
 
     @property
     def held_off(self) -> bool:
@@ -129,11 +132,12 @@ class Worker:
         self.ended_since_report = 0
         self.changed()
 
-    def routed(self) -> Routing:
-        """Counts a request sent here; returns its mark (Routing.take(), ended()). Its prompt
-        tokens count once the worker has taken it (relay.py, at its prefill_done)."""
+    def routed(self, sequences: int = 1) -> Routing:
+        """Counts a request of `sequences` (its n) sent here; returns its mark (Routing.take(),
+        ended()). Its prompt tokens count once the worker has taken it (relay.py, at its
+        prefill_done)."""
         now = time.monotonic()
-        mark = Routing()
+        mark = Routing(sequences)
         self.routed_at.append(mark)
         self.last_routed = now
         self.requests_routed += 1

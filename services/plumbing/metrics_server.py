@@ -27,10 +27,10 @@ from kvserve.services.plumbing.address import CannotListen, parse_address
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCRAPE_TIMEOUT_S = 2.0   # well inside Prometheus's default scrape timeout (10 s)
-# A scrape's call to another process (the model service's to its manager): a quarter of the
-# scrape's, so that a peer that hangs costs its own series, not the whole scrape's (`kvserve up`
-# gathers its children's in SCRAPE_TIMEOUT_S).
-PEER_TIMEOUT_S = SCRAPE_TIMEOUT_S / 4
+# A scrape's call to another process (the model service's to its manager): half the scrape's, so
+# that a peer that hangs costs its own series, not the whole scrape's (`kvserve up` gathers its
+# children's in SCRAPE_TIMEOUT_S); a peer slower than this reads as not answering.
+PEER_TIMEOUT_S = SCRAPE_TIMEOUT_S / 2
 IDLE_TIMEOUT_S = 10.0    # a connection silent this long is closed
 MAX_CONNECTIONS = 32     # served at once; more are closed as they come
 

@@ -63,7 +63,7 @@ def test_a_value_no_request_can_carry_is_a_value_error_naming_its_field(client: 
         client.generate(messages=[("user", "hi"), {"role": "user"}])
     with pytest.raises(ValueError, match=r"messages\[0\] must be"):
         client.generate(messages=["hi"])
-    with pytest.raises(ValueError, match="request_id or session_id is not valid UTF-8 text"):
+    with pytest.raises(ValueError, match="request_id, session_id or cache_salt is not valid UTF-8 text"):
         client.generate("hi", request_id="r\udcff")
     with pytest.raises(ValueError, match="prompt is not valid UTF-8 text"):
         client.tokenize("hi \udcff")

@@ -37,7 +37,7 @@ def test_a_worker_of_another_architecture_vocabulary_or_tokenizer_serves_another
 def test_one_tokenizer_has_one_digest_and_another_template_or_vocabulary_another(tiny_dirs, tmp_path):
     tiny = tokenizer_digest(load_tokenizer(tiny_dirs["tiny"]))
     assert tiny == tokenizer_digest(load_tokenizer(tiny_dirs["tiny"]))
-    assert len(tiny) == 16 and int(tiny, 16) >= 0
+    assert len(tiny) == 16 and set(tiny) <= set("0123456789abcdef")
     assert tiny == tokenizer_digest(load_tokenizer(tiny_dirs["tiny-mistral"]))   # the same tokenizer files
     assert tiny != tokenizer_digest(load_tokenizer(tiny_dirs["tiny-qwen2"]))
     assert tiny != tokenizer_digest(load_tokenizer(_with_other_template(tiny_dirs["tiny"], tmp_path / "t")))

@@ -333,6 +333,20 @@ def test_a_prompt_no_worker_can_take_is_refused_and_the_queue_goes_on(tiny_dirs)
         err = rpc_error(lambda: stub.Generate(request(prompt="hello " * 100, **greedy(4)), timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the model length is 64" in err.details()
         assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
+        # max_tokens unset: min_tokens past what the model length leaves, as the worker would refuse it
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5] * 8, min_tokens=60), timeout=10)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == "prompt (8 tokens) + min_tokens (60) = 68 exceeds the model length 64"
+
+
+def test_min_tokens_goes_to_a_worker_whose_model_length_leaves_it_room(tiny_dirs):
+    """max_tokens unset, a worker refuses min_tokens past what its model length leaves: in a
+    fleet mixing --max-model-len such a request goes to a longer worker, whichever is idler."""
+    short, long_ = ScriptedWorker(max_model_len=64), ScriptedWorker(max_model_len=1000, running=3)
+    with scripted_fleet(tiny_dirs, short, long_) as (_, stub, _):
+        for _ in range(4):
+            assert tokens_of(stub.Generate(request(token_ids=[5] * 8, min_tokens=100), timeout=10)) == [5, 6, 7, 8]
+        assert (len(short.requests), len(long_.requests)) == (0, 4)
 
 
 def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):
@@ -773,6 +787,23 @@ def test_a_worker_takes_its_max_waiting_past_its_batch_at_most():
     assert not has_room(w, policy, 1)
     w.loaded(Load(running=2, waiting=0, free_pages=50, asked_at=w.held_since + 1))
     assert has_room(w, policy, 1)
+
+
+def test_a_request_of_n_sequences_counts_its_n_in_the_batch_it_is_sent_to():
+    """The worker reports running sequences: a request of n sent since its report counts n, or
+    requests of n = 16 piled up at a worker past --worker-queue-depth."""
+    from kvserve.services.gateway.router import Policy, has_room
+    from kvserve.services.gateway.worker import SERVING, Load, Worker
+
+    w = Worker("w:1", channel=None, state=SERVING, info=pb.ModelInfo(max_num_seqs=32, max_model_len=100),
+               load=Load(running=0, waiting=0, free_pages=500, asked_at=1.0))
+    policy = Policy(page_size=4, worker_queue_depth=2)
+    marks = [w.routed(16), w.routed(16)]   # the batch is full once the worker runs them
+    assert w.active == 32 and w.pending == 2
+    w.routed(16)
+    assert w.active == 48 and not has_room(w, policy, 1)
+    w.ended(marks[0])
+    assert w.active == 32 and has_room(w, policy, 1)
 
 
 class DiesOnce(ScriptedWorker):

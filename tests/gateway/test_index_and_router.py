@@ -213,6 +213,22 @@ def test_a_prompt_goes_only_to_workers_whose_model_length_leaves_it_room():
     assert choose_blind([short, long_], 8, wants, "round-robin", 0, None).worker is long_
 
 
+def test_a_salted_request_goes_only_to_a_worker_that_keeps_its_salt():
+    """A worker of an older version ignores GenerateRequest.cache_salt: the request's pages would
+    be shared with everyone's, so it is not sent there."""
+    old, new = worker("old"), worker("new", waiting=1)
+    new.info.takes_cache_salt = True
+    salted = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, salted=True)
+    assert choose([old, new], {"old": 2}, 8, salted, b"k").worker is new
+    assert choose([old, new], {"old": 2}, 8, POLICY, b"k").worker is old   # unsalted: its cache and load win
+    board = LoadBoard()
+    board.add(old)
+    assert board.never_fits(8, 9, salted=True).startswith("no serving worker takes a cache_salt")
+    assert choose(board, {}, 8, salted, b"k") is None and board.never_fits(8, 9) is None
+    board.add(new)
+    assert board.never_fits(8, 9, salted=True) is None
+
+
 def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would():
     board = LoadBoard()
     for name, length in (("a", 256), ("b", 512)):
@@ -221,6 +237,8 @@ def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would(
         board.add(w)
     assert board.never_fits(8, 500) is None
     assert board.never_fits(8, 600) == "prompt (8 tokens) + max_tokens (592) = 600 exceeds the model length 512"
+    assert board.never_fits(8, 600, "min_tokens") == \
+        "prompt (8 tokens) + min_tokens (592) = 600 exceeds the model length 512"   # max_tokens unset
     # a worker keeping attention sinks streams past its model length: it takes such a request
     sinks = worker("c")
     sinks.info.max_model_len, sinks.info.attention_sink = 512, 8

@@ -29,7 +29,8 @@ def test_a_salted_request_shares_pages_only_with_its_salt(stub):
 
 
 @pytest.mark.parametrize("salt, words", [("a\x00b", "cache_salt must not contain NUL characters"),
-                                         ("s" * 1025, "cache_salt has 1,025 characters; at most 1,024")])
+                                         ("s" * 257, "cache_salt has 257 bytes of UTF-8; at most 256"),
+                                         ("é" * 129, "cache_salt has 258 bytes of UTF-8; at most 256")])
 def test_a_salt_no_request_may_carry_is_invalid_argument(stub, salt, words):
     with pytest.raises(grpc.RpcError) as info:
         cached(stub, salt)
@@ -38,4 +39,4 @@ def test_a_salt_no_request_may_carry_is_invalid_argument(stub, salt, words):
 
 def test_the_longest_salt_is_taken(stub):
     prompt = list(range(600, 640))
-    assert cached(stub, "s" * 1024, prompt) == 0 and cached(stub, "s" * 1024, prompt) > 0
+    assert cached(stub, "s" * 256, prompt) == 0 and cached(stub, "s" * 256, prompt) > 0

@@ -17,7 +17,7 @@ import torch
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import ENDED_TRAILER
-from tests.service.util import Stream, assert_pages_free, generate, greedy, request
+from tests.service.util import RPC_TIMEOUT_S, Stream, assert_pages_free, generate, greedy, request
 
 _rng = random.Random(99)
 PROMPTS = [[_rng.randrange(3, 1024) for _ in range(n)] for n in (7, 16, 29, 38)]
@@ -170,6 +170,9 @@ def test_logit_bias_and_min_tokens(stub):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == (
         f"min_tokens ({left + 1}) exceeds the {left} tokens the model length (2048) leaves after the prompt's "
         f"{len(prompt)}")
+    call = stub.Generate(request(token_ids=prompt, min_tokens=left, temperature=0), timeout=RPC_TIMEOUT_S)
+    assert next(call).HasField("prefill_done")   # exactly what is left: taken
+    call.cancel()
 
 
 def test_structured_output_over_grpc(stub, tokenizer):
