@@ -145,6 +145,7 @@ class ModelInfo:
     sliding_window: int = 0     # tokens a query attends back (a sliding-window model); 0: all
     tokenizer_digest: str = ""  # what its tokenizer does, as 16 hex digits (a gateway compares them)
     takes_cache_salt: bool = False   # it keeps a request's cache_salt (older versions ignore it)
+    config_digest: str = ""     # its model's shape, as 16 hex digits (a gateway compares them)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.

@@ -184,7 +184,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             trusts_tenant_metadata=s.config.trust_tenant_metadata,
             attention_sink=s.config.attention_sink, max_waiting=s.config.max_waiting,
             sliding_window=s.model_config.sliding_window or 0, tokenizer_digest=s.tokenizer_digest,
-            takes_cache_salt=True)
+            takes_cache_salt=True, config_digest=s.model_config.digest())
 
     async def GetServerStats(self, request, context):
         return await self._stats()

@@ -21,6 +21,8 @@ masks its own way and, the full layers needing every page, no page is released e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,16 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def digest(self) -> str:
+        """16 hex digits of the model's shape and arithmetic (sizes, layers, heads, rope, biases,
+        windows, tying): two checkpoints of one architecture and tokenizer but another shape
+        differ here. Not its weights, its length or its special token ids, which a deployment
+        may set apart from the model itself."""
+        shape = dataclasses.asdict(self)
+        for name in ("max_model_len", "bos_token_id", "eos_token_ids", "pad_token_id"):
+            del shape[name]
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
 _ATTENTION_BIAS_READ = ("LlamaForCausalLM", "Qwen3ForCausalLM")

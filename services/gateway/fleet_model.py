@@ -1,8 +1,9 @@
 """The model a gateway's fleet serves: the one of its own --model, whose tokenizer it routes
 with. A worker serving another (another architecture or vocabulary, or a tokenizer that makes
 other ids of the same text) takes nothing from this gateway: its cache could never match the
-gateway's hashes, and a stream moved onto it would go on in another model. Weights are not
-compared: two checkpoints of one architecture and tokenizer look alike here."""
+gateway's hashes, and a stream moved onto it would go on in another model. Its shape is compared
+too (ModelInfo.config_digest); weights are not: two checkpoints of one shape and tokenizer (a
+model and its fine-tune) look alike here."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ class FleetModel:
     architecture: str
     vocab_size: int
     tokenizer_digest: str
+    config_digest: str = ""   # its shape (ModelConfig.digest)
 
     @classmethod
     def of(cls, path: Path, tokenizer) -> FleetModel:
         """The gateway's model: `path`'s config.json and the tokenizer loaded from it."""
         config = ModelConfig.from_pretrained(path)
-        return cls(config.architecture, config.vocab_size, tokenizer_digest(tokenizer))
+        return cls(config.architecture, config.vocab_size, tokenizer_digest(tokenizer), config.digest())
 
     def differs(self, info: pb.ModelInfo) -> str | None:
         """Why a worker reporting `info` serves another model; None when it serves this one. What
@@ -34,6 +36,9 @@ class FleetModel:
         if info.architecture not in ("", self.architecture) or info.vocab_size not in (0, self.vocab_size):
             return (f"it serves {theirs}; the gateway's --model is {self.architecture} with a vocabulary of "
                     f"{self.vocab_size}")
+        if info.config_digest and self.config_digest and info.config_digest != self.config_digest:
+            return (f"it serves {theirs}, of another shape than the gateway's --model (sizes, layers, heads or "
+                    f"rope: config digest {info.config_digest}, the gateway's {self.config_digest})")
         if info.tokenizer_digest and info.tokenizer_digest != self.tokenizer_digest:
             return (f"its tokenizer makes other ids of the same text than the gateway's --model (tokenizer "
                     f"digest {info.tokenizer_digest}, the gateway's {self.tokenizer_digest})")

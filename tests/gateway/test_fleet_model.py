@@ -16,7 +16,7 @@ from kvserve.services.gateway.fleet_model import FleetModel
 from tests.gateway.conftest import GatewayThread, WorkerThreads
 from tests.service.util import generate, greedy, request, wait_until
 
-LLAMA = FleetModel("LlamaForCausalLM", 1024, "0123456789abcdef")
+LLAMA = FleetModel("LlamaForCausalLM", 1024, "0123456789abcdef", "fedcba9876543210")
 
 
 def test_a_worker_of_another_architecture_vocabulary_or_tokenizer_serves_another_model():
@@ -29,6 +29,10 @@ def test_a_worker_of_another_architecture_vocabulary_or_tokenizer_serves_another
     assert "a vocabulary of 32000" in LLAMA.differs(pb.ModelInfo(architecture="LlamaForCausalLM", vocab_size=32000))
     other_tokenizer = pb.ModelInfo(architecture="LlamaForCausalLM", vocab_size=1024, tokenizer_digest="f" * 16)
     assert "tokenizer makes other ids" in LLAMA.differs(other_tokenizer)
+    bigger = pb.ModelInfo(name="wide", architecture="LlamaForCausalLM", vocab_size=1024,
+                          tokenizer_digest="0123456789abcdef", config_digest="0" * 16)
+    assert LLAMA.differs(bigger).startswith("it serves wide (LlamaForCausalLM, a vocabulary of 1024), of another "
+                                            "shape than the gateway's --model")
     # what a worker does not report is not compared (an older version sends no digest)
     assert LLAMA.differs(pb.ModelInfo(architecture="LlamaForCausalLM", vocab_size=1024)) is None
     assert LLAMA.differs(pb.ModelInfo()) is None
@@ -54,8 +58,9 @@ def _with_other_template(source, path):
 
 def test_the_gateway_routes_only_to_workers_of_its_model_and_says_why_not_the_others(tiny_dirs, tmp_path):
     workers = [WorkerThreads(tiny_dirs["tiny"]), WorkerThreads(tiny_dirs["tiny-qwen2"]),
-               WorkerThreads(_with_other_template(tiny_dirs["tiny"], tmp_path / "other-template"))]
-    ours, qwen, templated = (w.address for w in workers)
+               WorkerThreads(_with_other_template(tiny_dirs["tiny"], tmp_path / "other-template")),
+               WorkerThreads(tiny_dirs["tiny-llama3"])]   # tiny's architecture and tokenizer, its own rope
+    ours, qwen, templated, llama3 = (w.address for w in workers)
     gateway = None
     try:
         gateway = GatewayThread([w.address for w in workers], model=str(tiny_dirs["tiny"]))
@@ -66,17 +71,19 @@ def test_the_gateway_routes_only_to_workers_of_its_model_and_says_why_not_the_ot
                 return {w.address: w for w in stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).workers}
 
             wait_until(lambda: rows()[qwen].not_serving and rows()[templated].not_serving
-                       and rows()[ours].state == "serving")
+                       and rows()[llama3].not_serving and rows()[ours].state == "serving")
             assert rows()[ours].not_serving == ""
             assert rows()[qwen].state == "not serving"
             assert rows()[qwen].not_serving.startswith("another model: it serves tiny-qwen2 (Qwen2ForCausalLM")
             assert "tokenizer makes other ids" in rows()[templated].not_serving
+            assert "of another shape than the gateway's --model" in rows()[llama3].not_serving
             for i in range(6):   # every request to the one worker of the gateway's model
                 out = generate(stub, request(token_ids=[5 + i, 6, 7, 8, 9], request_id=f"g{i}", **greedy(4)))
                 assert len(out.tokens) == 4 and out.finished.finish_reason == pb.FINISH_REASON_LENGTH
-            assert {a: w.requests_routed for a, w in rows().items()} == {ours: 6, qwen: 0, templated: 0}
+            assert {a: w.requests_routed for a, w in rows().items()} == {ours: 6, qwen: 0, templated: 0, llama3: 0}
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             assert info.tokenizer_digest == gateway.fleet.model.tokenizer_digest
+            assert info.config_digest == gateway.fleet.model.config_digest
     finally:
         if gateway is not None:
             gateway.stop()

@@ -271,7 +271,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt", "config_digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class ModelInfo(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TAKES_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -312,7 +313,8 @@ class ModelInfo(_message.Message):
     sliding_window: int
     tokenizer_digest: str
     takes_cache_salt: bool
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ...) -> None: ...
+    config_digest: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ..., config_digest: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
