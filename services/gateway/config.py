@@ -34,7 +34,7 @@ class GatewayConfig:
                                    "for what its cache holds")
     worker_queue_depth: int = option(2, "requests waiting at one worker beyond its --max-num-seqs sequences "
                                         "before the gateway keeps new ones in its own queue (a request of n "
-                                        "runs n sequences)")
+                                        "counts n sequences)")
     max_queued: int = option(1024, "requests in the gateway's queue before RESOURCE_EXHAUSTED")
     migration_limit: int = option(3, "times one request may move to another worker when its worker fails "
                                      "mid-stream (0: never; it then ends UNAVAILABLE)")

@@ -240,7 +240,7 @@ class Relay:
             if prefill_sent:   # the client has the prompt's logprobs: not computed again (nor the cache skipped)
                 msg.sampling.ClearField("prompt_logprobs")
             self.worker, self._moved, self.routed = worker, False, True
-            worker.relays.add(self)
+            worker.stream_started(self, n)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
             answered = full = False   # the worker sent something; it refused the request as full
@@ -305,8 +305,7 @@ class Relay:
                 why = "it stopped answering"
             finally:
                 taken.cancel()
-                worker.ended(choice.mark)
-                worker.relays.discard(self)
+                worker.stream_ended(self, n, choice.mark)
                 self.worker, self._call = None, None
                 call.cancel()
             worker.hold_off()   # not chosen again before it reports after this

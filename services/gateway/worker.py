@@ -70,6 +70,7 @@ class Worker:
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
+    streaming: int = 0        # their sequences (a request of n runs n), running or waiting there
     held_since: float = -math.inf   # a call there failed or was refused as full: no routing until a later report
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
 
@@ -103,7 +104,10 @@ class Worker:
         waiting, as its last report counts them, less this gateway's streams that ended since,
         plus the sequences of the requests sent since (a request of n runs n in the batch)."""
         sent = sum(r.sequences for r in self.routed_at)
-        return max(0, self.load.running + self.load.waiting - self.ended_since_report) + sent
+        reported = max(0, self.load.running + self.load.waiting - self.ended_since_report) + sent
+        # At least this gateway's own streams there: a report counts a request of n partly running
+        # by its running sequences only, and one waiting as one.
+        return max(reported, self.streaming)
 
     @property
     def held_off(self) -> bool:
@@ -143,6 +147,16 @@ class Worker:
         self.requests_routed += 1
         self.changed()
         return mark
+
+    def stream_started(self, relay, sequences: int) -> None:
+        """A stream of `sequences` (its n) now runs here (taken or waiting)."""
+        self.relays.add(relay)
+        self.streaming += sequences
+
+    def stream_ended(self, relay, sequences: int, mark: Routing) -> None:
+        self.relays.discard(relay)
+        self.streaming -= sequences
+        self.ended(mark)
 
     def ended(self, mark: Routing) -> None:
         """A stream routed here ended: no longer pending if no report counted it yet, else one

@@ -793,7 +793,7 @@ def test_a_request_of_n_sequences_counts_its_n_in_the_batch_it_is_sent_to():
     """The worker reports running sequences: a request of n sent since its report counts n, or
     requests of n = 16 piled up at a worker past --worker-queue-depth."""
     from kvserve.services.gateway.router import Policy, has_room
-    from kvserve.services.gateway.worker import SERVING, Load, Worker
+    from kvserve.services.gateway.worker import SERVING, Load, Routing, Worker
 
     w = Worker("w:1", channel=None, state=SERVING, info=pb.ModelInfo(max_num_seqs=32, max_model_len=100),
                load=Load(running=0, waiting=0, free_pages=500, asked_at=1.0))
@@ -804,6 +804,17 @@ def test_a_request_of_n_sequences_counts_its_n_in_the_batch_it_is_sent_to():
     assert w.active == 48 and not has_room(w, policy, 1)
     w.ended(marks[0])
     assert w.active == 32 and has_room(w, policy, 1)
+    # a report counts a request partly running by its running sequences, one waiting as one: this
+    # gateway's own streams there count their n whatever the report says
+    for mark in w.routed_at:
+        w.stream_started(mark, 16)
+        mark.take()   # the worker has them
+    w.loaded(Load(running=20, waiting=0, free_pages=500, asked_at=time.monotonic() + 1))   # 12 of 32 not running
+    assert w.pending == 0 and w.active == 32 and has_room(w, policy, 1)
+    w.stream_started("a third", 16)
+    assert w.active == 48 and not has_room(w, policy, 1)
+    w.stream_ended("a third", 16, Routing(16))
+    assert w.active == 32 and w.streaming == 32
 
 
 class DiesOnce(ScriptedWorker):
