@@ -108,6 +108,14 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
+    def why_none_serving(self, most: int = 3) -> str:
+        """What the first few workers say of why they are not serving, as "; ADDRESS: why"
+        clauses ("" when none says): a client whose request waited in vain learns, say, that
+        every worker serves another model."""
+        said = [f"{w.address}: {w.not_serving}" for w in self.workers.values() if w.not_serving]
+        more = f"; and {len(said) - most} more" if len(said) > most else ""
+        return "".join(f"; {s}" for s in said[:most]) + more
+
     def _moved_off(self, worker: Worker) -> None:
         for relay in list(worker.relays):
             relay.move_off(worker)

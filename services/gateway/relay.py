@@ -430,7 +430,8 @@ class Relay:
                     alone_since = loop.time()
                 elif loop.time() - alone_since > self.no_worker_timeout_s:
                     raise Refused(grpc.StatusCode.UNAVAILABLE, f"no worker has been serving for "
-                                  f"{self.no_worker_timeout_s:g} s (--no-worker-timeout); try again later")
+                                  f"{self.no_worker_timeout_s:g} s (--no-worker-timeout); try again later"
+                                  f"{self.fleet.why_none_serving()}")
                 position = queue.position(waiter)
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)

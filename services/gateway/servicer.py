@@ -192,7 +192,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
     def _not_serving(self) -> str:
         if self.draining:
             return "the gateway is draining"
-        return "" if self.fleet.serving() else "no worker is serving"
+        return "" if self.fleet.serving() else "no worker is serving" + self.fleet.why_none_serving()
 
     def _stats(self) -> pb.ServerStats:
         workers = list(self.fleet.workers.values())

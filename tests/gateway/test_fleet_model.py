@@ -8,6 +8,7 @@ import json
 import shutil
 
 import grpc
+import pytest
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -89,3 +90,24 @@ def test_the_gateway_routes_only_to_workers_of_its_model_and_says_why_not_the_ot
             gateway.stop()
         for w in workers:
             w.stop()
+
+
+def test_a_request_no_worker_of_the_model_takes_is_told_why_when_it_gives_up(tiny_dirs):
+    worker = WorkerThreads(tiny_dirs["tiny-qwen2"])
+    gateway = None
+    try:
+        gateway = GatewayThread([worker.address], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=0.5)
+        wait_until(lambda: gateway.fleet.workers[worker.address].not_serving)
+        with grpc.insecure_channel(gateway.address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                generate(stub, request(token_ids=[5, 6, 7], **greedy(2)))
+            stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"--no-worker-timeout); try again later; {worker.address}: another model: it serves tiny-qwen2" in \
+            info.value.details()
+        assert stats.not_serving.startswith(f"no worker is serving; {worker.address}: another model")
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.stop()
