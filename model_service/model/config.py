@@ -164,17 +164,21 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def digest(self) -> str:
-        """16 hex digits of the model's shape and arithmetic (sizes, layers, heads, rope, biases,
-        windows, tying): two checkpoints of one architecture and tokenizer but another shape
-        differ here. Not its weights, its length or its special token ids, which a deployment
-        may set apart from the model itself."""
-        shape = dataclasses.asdict(self)
-        for name in ("max_model_len", "bos_token_id", "eos_token_ids", "pad_token_id"):
-            del shape[name]
+        """16 hex digits of the model's shape and arithmetic (_SHAPE: sizes, layers, heads, rope,
+        biases, norms, windows, tying): two checkpoints of one architecture and tokenizer but
+        another shape differ here. Not its weights, its length (max_position_embeddings) or its
+        special token ids, which a deployment may set apart from the model itself; a field added
+        to this class changes no digest unless it joins _SHAPE."""
+        shape = {name: getattr(self, name) for name in _SHAPE}
+        shape["rope_scaling"] = self.rope_scaling and dataclasses.asdict(self.rope_scaling)
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
 _ATTENTION_BIAS_READ = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# What ModelConfig.digest names a model's shape by.
+_SHAPE = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+          "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "o_bias", "mlp_bias",
+          "qk_norm", "tie_word_embeddings", "sliding_window", "layer_windows")
 
 
 def _architecture(hf: Any) -> str:

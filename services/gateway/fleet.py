@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from kvserve.kvcache_service.contract.hashing import page_hashes, request_extra_key
 from kvserve.services.gateway.board import LoadBoard
@@ -16,7 +16,7 @@ from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
-from kvserve.services.gateway.worker import SERVING, Worker
+from kvserve.services.gateway.worker import DOWN, SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,18 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def why_none_serving(self, most: int = 3) -> str:
-        """What the first few workers say of why they are not serving, as "; ADDRESS: why"
-        clauses ("" when none says): a client whose request waited in vain learns, say, that
-        every worker serves another model."""
-        said = [f"{w.address}: {w.not_serving}" for w in self.workers.values() if w.not_serving]
+    def why_none_serving(self, addresses: bool = True, most: int = 3) -> str:
+        """Why the workers are not serving, as "; ..." clauses ("" when none says): a client whose
+        request waited in vain learns, say, that every worker serves another model. With
+        `addresses`, each of the first few workers' own words (for the stats); without, each
+        reason once with how many workers give it, a down worker only as "down" (its error
+        names its address, which is the log's, not a client's)."""
+        if addresses:
+            said = [f"{w.address}: {w.not_serving}" for w in self.workers.values() if w.not_serving]
+        else:
+            reasons = Counter("down" if w.state == DOWN else w.not_serving for w in self.workers.values()
+                              if w.not_serving)
+            said = [f"{k} worker{'s' if k > 1 else ''}: {why}" for why, k in reasons.items()]
         more = f"; and {len(said) - most} more" if len(said) > most else ""
         return "".join(f"; {s}" for s in said[:most]) + more
 
@@ -141,7 +148,8 @@ class Fleet:
         return page_hashes(ids, ps, extra_key=key) if ps and ids else []
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None,
-               length: int = 0, sequences: int = 1, salted: bool = False) -> Choice | None:
+               length: int = 0, sequences: int = 1, salted: bool = False,
+               output: str = "max_tokens") -> Choice | None:
         """The worker for a request of prompt `ids`, `length` tokens in all with its output, and
         `sequences` (its n) to run."""
         ps = self.page_size
@@ -161,7 +169,7 @@ class Fleet:
         else:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
-        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted)
+        policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted, output)
         if self.routing == "cache":
             choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid)
         else:

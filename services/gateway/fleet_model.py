@@ -37,8 +37,9 @@ class FleetModel:
             return (f"it serves {theirs}; the gateway's --model is {self.architecture} with a vocabulary of "
                     f"{self.vocab_size}")
         if info.config_digest and self.config_digest and info.config_digest != self.config_digest:
-            return (f"it serves {theirs}, of another shape than the gateway's --model (sizes, layers, heads or "
-                    f"rope: config digest {info.config_digest}, the gateway's {self.config_digest})")
+            return (f"it serves {theirs}, of another shape than the gateway's --model (its sizes, layers, heads, "
+                    f"rope, biases, norms or windows: config digest {info.config_digest}, the gateway's "
+                    f"{self.config_digest})")
         if info.tokenizer_digest and info.tokenizer_digest != self.tokenizer_digest:
             return (f"its tokenizer makes other ids of the same text than the gateway's --model (tokenizer "
                     f"digest {info.tokenizer_digest}, the gateway's {self.tokenizer_digest})")

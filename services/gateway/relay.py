@@ -204,7 +204,7 @@ class Relay:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
-            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted)
+            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted, output)
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size
@@ -240,8 +240,9 @@ class Relay:
             if prefill_sent:   # the client has the prompt's logprobs: not computed again (nor the cache skipped)
                 msg.sampling.ClearField("prompt_logprobs")
             self.worker, self._moved, self.routed = worker, False, True
-            worker.stream_started(self, n)
             self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
+            here = left   # its sequences unfinished on this worker
+            worker.stream_started(self, here)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
             answered = full = False   # the worker sent something; it refused the request as full
             try:
@@ -267,6 +268,8 @@ class Relay:
                     if kind == "finished":
                         finished.add(response.index)
                         left -= 1
+                        here -= 1
+                        worker.sequence_ended()
                         if not left:
                             return
                 return
@@ -305,7 +308,7 @@ class Relay:
                 why = "it stopped answering"
             finally:
                 taken.cancel()
-                worker.stream_ended(self, n, choice.mark)
+                worker.stream_ended(self, here, choice.mark)
                 self.worker, self._call = None, None
                 call.cancel()
             worker.hold_off()   # not chosen again before it reports after this
@@ -431,7 +434,7 @@ class Relay:
                 elif loop.time() - alone_since > self.no_worker_timeout_s:
                     raise Refused(grpc.StatusCode.UNAVAILABLE, f"no worker has been serving for "
                                   f"{self.no_worker_timeout_s:g} s (--no-worker-timeout); try again later"
-                                  f"{self.fleet.why_none_serving()}")
+                                  f"{self.fleet.why_none_serving(addresses=False)}")
                 position = queue.position(waiter)
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)

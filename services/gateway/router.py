@@ -1,8 +1,9 @@
 """Which worker a request goes to. Policy only: it reads the workers' last reports, the index's
 matches and the gateway's own routings since those reports, and changes nothing.
 
-A worker with room (serving, fewer requests running or waiting there than its --max-num-seqs
-plus --worker-queue-depth, counting those sent since its last report; fewer waiting there,
+A worker with room (serving, fewer sequences running and requests waiting there than its
+--max-num-seqs plus --worker-queue-depth, counting the n sequences of each request sent since its
+last report, and never fewer than this gateway's own streams' sequences there; fewer waiting there,
 those sent since counted as waiting, than its own --max-waiting; pages enough for what it must
 compute; no call there failed or refused since that report) and no more than --balance-slack
 requests busier than the least busy such worker (so that no cache, however warm, draws
@@ -11,7 +12,7 @@ is in docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
 
-where the decode load counts the requests there (its last report's count, less this gateway's
+where the decode load counts the sequences there (its last report's count, less this gateway's
 streams that ended there since, plus those it sent there since, so a burst of misses spreads
 instead of all landing on the emptiest worker before its next report, and a finished
 conversation's worker is not thought busy): a page of compute for each one its batch runs
@@ -50,6 +51,7 @@ class Policy:
     balance_slack: int = 4
     length: int = 0   # the request's prompt and output together: a worker's model must hold it
     salted: bool = False   # it carries a cache_salt: only a worker that keeps it may take it
+    output: str = "max_tokens"   # what asked for the output's length: min_tokens holds even with sinks
 
 
 def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
@@ -71,7 +73,8 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
         return False
     return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
             and ld.free_pages + ld.cached_pages >= pages_needed
-            and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink else policy.length) <= longest))
+            and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink and policy.output == "max_tokens"
+                                    else policy.length) <= longest))
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,

@@ -152,19 +152,26 @@ class Worker:
         """A stream of `sequences` (its n) now runs here (taken or waiting)."""
         self.relays.add(relay)
         self.streaming += sequences
+        self.changed()
+
+    def sequence_ended(self) -> None:
+        """One sequence of a stream here finished; the stream goes on with its others."""
+        self.streaming -= 1
+        self.changed()
 
     def stream_ended(self, relay, sequences: int, mark: Routing) -> None:
+        """The stream left, `sequences` of it still unfinished here."""
         self.relays.discard(relay)
         self.streaming -= sequences
         self.ended(mark)
 
     def ended(self, mark: Routing) -> None:
-        """A stream routed here ended: no longer pending if no report counted it yet, else one
-        fewer than the report says."""
+        """A stream routed here ended: no longer pending if no report counted it yet, else its
+        sequences fewer than the report says."""
         try:
             self.routed_at.remove(mark)
-        except ValueError:
-            self.ended_since_report += 1
+        except ValueError:   # its report counted it: as running sequences, or one waiting request
+            self.ended_since_report += mark.sequences   # (too many, at worst: `streaming` floors it)
         self.changed()
 
     def stats(self, index_pages: int) -> pb.WorkerStats:

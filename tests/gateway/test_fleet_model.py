@@ -48,6 +48,19 @@ def test_one_tokenizer_has_one_digest_and_another_template_or_vocabulary_another
     assert tiny != tokenizer_digest(load_tokenizer(_with_other_template(tiny_dirs["tiny"], tmp_path / "t")))
 
 
+def test_a_models_shape_has_one_digest_and_its_length_and_special_ids_are_not_in_it(tiny_dirs):
+    from kvserve.model_service.model.config import ModelConfig
+
+    tiny = ModelConfig.from_pretrained(tiny_dirs["tiny"])
+    same = tiny.replace(max_position_embeddings=8192, max_model_len=8192, eos_token_ids=(7,), bos_token_id=9)
+    assert same.digest() == tiny.digest() == ModelConfig.from_pretrained(tiny_dirs["tiny"]).digest()
+    for change in (dict(num_layers=tiny.num_layers + 1), dict(intermediate_size=tiny.intermediate_size * 2),
+                   dict(rope_theta=tiny.rope_theta * 2), dict(tie_word_embeddings=not tiny.tie_word_embeddings),
+                   dict(qk_norm=True)):
+        assert tiny.replace(**change).digest() != tiny.digest(), change
+    assert ModelConfig.from_pretrained(tiny_dirs["tiny-llama3"]).digest() != tiny.digest()   # its rope scaling
+
+
 def _with_other_template(source, path):
     """A copy of the checkpoint `source` whose chat template adds one character."""
     shutil.copytree(source, path)
@@ -104,8 +117,9 @@ def test_a_request_no_worker_of_the_model_takes_is_told_why_when_it_gives_up(tin
                 generate(stub, request(token_ids=[5, 6, 7], **greedy(2)))
             stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert f"--no-worker-timeout); try again later; {worker.address}: another model: it serves tiny-qwen2" in \
-            info.value.details()
+        # the workers' reasons, not their addresses (the log's, not a client's)
+        assert "--no-worker-timeout); try again later; 1 worker: another model: it serves tiny-qwen2" in \
+            info.value.details() and worker.address not in info.value.details()
         assert stats.not_serving.startswith(f"no worker is serving; {worker.address}: another model")
     finally:
         if gateway is not None:

@@ -103,6 +103,9 @@ def scripted_fleet(tiny_dirs, *workers: ScriptedWorker, **gateway_config):
         wait_until(lambda: len(gateway.fleet.board) == len(workers), what="every worker serving")
         channel = grpc.insecure_channel(gateway.address)
         yield gateway, pb_grpc.InferenceStub(channel), addresses
+        # however its streams ended, none is left counted at a worker
+        wait_until(lambda: not any(w.streaming or w.relays for w in gateway.fleet.workers.values()),
+                   what="every worker's streams counted out")
     finally:
         if channel is not None:
             channel.close()
@@ -815,6 +818,29 @@ def test_a_request_of_n_sequences_counts_its_n_in_the_batch_it_is_sent_to():
     assert w.active == 48 and not has_room(w, policy, 1)
     w.stream_ended("a third", 16, Routing(16))
     assert w.active == 32 and w.streaming == 32
+    for _ in range(12):   # sequences finishing early: room again before their request ends
+        w.sequence_ended()
+    assert w.active == 20 and w.streaming == 20
+
+
+def test_a_workers_place_on_the_board_follows_its_streams():
+    from kvserve.services.gateway.board import LoadBoard
+    from kvserve.services.gateway.worker import SERVING, Load, Routing, Worker
+
+    a, b = (Worker(name, channel=None, state=SERVING, info=pb.ModelInfo(max_num_seqs=8, page_size=4),
+                   load=Load(running=2)) for name in ("a", "b"))
+    board = LoadBoard()
+    board.add(a)
+    board.add(b)
+    a.stream_started("s", 4)   # past what a's report says: it is the busier now
+    assert list(board.least_busy()) == [b, a]
+    a.sequence_ended()
+    a.sequence_ended()
+    a.sequence_ended()
+    assert list(board.least_busy())[0] is b
+    a.stream_ended("s", 1, Routing(4))
+    b.stream_started("t", 3)
+    assert list(board.least_busy()) == [a, b]
 
 
 class DiesOnce(ScriptedWorker):

@@ -246,6 +246,11 @@ def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would(
     assert board.never_fits(8, 600) is None
     wants = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, length=600)
     assert choose(board, {}, 8, wants, b"k").worker is sinks
+    # ...but not min_tokens past its model length (max_tokens unset): a worker refuses that, sinks or not
+    assert board.never_fits(8, 600, "min_tokens") == \
+        "prompt (8 tokens) + min_tokens (592) = 600 exceeds the model length 512"
+    asks = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=2, length=600, output="min_tokens")
+    assert choose(board, {}, 8, asks, b"k") is None
 
 
 def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():
