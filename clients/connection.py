@@ -3,11 +3,11 @@ made, so a wrong file or a malformed key fails there with a sentence rather than
 
 from __future__ import annotations
 
-import math
 import re
 
 from kvserve.services.plumbing.tls import ClientTLS
 
+MAX_TIMEOUT_S = 1e9   # a deadline past it overflows gRPC's clock: the call failed DEADLINE_EXCEEDED at once
 _HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")   # host:port or [v6]:port, not dns:/unix: targets
 
 AUTHORIZATION = "authorization"
@@ -31,8 +31,9 @@ def check_target(address: str, timeout: float | None) -> None:
     port = _HOST_PORT.match(address.strip())
     if port and not 0 < int(port.group(1)) <= 65535:
         raise ValueError(f"address {address}: the port must be in 1..65535")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise ValueError(f"timeout is a number of seconds > 0, or None for no deadline; got {timeout!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < MAX_TIMEOUT_S):
+        raise ValueError(f"timeout is a number of seconds > 0 and under 1e9 (gRPC's deadlines end there), or None "
+                         f"for no deadline; got {timeout!r}")
 
 
 def channel_options(options) -> list[tuple[str, object]]:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
+from kvserve.services.plumbing.address import check_tcp_listen, parse_flag
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -31,6 +32,11 @@ class KVCacheServerConfig:
     def __post_init__(self) -> None:
         if not self.listen:
             raise ValueError("--listen: give at least one address")
+        for address in self.listen:
+            parse_flag("--listen", address)
+        if self.health_listen:
+            parse_flag("--health-listen", self.health_listen)
+        check_tcp_listen("--metrics-listen", self.metrics_listen)
         if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
             raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         self.server_tls()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.address import check_dial, check_http_listen, is_private, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_http_listen, check_tcp_listen, is_private, parse_flag
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -193,6 +193,7 @@ class ModelServiceConfig:
         if self.health_listen:
             parse_flag("--health-listen", self.health_listen)
         check_http_listen(self.http_listen)
+        check_tcp_listen("--metrics-listen", self.metrics_listen)
         if self.kvcache != "inprocess":
             check_dial("--kvcache", self.kvcache)
         if self.preemption_mode == "swap" and self.swap_pages == 0:

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from kvserve.kvcache_service.config import DEFAULT_LISTEN as KV_LISTEN
 from kvserve.kvcache_service.config import KVCacheServerConfig
-from kvserve.model_service.config import ModelServiceConfig
+from kvserve.model_service.config import UINT32_MAX, ModelServiceConfig
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.address import free_local_port, parse_flag
@@ -67,8 +67,9 @@ class UpConfig:
 
     def __post_init__(self) -> None:
         parse_flag("--kvcache-listen", self.kvcache_listen)
-        if self.max_seqs is not None and self.max_seqs <= 0:
-            raise ValueError(f"--max-seqs must be a positive integer, got {self.max_seqs}")
+        if self.max_seqs is not None and not 0 < self.max_seqs <= UINT32_MAX:
+            raise ValueError(f"--max-seqs must be a positive integer of at most {UINT32_MAX:,} (the protocol's ids "
+                             f"are 32-bit), got {self.max_seqs}")
         if not 0 < self.startup_timeout_s < math.inf:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout_s}")
         if self.max_restarts < 0:
@@ -236,12 +237,13 @@ def gateway_argv(model_config: ModelServiceConfig, workers: list[str], extra: li
 
 def front_flags(model_config: ModelServiceConfig) -> list[str]:
     """What the gateway in front of the workers takes of the front's flags: it serves TLS, checks
-    keys, serves HTTP and health, bounds requests and drains the streams on SIGTERM."""
+    keys, serves HTTP and health, bounds requests, keeps at most --max-waiting requests in its
+    queue (where they wait with workers in front) and drains the streams on SIGTERM."""
     flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
              for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "health_listen",
                           "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads")
              if getattr(model_config, name)]
-    return flags + [f"--grace-period={model_config.grace_s}"]
+    return flags + [f"--max-queued={model_config.max_waiting}", f"--grace-period={model_config.grace_s}"]
 
 
 def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
@@ -273,5 +275,5 @@ def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict, super
             supervisor.restart(model)
         time.sleep(0.1)
     if stop["signal"] is None:
-        log.error("the model service did not size its page pool within %.0f s", timeout)
+        log.error("the model service did not size its page pool within %g s", timeout)
     return None

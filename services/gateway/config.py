@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import check_dial, check_http_listen, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_http_listen, check_tcp_listen, parse_flag
 from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -71,10 +71,11 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers_dns and ":" not in self.workers_dns:
             raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
-        for flag, address in [("--listen", self.listen), ("--health-listen", self.health_listen)]:
-            if address:
-                parse_flag(flag, address)
+        parse_flag("--listen", self.listen)   # empty too: refused before the tokenizer loads
+        if self.health_listen:
+            parse_flag("--health-listen", self.health_listen)
         check_http_listen(self.http_listen)
+        check_tcp_listen("--metrics-listen", self.metrics_listen)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:
             check_dial(flag, address, "a worker")

@@ -70,8 +70,13 @@ def parse_flag(flag: str, text: str) -> ListenAddress:
 
 def check_http_listen(text: str) -> None:
     """--http-listen: host:port (uvicorn serves TCP here), refused at start, before any model loads."""
-    if text and parse_flag("--http-listen", text).is_unix:
-        raise ValueError(f"--http-listen must be host:port, got {text!r}")
+    check_tcp_listen("--http-listen", text)
+
+
+def check_tcp_listen(flag: str, text: str) -> None:
+    """A host:port flag (HTTP, metrics) refused at start, naming the flag; empty: not asked for."""
+    if text and parse_flag(flag, text).is_unix:
+        raise ValueError(f"{flag} must be host:port, got {text!r}")
 
 
 def check_dial(flag: str, text: str, what: str = "a server") -> None:

@@ -72,7 +72,10 @@ def test_generate_reports_a_server_error(model_server) -> None:
     (["hello", "--seed", "-5"], "seed -5 does not fit the request"),
     (["1 99999999999", "--token-ids"], "token ids must be integers in [0, 2^31), got 99999999999"),
     (["hello", "-n", "0"], "n is the number of sequences to sample, at least 1; got 0"),
-    (["hello", "--timeout", "-1"], "timeout is a number of seconds > 0, or None for no deadline; got -1.0"),
+    (["hello", "--timeout", "-1"], "timeout is a number of seconds > 0 and under 1e9 (gRPC's deadlines end there), "
+                                   "or None for no deadline; got -1.0"),
+    (["hello", "--timeout", "1e10"], "timeout is a number of seconds > 0 and under 1e9 (gRPC's deadlines end "
+                                     "there), or None for no deadline; got 10000000000.0"),   # failed at once
     (["hello", "--address", "127.0.0.1:99999"], "address 127.0.0.1:99999: the port must be in 1..65535"),
 ])
 def test_values_no_request_can_carry_are_one_line_and_exit_2(args, said) -> None:

@@ -46,6 +46,22 @@ def test_an_address_the_model_service_cannot_use_is_refused_before_the_model_loa
     assert code == 1 and message in stderr.splitlines()[-1], stderr
 
 
+@pytest.mark.parametrize("command, flags, message", [
+    ("kvcache", ["--listen", ""], "--listen: "),
+    ("kvcache", ["--health-listen", "bogus"], "--health-listen: 'bogus'"),
+    ("kvcache", ["--metrics-listen", "bogus"], "--metrics-listen: 'bogus'"),
+    ("gateway", ["--listen", ""], "--listen: "),
+    ("gateway", ["--metrics-listen", "unix:///tmp/m.sock"], "--metrics-listen must be host:port"),
+    ("model", ["--metrics-listen", "bogus"], "--metrics-listen: 'bogus'"),
+])
+def test_every_listen_flag_is_checked_at_start_and_named(command, flags, message):
+    """Each refused at start naming its flag, before a model or tokenizer loads (some named none)."""
+    base = {"kvcache": ["--listen", f"127.0.0.1:{free_port()}"], "model": ["--listen", f"127.0.0.1:{free_port()}"],
+            "gateway": ["--listen", f"127.0.0.1:{free_port()}", "--worker", "127.0.0.1:1"]}[command]
+    code, stderr = run(command, *base, *flags)
+    assert code in (1, 2) and message in stderr.splitlines()[-1], stderr
+
+
 @pytest.mark.parametrize("spoil, message", [
     (lambda d: (d / "config.json").write_text("{not json"), "is not a valid JSON file"),
     (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors in"),

@@ -61,6 +61,17 @@ def test_the_gateway_in_front_of_workers_drains_as_long_as_the_flag_says():
     assert "--grace-period=5.0" in up.front_flags(ModelServiceConfig())
 
 
+def test_max_waiting_bounds_the_gateways_queue_in_front_of_workers():
+    """With workers, requests wait in the gateway's queue: --max-waiting was left out there, and a
+    stack of --max-waiting 1 queued 1,024."""
+    assert "--max-queued=1" in up.front_flags(ModelServiceConfig(max_waiting=1))
+
+
+def test_max_seqs_past_32_bits_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--max-seqs must be a positive integer of at most 4,294,967,295"):
+        up.UpConfig(max_seqs=2**32)
+
+
 def test_the_gateways_flags_keep_values_that_begin_with_a_dash():
     """A salt such as "-prod" was read as a flag by the gateway, which exited 2, restarted, and
     stopped the stack."""
@@ -90,7 +101,8 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
 @pytest.mark.parametrize("argv, words", [
     (["model", "--dtype", "float8"], "--dtype must be auto, float32, bfloat16 or float16, got 'float8'"),
     (["up", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
-    (["up", "--max-seqs", "-1"], "--max-seqs must be a positive integer, got -1"),
+    (["up", "--max-seqs", "-1"], r"--max-seqs must be a positive integer of at most 4,294,967,295 \(the protocol's ids "
+                                  r"are 32-bit\), got -1"),
     (["model", "--max-waiting", "4294967296"], "--max-waiting must be at most 4294967295, got 4294967296"),
     (["model", "--max-request-bytes", "2GiB"], r"--max-request-bytes must be at most 2147483647 \(gRPC's limit\)"),
     (["model", "--kvcache-timeout", "inf"], "--kvcache-timeout must be under 1e9 seconds, got inf"),
