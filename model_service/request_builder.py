@@ -49,7 +49,8 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
         if f.type == f.TYPE_MESSAGE and not f.is_repeated:
             other += getattr(msg, f.name).ByteSize() + 6 if msg.HasField(f.name) else 0
         elif f.type == f.TYPE_STRING and not f.is_repeated:
-            other += len(getattr(msg, f.name).encode()) + 6
+            text = getattr(msg, f.name)
+            other += len(text.encode()) + 6 if text else 0   # an empty one is not on the wire
         else:
             other += 11 if not f.is_repeated else msg.ByteSize()   # none today; never over-count
     return max(0, msg.ByteSize() - other)

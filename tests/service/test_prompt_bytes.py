@@ -15,9 +15,10 @@ _text = st.text(max_size=300)
 
 @settings(max_examples=200, deadline=None)
 @given(prompt=_text, request_id=_text, session_id=_text, stop=st.lists(_text, max_size=5),
-       continuation=st.lists(st.integers(0, 2**31 - 1), max_size=50), seed=st.integers(0, 2**64 - 1))
-def test_the_bound_is_never_over_and_close(prompt, request_id, session_id, stop, continuation, seed):
-    msg = pb.GenerateRequest(request_id=request_id, prompt=prompt, session_id=session_id,
+       continuation=st.lists(st.integers(0, 2**31 - 1), max_size=50), seed=st.integers(0, 2**64 - 1),
+       cache_salt=_text)
+def test_the_bound_is_never_over_and_close(prompt, request_id, session_id, stop, continuation, seed, cache_salt):
+    msg = pb.GenerateRequest(request_id=request_id, prompt=prompt, session_id=session_id, cache_salt=cache_salt,
                              sampling=pb.SamplingParams(stop=stop, seed=seed, max_tokens=7, temperature=0.5),
                              continuation=pb.TokenIds(ids=continuation))
     real = len(prompt.encode())
