@@ -123,7 +123,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help=f"the model service (or gateway): host:port or unix:///path (default {DEFAULT_ADDRESS})")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline of each request, in seconds")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each request, in seconds, under 1e9 (default: none)")
     add_connection_flags(p)
 
 

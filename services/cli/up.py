@@ -63,7 +63,8 @@ class UpConfig:
                                        "manager's RPCs on a TCP --kvcache-listen (`authorization: Bearer TOKEN`); "
                                        "without it only loopback may, and others get GetStats", metavar="FILE")
     workers: int = option(0, "run a gateway on --listen in front of this many workers, each a model service "
-                             "with its own manager on private sockets (0: one model service on --listen)")
+                             "with its own manager on private sockets (0: one model service on --listen); the "
+                             "gateway's queue holds at most --max-waiting requests")
 
     def __post_init__(self) -> None:
         parse_flag("--kvcache-listen", self.kvcache_listen)

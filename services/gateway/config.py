@@ -23,15 +23,17 @@ class GatewayConfig:
                                   "(a Kubernetes headless Service)", metavar="NAME:PORT")
     dns_interval_s: float = option(5.0, "seconds between resolutions of --workers-dns", flag="--dns-interval")
     model: str = option("tiny", "the workers' checkpoint directory (or built-in model): the gateway tokenizes "
-                                "with its tokenizer, as the workers do")
+                                "with its tokenizer, as the workers do, and routes nothing to a worker serving "
+                                "another model (architecture, vocabulary, shape or tokenizer; kvserve stats says "
+                                "why)")
     cache_salt: str = option("", "the workers' --cache-salt: the extra_key the gateway hashes prompts with")
     routing: str = option("cache", "how a worker is chosen: cache (its cached prefix and its load), or, for "
                                    "comparison, round-robin or random among workers with room",
                           choices=ROUTINGS)
     overlap_weight: float = option(1.0, "cost of one prompt token a worker must compute, against one token of "
                                         "its decode load")
-    balance_slack: int = option(4, "requests a worker may have beyond the least busy one and still be chosen "
-                                   "for what its cache holds")
+    balance_slack: int = option(4, "sequences running and requests waiting a worker may have beyond the least "
+                                   "busy one and still be chosen for what its cache holds")
     worker_queue_depth: int = option(2, "requests waiting at one worker beyond its --max-num-seqs sequences "
                                         "before the gateway keeps new ones in its own queue (a request of n "
                                         "counts n sequences)")
