@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
-from kvserve.services.plumbing.address import check_dial, check_http_listen, check_tcp_listen, is_private, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_tcp_listen, is_private, parse_flag
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
@@ -192,7 +192,7 @@ class ModelServiceConfig:
         parse_flag("--listen", self.listen)   # empty too: refused before the model loads, not after
         if self.health_listen:
             parse_flag("--health-listen", self.health_listen)
-        check_http_listen(self.http_listen)
+        check_tcp_listen("--http-listen", self.http_listen)
         check_tcp_listen("--metrics-listen", self.metrics_listen)
         if self.kvcache != "inprocess":
             check_dial("--kvcache", self.kvcache)

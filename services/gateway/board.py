@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.services.gateway.worker import SERVING, Worker
 
 
@@ -27,11 +28,17 @@ class Shape(NamedTuple):
     salts: bool = False     # it keeps a request's cache_salt (an older version ignores it)
 
 
-def _why_not(s: Shape, prompt_tokens: int, length: int, output: str = "max_tokens",
-             salted: bool = False) -> str | None:
+def shape_of(info: pb.ModelInfo) -> Shape:
+    return Shape(info.page_size, info.max_model_len, info.num_pages, info.attention_sink > 0,
+                 info.sliding_window > 0, info.takes_cache_salt)
+
+
+def why_not(s: Shape, prompt_tokens: int, length: int, output: str = "max_tokens",
+            salted: bool = False) -> str | None:
     """Why a worker of shape `s` could never take the request, as it would say it (None: it
     could); {most} stands for the largest KV cache of the fleet. `output` names what asked for
-    the tokens past the prompt; `salted`: the request carries a cache_salt."""
+    the tokens past the prompt; `salted`: the request carries a cache_salt. The one rule both a
+    routing choice (router.has_room) and a refusal (never_fits) read."""
     if salted and not s.salts:
         return ("no serving worker takes a cache_salt (they run an older version, which would ignore it and "
                 "share the request's pages)")
@@ -72,9 +79,7 @@ class LoadBoard:
         if worker.state != SERVING or worker.info is None:
             return
         info = worker.info
-        active, shape = worker.active, Shape(info.page_size, info.max_model_len, info.num_pages,
-                                             info.attention_sink > 0, info.sliding_window > 0,
-                                             info.takes_cache_salt)
+        active, shape = worker.active, shape_of(info)
         self._place[worker] = active, shape
         row = self._rows.get(active)
         if row is None:
@@ -107,7 +112,7 @@ class LoadBoard:
         the request carries a cache_salt."""
         if not self._shapes:
             return None
-        reasons = {s: _why_not(s, prompt_tokens, length, output, salted) for s in self._shapes}
+        reasons = {s: why_not(s, prompt_tokens, length, output, salted) for s in self._shapes}
         if any(why is None for why in reasons.values()):
             return None
         # Each worker refuses it for a reason of its own: told as the one with the longest model says it.

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import check_dial, check_http_listen, check_tcp_listen, parse_flag
+from kvserve.services.plumbing.address import check_dial, check_tcp_listen, parse_flag
 from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
@@ -76,7 +76,7 @@ class GatewayConfig:
         parse_flag("--listen", self.listen)   # empty too: refused before the tokenizer loads
         if self.health_listen:
             parse_flag("--health-listen", self.health_listen)
-        check_http_listen(self.http_listen)
+        check_tcp_listen("--http-listen", self.http_listen)
         check_tcp_listen("--metrics-listen", self.metrics_listen)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:

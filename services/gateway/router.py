@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
-from kvserve.services.gateway.board import LoadBoard
+from kvserve.services.gateway.board import LoadBoard, shape_of, why_not
 from kvserve.services.gateway.worker import SERVING, Worker
 
 
@@ -57,24 +57,21 @@ class Policy:
 def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
     """Room for a request now: serving, not held off (a call there failed or was refused since
     its last report), its queue not full (--worker-queue-depth past its batch, and its own
-    --max-waiting), pages enough, and a model length that holds the prompt and its output (a
-    fleet may mix --max-model-len)."""
+    --max-waiting), pages enough, and nothing that would always refuse it there (board.why_not:
+    a model length too short, a fleet may mix --max-model-len; a cache_salt it would ignore)."""
     ld, info = w.load, w.info
+    if info is not None and why_not(shape_of(info), prompt_tokens, policy.length, policy.output, policy.salted):
+        return False
     batch = info.max_num_seqs if info is not None and info.max_num_seqs else 1
     # its own bound counts every request it has not yet admitted (those sent since its report too)
     queue_full = info is not None and info.max_waiting and ld.waiting + w.pending >= info.max_waiting
-    longest = info.max_model_len if info is not None else 0
     if info is not None and info.page_size and info.page_size != policy.page_size:
         # the request is hashed in the fleet's smallest page size: no match is known here
         pages_needed = -(-prompt_tokens // info.page_size)
     if info is not None and info.sliding_window:   # a sequence there holds at most two windows (and sinks)
         pages_needed = min(pages_needed, -(-(2 * info.sliding_window + info.attention_sink) // info.page_size))
-    if policy.salted and not (info is not None and info.takes_cache_salt):
-        return False
     return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
-            and ld.free_pages + ld.cached_pages >= pages_needed
-            and (not longest or max(prompt_tokens + 1, 0 if info.attention_sink and policy.output == "max_tokens"
-                                    else policy.length) <= longest))
+            and ld.free_pages + ld.cached_pages >= pages_needed)
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,

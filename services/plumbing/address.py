@@ -68,13 +68,9 @@ def parse_flag(flag: str, text: str) -> ListenAddress:
         raise ValueError(f"{flag}: {exc}") from None
 
 
-def check_http_listen(text: str) -> None:
-    """--http-listen: host:port (uvicorn serves TCP here), refused at start, before any model loads."""
-    check_tcp_listen("--http-listen", text)
-
-
 def check_tcp_listen(flag: str, text: str) -> None:
-    """A host:port flag (HTTP, metrics) refused at start, naming the flag; empty: not asked for."""
+    """A host:port flag (HTTP: uvicorn serves TCP; metrics) refused at start, naming the flag,
+    before any model loads; empty: not asked for."""
     if text and parse_flag(flag, text).is_unix:
         raise ValueError(f"{flag} must be host:port, got {text!r}")
 
