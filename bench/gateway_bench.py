@@ -32,7 +32,9 @@ gateway spreads its own: how recently a worker answered changes how fast it answ
 millisecond, which the gateway's figure would otherwise carry (docs/benchmarks.md, 27 Nov 2026).
 A fourth target, bare_relay.py with no upstream, answers each call at once with the three
 messages a worker sends: the cost of one Python gRPC call on this machine, which a relay's hop
-adds once more.
+adds once more. The workers serve their lane (--lane-listen, protos/kvserve/inference/v1/lane.proto)
+and the gateway reaches them over it; a fifth target, a second gateway with --lane off, reaches
+them over gRPC, as the bare relay does.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class Workers:
         self.stacks: list[Stack] = []
         try:
             for _ in range(n):
-                self.stacks.append(Stack(Path(model), ["--device", "cpu", "--cpu-threads", "1", *extra]))
+                self.stacks.append(Stack(Path(model), ["--device", "cpu", "--cpu-threads", "1",
+                                                       "--lane-listen", "127.0.0.1:0", *extra]))
         except BaseException:
             self.close()
             raise
@@ -274,13 +277,16 @@ def main() -> None:
                         relays = [BareRelay(address) for address in workers.addresses]
                         empty = BareRelay("-")
                         relays.append(empty)
+                        over_grpc = Gateway(workers, model, routing, [*args.gateway_arg, "--lane=off"])
                         try:
                             overhead = latencies({"direct": workers.addresses,
                                                   "bare relay": [relay.address for relay in relays[:-1]],
                                                   "gateway": [gateway.address],
-                                                  "empty server": [empty.address]}, args.overhead_requests)
+                                                  "empty server": [empty.address],
+                                                  "gateway, gRPC": [over_grpc.address]}, args.overhead_requests)
                             spread = routed_per_worker(gateway.address)
                         finally:
+                            over_grpc.close()
                             for relay in relays:
                                 relay.close()
                 finally:
@@ -303,11 +309,13 @@ def main() -> None:
                       f"{c['tok_s'] / r['tok_s']:.2f}x")
             if "cache" in args.routings:
                 (p50s, paired) = overhead
-                print("  one 16-token request, 1 token out, the four in turn, each over every worker: " + ", ".join(
+                print("  one 16-token request, 1 token out, the five in turn, each over every worker: " + ", ".join(
                     f"{name} p50 {p[0] * 1e3:.2f} ms (p90 {p[1] * 1e3:.2f})" for name, p in p50s.items()))
                 print(f"  added to a direct call (median of paired differences): the bare relay "
-                      f"{paired['bare relay'] * 1e3:+.2f} ms, the gateway {paired['gateway'] * 1e3:+.2f} ms; "
-                      f"the gateway's own work {(paired['gateway'] - paired['bare relay']) * 1e3:+.2f} ms; "
+                      f"{paired['bare relay'] * 1e3:+.2f} ms, the gateway (over the workers' lanes) "
+                      f"{paired['gateway'] * 1e3:+.2f} ms, the gateway over gRPC (--lane off) "
+                      f"{paired['gateway, gRPC'] * 1e3:+.2f} ms; the gateway's own work "
+                      f"{(paired['gateway, gRPC'] - paired['bare relay']) * 1e3:+.2f} ms; "
                       f"the gateway's requests per worker {spread}")
                 print(f"  the same call to a server that answers at once with no work behind it (one Python "
                       f"gRPC call, the least a relay's hop can add): p50 {p50s['empty server'][0] * 1e3:.2f} ms")

@@ -146,6 +146,7 @@ class ModelInfo:
     tokenizer_digest: str = ""  # what its tokenizer does, as 16 hex digits (a gateway compares them)
     takes_cache_salt: bool = False   # it keeps a request's cache_salt (older versions ignore it)
     config_digest: str = ""     # its model's shape, as 16 hex digits (a gateway compares them)
+    lane_address: str = ""      # where it serves Generate to a gateway over the lane (--lane-listen); "": nowhere
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.
@@ -170,6 +171,7 @@ class WorkerStats:
     index_pages: int
     migrated_away: int
     not_serving: str = ""     # why it takes no requests, when its state is "not serving" or "down"
+    lane: str = ""            # where the gateway reaches its Generate over the lane; "": over gRPC
 
 
 @dataclass(frozen=True, slots=True)

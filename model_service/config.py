@@ -94,6 +94,9 @@ class ModelServiceConfig:
                                  "with UNAVAILABLE", flag="--grace-period")
     metrics_listen: str = server_flags.metrics_listen()
     http_listen: str = server_flags.http_listen()
+    lane_listen: str = option("", "also serve Generate to a kvserve gateway on HOST:PORT or unix:PATH over the lane "
+                                  "(protos/kvserve/inference/v1/lane.proto), a hop cheaper than gRPC; TLS as "
+                                  "--tls-cert on TCP; not with --api-keys (default: off)", metavar="ADDR")
     # Security: TLS on TCP addresses, API keys, and the link to the manager.
     tls_cert: str = server_flags.tls_cert()
     tls_key: str = server_flags.tls_key()
@@ -194,6 +197,8 @@ class ModelServiceConfig:
             parse_flag("--health-listen", self.health_listen)
         check_tcp_listen("--http-listen", self.http_listen)
         check_tcp_listen("--metrics-listen", self.metrics_listen)
+        if self.lane_listen:
+            parse_flag("--lane-listen", self.lane_listen)
         if self.kvcache != "inprocess":
             check_dial("--kvcache", self.kvcache)
         if self.preemption_mode == "swap" and self.swap_pages == 0:
@@ -211,6 +216,13 @@ class ModelServiceConfig:
                 and not self.kvcache.startswith("unix:")):
             raise ValueError("--kvcache-token-file: the admin token would cross the network in plaintext; "
                              "reach the manager over TLS (--kvcache-tls-ca)")
+        if self.lane_listen and self.api_keys:
+            raise ValueError("--lane-listen with --api-keys: the lane serves a gateway and checks no key; a worker "
+                             "behind a gateway runs without --api-keys (with --trust-tenant-metadata)")
+        if self.trust_tenant_metadata and self.lane_listen and not self.tls_client_ca and not is_private(self.lane_listen):
+            raise ValueError(f"--trust-tenant-metadata with --lane-listen {self.lane_listen}: anyone who reaches it "
+                             "could name any tenant; put the lane on a Unix socket or loopback, or accept only the "
+                             "gateway's certificate (--tls-client-ca)")
         if self.api_keys and self.trust_tenant_metadata:
             raise ValueError("--api-keys and --trust-tenant-metadata: a front service checks keys, a worker "
                              "behind a gateway trusts its metadata; give one")

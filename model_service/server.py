@@ -17,6 +17,7 @@ from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import NOT_SERVING, HealthReporter
+from kvserve.model_service.lane_server import LaneServer
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
@@ -64,6 +65,10 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         if keys:
             await running.health.set(EVENTS_SERVICE_NAME, NOT_SERVING)
         servicer.health.start()
+        if config.lane_listen:
+            lane = LaneServer(servicer, config.server_tls(), config.max_request_bytes)
+            await lane.start(config.lane_listen)
+            servicer.lane = lane
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
                                                         config.server_tls(), config.max_request_bytes, keys)
@@ -71,6 +76,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     except Exception:   # nothing half-started outlives the failure
         if running is not None:
             await running.server.stop(None)
+        if servicer is not None and servicer.lane is not None:
+            await servicer.lane.close()
         if servicer is not None:
             if servicer.health is not None:
                 await servicer.health.stop()
@@ -133,6 +140,8 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     await drain_wait(lambda: bool(servicer.open_streams), 5.0, hurry)
     if servicer.cache_events is not None:   # a gateway's event stream ends UNAVAILABLE, not cancelled
         await servicer.cache_events.close()
+    if servicer.lane is not None:
+        await servicer.lane.close()
     await stop_server(running.server, LAST_MESSAGES_S, hurry)
 
 

@@ -59,6 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.cache_events = None   # the CacheEventsServicer served beside this one (server.py)
         self.metrics_endpoint = None   # where Prometheus scrapes self.metrics, when asked (server.py)
         self.http_front = None   # the OpenAI-compatible HTTP front, when asked (server.py)
+        self.lane = None   # the lane's server, when asked (server.py, lane_server.py)
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
         self.open_streams = 0   # Generate calls not yet returned: a drain waits for them (server.py)
         self._shared_stats = stats_watch.SharedStats(self._stats, self._load)   # WatchServerStats' messages
@@ -184,7 +185,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             trusts_tenant_metadata=s.config.trust_tenant_metadata,
             attention_sink=s.config.attention_sink, max_waiting=s.config.max_waiting,
             sliding_window=s.model_config.sliding_window or 0, tokenizer_digest=s.tokenizer_digest,
-            takes_cache_salt=True, config_digest=s.model_config.digest())
+            takes_cache_salt=True, config_digest=s.model_config.digest(),
+            lane_address=self.lane.address if self.lane is not None else "")
 
     async def GetServerStats(self, request, context):
         return await self._stats()

@@ -50,6 +50,8 @@ class ModelServerThread(LoopThread):
             self.call(self.servicer.cache_events.close())
             if self.servicer.http_front is not None:
                 self.call(self.servicer.http_front.stop())
+            if self.servicer.lane is not None:
+                self.call(self.servicer.lane.close())
         finally:
             self.servicer.engine.stop()
             self.servicer.close()

@@ -53,6 +53,8 @@ class GatewayConfig:
     max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
     max_chat_messages: int = option(1024, "most messages in one chat request")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
+    lane: str = option("auto", "auto: send each request over its worker's lane where the worker offers one "
+                               "(its --lane-listen), a hop cheaper than gRPC; off: gRPC always", choices=("auto", "off"))
     metrics_listen: str = server_flags.metrics_listen()
     http_listen: str = server_flags.http_listen()
     tls_cert: str = server_flags.tls_cert()
@@ -98,6 +100,8 @@ class GatewayConfig:
             raise ValueError(f"--balance-slack must be an integer >= 0, got {self.balance_slack!r}")
         if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be an integer >= 0, got {self.migration_limit!r}")
+        if self.lane not in ("auto", "off"):
+            raise ValueError(f"--lane must be auto or off, got {self.lane!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"--routing must be cache, round-robin or random, got {self.routing!r}")
         if not 0 <= self.overlap_weight < math.inf:   # NaN or inf made every cost NaN: no worker chosen

@@ -27,8 +27,10 @@ MAX_SESSIONS = 100_000
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
                  queue: WaitQueue, routing: str = "cache", balance_slack: int = 4,
-                 worker_tls: ClientTLS | None = None, tenants: bool = False, model: FleetModel | None = None) -> None:
+                 worker_tls: ClientTLS | None = None, tenants: bool = False, model: FleetModel | None = None,
+                 lanes: bool = True) -> None:
         self.worker_tls = worker_tls
+        self.lanes = lanes   # Generate over a worker's lane where it offers one (--lane auto)
         self.model = model   # what every worker must serve (None: not compared)
         self.tenants = tenants   # requests carry tenants (--api-keys): a worker must keep them apart
         self.balance_slack = balance_slack
@@ -59,7 +61,7 @@ class Fleet:
     def add(self, address: str) -> None:
         if address in self.workers:
             return
-        worker = Worker.connect(address, self.worker_tls)
+        worker = Worker.connect(address, self.worker_tls, self.lanes)
         self.workers[address] = worker
         self.board.add(worker)
         follower = Follower(worker, self.index, self.cache_salt, self.poll_s, self.queue.wake, self._moved_off,
@@ -99,6 +101,7 @@ class Fleet:
     async def _close(worker: Worker, follower: Follower | None) -> None:
         if follower is not None:
             await follower.stop()
+        worker.close_lane()
         await worker.channel.close()
 
     async def close(self) -> None:

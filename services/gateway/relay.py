@@ -240,7 +240,7 @@ class Relay:
             if prefill_sent:   # the client has the prompt's logprobs: not computed again (nor the cache skipped)
                 msg.sampling.ClearField("prompt_logprobs")
             self.worker, self._moved, self.routed = worker, False, True
-            self._call = call = worker.inference.Generate(msg, timeout=time_left(), metadata=self._metadata)
+            self._call = call = worker.generate(msg, timeout=time_left(), metadata=self._metadata)
             here = left   # its sequences unfinished on this worker
             worker.stream_started(self, here)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))

@@ -61,7 +61,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
     keys = ApiKeys(config.api_keys) if config.api_keys else None
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
-                  config.routing, config.balance_slack, config.worker_tls(), tenants=keys is not None, model=model)
+                  config.routing, config.balance_slack, config.worker_tls(), tenants=keys is not None, model=model,
+                  lanes=config.lane == "auto")
     inputs = Inputs(tokenizer, config.tokenizer_threads, config.max_prompt_chars, config.max_chat_messages)
     servicer = GatewayServicer(fleet, inputs, config.migration_limit,
                                config.no_worker_timeout_s, keys)

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2_grpc
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
+from kvserve.services.gateway.lane import LaneChannel
+from kvserve.services.plumbing.lane_wire import dial_target
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
@@ -73,12 +75,34 @@ class Worker:
     streaming: int = 0        # their sequences (a request of n runs n), running or waiting there
     held_since: float = -math.inf   # a call there failed or was refused as full: no routing until a later report
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
+    tls: ClientTLS | None = field(default=None, repr=False)
+    lanes: bool = True        # Generate over the worker's lane when it offers one (the gateway's --lane)
+    lane: LaneChannel | None = field(default=None, repr=False)
 
     @classmethod
-    def connect(cls, address: str, tls: ClientTLS | None = None) -> Worker:
+    def connect(cls, address: str, tls: ClientTLS | None = None, lanes: bool = True) -> Worker:
         return cls(address, aio_channel(address, tls, [
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]))
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]), tls=tls, lanes=lanes)
+
+    def know(self, info: pb.ModelInfo | None) -> None:
+        """What the worker said of itself (None: forgotten, it went down); its lane follows."""
+        self.info = info
+        self.close_lane()
+        target = dial_target(self.address, info.lane_address) if info is not None and info.lane_address else None
+        if target is not None and self.lanes:
+            self.lane = LaneChannel(target, self.tls, self.inference.Generate)
+
+    def close_lane(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
+
+    def generate(self, request: pb.GenerateRequest, timeout: float | None, metadata: tuple = ()):
+        """A Generate call there, over its lane when it has one, else gRPC: the same call either way."""
+        if self.lane is not None:
+            return self.lane.generate(request, timeout, metadata)
+        return self.inference.Generate(request, timeout=timeout, metadata=metadata)
 
     # One stub each, made on first use: a stub per call cost every routed request its making.
     @cached_property
@@ -181,4 +205,5 @@ class Worker:
             used_pages=ld.used_pages, free_pages=ld.free_pages, cached_pages=ld.cached_pages,
             requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
             epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
-            migrated_away=self.migrated_away, not_serving=self.not_serving)
+            migrated_away=self.migrated_away, not_serving=self.not_serving,
+            lane=self.lane.where if self.lane is not None else "")

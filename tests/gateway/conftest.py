@@ -20,9 +20,11 @@ PAGE_SIZE, NUM_PAGES = 4, 512
 
 
 class WorkerThreads:
-    """One worker: its manager and its model service."""
+    """One worker: its manager and its model service, serving its lane too (the gateway sends
+    Generate over it; lane_listen="" for a worker without one)."""
 
     def __init__(self, model, num_pages: int = NUM_PAGES, **config) -> None:
+        config.setdefault("lane_listen", "127.0.0.1:0")
         self.manager = ServerThread("127.0.0.1:0", ManagerConfig(num_pages=num_pages, page_size=PAGE_SIZE,
                                                                  max_seqs=64))
         try:

@@ -272,6 +272,33 @@ def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
     assert main(["stats", "--address", fleet.gateway.address]) == 0
     out = capsys.readouterr().out
     assert all(w.address in out for w in fleet.workers) and "serving" in out and "epoch" in out
+    assert all(w.lane == w_.model.servicer.lane.address for w in stats.workers
+               for w_ in fleet.workers if w_.address == w.address)
+    assert "lane" in out
+
+
+def test_the_gateway_sends_requests_over_the_workers_lanes_and_over_grpc_with_lane_off(two_workers, tiny_dirs):
+    """Both hops give the same tokens; --lane off leaves the workers' lanes unused."""
+    from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+    from tests.gateway.conftest import GatewayThread
+
+    fleet = two_workers
+    msgs = [request(token_ids=SYSTEM + [7 + i], **greedy(6)) for i in range(4)]
+    over_lanes = [generate(fleet.stub, m).tokens for m in msgs]
+    lanes = [w.lane for w in fleet.gateway.fleet.workers.values()]
+    assert all(lane is not None for lane in lanes)
+    assert sum(lane.calls for lane in lanes) == 4 and sum(lane.fallbacks for lane in lanes) == 0
+    off = GatewayThread([w.address for w in fleet.workers], model=str(tiny_dirs["tiny"]), lane="off")
+    try:
+        off.wait_serving(2)
+        assert all(w.lane is None for w in off.fleet.workers.values())
+        with grpc.insecure_channel(off.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            assert [generate(stub, m).tokens for m in msgs] == over_lanes
+            stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert all(w.lane == "" for w in stats.workers)
+    finally:
+        off.stop()
 
 
 def test_with_no_worker_serving_a_request_waits_then_ends_unavailable(tiny_dirs):

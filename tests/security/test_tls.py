@@ -102,6 +102,8 @@ def test_the_gateway_serves_tls_and_reaches_its_workers_over_mutual_tls(tiny_dir
         gateway.wait_serving(1)
         assert tokens(gateway.address, ClientTLS(ca=certs.ca)) == plain
         assert refused(gateway.address, None).code() == grpc.StatusCode.UNAVAILABLE
+        lane = gateway.fleet.workers[mtls_worker.address].lane   # its lane, over the same mutual TLS
+        assert lane is not None and lane.calls == 1 and lane.fallbacks == 0
     finally:
         gateway.stop()
 
@@ -184,3 +186,32 @@ def test_the_gateway_checks_workers_certificates_against_their_service_name(cert
     from kvserve.model_service.config import ModelServiceConfig
     kv = ModelServiceConfig(kvcache="10.0.0.8:50061", kvcache_tls_server_name="m.example").kvcache_tls()
     assert kv is not None and kv.server_name == "m.example"
+
+
+def test_a_lane_over_tls_takes_no_client_without_the_cas_certificate(tiny_dirs, certs, mtls_worker):
+    """The lane serves TLS as the worker's gRPC port does: a client certificate the CA did not
+    sign gets no call through (the gateway's lane then falls back to gRPC, refused there too)."""
+    from kvserve.services.plumbing import lane_wire
+    import asyncio
+    import ssl
+
+    host, port = mtls_worker.model.servicer.lane.address.rsplit(":", 1)
+
+    async def handshake(tls: ClientTLS) -> bool:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=lane_wire.client_ssl(tls),
+                                                           server_hostname=host)
+        except (ssl.SSLError, OSError):
+            return False
+        writer.write(lane_wire.MAGIC + lane_wire.frame(lane_wire.CALL, b""))
+        try:
+            data = await asyncio.wait_for(reader.read(5), 5)
+        except (ssl.SSLError, OSError):
+            return False
+        finally:
+            writer.close()
+        return bool(data)   # a status frame came back: the worker read the call
+
+    assert asyncio.run(handshake(ClientTLS(ca=certs.ca, cert=certs.client.cert, key=certs.client.key)))
+    assert not asyncio.run(handshake(ClientTLS(ca=certs.ca, cert=certs.stranger.cert, key=certs.stranger.key)))
+    assert not asyncio.run(handshake(ClientTLS(ca=certs.ca)))

@@ -271,7 +271,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt", "config_digest")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt", "config_digest", "lane_address")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TAKES_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -314,7 +315,8 @@ class ModelInfo(_message.Message):
     tokenizer_digest: str
     takes_cache_salt: bool
     config_digest: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ..., config_digest: _Optional[str] = ...) -> None: ...
+    lane_address: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ..., config_digest: _Optional[str] = ..., lane_address: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
@@ -381,7 +383,7 @@ class ServerStats(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away", "not_serving")
+    __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away", "not_serving", "lane")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +399,7 @@ class WorkerStats(_message.Message):
     INDEX_PAGES_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_AWAY_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     running: int
@@ -412,4 +415,5 @@ class WorkerStats(_message.Message):
     index_pages: int
     migrated_away: int
     not_serving: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., requests_routed: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., events_live: _Optional[bool] = ..., index_pages: _Optional[int] = ..., migrated_away: _Optional[int] = ..., not_serving: _Optional[str] = ...) -> None: ...
+    lane: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., requests_routed: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., events_live: _Optional[bool] = ..., index_pages: _Optional[int] = ..., migrated_away: _Optional[int] = ..., not_serving: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...

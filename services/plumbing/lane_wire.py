@@ -1,0 +1,98 @@
+"""The lane's framing (protos/kvserve/inference/v1/lane.proto says the protocol): what the
+worker's lane server (model_service/lane_server.py) and the gateway's lane client
+(services/gateway/lane.py) both read and write. A frame is a 4-byte big-endian length, a 1-byte
+kind and the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import struct
+
+import grpc
+
+from kvserve.inference.v1 import lane_pb2 as lane_pb
+from kvserve.services.plumbing.address import parse_address
+from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
+
+MAGIC = b"kvlane01"   # a connection's first bytes, from the gateway: a stray client is told nothing
+CALL, HEADERS, MESSAGE, STATUS = 1, 2, 3, 4
+HEADER = struct.Struct(">IB")
+CALL_OVERHEAD = 4096   # a LaneCall's bytes around its request: metadata and the deadline
+# A frame the worker sends: a response message (at most 64 MiB, what a gateway's gRPC channel to
+# a worker takes) or a status.
+MAX_REPLY_BYTES = 64 << 20
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class FramingError(Exception):
+    """The peer broke the protocol: the connection closes."""
+
+    def __init__(self, message: str, length: int = 0) -> None:
+        super().__init__(message)
+        self.length = length   # a frame's length past the limit, when that was the fault
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, bytes]:
+    """The next frame's (kind, payload). IncompleteReadError at a clean or broken end of the
+    stream; FramingError for one longer than `limit`."""
+    length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if length > limit:
+        raise FramingError(f"a frame of {length} bytes, over the {limit} taken", length)
+    return kind, await reader.readexactly(length) if length else b""
+
+
+def status_frame(code: grpc.StatusCode, details: str = "", trailers: tuple = ()) -> bytes:
+    status = lane_pb.LaneStatus(code=code.value[0], details=details,
+                                trailing_metadata=[lane_pb.LaneMetadata(key=k, value=v) for k, v in trailers])
+    return frame(STATUS, status.SerializeToString())
+
+
+def server_ssl(tls: ServerTLS | None) -> ssl.SSLContext | None:
+    """The lane's TLS on TCP, as the worker's gRPC port serves it: its certificate, and client
+    certificates its --tls-client-ca signed when given."""
+    if tls is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=tls.client_ca)
+    return context
+
+
+def client_ssl(tls: ClientTLS | None) -> ssl.SSLContext | None:
+    """The gateway's side of the lane's TLS: the workers' CA (or the system's roots), its own
+    certificate for mutual TLS."""
+    if tls is None:
+        return None
+    context = ssl.create_default_context(cafile=tls.ca or None)
+    if tls.cert:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
+
+
+def dial_target(worker_address: str, lane_address: str) -> tuple[str, int] | str | None:
+    """Where a gateway reaches a worker's lane: a Unix socket's path, or (host, port), the host
+    the gateway reaches the worker at (the lane's own listen host, often 0.0.0.0, names no
+    peer) unless the worker is reached over a Unix socket itself. None when unusable."""
+    try:
+        lane = parse_address(lane_address)
+    except ValueError:
+        return None
+    if lane.is_unix:
+        return lane.unix_path
+    if not lane.port:
+        return None
+    try:
+        worker = parse_address(worker_address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:"))
+    except ValueError:
+        return None
+    if not worker.is_unix:
+        return worker.host, lane.port
+    host = lane.host
+    return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host), lane.port

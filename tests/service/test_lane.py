@@ -1,0 +1,305 @@
+"""The lane (protos/kvserve/inference/v1/lane.proto): Generate between a gateway and a worker
+without gRPC. The gateway's client (services/gateway/lane.py) against a real model service
+(model_service/lane_server.py): the same tokens and the same statuses, in the same words, as
+the gRPC port gives; cancels and deadlines free the request; connections kept and reused, a
+stale one replaced, an unreachable lane left for gRPC; hostile bytes refused with the server
+serving on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import struct
+
+import grpc
+import pytest
+
+from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.model_service.config import ModelServiceConfig
+from kvserve.model_service.engine.errors import ENDED_TRAILER
+from kvserve.model_service.lane_server import LaneServer
+from kvserve.services.gateway.lane import LaneChannel
+from kvserve.services.plumbing import lane_wire as wire
+from kvserve.services.plumbing.address import CannotListen
+from kvserve.services.plumbing.api_keys import TENANT_METADATA
+from kvserve.services.plumbing.tls import ClientTLS, aio_channel
+from tests.server_thread import LoopThread
+from tests.service.conftest import ModelServerThread
+from tests.service.util import generate, greedy, request, wait_until
+
+PROMPT = [random.Random(11).randrange(3, 1024) for _ in range(24)]
+
+
+class LaneClient:
+    """A gateway's lane to one worker, on a loop of its own."""
+
+    def __init__(self, worker: str, lane_address: str, tls: ClientTLS | None = None) -> None:
+        self.thread = LoopThread("lane-client")
+
+        async def make():
+            grpc_channel = aio_channel(worker, tls)
+            return grpc_channel, LaneChannel(wire.dial_target(worker, lane_address), tls,
+                                             pb_grpc.InferenceStub(grpc_channel).Generate)
+        self.grpc_channel, self.lane = self.thread.call(make())
+
+    def generate(self, msg: pb.GenerateRequest, timeout: float | None = 30, metadata: tuple = ()):
+        async def run():
+            return [r async for r in self.lane.generate(msg, timeout, metadata)]
+        return self.thread.call(run(), 60)
+
+    def error(self, msg: pb.GenerateRequest, **kwargs) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            self.generate(msg, **kwargs)
+        return info.value
+
+    def call(self, coro):
+        return self.thread.call(coro, 60)
+
+    def close(self) -> None:
+        async def close():
+            self.lane.close()
+            await self.grpc_channel.close()
+        self.thread.call(close())
+        self.thread.close()
+
+
+def tokens(responses) -> list[int]:
+    return [t for r in responses if r.WhichOneof("event") == "chunk" for t in r.chunk.token_ids]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu", page_size=4,
+                               num_pages=512, lane_listen="127.0.0.1:0", max_request_bytes=64 << 10,
+                               trust_tenant_metadata=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(served):
+    c = LaneClient(served.address, served.servicer.lane.address)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def over_grpc(address: str, msg: pb.GenerateRequest):
+    with grpc.insecure_channel(address) as ch:
+        return generate(pb_grpc.InferenceStub(ch), msg, timeout=30)
+
+
+def test_the_worker_says_where_its_lane_is(served):
+    with grpc.insecure_channel(served.address) as ch:
+        info = pb_grpc.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.lane_address == served.servicer.lane.address
+    assert info.lane_address.startswith("127.0.0.1:") and not info.lane_address.endswith(":0")
+
+
+def test_a_lane_call_streams_what_the_grpc_port_streams(served, client):
+    for params in (greedy(12), dict(greedy(6), n=2, logprobs=2), dict(temperature=0.8, seed=7, max_tokens=9)):
+        msg = request(token_ids=PROMPT, **params)
+        lane = client.generate(msg)
+        grpc_stream = over_grpc(served.address, msg)
+        assert [r.WhichOneof("event") for r in lane] == grpc_stream.kinds
+        assert tokens(lane) == grpc_stream.tokens
+        assert [r.finished.finish_reason for r in lane if r.HasField("finished")] == \
+               [e.finished.finish_reason for e in grpc_stream.events if e.HasField("finished")]
+    assert client.lane.fallbacks == 0 and client.lane.idle == 1   # one connection, kept for each next call
+
+
+def test_a_refusal_has_the_grpc_port_s_code_words_and_trailers(served, client):
+    for msg in (request(token_ids=PROMPT, **greedy(5000)), request(token_ids=[10**7], **greedy(2)), pb.GenerateRequest()):
+        lane = client.error(msg)
+        with grpc.insecure_channel(served.address) as ch, pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.InferenceStub(ch).Generate(msg, timeout=30))
+        assert (lane.code(), lane.details()) == (info.value.code(), info.value.details())
+        assert lane.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a continuation whose tokens already ended the sequence: the trailer a gateway reads
+    ended = request(token_ids=PROMPT, **greedy(3))
+    ended.continuation.ids.extend([5, 6, 7])
+    err = client.error(ended)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (ENDED_TRAILER, "FINISH_REASON_LENGTH") in tuple(err.trailing_metadata())
+    assert client.lane.fallbacks == 0
+
+
+def test_a_request_past_max_request_bytes_is_refused_as_grpc_refuses_it(served, client):
+    msg = request(token_ids=PROMPT, **greedy(2))
+    msg.sampling.stop.extend(["s" * 1000] * 60)   # 60 KB of stop strings: under 64 KiB
+    assert tokens(client.generate(msg))
+    msg.sampling.stop.extend(["s" * 1000] * 10)   # 70 KB: past it
+    err = client.error(msg)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.details().startswith("Received message larger than max ("), err.details()   # what a gateway reads
+
+
+def test_cancelling_a_call_frees_its_request_at_once(served, client):
+    engine = served.servicer.engine
+
+    async def cancel_after_first_chunk():
+        call = client.lane.generate(request(token_ids=PROMPT, **greedy(1500)), 60)
+        responses = call.__aiter__()
+        while (await responses.__anext__()).WhichOneof("event") != "chunk":
+            pass
+        await call.initial_metadata()
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await responses.__anext__()
+
+    client.call(cancel_after_first_chunk())
+    wait_until(lambda: engine.num_live() == 0, 10, "the cancelled request to end")
+    assert client.lane.idle == 0   # the connection that carried it was closed, not kept
+    assert tokens(client.generate(request(token_ids=PROMPT, **greedy(4))))
+
+
+def test_a_call_left_right_after_its_finished_keeps_its_connection(served, client):
+    """The gateway's relay leaves as soon as its last sequence finished, cancelling the call: the
+    worker's status follows at once, and the connection goes back for the next call."""
+    async def leave_at_finished():
+        call = client.lane.generate(request(token_ids=PROMPT, **greedy(3)), 30)
+        async for response in call:
+            if response.WhichOneof("event") == "finished":
+                break
+        call.cancel()
+        for _ in range(200):
+            if client.lane.idle:
+                return
+            await asyncio.sleep(0.01)
+
+    client.call(leave_at_finished())
+    assert client.lane.idle == 1
+
+
+def test_the_deadline_ends_the_call_and_frees_its_request(served, client):
+    err = client.error(request(token_ids=PROMPT, **greedy(1900)), timeout=0.3)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: served.servicer.engine.num_live() == 0, 10, "the request past its deadline to end")
+
+
+def test_tenants_keep_their_own_caches_over_the_lane(served, client):
+    prompt = [random.Random(12).randrange(3, 1024) for _ in range(40)]
+
+    def cached(tenant: str) -> int:
+        responses = client.generate(request(token_ids=prompt, **greedy(2)), metadata=((TENANT_METADATA, tenant),))
+        return next(r.prefill_done.cached_tokens for r in responses if r.HasField("prefill_done"))
+
+    assert cached("alpha") == 0
+    assert cached("alpha") > 0
+    assert cached("beta") == 0
+
+
+def test_an_idle_connection_whose_worker_restarted_is_replaced(served, client):
+    assert tokens(client.generate(request(token_ids=PROMPT, **greedy(2))))
+    assert client.lane.idle == 1
+    old = served.servicer.lane
+    served.call(old.close())   # every connection closed, as a restarted worker's were
+    lane = LaneServer(served.servicer, None, served.config.max_request_bytes)
+    served.call(lane.start(old.address))
+    served.servicer.lane = lane
+    assert tokens(client.generate(request(token_ids=PROMPT, **greedy(2))))
+    assert client.lane.fallbacks == 0
+
+
+def test_a_lane_that_cannot_be_reached_leaves_the_call_to_grpc(served):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"   # nothing listens there once closed
+    c = LaneClient(served.address, closed)
+    try:
+        msg = request(token_ids=PROMPT, **greedy(5))
+        assert tokens(c.generate(msg)) == over_grpc(served.address, msg).tokens
+        assert c.lane.fallbacks == 1
+        c.generate(msg)   # not tried again at once: a call does not wait on a lane known down
+        assert c.lane.fallbacks == 2
+    finally:
+        c.close()
+
+
+def test_hostile_bytes_on_the_lane_are_refused_and_the_worker_serves_on(served, client):
+    host, port = served.servicer.lane.address.rsplit(":", 1)
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    assert exchange(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") == b""           # not the lane's opening
+    assert exchange(wire.MAGIC + struct.pack(">IB", 5, 9) + b"12345") == b""   # a kind it never takes
+    huge = exchange(wire.MAGIC + struct.pack(">IB", 1 << 30, wire.CALL))     # a frame of 1 GiB: not read
+    kind, payload = huge[4], huge[5:]
+    assert kind == wire.STATUS
+    from kvserve.inference.v1 import lane_pb2
+    status = lane_pb2.LaneStatus.FromString(payload)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    garbage = exchange(wire.MAGIC + wire.frame(wire.CALL, b"\xff" * 40))
+    status = lane_pb2.LaneStatus.FromString(garbage[5:])
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "LaneCall" in status.details
+    assert tokens(client.generate(request(token_ids=PROMPT, **greedy(3))))
+    wait_until(lambda: served.servicer.engine.num_live() == 0, 10, "nothing left running")
+
+
+def test_a_draining_worker_refuses_lane_calls_unavailable(tiny_dirs):
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu",
+                               page_size=4, num_pages=256, lane_listen="127.0.0.1:0")
+    c = LaneClient(server.address, server.servicer.lane.address)
+    try:
+        server.servicer.drain()
+        err = c.error(request(token_ids=PROMPT, **greedy(2)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+    finally:
+        c.close()
+        server.stop()
+
+
+def test_a_unix_socket_lane(tiny_dirs, tmp_path):
+    server = ModelServerThread(tiny_dirs["tiny"], listen=f"unix://{tmp_path}/w.sock", kvcache="inprocess",
+                               device="cpu", page_size=4, num_pages=256, lane_listen=f"unix://{tmp_path}/w.lane")
+    try:
+        assert server.servicer.lane.address == f"unix://{tmp_path}/w.lane"
+        c = LaneClient(server.address, server.servicer.lane.address)
+        try:
+            msg = request(token_ids=PROMPT, **greedy(6))
+            assert tokens(c.generate(msg)) == over_grpc(server.address, msg).tokens
+            assert c.lane.fallbacks == 0
+        finally:
+            c.close()
+    finally:
+        server.stop()
+    assert not (tmp_path / "w.lane").exists()   # its socket file goes with it
+
+
+def test_where_a_gateway_dials_a_lane():
+    assert wire.dial_target("10.0.0.7:50051", "0.0.0.0:50061") == ("10.0.0.7", 50061)
+    assert wire.dial_target("worker-0.workers:50051", "[::]:50061") == ("worker-0.workers", 50061)
+    assert wire.dial_target("unix:///run/w.sock", "0.0.0.0:50061") == ("127.0.0.1", 50061)
+    assert wire.dial_target("unix:///run/w.sock", "unix:///run/w.lane") == "/run/w.lane"
+    assert wire.dial_target("10.0.0.7:50051", "nonsense") is None
+    assert wire.dial_target("10.0.0.7:50051", "127.0.0.1:0") is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(lane_listen="nonsense"), "--lane-listen"),
+    (dict(lane_listen="127.0.0.1:0", api_keys="keys.txt"), "--lane-listen with --api-keys"),
+    (dict(lane_listen="0.0.0.0:50061", trust_tenant_metadata=True, listen="unix:///tmp/w.sock"),
+     "--trust-tenant-metadata with --lane-listen 0.0.0.0:50061"),
+])
+def test_lane_flags_that_cannot_work_are_refused_at_start(flags, message):
+    with pytest.raises(ValueError, match=message):
+        ModelServiceConfig(**{"model": "tiny", **flags})
+
+
+def test_a_lane_port_in_use_is_said_naming_the_flag(served):
+    async def start():
+        await LaneServer(served.servicer, None, 1024).start(served.servicer.lane.address)
+    with pytest.raises(CannotListen, match="--lane-listen: cannot listen on 127.0.0.1:"):
+        served.call(start())
