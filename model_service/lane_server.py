@@ -105,6 +105,7 @@ class LaneServer:
         task = asyncio.current_task()
         self._connections.add(task)
         running: asyncio.Task | None = None
+        wire.keep_alive(writer)
         try:
             if await reader.readexactly(len(wire.MAGIC)) != wire.MAGIC:
                 return

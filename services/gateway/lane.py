@@ -106,6 +106,7 @@ class LaneChannel:
                         exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__,
                         RETRY_LANE_S)
             return None
+        wire.keep_alive(writer)
         writer.write(wire.MAGIC)
         return _Connection(reader, writer), False
 

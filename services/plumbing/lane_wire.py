@@ -6,6 +6,7 @@ kind and the bytes."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import struct
 
@@ -31,6 +32,26 @@ class FramingError(Exception):
     def __init__(self, message: str, length: int = 0) -> None:
         super().__init__(message)
         self.length = length   # a frame's length past the limit, when that was the fault
+
+
+# A peer gone without a word (its machine lost, the network cut): the kernel probes an idle
+# connection after 30 s and gives up on one whose bytes go unacknowledged for 40 s, about when
+# gRPC's keepalive pings (grpc_server.py) would end the call.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 5, 2
+USER_TIMEOUT_MS = 40_000
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive and a user timeout on a lane connection (a Unix socket needs neither)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+                        ("TCP_NODELAY", 1)):
+        if hasattr(socket, name):   # Linux has them all; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def frame(kind: int, payload: bytes = b"") -> bytes:

@@ -69,6 +69,20 @@ def tokens(responses) -> list[int]:
     return [t for r in responses if r.WhichOneof("event") == "chunk" for t in r.chunk.token_ids]
 
 
+def by_sequence(responses) -> dict[int, tuple]:
+    """Each sequence's tokens, their logprobs and how it finished."""
+    out: dict[int, tuple] = {}
+    for r in responses:
+        ids, lps, end = out.get(r.index, ((), (), None))
+        if r.HasField("chunk"):
+            ids += tuple(r.chunk.token_ids)
+            lps += tuple(round(lp.logprob, 4) for lp in r.chunk.logprobs)
+        elif r.HasField("finished"):
+            end = (r.finished.finish_reason, r.finished.usage.completion_tokens)
+        out[r.index] = (ids, lps, end)
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(tiny_dirs):
     server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu", page_size=4,
@@ -105,11 +119,10 @@ def test_a_lane_call_streams_what_the_grpc_port_streams(served, client):
     for params in (greedy(12), dict(greedy(6), n=2, logprobs=2), dict(temperature=0.8, seed=7, max_tokens=9)):
         msg = request(token_ids=PROMPT, **params)
         lane = client.generate(msg)
-        grpc_stream = over_grpc(served.address, msg)
-        assert [r.WhichOneof("event") for r in lane] == grpc_stream.kinds
-        assert tokens(lane) == grpc_stream.tokens
-        assert [r.finished.finish_reason for r in lane if r.HasField("finished")] == \
-               [e.finished.finish_reason for e in grpc_stream.events if e.HasField("finished")]
+        grpc_stream = over_grpc(served.address, msg).events
+        # (how tokens group into chunks depends on timing: each sequence's tokens and end compared)
+        assert lane[0].WhichOneof("event") == grpc_stream[0].WhichOneof("event") == "prefill_done"
+        assert by_sequence(lane) == by_sequence(grpc_stream)
     assert client.lane.fallbacks == 0 and client.lane.idle == 1   # one connection, kept for each next call
 
 
