@@ -30,6 +30,11 @@ from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
+OPENING_S = 10.0     # a connection must say it is the lane's within this long
+IDLE_S = 120.0       # a connection idle between calls this long is closed (a gateway closes its own after 30 s)
+DISCARD_S = 5.0      # the most time spent reading a refused frame's bytes
+CLOSE_WAIT_S = 1.0
+
 
 class _Abort(BaseException):
     """context.abort: the call ends with this status. A BaseException, as grpc's own: no
@@ -40,12 +45,45 @@ class _Abort(BaseException):
         self.code, self.details, self.trailers = code, details, trailers
 
 
+class Outbox:
+    """A call's frames, leaving in one write per turn of the event loop: the messages of one
+    engine step and the status after them go out as one segment, not one each."""
+
+    FLUSH_BYTES = 64 << 10   # past this much, written at once (and backpressure looked at)
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._scheduled = False
+
+    def put(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._size += len(data)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if self._parts and not self.writer.is_closing():
+            self.writer.write(b"".join(self._parts))
+        self._parts.clear()
+        self._size = 0
+
+    async def drain(self) -> None:
+        """Waits while the gateway does not read (gRPC's flow control does the same)."""
+        if self._size >= self.FLUSH_BYTES:
+            self.flush()
+        await self.writer.drain()
+
+
 class LaneContext:
     """What the servicer's Generate asks of its gRPC context, for a lane call."""
 
-    def __init__(self, metadata: tuple, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, metadata: tuple, outbox: Outbox) -> None:
         self._metadata = metadata
-        self._writer = writer
+        self._outbox = outbox
         self.headers_sent = False
 
     def invocation_metadata(self) -> tuple:
@@ -54,7 +92,7 @@ class LaneContext:
     async def send_initial_metadata(self, _metadata=()) -> None:
         if not self.headers_sent:
             self.headers_sent = True
-            self._writer.write(wire.frame(wire.HEADERS))
+            self._outbox.put(wire.frame(wire.HEADERS))
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> NoReturn:
         raise _Abort(code, details, tuple(trailing_metadata))
@@ -64,10 +102,11 @@ class LaneServer:
     def __init__(self, servicer, tls: ServerTLS | None, max_request_bytes: int) -> None:
         self.servicer = servicer
         self._ssl = wire.server_ssl(tls)
-        self._limit = max_request_bytes + wire.CALL_OVERHEAD
+        self._call_frame_limit = max_request_bytes + wire.CALL_OVERHEAD
         self._max_request_bytes = max_request_bytes
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._socket_inode: int | None = None   # its Unix socket file, removed on close only if still its own
         self.address = ""   # where it listens, once started: what ModelInfo.lane_address says
 
     async def start(self, listen: str) -> None:
@@ -77,6 +116,7 @@ class LaneServer:
             if address.is_unix:
                 remove_stale_socket(address.unix_path)
                 self._server = await asyncio.start_unix_server(self._serve, address.unix_path)
+                self._socket_inode = os.stat(address.unix_path).st_ino
                 self.address = address.with_port(0)
             else:
                 self._server = await asyncio.start_server(self._serve, address.host or None, address.port,
@@ -86,51 +126,77 @@ class LaneServer:
             raise CannotListen(f"--lane-listen: cannot listen on {listen}: {exc.strerror or exc}") from None
 
     async def close(self) -> None:
-        """No new connections; the calls still running are cancelled (a drain has waited for them)."""
+        """No new connections; the calls still running are cancelled and their connections cut
+        (a drain has waited for them)."""
         if self._server is None:
             return
         self._server.close()
-        for task in list(self._connections):
+        for task, writer in list(self._connections.items()):
             task.cancel()
+            writer.transport.abort()   # nothing left to flush to a gateway that stopped reading
         await asyncio.gather(*self._connections, return_exceptions=True)
-        await self._server.wait_closed()
-        path = parse_address(self.address).unix_path if self.address.startswith("unix:") else ""
-        if path and os.path.exists(path):
-            os.unlink(path)
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), CLOSE_WAIT_S)
+        except TimeoutError:
+            pass
+        if self._socket_inode is not None:
+            path = parse_address(self.address).unix_path
+            try:
+                if os.stat(path).st_ino == self._socket_inode:   # not a successor's socket at the same path
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: its calls one after another. The gateway sends nothing while a call runs
         but closing the connection, which cancels the call; reading all the while, with one reader,
         sees it at once."""
         task = asyncio.current_task()
-        self._connections.add(task)
+        self._connections[task] = writer
+        loop = asyncio.get_running_loop()
         running: asyncio.Task | None = None
+        idle_timer: asyncio.Timeout | None = None   # the read's, while it waits
+
+        def call_ended(_task) -> None:   # from now on the connection is idle: it has IDLE_S
+            if idle_timer is not None:
+                idle_timer.reschedule(loop.time() + IDLE_S)
+
         wire.keep_alive(writer)
         try:
-            if await reader.readexactly(len(wire.MAGIC)) != wire.MAGIC:
-                return
+            async with asyncio.timeout(OPENING_S):
+                if await reader.readexactly(len(wire.MAGIC)) != wire.MAGIC:
+                    return
             while True:
                 try:
-                    kind, payload = await wire.read_frame(reader, self._limit)
+                    calling = running is not None and not running.done()
+                    try:
+                        async with asyncio.timeout(None if calling else IDLE_S) as idle_timer:
+                            kind, payload = await wire.read_frame(reader, self._call_frame_limit)
+                    finally:
+                        idle_timer = None
                 except wire.FramingError as exc:
                     if running is not None:
                         await running
                     writer.write(self._too_large(exc.length))
-                    await writer.drain()
+                    await _discard(reader, exc.length)   # read, so that the status is not lost to a reset
                     return
                 if kind != wire.CALL:
                     return
                 if running is not None:   # sent before the last one's status: it waits its turn
                     await running
                 running = asyncio.ensure_future(self._call(payload, writer))
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ssl.SSLError):
-            pass   # the gateway closed the connection, or went away: nothing to tell it
+                running.add_done_callback(call_ended)
+        except (asyncio.IncompleteReadError, OSError, ssl.SSLError):
+            pass   # the gateway closed the connection, went away, or left it idle: nothing to tell it
+        except Exception as exc:   # a bug: logged, the connection closed
+            log.error("lane connection failed", exc_info=exc)
         finally:
             if running is not None and not running.done():
                 running.cancel()
             if running is not None:
                 await asyncio.gather(running, return_exceptions=True)
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
 
     def _too_large(self, size: int) -> bytes:
@@ -139,38 +205,50 @@ class LaneServer:
                                  f"Received message larger than max ({size} vs. {self._max_request_bytes})")
 
     async def _call(self, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        outbox = Outbox(writer)
         try:
             call = lane_pb.LaneCall.FromString(payload)
         except DecodeError:
-            writer.write(wire.status_frame(grpc.StatusCode.INVALID_ARGUMENT,
-                                           "the call's bytes are not a kvserve.inference.v1.LaneCall"))
+            outbox.put(wire.status_frame(grpc.StatusCode.INVALID_ARGUMENT,
+                                         "the call's bytes are not a kvserve.inference.v1.LaneCall"))
             return
         size = call.request.ByteSize()
         if size > self._max_request_bytes:   # as the gRPC port refuses it
-            writer.write(self._too_large(size))
+            outbox.put(self._too_large(size))
             return
-        context = LaneContext(tuple((m.key, m.value) for m in call.metadata), writer)
+        context = LaneContext(wire.metadata_pairs(call.metadata), outbox)
         code, details, trailers = grpc.StatusCode.OK, "", ()
         try:
-            async with asyncio.timeout(call.timeout_ms / 1000 if call.timeout_ms else None):
+            async with asyncio.timeout(call.timeout_ms / 1000 if call.timeout_ms else None) as deadline:
                 async with aclosing(self.servicer.Generate(call.request, context)) as responses:
                     async for response in responses:
                         await context.send_initial_metadata()   # with the first message, as gRPC sends them
-                        writer.write(wire.frame(wire.MESSAGE, response.SerializeToString()))
-                        # a gateway that does not read holds the stream, as gRPC's flow control does
-                        await writer.drain()
+                        outbox.put(wire.frame(wire.MESSAGE, response.SerializeToString()))
+                        await outbox.drain()
         except _Abort as abort:
             code, details, trailers = abort.code, abort.details, abort.trailers
         except TimeoutError:
+            if not deadline.expired():   # the kernel gave up on the gateway (ETIMEDOUT): nobody to tell
+                return
             code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        except (ConnectionError, ssl.SSLError):
+        except (OSError, ssl.SSLError):
             return   # the gateway went away mid-stream
         except Exception as exc:   # a bug: logged under an id, never shown as its repr
             error = InternalError("the lane call failed")
             log.error("lane call failed (incident %s)", error.incident, exc_info=exc)
             code, details = grpc.StatusCode.INTERNAL, str(error)
-        writer.write(wire.status_frame(code, details, trailers))
-        try:
-            await writer.drain()
-        except (ConnectionError, ssl.SSLError):
-            pass
+        outbox.put(wire.status_frame(code, details, trailers))
+
+
+async def _discard(reader: asyncio.StreamReader, length: int) -> None:
+    """Reads and drops a refused frame's bytes, for at most DISCARD_S: closing with them unread
+    would reset the connection, and the gateway could lose the status sent before."""
+    try:
+        async with asyncio.timeout(DISCARD_S):
+            while length > 0:
+                chunk = await reader.read(min(length, 1 << 16))
+                if not chunk:
+                    return
+                length -= len(chunk)
+    except (TimeoutError, OSError):
+        pass

@@ -169,7 +169,7 @@ class Follower:
             asked = time.monotonic()
             try:
                 if w.info is None:
-                    w.know(await w.inference.GetModelInfo(pb.GetModelInfoRequest(), timeout=2))
+                    w.set_info(await w.inference.GetModelInfo(pb.GetModelInfoRequest(), timeout=2))
                     w.changed()
                     w.hashes_match = w.info.extra_key_digest == self.digest
                     if not w.hashes_match:
@@ -295,7 +295,7 @@ class Follower:
         if w.state != DOWN:
             log.warning("worker %s is down (%s)", w.address, why)
             w.state = DOWN
-            w.know(None)
+            w.set_info(None)
             w.load = Load()   # what it said last is not what it holds now
             w.changed()
             self.on_down(w)

@@ -2,12 +2,14 @@
 over length-prefixed frames instead of gRPC, a hop that costs a fraction of a gRPC call's.
 
 LaneChannel.generate returns a call that behaves as the gRPC stub's does for relay.py: iterated
-for the responses, initial_metadata() once the worker took it, cancel(), and every failure raised
-as grpc.aio.AioRpcError with gRPC's codes (a lost connection UNAVAILABLE, as a lost gRPC
-channel), so the relay's failover reads both alike. One call per connection at a time, idle
-connections kept for the next call: TCP's flow control on each is the stream's, so a client that
-does not read holds its worker's stream and no other. A lane that cannot be connected to sends
-the call over gRPC instead (a firewall may pass one port and not the other).
+for the responses, initial_metadata() once the worker took it, cancel() (a response being
+awaited raises CancelledError), and every failure raised as grpc.aio.AioRpcError with gRPC's
+code and words (a lost connection UNAVAILABLE, the deadline DEADLINE_EXCEEDED, a message past
+the size taken RESOURCE_EXHAUSTED "Received message larger than max"), so the relay's failover
+reads both alike. One call per connection at a time, idle connections kept for the next call:
+TCP's flow control on each is the stream's, so a client that does not read holds its worker's
+stream and no other. A lane that cannot be connected to sends the call over gRPC instead (a
+firewall may pass one port and not the other).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from kvserve.services.plumbing.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
-MAX_IDLE = 64          # idle connections kept per worker
+MAX_IDLE = 256         # idle connections kept per worker: a stream each, up to a large batch's
+IDLE_S = 30.0          # an idle connection older than this is closed, not reused (a middlebox may have dropped it)
 CONNECT_TIMEOUT_S = 2.0
 RETRY_LANE_S = 10.0    # after a lane could not be connected to, calls go over gRPC this long
 
@@ -37,15 +40,17 @@ def _error(code: grpc.StatusCode, details: str, trailers: tuple = ()) -> grpc.ai
 
 
 class _Connection:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("reader", "writer", "idle_since")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.idle_since = 0.0
 
     @property
     def usable(self) -> bool:
-        """Still open at both ends: a worker that restarted closed its end of every idle one."""
-        return not self.reader.at_eof() and not self.writer.is_closing()
+        """Still open at both ends, and not idle for long: a worker that restarted closed its end."""
+        return (not self.reader.at_eof() and not self.writer.is_closing()
+                and time.monotonic() - self.idle_since < IDLE_S)
 
     def close(self) -> None:
         self.writer.transport.abort()   # no FIN handshake to wait for: the worker sees the call cancelled
@@ -58,39 +63,49 @@ class LaneChannel:
         self.target = target   # (host, port), or a Unix socket's path
         self._ssl = wire.client_ssl(tls) if isinstance(target, tuple) else None
         self._server_name = (tls.server_name or None) if tls is not None else None
-        self._grpc_generate = grpc_generate   # the worker's stub's Generate, when the lane cannot be reached
+        self.grpc_generate = grpc_generate   # the worker's stub's Generate, when the lane cannot be reached
         self._idle: list[_Connection] = []
         self._down_until = 0.0
         self._tasks: set[asyncio.Task] = set()   # held: the loop keeps only weak references to tasks
+        self.closed = False
         self.calls = self.fallbacks = 0
 
-    def spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    @property
+    def where(self) -> str:
+        if isinstance(self.target, str):
+            return f"unix://{self.target}"
+        host, port = self.target
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def generate(self, request: pb.GenerateRequest, timeout: float | None = None, metadata: tuple = ()) -> LaneCall:
-        self.calls += 1
-        return LaneCall(self, request, timeout, metadata)
+    @property
+    def up(self) -> bool:
+        """Calls go over it now (not over gRPC after a failed connect)."""
+        return not self.closed and time.monotonic() >= self._down_until
 
     @property
     def idle(self) -> int:
         """Connections kept for the next call."""
         return len(self._idle)
 
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None, metadata: tuple = ()) -> LaneCall:
+        self.calls += 1
+        return LaneCall(self, request, timeout, metadata)
+
     def close(self) -> None:
+        """No connection is kept from now on; calls still running end on theirs."""
+        self.closed = True
         for conn in self._idle:
             conn.close()
         self._idle.clear()
 
-    async def _take(self) -> tuple[_Connection, bool] | None:
+    async def take(self) -> tuple[_Connection, bool] | None:
         """An idle connection (and True), or a new one (False); None when the lane cannot be reached."""
         while self._idle:
             conn = self._idle.pop()
             if conn.usable:
                 return conn, True
             conn.close()
-        if time.monotonic() < self._down_until:
+        if not self.up:
             return None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
@@ -101,37 +116,43 @@ class LaneChannel:
                     reader, writer = await asyncio.open_connection(
                         host, port, ssl=self._ssl, server_hostname=(self._server_name or host) if self._ssl else None)
         except (OSError, TimeoutError) as exc:
+            if self.up:   # said once per outage, not by every call that finds it down
+                log.warning("the lane at %s cannot be reached (%s); calls go over gRPC for %g s", self.where,
+                            exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__,
+                            RETRY_LANE_S)
             self._down_until = time.monotonic() + RETRY_LANE_S
-            log.warning("the lane at %s cannot be reached (%s); calls go over gRPC for %g s", self.where,
-                        exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__,
-                        RETRY_LANE_S)
             return None
         wire.keep_alive(writer)
         writer.write(wire.MAGIC)
         return _Connection(reader, writer), False
 
-    def _give_back(self, conn: _Connection) -> None:
-        if len(self._idle) < MAX_IDLE and conn.usable:
+    def give_back(self, conn: _Connection) -> None:
+        """A connection whose call ended with its status: kept for the next call."""
+        if not self.closed and len(self._idle) < MAX_IDLE and not conn.writer.is_closing():
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.close()
 
-    @property
-    def where(self) -> str:
-        return f"unix://{self.target}" if isinstance(self.target, str) else f"{self.target[0]}:{self.target[1]}"
+    def settle(self, conn: _Connection) -> None:
+        """A call left right after its last sequence's end: the worker's status follows at once,
+        and the connection is kept; anything else, or nothing within a second, and it is closed."""
+        async def read_status() -> None:
+            try:
+                async with asyncio.timeout(1.0):
+                    kind, _ = await wire.read_frame(conn.reader, wire.MAX_REPLY_BYTES)
+            except (TimeoutError, asyncio.IncompleteReadError, OSError, wire.FramingError):
+                kind = None
+            if kind == wire.STATUS:
+                self.give_back(conn)
+            else:
+                conn.close()
+        self.spawn(read_status())
 
-    async def _settle(self, conn: _Connection) -> None:
-        """A call left after its last sequence's end: the worker's status follows, and the
-        connection is kept; anything else, or nothing within a second, and it is closed."""
-        try:
-            async with asyncio.timeout(1.0):
-                kind, _ = await wire.read_frame(conn.reader, wire.MAX_REPLY_BYTES)
-        except (TimeoutError, asyncio.IncompleteReadError, OSError, wire.FramingError):
-            kind = None
-        if kind == wire.STATUS:
-            self._give_back(conn)
-        else:
-            conn.close()
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 class LaneCall:
@@ -145,9 +166,11 @@ class LaneCall:
         loop = asyncio.get_running_loop()
         self._deadline = None if timeout is None else loop.time() + timeout
         self._headers: asyncio.Future = loop.create_future()
+        self._responses = self._stream()
         self._conn: _Connection | None = None
         self._grpc_call = None   # the call went over gRPC instead
-        self._cancelled = self._done = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._cancelled = self._expired = self._done = False
         self._reading = False          # a response is being awaited
         self._last_finished = False    # the last response ended a sequence: the status may follow at once
 
@@ -161,12 +184,11 @@ class LaneCall:
         if self._done or self._cancelled:
             return False
         self._cancelled = True
-        if not self._headers.done():
-            self._headers.cancel()
+        self._took(False)
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._last_finished and not self._reading:
-                self._channel.spawn(self._channel._settle(conn))
+                self._channel.settle(conn)
             else:
                 conn.close()
         return True
@@ -176,36 +198,46 @@ class LaneCall:
         return await self._headers
 
     def __aiter__(self):
-        return self._responses()
+        return self._responses
 
-    async def _within(self, awaitable):
-        """`awaitable` awaited within the call's deadline (TimeoutError past it)."""
-        async with asyncio.timeout_at(self._deadline):
-            return await awaitable
+    def _took(self, taken: bool = True) -> None:
+        if not self._headers.done():
+            self._headers.set_result(()) if taken else self._headers.cancel()
+
+    def _expire(self) -> None:
+        """The deadline: the connection closes (the worker cancels the request), and the response
+        being awaited ends DEADLINE_EXCEEDED."""
+        self._expired = True
+        if self._conn is not None:
+            self._conn.close()
 
     def _send(self, conn: _Connection) -> None:
         self._conn = conn
         left_ms = 0 if self._deadline is None else \
             max(1, int((self._deadline - asyncio.get_running_loop().time()) * 1000))
-        call = lane_pb.LaneCall(request=self._request, timeout_ms=left_ms,
-                                metadata=[lane_pb.LaneMetadata(key=k, value=v) for k, v in self._metadata])
+        call = lane_pb.LaneCall(request=self._request, timeout_ms=left_ms, metadata=wire.metadata_pb(self._metadata))
         conn.writer.write(wire.frame(wire.CALL, call.SerializeToString()))
 
-    async def _responses(self):
+    async def _take(self) -> tuple[_Connection, bool] | None:
+        """A connection for the call; CancelledError or the deadline's error if either came meanwhile."""
+        taken = await self._channel.take()
+        if (self._cancelled or self._expired) and taken is not None:
+            self._channel.give_back(taken[0])
+        if self._cancelled:
+            raise asyncio.CancelledError
+        if self._expired:
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return taken
+
+    async def _stream(self):
         channel = self._channel
+        loop = asyncio.get_running_loop()
         try:
-            taken = await self._within(channel._take())
-            if self._cancelled:
-                if taken is not None:
-                    channel._give_back(taken[0])
-                raise asyncio.CancelledError
+            if self._deadline is not None:   # one timer a call, not one a read
+                self._timer = loop.call_at(self._deadline, self._expire)
+            taken = await self._take()
             if taken is None:   # the lane cannot be reached: the call goes over gRPC
-                channel.fallbacks += 1
-                left = None if self._deadline is None else \
-                    max(0.0, self._deadline - asyncio.get_running_loop().time())
-                self._grpc_call = channel._grpc_generate(self._request, timeout=left, metadata=self._metadata)
-                channel.spawn(self._headers_from_grpc())
-                async for response in self._grpc_call:
+                async for response in self._over_grpc():
                     yield response
                 return
             conn, reused = taken
@@ -214,65 +246,80 @@ class LaneCall:
             while True:
                 if self._cancelled:
                     raise asyncio.CancelledError
+                if self._expired:   # (frames read before the connection closed may be waiting still)
+                    raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 self._reading = True
                 try:
-                    kind, payload = await self._within(wire.read_frame(conn.reader, wire.MAX_REPLY_BYTES))
-                    response = pb.GenerateResponse.FromString(payload) if kind == wire.MESSAGE else None
-                except TimeoutError:   # the deadline (an OSError too, not the connection's fault)
-                    raise
+                    kind, payload = await wire.read_frame(conn.reader, wire.MAX_REPLY_BYTES)
+                    if kind == wire.MESSAGE:
+                        message = pb.GenerateResponse.FromString(payload)
+                    elif kind == wire.STATUS:
+                        message = lane_pb.LaneStatus.FromString(payload)
                 except (asyncio.IncompleteReadError, OSError, wire.FramingError, DecodeError) as exc:
+                    # (OSError: TimeoutError among them, the kernel giving up on the peer)
                     conn.close()
                     self._conn = None
                     if self._cancelled:
                         raise asyncio.CancelledError from None
+                    if self._expired:
+                        raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                    if isinstance(exc, wire.FramingError) and exc.length:   # as gRPC refuses a message past its limit
+                        raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max "
+                                     f"({exc.length} vs. {wire.MAX_REPLY_BYTES})") from None
                     if not heard and reused and isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
                         # an idle connection the worker had closed (restarted, or its lane server
                         # stopped) before the call reached it: once more on another
-                        taken = await self._within(channel._take())
+                        taken = await self._take()
                         if taken is not None:
                             conn, reused = taken
                             self._send(conn)
                             continue
-                    why = "closed the connection" if isinstance(exc, asyncio.IncompleteReadError) else str(exc)
-                    raise _error(grpc.StatusCode.UNAVAILABLE, f"the worker's lane at {channel.where} {why}") from None
+                    why = "closed the connection" if isinstance(exc, asyncio.IncompleteReadError) else \
+                        f"failed ({type(exc).__name__}: {exc})"
+                    log.info("the lane at %s %s", channel.where, why)
+                    raise _error(grpc.StatusCode.UNAVAILABLE, f"the worker's lane {why}") from None
                 finally:
                     self._reading = False
                 heard = True
                 if kind == wire.MESSAGE:
-                    if not self._headers.done():
-                        self._headers.set_result(())
-                    self._last_finished = response.WhichOneof("event") == "finished"
-                    yield response
+                    self._took()
+                    self._last_finished = message.WhichOneof("event") == "finished"
+                    yield message
                 elif kind == wire.HEADERS:
-                    if not self._headers.done():
-                        self._headers.set_result(())
+                    self._took()
                 elif kind == wire.STATUS:
-                    status = lane_pb.LaneStatus.FromString(payload)
                     self._conn = None
-                    channel._give_back(conn)
-                    code = wire.CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+                    channel.give_back(conn)
+                    code = wire.CODES.get(message.code, grpc.StatusCode.UNKNOWN)
                     if code != grpc.StatusCode.OK:
-                        raise _error(code, status.details, tuple((m.key, m.value) for m in status.trailing_metadata))
+                        raise _error(code, message.details, wire.metadata_pairs(message.trailing_metadata))
                     return
                 else:
-                    raise _error(grpc.StatusCode.UNAVAILABLE,
-                                 f"the worker's lane at {channel.where} sent a frame of kind {kind}")
-        except TimeoutError:
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                    raise _error(grpc.StatusCode.UNAVAILABLE, f"the worker's lane sent a frame of kind {kind}")
         finally:
             self._done = True
-            if not self._headers.done():
-                self._headers.cancel()
-            if self._conn is not None:   # left early (cancelled, timed out, failed): the worker cancels it
+            if self._timer is not None:
+                self._timer.cancel()
+            self._took(False)
+            if self._conn is not None:   # left early (cancelled, past its deadline, failed): the worker cancels it
                 self._conn.close()
                 self._conn = None
 
-    async def _headers_from_grpc(self) -> None:
-        try:
-            await self._grpc_call.initial_metadata()
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            if not self._headers.done():
-                self._headers.cancel()
-            return
-        if not self._headers.done():
-            self._headers.set_result(())
+    async def _over_grpc(self):
+        """The call over the worker's gRPC port, with the deadline left (gRPC enforces it)."""
+        self._channel.fallbacks += 1
+        if self._timer is not None:
+            self._timer.cancel()
+        left = None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
+        self._grpc_call = self._channel.grpc_generate(self._request, timeout=left, metadata=self._metadata)
+
+        async def headers() -> None:
+            try:
+                await self._grpc_call.initial_metadata()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                self._took(False)
+                return
+            self._took()
+        self._channel.spawn(headers())
+        async for response in self._grpc_call:
+            yield response

@@ -85,7 +85,7 @@ class Worker:
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]), tls=tls, lanes=lanes)
 
-    def know(self, info: pb.ModelInfo | None) -> None:
+    def set_info(self, info: pb.ModelInfo | None) -> None:
         """What the worker said of itself (None: forgotten, it went down); its lane follows."""
         self.info = info
         self.close_lane()
@@ -206,4 +206,4 @@ class Worker:
             requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
             epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
             migrated_away=self.migrated_away, not_serving=self.not_serving,
-            lane=self.lane.where if self.lane is not None else "")
+            lane=self.lane.where if self.lane is not None and self.lane.up else "")

@@ -67,9 +67,16 @@ async def read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, byt
     return kind, await reader.readexactly(length) if length else b""
 
 
+def metadata_pb(pairs) -> list[lane_pb.LaneMetadata]:
+    return [lane_pb.LaneMetadata(key=key, value=value) for key, value in pairs]
+
+
+def metadata_pairs(metadata) -> tuple[tuple[str, str], ...]:
+    return tuple((m.key, m.value) for m in metadata)
+
+
 def status_frame(code: grpc.StatusCode, details: str = "", trailers: tuple = ()) -> bytes:
-    status = lane_pb.LaneStatus(code=code.value[0], details=details,
-                                trailing_metadata=[lane_pb.LaneMetadata(key=k, value=v) for k, v in trailers])
+    status = lane_pb.LaneStatus(code=code.value[0], details=details, trailing_metadata=metadata_pb(trailers))
     return frame(STATUS, status.SerializeToString())
 
 
@@ -98,20 +105,18 @@ def client_ssl(tls: ClientTLS | None) -> ssl.SSLContext | None:
 
 
 def dial_target(worker_address: str, lane_address: str) -> tuple[str, int] | str | None:
-    """Where a gateway reaches a worker's lane: a Unix socket's path, or (host, port), the host
-    the gateway reaches the worker at (the lane's own listen host, often 0.0.0.0, names no
-    peer) unless the worker is reached over a Unix socket itself. None when unusable."""
+    """Where a gateway reaches a worker's lane: (host, port), the host the gateway reaches the
+    worker at (the lane's own listen host, often 0.0.0.0, names no peer); a Unix socket's path
+    only for a worker reached over a Unix socket itself (on this host: a worker elsewhere names
+    a path on its own). None when unusable."""
     try:
         lane = parse_address(lane_address)
+        worker = parse_address(worker_address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:"))
     except ValueError:
         return None
     if lane.is_unix:
-        return lane.unix_path
+        return lane.unix_path if worker.is_unix else None
     if not lane.port:
-        return None
-    try:
-        worker = parse_address(worker_address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:"))
-    except ValueError:
         return None
     if not worker.is_unix:
         return worker.host, lane.port

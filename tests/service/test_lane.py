@@ -146,10 +146,16 @@ def test_a_request_past_max_request_bytes_is_refused_as_grpc_refuses_it(served, 
     msg = request(token_ids=PROMPT, **greedy(2))
     msg.sampling.stop.extend(["s" * 1000] * 60)   # 60 KB of stop strings: under 64 KiB
     assert tokens(client.generate(msg))
-    msg.sampling.stop.extend(["s" * 1000] * 10)   # 70 KB: past it
+    del msg.sampling.stop[:]
+    msg.sampling.stop.extend(["s" * 1100] * 60)   # 66 KB: past it, the call's frame within what is read
     err = client.error(msg)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.details().startswith("Received message larger than max ("), err.details()   # what a gateway reads
+    big = request(prompt="x" * (4 << 20), **greedy(2))   # 4 MB: the frame refused unread, its bytes drained
+    for _ in range(3):
+        err = client.error(big)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert err.details().startswith("Received message larger than max ("), err.details()
 
 
 def test_cancelling_a_call_frees_its_request_at_once(served, client):
@@ -296,6 +302,7 @@ def test_where_a_gateway_dials_a_lane():
     assert wire.dial_target("worker-0.workers:50051", "[::]:50061") == ("worker-0.workers", 50061)
     assert wire.dial_target("unix:///run/w.sock", "0.0.0.0:50061") == ("127.0.0.1", 50061)
     assert wire.dial_target("unix:///run/w.sock", "unix:///run/w.lane") == "/run/w.lane"
+    assert wire.dial_target("10.0.0.7:50051", "unix:///run/w.lane") is None   # a path on the worker's host
     assert wire.dial_target("10.0.0.7:50051", "nonsense") is None
     assert wire.dial_target("10.0.0.7:50051", "127.0.0.1:0") is None
 
@@ -316,3 +323,113 @@ def test_a_lane_port_in_use_is_said_naming_the_flag(served):
         await LaneServer(served.servicer, None, 1024).start(served.servicer.lane.address)
     with pytest.raises(CannotListen, match="--lane-listen: cannot listen on 127.0.0.1:"):
         served.call(start())
+
+
+class ScriptedLane:
+    """A lane server that answers each call with the frames a test gives (a misbehaving worker)."""
+
+    def __init__(self, thread: LoopThread, answer) -> None:
+        self.answer = answer   # async (reader, writer) -> None, after the call's frame is read
+        self.writers: list[asyncio.StreamWriter] = []
+
+        async def serve(reader, writer):
+            self.writers.append(writer)
+            try:
+                await reader.readexactly(len(wire.MAGIC))
+                await wire.read_frame(reader, 1 << 20)
+                await self.answer(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        async def start():
+            return await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.server = thread.call(start())
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture
+def scripted(served):
+    clients: list[LaneClient] = []
+
+    def make(answer) -> LaneClient:
+        c = LaneClient(served.address, "127.0.0.1:1")
+        c.lane_server = ScriptedLane(c.thread, answer)
+        c.lane.target = ("127.0.0.1", int(c.lane_server.address.rsplit(":", 1)[1]))
+        clients.append(c)
+        return c
+    yield make
+    for c in clients:
+        async def stop(server=c.lane_server.server, writers=c.lane_server.writers):
+            for writer in writers:
+                writer.transport.abort()
+            server.close()
+            await server.wait_closed()
+        c.call(stop())
+        c.close()
+
+
+def test_a_reply_past_the_size_taken_is_refused_as_grpc_refuses_it_not_moved(scripted):
+    async def huge(reader, writer):
+        writer.write(wire.frame(wire.HEADERS) + struct.pack(">IB", wire.MAX_REPLY_BYTES + 1, wire.MESSAGE))
+        await writer.drain()
+        await reader.read()   # until the gateway closes it
+    err = scripted(huge).error(request(token_ids=PROMPT, **greedy(2)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED   # relay._too_large: no move
+    assert err.details().startswith("Received message larger than max ("), err.details()
+
+
+def test_a_connection_the_kernel_gave_up_on_is_the_worker_failing_not_the_deadline(scripted, monkeypatch):
+    """ETIMEDOUT (the peer's host gone: TCP_USER_TIMEOUT, keepalive) is a TimeoutError, and
+    must read as UNAVAILABLE, which moves the request, not DEADLINE_EXCEEDED, which ends it."""
+    async def headers_then_nothing(reader, writer):
+        writer.write(wire.frame(wire.HEADERS))
+        await writer.drain()
+        await reader.read()   # until the gateway closes it
+    c = scripted(headers_then_nothing)
+    real = wire.read_frame
+    reads = []
+
+    async def timing_out(reader, limit):
+        reads.append(1)
+        if len(reads) > 1:
+            raise TimeoutError(110, "Connection timed out")
+        return await real(reader, limit)
+    monkeypatch.setattr(wire, "read_frame", timing_out)
+    err = c.error(request(token_ids=PROMPT, **greedy(2)), timeout=30)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+
+
+def test_a_bad_status_frame_is_the_worker_failing(scripted):
+    async def garbage_status(reader, writer):
+        writer.write(wire.frame(wire.HEADERS) + wire.frame(wire.STATUS, b"\xff" * 9))
+        await writer.drain()
+    err = scripted(garbage_status).error(request(token_ids=PROMPT, **greedy(2)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_closed_channel_keeps_no_connection(served, client):
+    assert tokens(client.generate(request(token_ids=PROMPT, **greedy(2))))
+    assert client.lane.idle == 1
+
+    async def close_then_call():
+        client.lane.close()
+        return [r async for r in client.lane.generate(request(token_ids=PROMPT, **greedy(2)), 30)]
+    assert tokens(client.call(close_then_call()))
+    assert client.lane.idle == 0
+
+
+def test_the_lane_context_has_every_context_method_generate_uses():
+    """The servicer's Generate (and status.abort) ask their context for these alone: a lane call
+    would end INTERNAL on any other."""
+    import inspect
+    import re
+
+    from kvserve.model_service import status
+    from kvserve.model_service.lane_server import LaneContext
+    from kvserve.model_service.servicer import InferenceServicer
+    used = set(re.findall(r"context\.(\w+)", inspect.getsource(InferenceServicer.Generate)))
+    used |= set(re.findall(r"context\.(\w+)", inspect.getsource(InferenceServicer._tenant)))
+    used |= set(re.findall(r"context\.(\w+)", inspect.getsource(status.abort)))
+    assert used and all(hasattr(LaneContext, name) for name in used), used
