@@ -185,6 +185,8 @@ class LaneCall:
             return False
         self._cancelled = True
         self._took(False)
+        if self._timer is not None:   # it would hold the call until the deadline
+            self._timer.cancel()
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._last_finished and not self._reading:
@@ -243,7 +245,8 @@ class LaneCall:
             conn, reused = taken
             self._send(conn)
             heard = False   # a frame back: past that, a lost connection is the worker's failure
-            while True:
+            over_grpc = False
+            while not over_grpc:
                 if self._cancelled:
                     raise asyncio.CancelledError
                 if self._expired:   # (frames read before the connection closed may be waiting still)
@@ -270,10 +273,12 @@ class LaneCall:
                         # an idle connection the worker had closed (restarted, or its lane server
                         # stopped) before the call reached it: once more on another
                         taken = await self._take()
-                        if taken is not None:
-                            conn, reused = taken
-                            self._send(conn)
+                        if taken is None:   # the lane is down now: the call, never taken, goes over gRPC
+                            over_grpc = True
                             continue
+                        conn, reused = taken
+                        self._send(conn)
+                        continue
                     why = "closed the connection" if isinstance(exc, asyncio.IncompleteReadError) else \
                         f"failed ({type(exc).__name__}: {exc})"
                     log.info("the lane at %s %s", channel.where, why)
@@ -296,6 +301,8 @@ class LaneCall:
                     return
                 else:
                     raise _error(grpc.StatusCode.UNAVAILABLE, f"the worker's lane sent a frame of kind {kind}")
+            async for response in self._over_grpc():
+                yield response
         finally:
             self._done = True
             if self._timer is not None:

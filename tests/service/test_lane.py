@@ -225,6 +225,23 @@ def test_an_idle_connection_whose_worker_restarted_is_replaced(served, client):
     assert client.lane.fallbacks == 0
 
 
+def test_a_lane_closed_for_good_leaves_the_calls_to_grpc(tiny_dirs):
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu",
+                               page_size=4, num_pages=256, lane_listen="127.0.0.1:0")
+    c = LaneClient(server.address, server.servicer.lane.address)
+    try:
+        msg = request(token_ids=PROMPT, **greedy(4))
+        expected = tokens(c.generate(msg))
+        assert c.lane.idle == 1 and c.lane.fallbacks == 0
+        server.call(server.servicer.lane.close())   # its kept connection closed with it
+        server.servicer.lane = None
+        assert tokens(c.generate(msg)) == expected
+        assert c.lane.fallbacks == 1 and not c.lane.up
+    finally:
+        c.close()
+        server.stop()
+
+
 def test_a_lane_that_cannot_be_reached_leaves_the_call_to_grpc(served):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
