@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 from contextlib import aclosing
 from typing import NoReturn
@@ -118,9 +119,11 @@ class LaneServer:
                 self._server = await asyncio.start_unix_server(self._serve, address.unix_path)
                 self._socket_inode = os.stat(address.unix_path).st_ino
                 self.address = address.with_port(0)
+            elif address.host in ("::", ""):   # every address, IPv4 too, as gRPC binds it (asyncio's is IPv6 only)
+                self._server = await asyncio.start_server(self._serve, sock=_dual_stack(address.port), ssl=self._ssl)
+                self.address = address.with_port(self._server.sockets[0].getsockname()[1])
             else:
-                self._server = await asyncio.start_server(self._serve, address.host or None, address.port,
-                                                          ssl=self._ssl)
+                self._server = await asyncio.start_server(self._serve, address.host, address.port, ssl=self._ssl)
                 self.address = address.with_port(self._server.sockets[0].getsockname()[1])
         except OSError as exc:
             raise CannotListen(f"--lane-listen: cannot listen on {listen}: {exc.strerror or exc}") from None
@@ -131,10 +134,14 @@ class LaneServer:
         if self._server is None:
             return
         self._server.close()
-        for task, writer in list(self._connections.items()):
-            task.cancel()
-            writer.transport.abort()   # nothing left to flush to a gateway that stopped reading
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        for writer in list(self._connections.values()):
+            writer.transport.abort()   # nothing left to flush to a gateway that stopped reading; its call ends
+        tasks = list(self._connections)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         try:
             await asyncio.wait_for(self._server.wait_closed(), CLOSE_WAIT_S)
         except TimeoutError:
@@ -189,6 +196,8 @@ class LaneServer:
                 running.add_done_callback(call_ended)
         except (asyncio.IncompleteReadError, OSError, ssl.SSLError):
             pass   # the gateway closed the connection, went away, or left it idle: nothing to tell it
+        except asyncio.CancelledError:
+            pass   # closing: asyncio's server callback reads a cancelled task's exception (and logs it)
         except Exception as exc:   # a bug: logged, the connection closed
             log.error("lane connection failed", exc_info=exc)
         finally:
@@ -252,3 +261,16 @@ async def _discard(reader: asyncio.StreamReader, length: int) -> None:
                 length -= len(chunk)
     except (TimeoutError, OSError):
         pass
+
+
+def _dual_stack(port: int) -> socket.socket:
+    """A listening socket on every IPv6 and IPv4 address."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -255,6 +255,9 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
     if up.workers and up.kvcache_listen != KV_LISTEN:
         log.warning("--kvcache-listen %s is not used: with --workers each worker's manager listens on a private "
                     "socket (the gateway reads their events through the workers)", up.kvcache_listen)
+    if up.workers and model_config.lane_listen:
+        log.warning("--lane-listen %s is not used: with --workers each worker's lane listens on a private socket",
+                    model_config.lane_listen)
     if up.workers and up.admin_token_file:
         log.warning("--admin-token-file %s is not used: with --workers each worker's manager listens on a private "
                     "socket only", up.admin_token_file)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -64,8 +65,10 @@ class LaneChannel:
         self._ssl = wire.client_ssl(tls) if isinstance(target, tuple) else None
         self._server_name = (tls.server_name or None) if tls is not None else None
         self.grpc_generate = grpc_generate   # the worker's stub's Generate, when the lane cannot be reached
-        self._idle: list[_Connection] = []
+        self._idle: deque[_Connection] = deque()   # the most recently used on the right
+        self._prune_timer: asyncio.TimerHandle | None = None
         self._down_until = 0.0
+        self.failing = False   # its last connect failed: calls go over gRPC (`up` says when it is tried again)
         self._tasks: set[asyncio.Task] = set()   # held: the loop keeps only weak references to tasks
         self.closed = False
         self.calls = self.fallbacks = 0
@@ -79,7 +82,7 @@ class LaneChannel:
 
     @property
     def up(self) -> bool:
-        """Calls go over it now (not over gRPC after a failed connect)."""
+        """A call now tries it (not within RETRY_LANE_S of a failed connect)."""
         return not self.closed and time.monotonic() >= self._down_until
 
     @property
@@ -97,6 +100,17 @@ class LaneChannel:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+        if self._prune_timer is not None:
+            self._prune_timer.cancel()
+
+    def _prune(self) -> None:
+        """Closes the idle connections past IDLE_S or closed by the worker, oldest first (the
+        newest are reused, so the oldest would never be looked at); again while some are kept."""
+        self._prune_timer = None
+        while self._idle and not self._idle[0].usable:
+            self._idle.popleft().close()
+        if self._idle and not self.closed:
+            self._prune_timer = asyncio.get_running_loop().call_later(IDLE_S / 2, self._prune)
 
     async def take(self) -> tuple[_Connection, bool] | None:
         """An idle connection (and True), or a new one (False); None when the lane cannot be reached."""
@@ -116,12 +130,17 @@ class LaneChannel:
                     reader, writer = await asyncio.open_connection(
                         host, port, ssl=self._ssl, server_hostname=(self._server_name or host) if self._ssl else None)
         except (OSError, TimeoutError) as exc:
-            if self.up:   # said once per outage, not by every call that finds it down
-                log.warning("the lane at %s cannot be reached (%s); calls go over gRPC for %g s", self.where,
+            if not self.failing:   # said once per outage, not by every call or retry that finds it down
+                log.warning("the lane at %s cannot be reached (%s); calls go over gRPC, the lane tried again "
+                            "every %g s", self.where,
                             exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__,
                             RETRY_LANE_S)
+            self.failing = True
             self._down_until = time.monotonic() + RETRY_LANE_S
             return None
+        if self.failing:
+            log.warning("the lane at %s is reached again", self.where)
+            self.failing = False
         wire.keep_alive(writer)
         writer.write(wire.MAGIC)
         return _Connection(reader, writer), False
@@ -131,6 +150,8 @@ class LaneChannel:
         if not self.closed and len(self._idle) < MAX_IDLE and not conn.writer.is_closing():
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
+            if self._prune_timer is None:
+                self._prune_timer = asyncio.get_running_loop().call_later(IDLE_S / 2, self._prune)
         else:
             conn.close()
 

@@ -28,6 +28,10 @@ from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_
 
 log = logging.getLogger(__name__)
 
+# A call past its deadline that grpc has not ended yet is given this long to be, before it is
+# ended here DEADLINE_EXCEEDED.
+DEADLINE_END_WAIT_S = 0.5
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # How a stream the gateway took can fail (no worker, its worker lost past --migration-limit, a
 # worker's fault), as a worker counts its requests_failed
@@ -89,12 +93,16 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # the client's own deadline (the worker's call carries it), met there first: the
-                # client left, as a worker counts it; once it has passed here too, grpc has ended
-                # the call itself, and an abort would fail on a finished call
+                # client left, as a worker counts it. Once it has passed here too, grpc ends the
+                # call itself (cancelling this handler), and an abort of a finished call logs a
+                # traceback; returning instead would end it OK, cut short, if grpc has not yet.
                 ended = "aborted"
                 left = context.time_remaining()
                 if left is not None and left <= 0:
-                    return
+                    if not context.done():
+                        await asyncio.sleep(DEADLINE_END_WAIT_S)   # cancelled here as grpc ends it
+                    if context.done():
+                        return
             else:
                 ended = "failed" if exc.code in FAULTS else None
             if exc.trailers:

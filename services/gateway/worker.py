@@ -5,6 +5,7 @@ info calls changed(), as its own load methods do, so that its place on the fleet
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.gateway.lane import LaneChannel
 from kvserve.services.plumbing.lane_wire import dial_target
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
+
+log = logging.getLogger(__name__)
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not serving", "down"
 CANCEL_TIMEOUT_S = 1.0   # a worker that does not answer a Cancel in this long is not waited for
@@ -92,6 +95,10 @@ class Worker:
         target = dial_target(self.address, info.lane_address) if info is not None and info.lane_address else None
         if target is not None and self.lanes:
             self.lane = LaneChannel(target, self.tls, self.inference.Generate)
+        elif target is None and self.lanes and info is not None and info.lane_address:
+            log.warning("worker %s offers its lane at %s, which this gateway cannot dial (a Unix socket is dialled "
+                        "only for a worker reached over one); its requests go over gRPC", self.address,
+                        info.lane_address)
 
     def close_lane(self) -> None:
         if self.lane is not None:
@@ -206,4 +213,4 @@ class Worker:
             requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
             epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
             migrated_away=self.migrated_away, not_serving=self.not_serving,
-            lane=self.lane.where if self.lane is not None and self.lane.up else "")
+            lane=self.lane.where if self.lane is not None and not self.lane.failing else "")

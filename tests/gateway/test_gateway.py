@@ -277,6 +277,19 @@ def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
     assert "lane" in out
 
 
+def test_a_clients_deadline_ends_deadline_exceeded_through_the_lane_never_ok_cut_short(two_workers):
+    """The lane's call meets the deadline when the client's call does: the gateway ended such a
+    stream OK without its finished when grpc had not ended the call yet."""
+    fleet = two_workers
+    for timeout in (0.2, 0.5, 0.2, 0.5):
+        with pytest.raises(grpc.RpcError) as info:
+            list(fleet.stub.Generate(request(token_ids=SYSTEM, n=4, max_tokens=1000, ignore_eos=True,
+                                             temperature=0.0), timeout=timeout))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for w in fleet.workers:
+        wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
+
+
 def test_the_gateway_sends_requests_over_the_workers_lanes_and_over_grpc_with_lane_off(two_workers, tiny_dirs):
     """Both hops give the same tokens; --lane off leaves the workers' lanes unused."""
     from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc

@@ -236,7 +236,7 @@ def test_a_lane_closed_for_good_leaves_the_calls_to_grpc(tiny_dirs):
         server.call(server.servicer.lane.close())   # its kept connection closed with it
         server.servicer.lane = None
         assert tokens(c.generate(msg)) == expected
-        assert c.lane.fallbacks == 1 and not c.lane.up
+        assert c.lane.fallbacks == 1 and c.lane.failing
     finally:
         c.close()
         server.stop()
@@ -450,3 +450,53 @@ def test_the_lane_context_has_every_context_method_generate_uses():
     used |= set(re.findall(r"context\.(\w+)", inspect.getsource(InferenceServicer._tenant)))
     used |= set(re.findall(r"context\.(\w+)", inspect.getsource(status.abort)))
     assert used and all(hasattr(LaneContext, name) for name in used), used
+
+
+def test_idle_connections_are_closed_after_a_while_oldest_first(served, client, monkeypatch):
+    from kvserve.services.gateway import lane as lane_mod
+    monkeypatch.setattr(lane_mod, "IDLE_S", 0.4)
+
+    client.call(burst(client.lane, 3))
+    assert client.lane.idle == 3
+    wait_until(lambda: client.lane.idle == 0, 5, "the idle connections closed")
+
+
+def test_a_lane_on_every_address_takes_ipv4_too(served):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    lane = LaneServer(served.servicer, None, served.config.max_request_bytes)
+    try:
+        served.call(lane.start("[::]:0"))
+    except CannotListen:
+        pytest.skip("cannot listen on [::] here")
+    try:
+        c = LaneClient(served.address, lane.address)   # dialled at 127.0.0.1, the worker's host
+        try:
+            assert tokens(c.generate(request(token_ids=PROMPT, **greedy(3))))
+            assert c.lane.fallbacks == 0
+        finally:
+            c.close()
+    finally:
+        served.call(lane.close())
+
+
+def test_closing_a_lane_with_kept_connections_logs_nothing(tiny_dirs, caplog):
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu",
+                               page_size=4, num_pages=256, lane_listen="127.0.0.1:0")
+    c = LaneClient(server.address, server.servicer.lane.address)
+    try:
+        c.call(burst(c.lane, 4))
+        assert c.lane.idle == 4
+        server.call(server.servicer.lane.close())
+        server.servicer.lane = None
+    finally:
+        c.close()
+        server.stop()
+    assert "Exception in callback" not in caplog.text and "Traceback" not in caplog.text
+
+
+async def burst(lane: LaneChannel, n: int) -> None:
+    """n calls at once: n connections, kept once they end."""
+    async def one():
+        return [r async for r in lane.generate(request(token_ids=PROMPT, **greedy(3)), 30)]
+    await asyncio.gather(*(one() for _ in range(n)))

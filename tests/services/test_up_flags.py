@@ -175,6 +175,11 @@ def test_a_manager_address_with_workers_is_said_to_be_unused(caplog):
                for r in caplog.records)
 
 
+def test_a_lane_address_with_workers_is_said_to_be_unused(caplog):
+    _together(["--workers", "2", "--lane-listen", "127.0.0.1:50997"])
+    assert any("--lane-listen 127.0.0.1:50997 is not used: with --workers" in r.getMessage() for r in caplog.records)
+
+
 def test_a_restarted_model_service_takes_the_pool_size_alone(tmp_path, monkeypatch):
     """A pool sized by --kv-cache-memory is passed on as --num-pages, without the memory flag the
     two would contradict."""
