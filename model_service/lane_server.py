@@ -102,7 +102,7 @@ class LaneContext:
 class LaneServer:
     def __init__(self, servicer, tls: ServerTLS | None, max_request_bytes: int) -> None:
         self.servicer = servicer
-        self._ssl = wire.server_ssl(tls)
+        self._ssl = tls.ssl_context() if tls is not None else None
         self._call_frame_limit = max_request_bytes + wire.CALL_OVERHEAD
         self._max_request_bytes = max_request_bytes
         self._server: asyncio.base_events.Server | None = None
@@ -209,9 +209,7 @@ class LaneServer:
             writer.close()
 
     def _too_large(self, size: int) -> bytes:
-        # gRPC's own words for it, which a gateway reads (relay._too_large)
-        return wire.status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"Received message larger than max ({size} vs. {self._max_request_bytes})")
+        return wire.status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, wire.too_large(size, self._max_request_bytes))
 
     async def _call(self, payload: bytes, writer: asyncio.StreamWriter) -> None:
         outbox = Outbox(writer)
@@ -221,8 +219,8 @@ class LaneServer:
             outbox.put(wire.status_frame(grpc.StatusCode.INVALID_ARGUMENT,
                                          "the call's bytes are not a kvserve.inference.v1.LaneCall"))
             return
-        size = call.request.ByteSize()
-        if size > self._max_request_bytes:   # as the gRPC port refuses it
+        # as the gRPC port refuses it; the request's size is walked only when its frame could hold one past the limit
+        if len(payload) > self._max_request_bytes and (size := call.request.ByteSize()) > self._max_request_bytes:
             outbox.put(self._too_large(size))
             return
         context = LaneContext(wire.metadata_pairs(call.metadata), outbox)

@@ -62,7 +62,7 @@ class LaneChannel:
 
     def __init__(self, target: tuple[str, int] | str, tls: ClientTLS | None, grpc_generate: Callable) -> None:
         self.target = target   # (host, port), or a Unix socket's path
-        self._ssl = wire.client_ssl(tls) if isinstance(target, tuple) else None
+        self._ssl = tls.ssl_context() if tls is not None and isinstance(target, tuple) else None
         self._server_name = (tls.server_name or None) if tls is not None else None
         self.grpc_generate = grpc_generate   # the worker's stub's Generate, when the lane cannot be reached
         self._idle: deque[_Connection] = deque()   # the most recently used on the right
@@ -288,8 +288,8 @@ class LaneCall:
                     if self._expired:
                         raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
                     if isinstance(exc, wire.FramingError) and exc.length:   # as gRPC refuses a message past its limit
-                        raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max "
-                                     f"({exc.length} vs. {wire.MAX_REPLY_BYTES})") from None
+                        raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     wire.too_large(exc.length, wire.MAX_REPLY_BYTES)) from None
                     if not heard and reused and isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
                         # an idle connection the worker had closed (restarted, or its lane server
                         # stopped) before the call reached it: once more on another

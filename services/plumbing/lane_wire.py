@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 import struct
 
 import grpc
 
 from kvserve.inference.v1 import lane_pb2 as lane_pb
 from kvserve.services.plumbing.address import parse_address
-from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
 
 MAGIC = b"kvlane01"   # a connection's first bytes, from the gateway: a stray client is told nothing
 CALL, HEADERS, MESSAGE, STATUS = 1, 2, 3, 4
@@ -75,33 +73,14 @@ def metadata_pairs(metadata) -> tuple[tuple[str, str], ...]:
     return tuple((m.key, m.value) for m in metadata)
 
 
+def too_large(size: int, limit: int) -> str:
+    """gRPC's own words for a message past the size taken, which a gateway reads (relay._too_large)."""
+    return f"Received message larger than max ({size} vs. {limit})"
+
+
 def status_frame(code: grpc.StatusCode, details: str = "", trailers: tuple = ()) -> bytes:
     status = lane_pb.LaneStatus(code=code.value[0], details=details, trailing_metadata=metadata_pb(trailers))
     return frame(STATUS, status.SerializeToString())
-
-
-def server_ssl(tls: ServerTLS | None) -> ssl.SSLContext | None:
-    """The lane's TLS on TCP, as the worker's gRPC port serves it: its certificate, and client
-    certificates its --tls-client-ca signed when given."""
-    if tls is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert, tls.key)
-    if tls.client_ca:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(cafile=tls.client_ca)
-    return context
-
-
-def client_ssl(tls: ClientTLS | None) -> ssl.SSLContext | None:
-    """The gateway's side of the lane's TLS: the workers' CA (or the system's roots), its own
-    certificate for mutual TLS."""
-    if tls is None:
-        return None
-    context = ssl.create_default_context(cafile=tls.ca or None)
-    if tls.cert:
-        context.load_cert_chain(tls.cert, tls.key)
-    return context
 
 
 def dial_target(worker_address: str, lane_address: str) -> tuple[str, int] | str | None:

@@ -79,6 +79,16 @@ class ServerTLS:
         ca = _ca(self.client_ca, "client CA") if self.client_ca else None
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same for a server outside gRPC (the lane): client certificates the CA signed
+        required when it is given."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_ca:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cafile=self.client_ca)
+        return context
+
 
 @dataclass(frozen=True)
 class ClientTLS:
@@ -105,6 +115,14 @@ class ClientTLS:
         return grpc.ssl_channel_credentials(
             root_certificates=_ca(self.ca, "CA certificate") if self.ca else None,
             private_key=key, certificate_chain=chain)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same for a client outside gRPC (the lane): the CA (or the system's roots), this
+        client's certificate for mutual TLS."""
+        context = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []

@@ -199,7 +199,7 @@ def test_a_lane_over_tls_takes_no_client_without_the_cas_certificate(tiny_dirs, 
 
     async def handshake(tls: ClientTLS) -> bool:
         try:
-            reader, writer = await asyncio.open_connection(host, int(port), ssl=lane_wire.client_ssl(tls),
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=tls.ssl_context(),
                                                            server_hostname=host)
         except (ssl.SSLError, OSError):
             return False
