@@ -90,11 +90,11 @@ def run_stats(args: argparse.Namespace) -> int:
         console.print(f"requests finished {s.requests_finished:,}, aborted {s.requests_aborted:,}, failed "
                       f"{s.requests_failed:,}; manager {'reachable' if s.manager_reachable else 'UNREACHABLE'}")
         return 0
-    table = Table("worker", "state", "running", "waiting", "pages used / free / cached", "routed",
+    table = Table("worker", "state", "running", "waiting", "prefill ahead", "pages used / free / cached", "routed",
                   "cache hits", "index pages", "events", "moved off", "hop")
     for w in s.workers:
         hits = f"{w.hit_tokens / w.prompt_tokens:.0%}" if w.prompt_tokens else "-"
-        table.add_row(escape(w.address), w.state, str(w.running), str(w.waiting),
+        table.add_row(escape(w.address), w.state, str(w.running), str(w.waiting), f"{w.prefill_tokens:,}",
                       f"{w.used_pages} / {w.free_pages} / {w.cached_pages}", str(w.requests_routed), hits,
                       str(w.index_pages), f"epoch {w.epoch}" if w.events_live else "not followed",
                       str(w.migrated_away), "lane" if w.lane else "gRPC")

@@ -172,6 +172,7 @@ class WorkerStats:
     migrated_away: int
     not_serving: str = ""     # why it takes no requests, when its state is "not serving" or "down"
     lane: str = ""            # where the gateway reaches its Generate over the lane; "": over gRPC
+    prefill_tokens: int = 0   # prompt tokens to compute there before a new request's, as the gateway reckons it
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,7 @@ class ServerStats:
     serving: bool = True           # takes new requests now (a gateway: while a worker does)
     not_serving: str = ""          # why not, when serving is false
     gateway: bool = False          # a gateway's answer (it may have no workers yet)
+    prefill_tokens: int = 0        # prompt tokens its running sequences have yet to compute (a gateway: its workers')
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

@@ -200,7 +200,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """What a WatchServerStats message is sent for when it changes."""
         e = self.engine
         return (e.num_running, self._waiting(), e.num_swapped,
-                stats_watch.pages_key(e.scheduler.available_pages, self.stack.num_pages), not self._not_serving())
+                stats_watch.pages_key(e.scheduler.available_pages, self.stack.num_pages), not self._not_serving(),
+                -(-e.num_prefill_tokens // self.stack.page_size))   # (in pages: a long prompt's chunks move it)
 
     def _waiting(self) -> int:
         """Requests here waiting to run, those submitted since the engine's last step included:
@@ -223,7 +224,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             requests_finished=c.finished, requests_aborted=c.aborted, steps=c.steps,
             schedule_seconds=c.schedule_s, manager_seconds=c.manager_s, copy_seconds=c.copy_s,
             forward_seconds=c.forward_s, sample_seconds=c.sample_s, emit_seconds=c.emit_s,
-            requests_failed=c.failed, manager_losses=c.manager_losses)
+            requests_failed=c.failed, manager_losses=c.manager_losses, prefill_tokens=e.num_prefill_tokens)
         if e.link.lost:   # its stats would wait out the manager's timeout: a client's deadline first
             stats.manager_reachable = False
             return stats

@@ -138,6 +138,10 @@ class Engine:
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0   # sequences (n of them a request)
+        # Prompt tokens the running sequences have yet to compute, the step now running included
+        # (what a gateway weighs as the prefill ahead of a request it sends here); after the step's
+        # forward, without it.
+        self.num_prefill_tokens = self._prefill_after_step = 0
         self._running_requests = self._swapped_requests = 0          # requests with a sequence so
         self._in_flight: tuple | None = None  # (proposal, callable giving the manager's plan)
         self._resyncs = 0   # Steps refused in a row over state the engine does not hold
@@ -434,7 +438,7 @@ class Engine:
             self._fail(r, InvalidRequest(f"the request cannot go on with this server's KV cache: {why}"))
         c.steps += 1
         progress.step = c.steps
-        self._count()
+        self._count(work)
         c.schedule_s += clock() - t3
         c.manager_s += t2 - t1
         c.copy_s += t3 - t2
@@ -449,6 +453,7 @@ class Engine:
         progress.enter(f"running the model ({len(work)} sequences)")
         t4 = clock()
         logits = self.runner.execute(work)
+        self.num_prefill_tokens = self._prefill_after_step
         if any(w.prompt_rows for w in work):
             logits = self._take_prompt_logprobs(logits, work)
         sampled = [w for w in work if w.samples]
@@ -627,11 +632,16 @@ class Engine:
         self.counters.failed += len(live)
         self._count()
 
-    def _count(self) -> None:
-        """The running / waiting / swapped figures the servicer reports."""
+    def _count(self, work: list = ()) -> None:
+        """The running / waiting / swapped figures the servicer reports, and the prefill ahead:
+        `work`'s prompt chunks (a decode's one token is not prefill) and what the running
+        sequences have left past them."""
         sched = self.scheduler
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
+        after = sum(max(0, len(r.tokens) - r.num_computed) for r in sched.running)
+        self._prefill_after_step = after
+        self.num_prefill_tokens = after + sum(n for w in work if (n := w.count - len(w.draft)) > 1)
         running = {id(_owner(r)) for r in sched.running}
         self._running_requests = len(running)
         self._swapped_requests = len({id(_owner(r)) for r in sched.swapped} - running)

@@ -182,7 +182,7 @@ class Fleet:
             choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
         if choice is not None:
             w = choice.worker
-            choice = Choice(w, choice.matched_pages, w.routed(sequences))
+            choice = Choice(w, choice.matched_pages, w.routed(sequences, max(0, len(ids) - choice.matched_pages * ps)))
             self._prompt_tokens_seen += len(ids)
             self._requests_seen += 1
             if session_id:

@@ -286,7 +286,7 @@ class Follower:
             log.info("worker %s: %s%s", w.address, state, f" ({why})" if why else "")
         w.state, w.not_serving = state, why
         w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
-                      asked))
+                      asked, stats.prefill_tokens))
 
     def _down(self, why: str) -> None:
         w = self.worker

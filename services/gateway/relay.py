@@ -250,6 +250,7 @@ class Relay:
                     answered = True
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
+                        worker.prefilled(choice.mark)
                         # the worker took it: its prompt and hits count now (not a request it refused)
                         worker.prompt_tokens += response.prefill_done.prompt_tokens
                         worker.hit_tokens += response.prefill_done.cached_tokens

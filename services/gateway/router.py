@@ -10,14 +10,16 @@ requests busier than the least busy such worker (so that no cache, however warm,
 everything to one worker while others idle; what the default, 4, costs and gains against 0 and 2
 is in docs/benchmarks.md) costs
 
-    overlap_weight × (prompt tokens it must compute) + (its decode load, in tokens)
+    overlap_weight × (prompt tokens it must compute, and those ahead of them) + (its decode load, in tokens)
 
-where the decode load counts the sequences there (its last report's count, less this gateway's
-streams that ended there since, plus those it sent there since, so a burst of misses spreads
-instead of all landing on the emptiest worker before its next report, and a finished
-conversation's worker is not thought busy): a page of compute for each one its batch runs
-(decodes share each step), an average request's prompt for each one queued beyond its batch
-(it is prefilled first). Among workers within one page's compute
+where the prompt tokens ahead are the prefills it is running or about to run (its report's, plus
+those of the requests sent since: Worker.prefill_backlog), steps between this request and its
+first token that a count of sequences does not show, and the decode load counts the sequences
+there (its last report's count, less this gateway's streams that ended there since, plus those
+it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
+before its next report, and a finished conversation's worker is not thought busy): a page of
+compute for each one its batch runs (decodes share each step), an average request's prompt for
+each one queued beyond its batch (it is prefilled first). Among workers within one page's compute
 of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
 recently used; then a hash of the request's first page (or session) and the worker's address,
 so that one conversation keeps choosing the same worker among equals while different ones, and
@@ -99,7 +101,7 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
         batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
         ahead = max(0, w.active - batch)   # queued there: each must be prefilled before this one
         load = ahead * mean_request_tokens + min(w.active, batch) * ps
-        return policy.overlap_weight * uncached + load
+        return policy.overlap_weight * (uncached + w.prefill_backlog) + load
 
     costs = {w.address: cost(w) for w in room}
     best = min(costs.values())

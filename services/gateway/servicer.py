@@ -215,4 +215,5 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
             out.running += w.load.running
             out.waiting += w.load.waiting
+            out.prefill_tokens += w.load.prefill_tokens
         return out

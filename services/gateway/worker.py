@@ -38,6 +38,7 @@ class Load:
     used_pages: int = 0
     tree_pages: int = 0
     asked_at: float = 0.0     # it counts the requests routed there before this moment
+    prefill_tokens: int = 0   # prompt tokens its running sequences have yet to compute
 
 
 class Routing:
@@ -45,11 +46,12 @@ class Routing:
     after the worker took the call: during a burst a worker may take a call long after it was
     sent, and a report that does not count it yet must not make room for another."""
 
-    __slots__ = ("taken_at", "sequences")
+    __slots__ = ("taken_at", "sequences", "prefill")
 
-    def __init__(self, sequences: int = 1) -> None:
+    def __init__(self, sequences: int = 1, prefill: int = 0) -> None:
         self.taken_at = math.inf   # until its response headers come
         self.sequences = sequences   # its n: each runs in the worker's batch
+        self.prefill = prefill     # prompt tokens it computes there, as routed; 0 once its prefill is done
 
     def take(self) -> None:
         """The worker has the call (its response headers came): reports from an interval on count it."""
@@ -76,6 +78,8 @@ class Worker:
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
     streaming: int = 0        # their sequences (a request of n runs n), running or waiting there
+    prefilling: int = 0       # prompt tokens those streams compute there before their first token
+    prefilled_since_report: int = 0   # of them, done since its last report was asked (which counted them)
     held_since: float = -math.inf   # a call there failed or was refused as full: no routing until a later report
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
     tls: ClientTLS | None = field(default=None, repr=False)
@@ -141,6 +145,18 @@ class Worker:
         return max(reported, self.streaming)
 
     @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens it computes before a request sent now, as far as the gateway can tell: its
+        last report's, less this gateway's streams' prefills done since, plus the requests sent
+        and not yet taken; at least this gateway's own streams' yet to be done (a report counts
+        a prompt only once a step runs it, so a request taken but not yet in a step is in neither).
+        A prefill of one step is a long step: a worker busy with one is further from a new
+        request's first token than its sequence count says."""
+        sent = sum(r.prefill for r in self.routed_at if r.taken_at == math.inf)
+        reported = max(0, self.load.prefill_tokens - self.prefilled_since_report) + sent
+        return max(reported, self.prefilling)
+
+    @property
     def held_off(self) -> bool:
         """A call there failed or was refused since its last report was asked: until a report
         asked after that, what it said is not what it is (full, or gone), and a request sent
@@ -164,15 +180,16 @@ class Worker:
     def loaded(self, load: Load) -> None:
         self.load = load
         self.routed_at = [r for r in self.routed_at if r.taken_at >= load.asked_at]
-        self.ended_since_report = 0
+        self.ended_since_report = self.prefilled_since_report = 0
         self.changed()
 
-    def routed(self, sequences: int = 1) -> Routing:
-        """Counts a request of `sequences` (its n) sent here; returns its mark (Routing.take(),
-        ended()). Its prompt tokens count once the worker has taken it (relay.py, at its
-        prefill_done)."""
+    def routed(self, sequences: int = 1, prefill: int = 0) -> Routing:
+        """Counts a request of `sequences` (its n) sent here, `prefill` of its prompt tokens to
+        compute; returns its mark (Routing.take(), prefilled(), ended()). Its prompt tokens count
+        in the stats once the worker has taken it (relay.py, at its prefill_done)."""
         now = time.monotonic()
-        mark = Routing(sequences)
+        mark = Routing(sequences, prefill)
+        self.prefilling += prefill
         self.routed_at.append(mark)
         self.last_routed = now
         self.requests_routed += 1
@@ -196,9 +213,19 @@ class Worker:
         self.streaming -= sequences
         self.ended(mark)
 
+    def prefilled(self, mark: Routing) -> None:
+        """A stream routed here has its prompt computed (its prefill_done came), or left before."""
+        if not mark.prefill:
+            return
+        self.prefilling -= mark.prefill
+        if mark.taken_at != math.inf:   # the worker had it: its last report may count it running
+            self.prefilled_since_report += mark.prefill
+        mark.prefill = 0   # (its place on the board, by sequence count, stays)
+
     def ended(self, mark: Routing) -> None:
         """A stream routed here ended: no longer pending if no report counted it yet, else its
         sequences fewer than the report says."""
+        self.prefilled(mark)
         try:
             self.routed_at.remove(mark)
         except ValueError:   # its report counted it: as running sequences, or one waiting request
@@ -213,4 +240,5 @@ class Worker:
             requests_routed=self.requests_routed, hit_tokens=self.hit_tokens, prompt_tokens=self.prompt_tokens,
             epoch=self.epoch, events_live=self.events_live, index_pages=index_pages,
             migrated_away=self.migrated_away, not_serving=self.not_serving,
-            lane=self.lane.where if self.lane is not None and not self.lane.failing else "")
+            lane=self.lane.where if self.lane is not None and not self.lane.failing else "",
+            prefill_tokens=self.prefill_backlog)

@@ -314,3 +314,39 @@ def test_a_request_every_worker_refuses_for_a_reason_of_its_own_is_refused():
     board = LoadBoard([sinks, longer])
     assert board.never_fits(100, 200) == "prompt (100 tokens) + max_tokens (100) = 200 exceeds the model length 128"
     assert board.never_fits(60, 200) is None   # the sinks' worker takes it
+
+
+def test_a_worker_busy_with_a_long_prefill_is_further_from_a_first_token_than_its_sequences_say():
+    a, b = worker("a"), worker("b")
+    matches = {"a": 8, "b": 0}          # 8 tokens to compute at a, 40 at b
+    assert choose([a, b], matches, 40, COSTED, b"k").worker is a
+    a.load.prefill_tokens = 100         # its report: a prompt of 100 tokens in its running step
+    assert choose([a, b], matches, 40, COSTED, b"k").worker is b
+    a.load.prefill_tokens = 0           # done: a again
+    assert choose([a, b], matches, 40, COSTED, b"k").worker is a
+    mark = a.routed(prefill=64)         # this gateway just sent it one: ahead of the next until done
+    assert choose([a, b], matches, 40, COSTED, b"k").worker is b
+    a.prefilled(mark)
+    assert choose([a, b], matches, 40, COSTED, b"k").worker is a
+
+
+def test_the_prefill_ahead_follows_reports_and_this_gateways_own_streams():
+    w = worker("w")
+    mark = w.routed(prefill=800)
+    assert w.prefill_backlog == 800     # sent since its last report
+    mark.take()                         # the worker has it: its report counts it once a step runs it
+    w.loaded(Load(free_pages=100, asked_at=mark.taken_at - 1, prefill_tokens=800))   # running before the take's report
+    assert w.prefill_backlog == 800     # not twice
+    w.loaded(Load(free_pages=100, asked_at=mark.taken_at + 1))   # a report after the take, the step not begun
+    assert w.prefill_backlog == 800     # at least this gateway's own, not yet prefilled
+    w.loaded(Load(free_pages=100, asked_at=mark.taken_at + 2, prefill_tokens=900))   # running, with another's 100
+    assert w.prefill_backlog == 900
+    w.prefilled(mark)                   # its prefill_done: the report's 900 less its 800
+    assert w.prefill_backlog == 100 and w.prefilling == 0
+    w.prefilled(mark)                   # once only
+    assert w.prefill_backlog == 100
+    w.loaded(Load(free_pages=100, asked_at=mark.taken_at + 3))
+    assert w.prefill_backlog == 0
+    left = w.routed(prefill=300)        # a stream that leaves before its prefill_done
+    w.ended(left)
+    assert w.prefill_backlog == 0 and w.prefilling == 0

@@ -135,3 +135,21 @@ def test_the_gateway_streams_its_fleets_stats(two_workers):
     call.cancel()
     assert next(r for r in reports if r.running == 0).running == 0
     reports.cancel()
+
+
+def test_a_workers_report_carries_the_prefill_ahead_and_the_gateway_weighs_it(tiny_dirs):
+    """A long prompt in chunks of 4 tokens a step: the worker's reports say how much of it is left
+    (ServerStats.prefill_tokens), the gateway's stats show it per worker, and it falls to 0."""
+    for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config={"max_num_batched_tokens": 4}):
+        [w] = fleet.gateway.fleet.workers.values()
+        seen = []
+        call = fleet.stub.Generate(request(token_ids=[3 + i % 1000 for i in range(1600)], **greedy(2)), timeout=120)
+        wait_until(lambda: seen.append(w.load.prefill_tokens) or seen[-1] > 0,
+                   what="a report of the prompt's prefill under way")
+        assert 0 < seen[-1] <= 1600
+        assert 0 < w.prefill_backlog <= 1600
+        assert len(list(call)) >= 3   # prefill_done, tokens, finished
+        wait_until(lambda: w.load.prefill_tokens == 0 and w.prefill_backlog == 0,
+                   what="a report of no prefill left")
+        stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert stats.prefill_tokens == 0 and stats.workers[0].prefill_tokens == 0

@@ -331,7 +331,7 @@ class WatchServerStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable", "workers", "queued", "serving", "not_serving", "gateway")
+    __slots__ = ("running", "waiting", "swapped", "prompt_tokens", "generated_tokens", "cached_tokens", "requests_finished", "requests_aborted", "steps", "kvcache", "schedule_seconds", "manager_seconds", "copy_seconds", "forward_seconds", "sample_seconds", "emit_seconds", "requests_failed", "manager_losses", "manager_reachable", "workers", "queued", "serving", "not_serving", "gateway", "prefill_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +356,7 @@ class ServerStats(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -380,10 +381,11 @@ class ServerStats(_message.Message):
     serving: bool
     not_serving: str
     gateway: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., steps: _Optional[int] = ..., kvcache: _Optional[_Union[_kvcache_pb2.Stats, _Mapping]] = ..., schedule_seconds: _Optional[float] = ..., manager_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., emit_seconds: _Optional[float] = ..., requests_failed: _Optional[int] = ..., manager_losses: _Optional[int] = ..., manager_reachable: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., queued: _Optional[int] = ..., serving: _Optional[bool] = ..., not_serving: _Optional[str] = ..., gateway: _Optional[bool] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away", "not_serving", "lane")
+    __slots__ = ("address", "state", "running", "waiting", "used_pages", "free_pages", "cached_pages", "requests_routed", "hit_tokens", "prompt_tokens", "epoch", "events_live", "index_pages", "migrated_away", "not_serving", "lane", "prefill_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +402,7 @@ class WorkerStats(_message.Message):
     MIGRATED_AWAY_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     running: int
@@ -416,4 +419,5 @@ class WorkerStats(_message.Message):
     migrated_away: int
     not_serving: str
     lane: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., requests_routed: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., events_live: _Optional[bool] = ..., index_pages: _Optional[int] = ..., migrated_away: _Optional[int] = ..., not_serving: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., requests_routed: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., events_live: _Optional[bool] = ..., index_pages: _Optional[int] = ..., migrated_away: _Optional[int] = ..., not_serving: _Optional[str] = ..., lane: _Optional[str] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
