@@ -45,7 +45,8 @@ class ModelServiceConfig:
     attention_backend: str = option("auto", "attention over the pages; auto is flash_attn on CUDA where it "
                                             "imports, cpu on CPU where its kernel loads, else torch",
                                     choices=ATTENTION_BACKENDS)
-    cpu_threads: int = option(0, "CPU: threads for the model's math (0: one per core); fewer leaves cores to "
+    cpu_threads: int = option(0, "CPU: threads for the model's math (0: one per core; under `kvserve up "
+                                 "--workers N`, the cores shared out among the N); fewer leaves cores to "
                                  "the server's front (receiving, tokenizing) so a burst of large requests "
                                  "slows the engine less")
     cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "

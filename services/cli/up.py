@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -167,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             # sockets, take each request's tenant from it.
             worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="", http_listen="",
                                     health_listen="",
-                                    trust_tenant_metadata=bool(model_config.api_keys))
+                                    trust_tenant_metadata=bool(model_config.api_keys),
+                                    cpu_threads=worker_threads(model_config.cpu_threads, up.workers))
             # Each worker's Generate reaches the gateway over its lane, a hop cheaper than gRPC.
             pairs = [Pair.make(f"worker-{i}", cli, replace(worker_config, listen=f"unix://{tmp}/worker-{i}.sock",
                                                           lane_listen=f"unix://{tmp}/worker-{i}.lane"),
@@ -228,6 +230,20 @@ def run(args: argparse.Namespace) -> int:
                 pair.manager.stop(10)
             if endpoint is not None:
                 endpoint.close()
+
+
+def worker_threads(cpu_threads: int, workers: int, cores: int | None = None) -> int:
+    """Each worker's --cpu-threads on a machine the workers share: as given, or (0) this machine's
+    cores shared out, one at least. Each taking every core (a lone worker's default) runs N
+    thread pools on the same cores, which multi-threaded matmuls survive badly
+    (docs/benchmarks.md)."""
+    if cpu_threads:
+        return cpu_threads
+    cores = cores or len(os.sched_getaffinity(0))
+    threads = max(1, cores // workers)
+    log.info("each of the %d workers computes on %d of this machine's %d cores (--cpu-threads sets it)",
+             workers, threads, cores)
+    return threads
 
 
 def gateway_argv(model_config: ModelServiceConfig, workers: list[str], extra: list[str]) -> list[str]:

@@ -201,3 +201,14 @@ def test_the_admin_token_file_reaches_the_manager(tmp_path, monkeypatch):
     server = from_args(KVCacheServerConfig, _parser().parse_args(argv[1:]))
     assert server.admin_token_file == "/secrets/admin"
     assert "127.0.0.1:50051" in server.listen
+
+
+def test_workers_on_one_machine_share_its_cores_unless_told():
+    """Each of N workers taking every core ran N thread pools on the same cores: 4 workers of
+    2 threads on 2 cores streamed a quarter of what 4 of 1 thread did (docs/benchmarks.md)."""
+    from kvserve.services.cli.up import worker_threads
+
+    assert worker_threads(0, 4, cores=2) == 1
+    assert worker_threads(0, 2, cores=16) == 8
+    assert worker_threads(0, 3, cores=16) == 5
+    assert worker_threads(3, 4, cores=2) == 3   # --cpu-threads as given
