@@ -6,6 +6,8 @@ random, on a multi-turn workload, and what the gateway adds to a request.
     .venv/bin/python bench/gateway_bench.py --overhead-only  # only what the gateway adds to one request
     .venv/bin/python bench/gateway_bench.py --context 1024 --stagger 0.25 --server-arg=--num-pages=2048
                                                              # under cache pressure (minutes)
+    .venv/bin/python bench/gateway_bench.py --workers 4 --context 768 --stagger 1 1.25 1.5 2 \
+        --server-arg=--num-pages=2048 --routings cache round-robin   # the ratio as arrivals thin out
 
 Workers: `kvserve up` each (a model service and its manager; `--cpu-threads 1`, as N workers share
 this machine's cores), started once per fleet size. For each routing (cache, round-robin,
@@ -13,7 +15,7 @@ random, in that order) every worker's manager is reset (empty caches) and a fres
 `kvserve gateway --routing R` is started in front of them.
 
 Workload: `--conversations` conversations of `--turns` turns, running at once (the n-th starts
-n x `--stagger` seconds in), each turn sent when the previous reply is in: a shared system prompt
+n x `--stagger` seconds in; several values: the whole workload at each, every routing in turn), each turn sent when the previous reply is in: a shared system prompt
 (`--system` tokens), a document of the conversation's own (`--context` tokens, default none),
 then per turn a user message of 24-48 random tokens, and a greedy reply of `--reply` tokens (EOS
 ignored). Cache pressure comes from `--server-arg=--num-pages=N`: a fleet whose caches together
@@ -141,7 +143,7 @@ async def one_turn(stub, ids: list[int], reply: int) -> tuple[float, int, int, l
     return ttft, prompt, cached, out
 
 
-async def conversations(address: str, args, vocab: int) -> dict:
+async def conversations(address: str, args, vocab: int, stagger: float) -> dict:
     rng = random.Random(11)
     system = [rng.randrange(3, vocab) for _ in range(args.system)]
     users = [[[rng.randrange(3, vocab) for _ in range(rng.randrange(24, 49))] for _ in range(args.turns)]
@@ -152,7 +154,7 @@ async def conversations(address: str, args, vocab: int) -> dict:
 
     async def talk(stub, c: int) -> None:
         nonlocal prompt, cached, generated
-        await asyncio.sleep(c * args.stagger)
+        await asyncio.sleep(c * stagger)
         history = system + documents[c]
         for t in range(args.turns):
             history += users[c][t]
@@ -170,6 +172,25 @@ async def conversations(address: str, args, vocab: int) -> dict:
     return dict(ttft_mean=statistics.mean(every), ttft_p90=p90(every), first_p90=p90([x for t, x in ttfts if t == 0]),
                 later_p90=p90([x for t, x in ttfts if t > 0]), hit=cached / prompt, computed=prompt - cached,
                 prompt=prompt, tok_s=generated / wall, wall=wall)
+
+
+def print_routings(stagger: float, results: dict[str, dict]) -> None:
+    print(f"  conversations {stagger} s apart:")
+    # first turns: nothing of theirs is cached anywhere; later turns: what routing can find
+    print(f"  {'routing':<12} {'TTFT mean':>10} {'TTFT p90':>10} {'first p90':>10} {'later p90':>10} "
+          f"{'hit rate':>9} {'computed':>9} {'tok/s':>7}")
+    for routing, r in results.items():
+        print(f"  {routing:<12} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>9.3f}s {r['first_p90']:>9.3f}s "
+              f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['computed']:>9,} {r['tok_s']:>7.1f}")
+    c = results.get("cache")
+    for peer in ("round-robin", "random") if c else ():
+        if peer not in results:
+            continue
+        r = results[peer]
+        print(f"  cache-aware against {peer}: p90 TTFT {c['ttft_p90'] / r['ttft_p90']:.2f}x (later turns "
+              f"{c['later_p90'] / r['later_p90']:.2f}x), "
+              f"prompt tokens computed {c['computed'] / r['computed']:.2f}x, tok/s "
+              f"{c['tok_s'] / r['tok_s']:.2f}x")
 
 
 def p90(xs: list[float]) -> float:
@@ -243,7 +264,8 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=256, help="shared system prompt, in tokens")
     ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
     ap.add_argument("--context", type=int, default=0, help="a document per conversation, in tokens")
-    ap.add_argument("--stagger", type=float, default=0.0, help="seconds between conversation starts")
+    ap.add_argument("--stagger", type=float, nargs="+", default=[0.0],
+                    help="seconds between conversation starts (several: a run at each)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvserve up` argument (repeatable)")
     ap.add_argument("--gateway-arg", action="append", default=[],
@@ -261,18 +283,19 @@ def main() -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     print(f"model {Path(model).name}; {args.conversations} conversations x {args.turns} turns, system prompt "
           f"{args.system} tokens, documents of {args.context}, replies of {args.reply}, starts "
-          f"{args.stagger} s apart; worker flags {args.server_arg}")
+          f"{' / '.join(map(str, args.stagger))} s apart; worker flags {args.server_arg}")
     for n in args.workers:
         workers = Workers(n, model, args.server_arg)
         try:
-            results = {}
-            for routing in args.routings:
+            results = {}   # (stagger, routing) -> its figures
+            overhead = None
+            for stagger, routing in [(s, r) for s in args.stagger for r in args.routings]:
                 workers.reset()
                 gateway = Gateway(workers, model, routing, args.gateway_arg)
                 try:
                     if not args.overhead_only:
-                        results[routing] = asyncio.run(conversations(gateway.address, args, vocab))
-                    if routing == "cache":
+                        results[stagger, routing] = asyncio.run(conversations(gateway.address, args, vocab, stagger))
+                    if routing == "cache" and overhead is None:
                         workers.reset()
                         relays = [BareRelay(address) for address in workers.addresses]
                         empty = BareRelay("-")
@@ -292,21 +315,8 @@ def main() -> None:
                 finally:
                     gateway.close()
             print(f"\n{n} workers:")
-            # first turns: nothing of theirs is cached anywhere; later turns: what routing can find
-            print(f"  {'routing':<12} {'TTFT mean':>10} {'TTFT p90':>10} {'first p90':>10} {'later p90':>10} "
-                  f"{'hit rate':>9} {'computed':>9} {'tok/s':>7}")
-            for routing, r in results.items():
-                print(f"  {routing:<12} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>9.3f}s {r['first_p90']:>9.3f}s "
-                      f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['computed']:>9,} {r['tok_s']:>7.1f}")
-            c = results.get("cache")
-            for peer in ("round-robin", "random") if c else ():
-                if peer not in results:
-                    continue
-                r = results[peer]
-                print(f"  cache-aware against {peer}: p90 TTFT {c['ttft_p90'] / r['ttft_p90']:.2f}x (later turns "
-                      f"{c['later_p90'] / r['later_p90']:.2f}x), "
-                      f"prompt tokens computed {c['computed'] / r['computed']:.2f}x, tok/s "
-                      f"{c['tok_s'] / r['tok_s']:.2f}x")
+            for stagger in args.stagger if results else ():
+                print_routings(stagger, {routing: results[stagger, routing] for routing in args.routings})
             if "cache" in args.routings:
                 (p50s, paired) = overhead
                 print("  one 16-token request, 1 token out, the five in turn, each over every worker: " + ", ".join(
