@@ -202,7 +202,7 @@ class ServerStats:
     serving: bool = True           # takes new requests now (a gateway: while a worker does)
     not_serving: str = ""          # why not, when serving is false
     gateway: bool = False          # a gateway's answer (it may have no workers yet)
-    prefill_tokens: int = 0        # prompt tokens its running sequences have yet to compute (a gateway: its workers')
+    prefill_tokens: int = 0        # tokens its running sequences have yet to prefill (a gateway: its workers' sum)
 
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any

@@ -138,7 +138,7 @@ class Engine:
         self._idle = threading.Event()  # set when a loop pass found nothing to do
         self._thread: threading.Thread | None = None
         self.num_running = self.num_waiting = self.num_swapped = 0   # sequences (n of them a request)
-        # Prompt tokens the running sequences have yet to compute, the step now running included
+        # Tokens the running sequences have yet to compute before they decode, the step now running included
         # (what a gateway weighs as the prefill ahead of a request it sends here); after the step's
         # forward, without it.
         self.num_prefill_tokens = self._prefill_after_step = 0
@@ -639,7 +639,8 @@ class Engine:
         sched = self.scheduler
         self.num_running, self.num_waiting, self.num_swapped = (
             len(sched.running), len(sched.waiting), len(sched.swapped))
-        after = sum(max(0, len(r.tokens) - r.num_computed) for r in sched.running)
+        # (a decode the step left out, or a parent at its fork, has one token left: no prefill)
+        after = sum(n for r in sched.running if (n := len(r.tokens) - r.num_computed) > 1)
         self._prefill_after_step = after
         self.num_prefill_tokens = after + sum(n for w in work if (n := w.count - len(w.draft)) > 1)
         running = {id(_owner(r)) for r in sched.running}

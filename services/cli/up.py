@@ -239,9 +239,10 @@ def worker_threads(cpu_threads: int, workers: int, cores: int | None = None) -> 
     (docs/benchmarks.md)."""
     if cpu_threads:
         return cpu_threads
-    cores = cores or len(os.sched_getaffinity(0))
+    affinity = getattr(os, "sched_getaffinity", None)   # (Linux's: the cores this process may use)
+    cores = cores or (len(affinity(0)) if affinity is not None else os.cpu_count() or 1)
     threads = max(1, cores // workers)
-    log.info("each of the %d workers computes on %d of this machine's %d cores (--cpu-threads sets it)",
+    log.info("on CPU, each of the %d workers computes on %d of this machine's %d cores (--cpu-threads sets it)",
              workers, threads, cores)
     return threads
 

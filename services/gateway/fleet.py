@@ -152,9 +152,9 @@ class Fleet:
 
     def choose(self, ids: list[int], hashes: list[int], session_id: str, avoid: Worker | None = None,
                length: int = 0, sequences: int = 1, salted: bool = False,
-               output: str = "max_tokens") -> Choice | None:
+               output: str = "max_tokens", continued: int = 0) -> Choice | None:
         """The worker for a request of prompt `ids`, `length` tokens in all with its output, and
-        `sequences` (its n) to run."""
+        `sequences` (its n) to run; `continued`: tokens of its continuation, computed there too."""
         ps = self.page_size
         if ps is None:
             return None
@@ -182,7 +182,8 @@ class Fleet:
             choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
         if choice is not None:
             w = choice.worker
-            choice = Choice(w, choice.matched_pages, w.routed(sequences, max(0, len(ids) - choice.matched_pages * ps)))
+            prefill = max(0, len(ids) - choice.matched_pages * ps) + continued
+            choice = Choice(w, choice.matched_pages, w.routed(sequences, prefill))
             self._prompt_tokens_seen += len(ids)
             self._requests_seen += 1
             if session_id:

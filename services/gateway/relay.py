@@ -204,7 +204,8 @@ class Relay:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
-            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted, output)
+            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted, output,
+                                continued=len(earlier) + len(streamed.get(0, [])))
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size

@@ -12,9 +12,12 @@ is in docs/benchmarks.md) costs
 
     overlap_weight × (prompt tokens it must compute, and those ahead of them) + (its decode load, in tokens)
 
-where the prompt tokens ahead are the prefills it is running or about to run (its report's, plus
-those of the requests sent since: Worker.prefill_backlog), steps between this request and its
-first token that a count of sequences does not show, and the decode load counts the sequences
+where the prompt tokens ahead are the prefills it is running or about to run (its report's, less
+this gateway's streams' prefills done since, plus its requests not yet taken, never fewer than its
+own streams' still to prefill: Worker.prefill_backlog), steps between this request and its first
+token that a count of sequences does not show (a request of this gateway's own queued beyond the
+batch counts there and as queued: the cost errs high where a worker is that full), and the
+decode load counts the sequences
 there (its last report's count, less this gateway's streams that ended there since, plus those
 it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
 before its next report, and a finished conversation's worker is not thought busy): a page of

@@ -79,7 +79,7 @@ class Worker:
     relays: set = field(default_factory=set)                # the streams now running on it
     streaming: int = 0        # their sequences (a request of n runs n), running or waiting there
     prefilling: int = 0       # prompt tokens those streams compute there before their first token
-    prefilled_since_report: int = 0   # of them, done since its last report was asked (which counted them)
+    prefills_done: list = field(default_factory=list)   # (when, tokens) of those done since its last report was asked
     held_since: float = -math.inf   # a call there failed or was refused as full: no routing until a later report
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)   # the fleet board's update
     tls: ClientTLS | None = field(default=None, repr=False)
@@ -153,7 +153,8 @@ class Worker:
         A prefill of one step is a long step: a worker busy with one is further from a new
         request's first token than its sequence count says."""
         sent = sum(r.prefill for r in self.routed_at if r.taken_at == math.inf)
-        reported = max(0, self.load.prefill_tokens - self.prefilled_since_report) + sent
+        done = sum(tokens for _, tokens in self.prefills_done)
+        reported = max(0, self.load.prefill_tokens - done) + sent
         return max(reported, self.prefilling)
 
     @property
@@ -180,7 +181,9 @@ class Worker:
     def loaded(self, load: Load) -> None:
         self.load = load
         self.routed_at = [r for r in self.routed_at if r.taken_at >= load.asked_at]
-        self.ended_since_report = self.prefilled_since_report = 0
+        self.ended_since_report = 0
+        # a prefill done before the report was asked is not in it; one done after may be
+        self.prefills_done = [d for d in self.prefills_done if d[0] >= load.asked_at]
         self.changed()
 
     def routed(self, sequences: int = 1, prefill: int = 0) -> Routing:
@@ -219,7 +222,7 @@ class Worker:
             return
         self.prefilling -= mark.prefill
         if mark.taken_at != math.inf:   # the worker had it: its last report may count it running
-            self.prefilled_since_report += mark.prefill
+            self.prefills_done.append((time.monotonic(), mark.prefill))
         mark.prefill = 0   # (its place on the board, by sequence count, stays)
 
     def ended(self, mark: Routing) -> None:

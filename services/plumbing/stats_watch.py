@@ -3,7 +3,7 @@ then one whenever the load has changed (looked at every interval), and one at le
 heartbeat however quiet the server is, so that a silent stream means a server that hangs.
 
 Only the load decides when to send (the caller's `load` key: requests running and waiting,
-free pages in steps (pages_key), serving): the counters that move with every token would
+free pages in steps (pages_key), serving, the prefill ahead in pages): the counters that move with every token would
 otherwise send a message at every look. One build serves every stream that sends at the same
 load (SharedStats)."""
 

@@ -111,8 +111,12 @@ def test_kill_9_a_worker_and_its_streams_go_on_elsewhere_with_the_same_tokens(fl
                                                             if e.HasField("prefill_done"))
         assert usage.cached_tokens == prefill.cached_tokens <= usage.prompt_tokens
     with grpc.insecure_channel(address) as ch:
-        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-    assert sum(w.migrated_away for w in stats.workers) >= 1, stats
+        stub = pb_grpc.InferenceStub(ch)
+        stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        assert sum(w.migrated_away for w in stats.workers) >= 1, stats
+        # the moved streams' prefills were counted at each worker, and no longer are
+        wait_until(lambda: all(w.prefill_tokens == 0 for w in stub.GetServerStats(
+            pb.GetServerStatsRequest(), timeout=10).workers), what="no prefill left ahead anywhere")
 
 
 def test_kill_9_a_worker_and_its_seeded_n_3_streams_go_on_elsewhere_sequence_by_sequence(fleet):

@@ -218,6 +218,7 @@ def test_with_every_worker_full_requests_wait_in_order_and_see_their_place(tiny_
             p = q.positions
             assert p[0] == i + 1 and p[-1] == 1 and all(a > b for a, b in zip(p, p[1:])), p
         assert fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).queued == 0
+        assert all(w.prefilling == 0 for w in fleet.gateway.fleet.workers.values())
 
 
 def test_cancel_through_the_gateway_ends_the_stream_and_frees_the_workers_pages(two_workers):
@@ -237,6 +238,7 @@ def test_cancel_through_the_gateway_ends_the_stream_and_frees_the_workers_pages(
     assert err is not None and err.code() == grpc.StatusCode.NOT_FOUND
     stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
     assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (0, 1, 0)
+    assert all(w.prefilling == 0 for w in fleet.gateway.fleet.workers.values())
 
 
 def test_a_dropped_client_frees_the_workers_pages(two_workers):
@@ -255,6 +257,7 @@ def test_a_dropped_client_frees_the_workers_pages(two_workers):
                    what="the worker's pages freed")
     wait_until(lambda: fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).requests_aborted == 1,
                what="the stream counted as aborted")
+    assert all(w.prefilling == 0 for w in fleet.gateway.fleet.workers.values())
 
 
 def test_kvserve_stats_shows_the_gateways_workers(two_workers, capsys):
@@ -355,6 +358,9 @@ def test_a_request_id_in_flight_is_refused_through_the_gateway(two_workers):
     assert second.done.wait(30) and second.code == grpc.StatusCode.ALREADY_EXISTS
     fleet.stub.Cancel(pb.CancelRequest(request_id="twice"), timeout=10)
     assert first.done.wait(30) and first.events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+    # the refused one's prefill, counted where it was sent, no longer is
+    wait_until(lambda: all(w.prefilling == 0 for w in fleet.gateway.fleet.workers.values()),
+               what="no prefill of this gateway's left ahead")
 
 
 def test_a_cancelled_request_id_sent_again_at_once_is_served_through_the_gateway(two_workers):
