@@ -137,7 +137,7 @@ def test_the_gateway_streams_its_fleets_stats(two_workers):
     reports.cancel()
 
 
-def test_a_workers_report_carries_the_prefill_ahead_and_the_gateway_weighs_it(tiny_dirs):
+def test_a_workers_report_carries_the_prefill_ahead_and_the_gateway_shows_it(tiny_dirs):
     """A long prompt in chunks of 4 tokens a step: the worker's reports say how much of it is left
     (ServerStats.prefill_tokens), the gateway's stats show it per worker, and it falls to 0."""
     for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config={"max_num_batched_tokens": 4}):
