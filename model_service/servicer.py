@@ -201,7 +201,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         e = self.engine
         return (e.num_running, self._waiting(), e.num_swapped,
                 stats_watch.pages_key(e.scheduler.available_pages, self.stack.num_pages), not self._not_serving(),
-                -(-e.num_prefill_tokens // self.stack.page_size))   # (in pages: a long prompt's chunks move it)
+                stats_watch.prefill_key(e.num_prefill_tokens, self.stack.page_size))
 
     def _waiting(self) -> int:
         """Requests here waiting to run, those submitted since the engine's last step included:

@@ -190,10 +190,10 @@ class GatewayServicer(pb_grpc.InferenceServicer):
 
     def _load(self) -> tuple:
         """What a WatchServerStats message is sent for when it changes."""
-        pages = self.fleet.page_size or 16   # the prefill ahead, in pages, as the workers send it
+        pages = self.fleet.page_size or 1   # (none before a worker's model is known: then nothing is ahead)
         return (len(self.fleet.queue), self._not_serving() == "", *(
             (w.address, w.state, w.load.running, w.load.waiting, w.load.free_pages + w.load.cached_pages,
-             -(-w.load.prefill_tokens // pages))
+             stats_watch.prefill_key(w.load.prefill_tokens, pages))
             for w in self.fleet.workers.values()))
 
     async def _built_stats(self) -> pb.ServerStats:

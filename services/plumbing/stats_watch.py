@@ -32,6 +32,12 @@ def pages_key(available: int, total: int) -> tuple[bool, int]:
     return (True, available) if available < 4 * step else (False, available // step)
 
 
+def prefill_key(tokens: int, page_size: int) -> int:
+    """The prefill ahead as far as a report is worth sending for: in pages, so that a long
+    prompt's chunks move it and a decode step does not."""
+    return -(-tokens // page_size)
+
+
 def periods(request: pb.WatchServerStatsRequest) -> tuple[float, float]:
     """(interval, heartbeat) in seconds; ValueError saying which is out of range."""
     interval = request.interval_ms or DEFAULT_INTERVAL_MS
