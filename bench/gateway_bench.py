@@ -21,8 +21,10 @@ then per turn a user message of 24-48 random tokens, and a greedy reply of `--re
 ignored). Cache pressure comes from `--server-arg=--num-pages=N`: a fleet whose caches together
 hold every conversation, but no single worker's does.
 Printed per routing: time to first token (mean, p90) as the client sees it, the prefix-hit rate
-(cached / prompt tokens, from each PrefillDone), the prompt tokens actually computed, and
-output tokens per second over the run.
+(cached / prompt tokens, from each PrefillDone) beside an oracle's (the longest prefix of each
+prompt that any prefill or reply had computed before it was sent, nothing evicted: the hits of
+a router that knew every cache, an upper bound) and the share of it reached, the prompt tokens
+actually computed, and output tokens per second over the run.
 
 Overhead: 200 one-token requests of 16 tokens to a worker directly, 200 through the bare relay
 (bench/bare_relay.py: the same hop with nothing else, the floor of a Python gRPC proxy) and 200
@@ -60,6 +62,7 @@ from kvserve.inference.v1 import inference_pb2 as pb  # noqa: E402
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb  # noqa: E402
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc  # noqa: E402
+from kvserve.kvcache_service.contract.hashing import page_hashes  # noqa: E402
 from kvserve.model_service.prompt_tokens import resolve_model_path  # noqa: E402
 from bench.throughput import Stack, free_port  # noqa: E402
 
@@ -129,18 +132,43 @@ def request(ids: list[int], reply: int) -> pb.GenerateRequest:
                               sampling=pb.SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True))
 
 
-async def one_turn(stub, ids: list[int], reply: int) -> tuple[float, int, int, list[int]]:
-    """(time to first token, prompt tokens, cached tokens, the reply)."""
+class Oracle:
+    """The hits of a router that knew every cache: a prompt's longest prefix that any request's
+    prefill or reply had computed by the time its own prefill was done (nothing evicted, and
+    what a prefill in the same step computed counted too: an upper bound; never the page of
+    the prompt's last token, which a worker always computes), in tokens."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.computed: set[int] = set()
+
+    def hits(self, ids: list[int]) -> int:
+        n = 0
+        for h in page_hashes(ids[:len(ids) - 1], self.page_size):
+            if h not in self.computed:
+                break
+            n += 1
+        return n * self.page_size
+
+    def add(self, ids: list[int]) -> None:
+        self.computed.update(page_hashes(ids, self.page_size))
+
+
+async def one_turn(stub, ids: list[int], reply: int, oracle: Oracle) -> tuple[float, int, int, int, list[int]]:
+    """(time to first token, prompt tokens, cached tokens, the oracle's, the reply)."""
     start = time.perf_counter()
-    ttft, prompt, cached, out = 0.0, 0, 0, []
+    ttft, prompt, cached, best, out = 0.0, 0, 0, 0, []
     async for r in stub.Generate(request(ids, reply), timeout=600):
         if r.HasField("prefill_done"):
             prompt, cached = r.prefill_done.prompt_tokens, r.prefill_done.cached_tokens
+            best = oracle.hits(ids)
+            oracle.add(ids)
         elif r.HasField("chunk"):
             if not out:
                 ttft = time.perf_counter() - start
             out.extend(r.chunk.token_ids)
-    return ttft, prompt, cached, out
+    oracle.add(ids + out[:-1])   # (the last token sampled is not computed)
+    return ttft, prompt, cached, best, out
 
 
 async def conversations(address: str, args, vocab: int, stagger: float) -> dict:
@@ -150,27 +178,29 @@ async def conversations(address: str, args, vocab: int, stagger: float) -> dict:
              for _ in range(args.conversations)]
     documents = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(args.conversations)]
     ttfts: list[tuple[int, float]] = []   # (turn, time to first token)
-    prompt, cached, generated = 0, 0, 0
+    prompt, cached, generated, best = 0, 0, 0, 0
 
-    async def talk(stub, c: int) -> None:
-        nonlocal prompt, cached, generated
+    async def talk(stub, c: int, oracle: Oracle) -> None:
+        nonlocal prompt, cached, generated, best
         await asyncio.sleep(c * stagger)
         history = system + documents[c]
         for t in range(args.turns):
             history += users[c][t]
-            ttft, p, h, out = await one_turn(stub, history, args.reply)
+            ttft, p, h, b, out = await one_turn(stub, history, args.reply, oracle)
             ttfts.append((t, ttft))
-            prompt, cached, generated = prompt + p, cached + h, generated + len(out)
+            prompt, cached, generated, best = prompt + p, cached + h, generated + len(out), best + b
             history += out
 
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.InferenceStub(ch)
+        oracle = Oracle((await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)).page_size)
         start = time.perf_counter()
-        await asyncio.gather(*(talk(stub, c) for c in range(args.conversations)))
+        await asyncio.gather(*(talk(stub, c, oracle) for c in range(args.conversations)))
         wall = time.perf_counter() - start
     every = [x for _, x in ttfts]
     return dict(ttft_mean=statistics.mean(every), ttft_p90=p90(every), first_p90=p90([x for t, x in ttfts if t == 0]),
-                later_p90=p90([x for t, x in ttfts if t > 0]), hit=cached / prompt, computed=prompt - cached,
+                later_p90=p90([x for t, x in ttfts if t > 0]), hit=cached / prompt, oracle=best / prompt,
+                computed=prompt - cached,
                 prompt=prompt, tok_s=generated / wall, wall=wall)
 
 
@@ -178,10 +208,11 @@ def print_routings(stagger: float, results: dict[str, dict]) -> None:
     print(f"  conversations {stagger} s apart:")
     # first turns: nothing of theirs is cached anywhere; later turns: what routing can find
     print(f"  {'routing':<12} {'TTFT mean':>10} {'TTFT p90':>10} {'first p90':>10} {'later p90':>10} "
-          f"{'hit rate':>9} {'computed':>9} {'tok/s':>7}")
+          f"{'hit rate':>9} {'oracle':>7} {'of it':>6} {'computed':>9} {'tok/s':>7}")
     for routing, r in results.items():
         print(f"  {routing:<12} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>9.3f}s {r['first_p90']:>9.3f}s "
-              f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['computed']:>9,} {r['tok_s']:>7.1f}")
+              f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['oracle']:>6.1%} {r['hit'] / r['oracle']:>5.0%} "
+              f"{r['computed']:>9,} {r['tok_s']:>7.1f}")
     c = results.get("cache")
     for peer in ("round-robin", "random") if c else ():
         if peer not in results:
