@@ -5,13 +5,29 @@
 #define KVSERVE_ROW_DOT_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
 #include "bf16.h"
 
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
+
+/* How far ahead of its loads a row's stream asks for weights: the hardware prefetchers alone
+   left one core's stream well under the memory's bandwidth (4 KiB ahead measured best of 1-16;
+   docs/benchmarks.md, "Ice Lake"). Rows are read one after another, so past a row's end this
+   asks for the next one's start; a prefetch never faults, past the weights' end included. */
+#define PREFETCH_AHEAD 4096
+
+static inline void prefetch_w(const float *wf, const uint16_t *wh, int64_t j, int bf16, int bytes) {
+#if defined(__SSE__)
+    const char *at = (bf16 ? (const char *)(wh + j) : (const char *)(wf + j)) + PREFETCH_AHEAD;
+    for (int line = 0; line < bytes; line += 64)
+        _mm_prefetch(at + line, _MM_HINT_T0);
+#else
+    (void)wf, (void)wh, (void)j, (void)bf16, (void)bytes;
+#endif
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
@@ -33,7 +49,9 @@ static inline float hsum(__m256 v) {
 
 /* x · W[row]: W float32 (bf16 = 0) or bfloat16. One row at a time, so each thread reads
    its weights as one sequential stream (four rows at a time, interleaved, measured ~40 %
-   slower: the prefetchers follow one stream per core best). */
+   slower: the prefetchers follow one stream per core best), that stream prefetched ahead.
+   (Rows of several x at once, dot_rows_m, gained nothing from prefetching: their loads bound
+   them. 16 lanes a load with AVX-512 gained nothing over 8 once prefetched.) */
 static float dot_row(const float *x, const void *w, int bf16, int64_t k, int64_t row) {
     const float *wf = (const float *)w + row * k;
     const uint16_t *wh = (const uint16_t *)w + row * k;
@@ -42,6 +60,7 @@ static float dot_row(const float *x, const void *w, int bf16, int64_t k, int64_t
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; j + 32 <= k; j += 32) {
+        prefetch_w(wf, wh, j, bf16, bf16 ? 64 : 128);
         a0 = _mm256_fmadd_ps(load8_w(wf, wh, j, bf16), load8(x + j), a0);
         a1 = _mm256_fmadd_ps(load8_w(wf, wh, j + 8, bf16), load8(x + j + 8), a1);
         a2 = _mm256_fmadd_ps(load8_w(wf, wh, j + 16, bf16), load8(x + j + 16), a2);
