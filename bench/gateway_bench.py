@@ -22,9 +22,9 @@ ignored). Cache pressure comes from `--server-arg=--num-pages=N`: a fleet whose 
 hold every conversation, but no single worker's does.
 Printed per routing: time to first token (mean, p90) as the client sees it, the prefix-hit rate
 (cached / prompt tokens, from each PrefillDone) beside an oracle's (the longest prefix of each
-prompt that any prefill or reply had computed before it was sent, nothing evicted: the hits of
-a router that knew every cache, an upper bound) and the share of it reached, the prompt tokens
-actually computed, and output tokens per second over the run.
+prompt that any prefill or reply had computed by the time its own prefill was done, nothing
+evicted: the hits of a router that knew every cache, an upper bound) and the share of it
+reached, the prompt tokens actually computed, and output tokens per second over the run.
 
 Overhead: 200 one-token requests of 16 tokens to a worker directly, 200 through the bare relay
 (bench/bare_relay.py: the same hop with nothing else, the floor of a Python gRPC proxy) and 200
@@ -210,8 +210,9 @@ def print_routings(stagger: float, results: dict[str, dict]) -> None:
     print(f"  {'routing':<12} {'TTFT mean':>10} {'TTFT p90':>10} {'first p90':>10} {'later p90':>10} "
           f"{'hit rate':>9} {'oracle':>7} {'of it':>6} {'computed':>9} {'tok/s':>7}")
     for routing, r in results.items():
+        share = r["hit"] / r["oracle"] if r["oracle"] else float("nan")
         print(f"  {routing:<12} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>9.3f}s {r['first_p90']:>9.3f}s "
-              f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['oracle']:>6.1%} {r['hit'] / r['oracle']:>5.0%} "
+              f"{r['later_p90']:>9.3f}s {r['hit']:>8.1%} {r['oracle']:>6.1%} {share:>5.0%} "
               f"{r['computed']:>9,} {r['tok_s']:>7.1f}")
     c = results.get("cache")
     for peer in ("round-robin", "random") if c else ():
