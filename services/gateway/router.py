@@ -15,14 +15,13 @@ is in docs/benchmarks.md) costs
 where the prompt tokens ahead are the prefills it is running or about to run (its report's, less
 this gateway's streams' prefills done since, plus its requests not yet taken, never fewer than its
 own streams' still to prefill: Worker.prefill_backlog), steps between this request and its first
-token that a count of sequences does not show (a request of this gateway's own queued beyond the
-batch counts there and as queued: the cost errs high where a worker is that full), and the
-decode load counts the sequences
+token that a count of sequences does not show, and the decode load counts the sequences
 there (its last report's count, less this gateway's streams that ended there since, plus those
 it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
 before its next report, and a finished conversation's worker is not thought busy): a page of
 compute for each one its batch runs (decodes share each step), an average request's prompt for
-each one queued beyond its batch (it is prefilled first). Among workers within one page's compute
+each one queued beyond its batch (it is prefilled first; one this gateway sent and the worker has
+not taken yet counts by its own prompt, in the prompt tokens ahead). Among workers within one page's compute
 of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
 recently used; then a hash of the request's first page (or session) and the worker's address,
 so that one conversation keeps choosing the same worker among equals while different ones, and
@@ -102,7 +101,9 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
     def cost(w: Worker) -> float:
         uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
         batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
-        ahead = max(0, w.active - batch)   # queued there: each must be prefilled before this one
+        # queued there: each must be prefilled before this one (those not yet taken are in the
+        # prefill ahead by their own prompts, not here by an average one)
+        ahead = max(0, w.active - batch - w.untaken)
         load = ahead * mean_request_tokens + min(w.active, batch) * ps
         return policy.overlap_weight * (uncached + w.prefill_backlog) + load
 

@@ -145,6 +145,12 @@ class Worker:
         return max(reported, self.streaming)
 
     @property
+    def untaken(self) -> int:
+        """The sequences of the requests sent here that it has not taken yet (their prompts are in
+        prefill_backlog)."""
+        return sum(r.sequences for r in self.routed_at if r.taken_at == math.inf)
+
+    @property
     def prefill_backlog(self) -> int:
         """Prompt tokens it computes before a request sent now, as far as the gateway can tell: its
         last report's, less this gateway's streams' prefills done since, plus the requests sent

@@ -330,6 +330,22 @@ def test_a_worker_busy_with_a_long_prefill_is_further_from_a_first_token_than_it
     assert choose([a, b], matches, 40, COSTED, b"k").worker is a
 
 
+def test_a_request_sent_and_not_yet_taken_counts_once_by_its_own_prompt():
+    """Both batches full: `a` has two requests of 20 prompt tokens this gateway just sent, `b` two
+    waiting by its report, of a size the gateway knows only as the average (100). `a`'s two count
+    by their prompts (in the prefill ahead), not also as queued requests of the average size."""
+    a, b = worker("a"), worker("b", waiting=2)
+    a.load.running = b.load.running = 1
+    marks = [a.routed(prefill=20), a.routed(prefill=20)]
+    assert (a.active, a.untaken, a.prefill_backlog, b.active, b.untaken) == (3, 2, 40, 3, 0)
+    matches = {"a": 8, "b": 0}   # 8 tokens to compute at a, 40 at b
+    # a: 8 + 40 ahead + a running sequence's page; b: 40 + two average prompts + a page
+    assert choose([a, b], matches, 40, COSTED, b"k", mean_request_tokens=100).worker is a
+    for mark in marks:           # taken: the worker's own queue has them, its next report counts them
+        mark.take()
+    assert (a.active, a.untaken) == (3, 0)
+
+
 def test_the_prefill_ahead_follows_reports_and_this_gateways_own_streams():
     w = worker("w")
     mark = w.routed(prefill=800)
