@@ -5,7 +5,7 @@
 #define KVSERVE_ROW_DOT_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__SSE__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -13,6 +13,7 @@
 
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
+#if defined(__AVX2__) && defined(__FMA__)
 /* How far ahead of its loads a row's stream asks for weights: the hardware prefetchers alone
    left one core's stream well under the memory's bandwidth (4 KiB ahead measured best of 1-16;
    docs/benchmarks.md, "Ice Lake"). Rows are read one after another, so past a row's end this
@@ -20,16 +21,11 @@ enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 #define PREFETCH_AHEAD 4096
 
 static inline void prefetch_w(const float *wf, const uint16_t *wh, int64_t j, int bf16, int bytes) {
-#if defined(__SSE__)
     const char *at = (bf16 ? (const char *)(wh + j) : (const char *)(wf + j)) + PREFETCH_AHEAD;
     for (int line = 0; line < bytes; line += 64)
         _mm_prefetch(at + line, _MM_HINT_T0);
-#else
-    (void)wf, (void)wh, (void)j, (void)bf16, (void)bytes;
-#endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_bf16(const uint16_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));

@@ -144,11 +144,15 @@ class Worker:
         # by its running sequences only, and one waiting as one.
         return max(reported, self.streaming)
 
+    def _untaken(self) -> list[Routing]:
+        """The requests sent here that it has not taken yet (no response headers)."""
+        return [r for r in self.routed_at if r.taken_at == math.inf]
+
     @property
     def untaken(self) -> int:
         """The sequences of the requests sent here that it has not taken yet (their prompts are in
         prefill_backlog)."""
-        return sum(r.sequences for r in self.routed_at if r.taken_at == math.inf)
+        return sum(r.sequences for r in self._untaken())
 
     @property
     def prefill_backlog(self) -> int:
@@ -158,7 +162,7 @@ class Worker:
         a prompt only once a step runs it, so a request taken but not yet in a step is in neither).
         A prefill of one step is a long step: a worker busy with one is further from a new
         request's first token than its sequence count says."""
-        sent = sum(r.prefill for r in self.routed_at if r.taken_at == math.inf)
+        sent = sum(r.prefill for r in self._untaken())
         done = sum(tokens for _, tokens in self.prefills_done)
         reported = max(0, self.load.prefill_tokens - done) + sent
         return max(reported, self.prefilling)
