@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""The CPU GEMMs by number of rows: where the native GEMM leads oneDNN and where it falls behind.
+
+    .venv/bin/python bench/gemm_rows.py                       # 16 .. 2048 rows, float32
+    .venv/bin/python bench/gemm_rows.py --rows 32 128 512 --rounds 21
+
+The bench model's 40 layer matmuls (8 layers of q, k+v, o, gate+up and down; the LM head
+left out: a prefill runs it on one row per sequence), each layer's weights its own, 96 MB
+in float32, so that every call reads its weights from memory as a decode step does. At each
+row count, in rounds whose order rotates: the native GEMM on its panels (kernels/cpu_gemm.c),
+oneDNN on its packed weights, oneDNN on the plain weights, and F.linear (MKL on x86); the
+median time of the 40 calls, its GFLOP/s, and each one's time over packed oneDNN's.
+model/linear.py's NATIVE_MAX_ROWS is where these cross.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.model_service.kernels import cpu_gemm, onednn  # noqa: E402
+
+HIDDEN, INTERMEDIATE, KV, LAYERS = 512, 1536, 128, 8   # the bench preset (tiny_model.py)
+
+
+def layer_shapes() -> list[tuple[int, int]]:
+    """(out, in) of each matmul the model runs at prefill sizes, layer by layer."""
+    one = [(HIDDEN, HIDDEN), (2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    return one * LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256, 512, 2048])
+    ap.add_argument("--rounds", type=int, default=11, help="rounds per row count (5 from 512 rows on)")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    shapes = layer_shapes()
+    weights = [torch.randn(n, k) / k ** 0.5 for n, k in shapes]
+    native = cpu_gemm.load()   # KernelUnavailable (AVX-512 only) says why it cannot run here
+    if not onednn.onednn_available(torch.float32):
+        sys.exit("oneDNN's linears do not run here")
+    panels = [native.pack(w) for w in weights]
+    packed = [onednn.pack(w) for w in weights]
+    flop_per_row = sum(2 * n * k for n, k in shapes)
+    print(f"{len(shapes)} matmuls, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of float32 weights; "
+          f"torch threads {torch.get_num_threads()}")
+    print("| rows | native | oneDNN packed | oneDNN on the plain weight | F.linear |")
+    print("|---|---|---|---|---|")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+        gemms = {
+            "native": lambda i: native(xs[shapes[i][1]], panels[i]),
+            "packed": lambda i: onednn.linear(xs[shapes[i][1]], packed[i], None),
+            "plain": lambda i: onednn.matmul_nt(xs[shapes[i][1]], weights[i]),
+            "F.linear": lambda i: F.linear(xs[shapes[i][1]], weights[i]),
+        }
+        times: dict[str, list[float]] = {name: [] for name in gemms}
+        order = list(gemms)
+        for r in range(args.rounds if rows < 512 else min(args.rounds, 5)):
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                start = time.perf_counter()
+                for i in range(len(shapes)):
+                    gemms[name](i)
+                times[name].append(time.perf_counter() - start)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        cells = [f"{med[name] * 1e3:.2f} ms, {flop_per_row * rows / med[name] / 1e9:.0f} GFLOP/s, "
+                 f"{med[name] / med['packed']:.2f}x" for name in gemms]
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
