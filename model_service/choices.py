@@ -6,6 +6,6 @@ them without loading torch."""
 DTYPES = ("float32", "bfloat16", "float16")                  # besides "auto"
 KV_CACHE_DTYPES = DTYPES                                     # besides "auto"; which pairs run: dtype_choice.py
 ATTENTION_BACKENDS = ("torch", "cpu", "flash_attn")          # besides "auto"
-CPU_GEMMS = ("onednn", "native", "torch")                    # besides "auto"; auto's order (kernels/gemm.py)
+CPU_GEMMS = ("onednn", "native", "torch")                    # besides "auto" (its order: kernels/gemm.py)
 PREEMPTION_MODES = ("recompute", "swap")
 SPECULATIVE = ("off", "ngram")                               # speculative decoding's drafter

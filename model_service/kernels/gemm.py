@@ -1,14 +1,18 @@
 """Which GEMM runs the model's matmuls on CPU: `--cpu-gemm auto|native|onednn|torch`.
 
 - onednn: oneDNN with packed weights (onednn.py); float32 and bfloat16; AVX2 or AVX-512.
-- native: kvserve's float32 GEMM (cpu_gemm.c), weights packed in panels; AVX-512 only.
+- native: kvserve's float32 GEMM (cpu_gemm.c), weights packed in panels; AVX-512 only. Calls of
+  more than model/linear.py's NATIVE_MAX_ROWS rows run on the plain weight the small-batch
+  linear keeps (through oneDNN where it runs), where the native GEMM falls behind.
 - torch:  F.linear (on x86, MKL).
 `auto` takes the first that runs here, in AUTO_ORDER, a measured decision (docs/benchmarks.md,
-"Which GEMM auto takes", has the runs and the machines): through `make bench-throughput`
-oneDNN beat F.linear by far more than the run-to-run spread on an AVX2 machine, while the
-native GEMM's lead over oneDNN on an AVX-512 one stayed inside it, so native is there to be
-named (`--cpu-gemm native`), or taken where oneDNN does not run. A GEMM asked for by name that
-cannot run here is refused with the reason.
+"Which GEMM auto takes" and "The native GEMM by rows, on Ice Lake", have the runs and the
+machines): oneDNN beat F.linear by far more than the run-to-run spread on an AVX2 machine; on
+an AVX-512 one the native GEMM, with prefill-sized calls on the plain weight, ran a decode step
+of 32 sequences in ~0.77x oneDNN's time and the 32-request workload 1.17-1.25x as fast through
+gRPC. Without the plain weight (`--cpu-small-linear off`) every call would run native, prefill
+included, so auto takes oneDNN first there. A GEMM asked for by name that cannot run here is
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from kvserve.model_service.kernels.onednn import onednn_available
 log = logging.getLogger(__name__)
 
 GEMMS = ("auto", *choices.CPU_GEMMS)
-AUTO_ORDER = choices.CPU_GEMMS   # the measured order (above)
+AUTO_ORDER = ("native", "onednn", "torch")   # the measured order (above)
+AUTO_ORDER_WITHOUT_PLAIN = ("onednn", "native", "torch")   # where nothing would run prefill beside native
 
 
 def why_not(gemm: str, dtype: torch.dtype) -> str | None:
@@ -43,8 +48,10 @@ def why_not(gemm: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def choose_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
-    """--cpu-gemm NAME -> the GEMM the linears run. Off CPU: torch."""
+def choose_gemm(name: str, dtype: torch.dtype, device: torch.device, plain_kept: bool = True) -> str:
+    """--cpu-gemm NAME -> the GEMM the linears run. Off CPU: torch. plain_kept: whether the
+    plain weights stay beside the packed ones (the small-batch linear's); auto takes the native
+    GEMM first only then."""
     if name not in GEMMS:
         raise ValueError(f"unknown GEMM {name!r}: one of {', '.join(GEMMS)}")
     if device.type != "cpu" or name == "torch":
@@ -56,7 +63,7 @@ def choose_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
         if reason is not None:
             raise ValueError(f"the {name} CPU GEMM cannot run here: {reason}")
         return name
-    for gemm in AUTO_ORDER:
+    for gemm in AUTO_ORDER if plain_kept else AUTO_ORDER_WITHOUT_PLAIN:
         if why_not(gemm, dtype) is None:
             return gemm
         if gemm == "native" and dtype == torch.float32:

@@ -20,6 +20,13 @@ a few sequences): kernels/small_linear.c reads the plain weight (float32 or bflo
 stream per thread, which at one row runs near the memory bandwidth where the packed GEMMs reach
 about half of it (docs/benchmarks.md, "Single stream"). A packed linear keeps its plain weight
 beside the packed one for it.
+
+The native GEMM leads oneDNN from a few rows to about a hundred (a decode step's batch) and
+falls behind it at prefill sizes (docs/benchmarks.md, "The native GEMM by rows, on Ice Lake").
+So a natively packed linear that kept its plain weight runs calls of more than NATIVE_MAX_ROWS
+rows on that plain weight: through oneDNN's ops, which take a plain weight too (within a few
+per cent of a packed one's speed there, with the same fused epilogues), or F.linear where
+oneDNN does not run. Nothing is packed twice.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from torch import nn
 
 from kvserve.model_service.kernels import cpu_gemm, onednn
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, SmallLinear
+
+NATIVE_MAX_ROWS = 128   # above: F.linear on the plain weight instead of the native GEMM (above)
 
 
 class Linear(nn.Linear):
@@ -58,6 +67,26 @@ class Linear(nn.Linear):
     def _few_rows(self, x: torch.Tensor) -> bool:
         return self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS
 
+    def _many_rows(self, x: torch.Tensor) -> bool:
+        """A native linear's call better run on the plain weight (the module docstring)."""
+        return self.plain is not None and x.dim() == 2 and x.shape[0] > NATIVE_MAX_ROWS
+
+    def _on_plain(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        w, b = self.plain.weight, self.plain.bias
+        if self._plain_on_onednn:
+            if op in ("mul", "add"):
+                return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, op)
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "swish" if op == "silu" else "none", [], "")
+        y = F.linear(x, w, b)
+        if op == "silu":
+            return F.silu(y, inplace=True)
+        return y if op == "none" else (y.mul_(other) if op == "mul" else y.add_(other))
+
+    def _native_call(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        if self._many_rows(x):
+            return self._on_plain(x, op, other)
+        return self._native(x, self.packed, op, other)
+
     def _small(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == torch.float32:
             return self.plain(x, op, other)
@@ -80,6 +109,7 @@ class Linear(nn.Linear):
                 raise ValueError(f"the native CPU GEMM runs float32, not {weight.dtype}")
             self._native = cpu_gemm.load()
             packed = self._native.pack(weight, self.bias)   # checked once here, not per call
+            self._plain_on_onednn = onednn.onednn_available(torch.float32)   # calls of many rows
         elif gemm == "onednn":
             packed = onednn.pack(weight)
         else:
@@ -92,7 +122,7 @@ class Linear(nn.Linear):
         if self._few_rows(x):
             return self._small(x)
         if self.gemm == "native":
-            return self._native(x, self.packed)
+            return self._native_call(x)
         if self.gemm == "onednn":   # the ops kernels/onednn.py probes (onednn_available)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -102,7 +132,7 @@ class Linear(nn.Linear):
         if self._few_rows(x):
             return self._small(x, "silu")
         if self.gemm == "native":
-            return self._native(x, self.packed, "silu")
+            return self._native_call(x, "silu")
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
         return F.silu(self(x))
@@ -112,7 +142,7 @@ class Linear(nn.Linear):
         if self._few_rows(x):
             return self._small(x, "mul", other)
         if self.gemm == "native":
-            return self._native(x, self.packed, "mul", other)
+            return self._native_call(x, "mul", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
         return self(x) * other
@@ -122,7 +152,7 @@ class Linear(nn.Linear):
         if self._few_rows(x):
             return self._small(x, "add", other)
         if self.gemm == "native":
-            return self._native(x, self.packed, "add", other)
+            return self._native_call(x, "add", other)
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return self(x) + other

@@ -49,7 +49,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     path = Path(path)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
-    gemm = choose_gemm(gemm, dtype, device)   # before the weights: a refusal comes at once
+    gemm = choose_gemm(gemm, dtype, device, plain_kept=small_linear)   # before the weights: a refusal comes at once
     try:   # a config or weights that do not read, or do not fit each other: a sentence, not a trace
         config = _read_config(path)
         hf = read_safetensors(path)

@@ -131,20 +131,26 @@ def test_a_gemm_that_cannot_run_is_refused_before_loading(tiny_dirs) -> None:
         choose_gemm("mkl", torch.float32, torch.device("cpu"))
 
 
-def test_auto_takes_onednn_then_native_then_torch(monkeypatch) -> None:
-    """The measured order (kernels/gemm.py, docs/benchmarks.md): oneDNN where it runs, else the
-    native GEMM, else F.linear."""
+def test_auto_takes_native_then_onednn_then_torch(monkeypatch) -> None:
+    """The measured order (kernels/gemm.py, docs/benchmarks.md): the native GEMM where it runs
+    (its prefill-sized calls on the plain weight), else oneDNN, else F.linear; without the plain
+    weights kept, oneDNN first."""
     from kvserve.model_service.kernels import gemm
 
     cpu = torch.device("cpu")
     native = why_not(cpu_gemm.load) is None
-    expected = "onednn" if onednn_available(torch.float32) else "native" if native else "torch"
-    assert choose_gemm("auto", torch.float32, cpu) == expected
+    dnn = onednn_available(torch.float32)
+    assert choose_gemm("auto", torch.float32, cpu) == ("native" if native else "onednn" if dnn else "torch")
+    assert choose_gemm("auto", torch.float32, cpu, plain_kept=False) == (
+        "onednn" if dnn else "native" if native else "torch")
     assert choose_gemm("auto", torch.float16, cpu) == "torch"          # neither packs float16
     assert choose_gemm("auto", torch.float32, torch.device("meta")) == "torch"
+    if onednn_available(torch.bfloat16):                                # native runs float32 only
+        assert choose_gemm("auto", torch.bfloat16, cpu) == "onednn"
 
     monkeypatch.setattr(gemm, "onednn_available", lambda dtype: False)
     assert choose_gemm("auto", torch.float32, cpu) == ("native" if native else "torch")
+    assert choose_gemm("auto", torch.float32, cpu, plain_kept=False) == ("native" if native else "torch")
 
     def unavailable():
         raise cpu_gemm.KernelUnavailable("the cpu_gemm kernel was not built for this CPU")

@@ -95,3 +95,36 @@ def test_a_linear_runs_few_rows_on_it_and_many_on_its_gemm(kernel, dtype, gemm) 
 def test_use_small_refuses_other_dtypes(kernel) -> None:
     with pytest.raises(ValueError, match="float32 and bfloat16"):
         Linear(8, 8).half().use_small(kernel)
+
+
+@pytest.mark.parametrize("plain_on_onednn", [True, False])
+def test_a_native_linear_runs_many_rows_on_its_plain_weight(kernel, plain_on_onednn) -> None:
+    """The native GEMM packed beside the plain weight the small kernel keeps: calls of up to
+    NATIVE_MAX_ROWS rows run on the native GEMM, more on the plain weight (through oneDNN where it
+    runs, else F.linear), every fused op included, all agreeing with F.linear."""
+    from kvserve.model_service.kernels import cpu_gemm
+    from kvserve.model_service.kernels.onednn import onednn_available
+    from kvserve.model_service.model.linear import NATIVE_MAX_ROWS
+    load_or_skip(cpu_gemm.load, "the native GEMM")
+    if plain_on_onednn and not onednn_available(torch.float32):
+        pytest.skip("oneDNN linears do not run here")
+    g = torch.Generator().manual_seed(1)
+    linear = Linear(80, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 80, generator=g) / 9)
+        linear.bias.copy_(torch.randn(48, generator=g))
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    linear.use_small(kernel)
+    linear.pack("native")
+    linear._plain_on_onednn = plain_on_onednn
+    native, calls = linear._native, []
+    linear._native = lambda *args: calls.append(args[0].shape[0]) or native(*args)
+    for rows in (SMALL_ROWS + 1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 3 * NATIVE_MAX_ROWS):
+        x = torch.randn(rows, 80, generator=g)
+        other = torch.randn(rows, 48, generator=g)
+        y = F.linear(x, weight, bias)
+        for got, want in [(linear(x), y), (linear.silu(x), F.silu(y)), (linear.mul(x, other), y * other),
+                          (linear.add(x, other), y + other)]:
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert calls == [SMALL_ROWS + 1] * 4 + [NATIVE_MAX_ROWS] * 4

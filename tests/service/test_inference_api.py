@@ -257,7 +257,7 @@ def test_get_model_info(stub, tokenizer):
     assert info.page_size == 4
     assert info.dtype == info.kv_cache_dtype == "float32"
     assert info.attention_backend == select_backend("auto", "cpu").name   # cpu where its kernel builds
-    assert info.cpu_gemm == choose_gemm("auto", torch.float32, torch.device("cpu"))   # onednn where it runs
+    assert info.cpu_gemm == choose_gemm("auto", torch.float32, torch.device("cpu"))   # native where it runs, else onednn
     assert info.device == "cpu"
     assert info.num_pages == 512
     assert info.max_model_len == 2048  # the model's; 512 pages of 4 hold that much
