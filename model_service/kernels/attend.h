@@ -175,10 +175,12 @@ static inline __m512 load16(const void *p, int bf16)
 }
 
 /* attend() for head_dim a multiple of 32 (a constant in each inlined copy), in chunks of up to
- * 16 tokens of a page: per KV head, the chunk's keys are read (widened once, in bfloat16) into
- * a buffer, each of its query heads takes the 16 scores as one vector (sum16x16), the softmax
- * runs on that vector, and the values are summed into accumulators held in registers for the
- * chunk. The same sums as attend(), in another order: results differ from it by rounding. */
+ * 16 tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
+ * widened once into a buffer (bfloat16; a copy of float32 keys cost 6-8 % of a 32-sequence
+ * step's attention, docs/benchmarks.md), each of its query heads takes the 16 scores as one
+ * vector (sum16x16), the softmax runs on that vector, and the values, read the same way, are
+ * summed into accumulators held in registers for the chunk. The same sums as attend(), in
+ * another order: results differ from it by rounding. */
 static inline __attribute__((always_inline)) void
 attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
               int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
@@ -195,7 +197,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
     const int64_t first_q = kv_first * group * head_dim;
     float acc[heads][head_dim] __attribute__((aligned(64)));
     float qs[heads][head_dim] __attribute__((aligned(64)));
-    float kf[CHUNK][head_dim] __attribute__((aligned(64)));   /* a chunk's keys (or values), float32 */
+    float kf[CHUNK][head_dim] __attribute__((aligned(64)));   /* bfloat16 pages: a chunk's keys (or values) widened */
     float probs[group][CHUNK] __attribute__((aligned(64)));
     float running_max[heads], denom[heads];
 
@@ -211,11 +213,13 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
             const __mmask16 live = (__mmask16)((1u << m) - 1);
             for (int64_t kh = 0; kh < kv_count; kh++) {
                 const int64_t base = page + c0 * token_stride + (kv_first + kh) * head_dim;
-                for (int64_t t = 0; t < m; t++) {
-                    for (int64_t j = 0; j < NV; j++)
-                        _mm512_store_ps(&kf[t][16 * j],
-                                        load16((const char *)k_cache + (base + t * token_stride + 16 * j) * elem, kv16));
-                }
+                const float *kr = kv16 ? &kf[0][0] : (const float *)k_cache + base;
+                const int64_t kr_stride = kv16 ? head_dim : token_stride;
+                if (kv16)
+                    for (int64_t t = 0; t < m; t++)
+                        for (int64_t j = 0; j < NV; j++)
+                            _mm512_store_ps(&kf[t][16 * j],
+                                            load16((const char *)k_cache + (base + t * token_stride + 16 * j) * elem, kv16));
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
                     if (has_next)   /* the next page's records for this chunk, spread over its heads */
@@ -228,11 +232,12 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                     for (int64_t j = 0; j < NV; j++)
                         qv[j] = _mm512_load_ps(&qs[h][16 * j]);
                     for (int64_t t = 0; t < m; t++) {
-                        __m512 even = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[t][0]));
-                        __m512 odd = _mm512_mul_ps(qv[1], _mm512_load_ps(&kf[t][16]));
+                        const float *key = kr + t * kr_stride;
+                        __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+                        __m512 odd = _mm512_mul_ps(qv[1], _mm512_loadu_ps(key + 16));
                         for (int64_t j = 2; j < NV; j += 2) {   /* two chains: half the latency */
-                            even = _mm512_fmadd_ps(qv[j], _mm512_load_ps(&kf[t][16 * j]), even);
-                            odd = _mm512_fmadd_ps(qv[j + 1], _mm512_load_ps(&kf[t][16 * j + 16]), odd);
+                            even = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), even);
+                            odd = _mm512_fmadd_ps(qv[j + 1], _mm512_loadu_ps(key + 16 * j + 16), odd);
                         }
                         dots[t] = _mm512_add_ps(even, odd);
                     }
@@ -255,10 +260,12 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                             _mm512_store_ps(&acc[h][16 * j], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * j]),
                                                                            _mm512_set1_ps(correction)));
                 }
-                for (int64_t t = 0; t < m; t++)   /* the values, widened once */
-                    for (int64_t j = 0; j < NV; j++)
-                        _mm512_store_ps(&kf[t][16 * j],
-                                        load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, kv16));
+                const float *vr = kv16 ? &kf[0][0] : (const float *)v_cache + base;
+                if (kv16)   /* the values, widened once */
+                    for (int64_t t = 0; t < m; t++)
+                        for (int64_t j = 0; j < NV; j++)
+                            _mm512_store_ps(&kf[t][16 * j],
+                                            load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, kv16));
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
                     __m512 a[NV];
@@ -267,7 +274,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                     for (int64_t t = 0; t < m; t++) {
                         const __m512 w = _mm512_set1_ps(probs[g][t]);
                         for (int64_t j = 0; j < NV; j++)
-                            a[j] = _mm512_fmadd_ps(w, _mm512_load_ps(&kf[t][16 * j]), a[j]);
+                            a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + t * kr_stride + 16 * j), a[j]);
                     }
                     for (int64_t j = 0; j < NV; j++)
                         _mm512_store_ps(&acc[h][16 * j], a[j]);

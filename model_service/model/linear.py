@@ -38,7 +38,7 @@ from torch import nn
 from kvserve.model_service.kernels import cpu_gemm, onednn
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, SmallLinear
 
-NATIVE_MAX_ROWS = 128   # above: F.linear on the plain weight instead of the native GEMM (above)
+NATIVE_MAX_ROWS = 128   # a native linear's calls with more rows run on its plain weight (above)
 
 
 class Linear(nn.Linear):
@@ -49,6 +49,7 @@ class Linear(nn.Linear):
     fused = False                        # ops in the GEMM epilogue (float32 only, see pack)
     small: SmallLinear | None = None     # the small-batch kernel, once use_small() gave it
     plain: BoundWeight | None = None     # the weight as loaded (and the bias in float32), bound to it
+    _plain_on_onednn = False             # native: calls of many rows on the plain weight via oneDNN (else F.linear)
 
     def use_small(self, kernel: SmallLinear, place=None) -> None:
         """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights).
