@@ -3,14 +3,15 @@
 
     .venv/bin/python bench/gemm_rows.py                       # 16 .. 2048 rows, float32
     .venv/bin/python bench/gemm_rows.py --rows 32 128 512 --rounds 21
+    .venv/bin/python bench/gemm_rows.py --model PATH          # another checkpoint's shapes
 
-The bench model's 40 layer matmuls (8 layers of q, k+v, o, gate+up and down; the LM head
-left out: a prefill runs it on one row per sequence), each layer's weights its own, 96 MB
-in float32, so that every call reads its weights from memory as a decode step does. At each
-row count, in rounds whose order rotates: the native GEMM on its panels (kernels/cpu_gemm.c),
-oneDNN on its packed weights, oneDNN on the plain weights, and F.linear (MKL on x86); the
-median time of the 40 calls, its GFLOP/s, and each one's time over packed oneDNN's.
-model/linear.py's NATIVE_MAX_ROWS is where these cross.
+The bench model's decoder-layer matmuls as the packed model runs them (bench/model_bench.py's
+layer_matmuls: qkv fused, gate and up apart; the LM head left out: a prefill runs it on one row
+per sequence), each layer's weights its own, so that every call reads its weights from memory
+as a decode step does. At each row count, in rounds whose order rotates: the native GEMM on its
+panels (kernels/cpu_gemm.c), oneDNN on its packed weights, oneDNN on the plain weights, and
+F.linear (MKL on x86); the median time of all the calls, its GFLOP/s, and each one's time over
+packed oneDNN's. model/linear.py's NATIVE_MAX_ROWS is where these cross.
 """
 
 from __future__ import annotations
@@ -26,25 +27,22 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.model_bench import layer_matmuls  # noqa: E402
 from kvserve.model_service.kernels import cpu_gemm, onednn  # noqa: E402
-
-HIDDEN, INTERMEDIATE, KV, LAYERS = 512, 1536, 128, 8   # the bench preset (tiny_model.py)
-
-
-def layer_shapes() -> list[tuple[int, int]]:
-    """(out, in) of each matmul the model runs at prefill sizes, layer by layer."""
-    one = [(HIDDEN, HIDDEN), (2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-    return one * LAYERS
+from kvserve.model_service.model.config import ModelConfig  # noqa: E402
+from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256, 512, 2048])
     ap.add_argument("--rounds", type=int, default=11, help="rounds per row count (5 from 512 rows on)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    shapes = layer_shapes()
+    config = ModelConfig.from_pretrained(Path(args.model) if args.model else default_tiny_path("bench"))
+    shapes = [(n, k) for k, n in layer_matmuls(config)]   # (out, in), as a weight is laid out
     weights = [torch.randn(n, k) / k ** 0.5 for n, k in shapes]
     native = cpu_gemm.load()   # KernelUnavailable (AVX-512 only) says why it cannot run here
     if not onednn.onednn_available(torch.float32):

@@ -214,6 +214,14 @@ def packed_gemms() -> list[str]:
     return out
 
 
+def layer_matmuls(config) -> list[tuple[int, int]]:
+    """(in, out) of every decoder layer's matmul as the packed model runs them, layer by layer:
+    qkv fused; gate and up two matmuls once packed (model/layers.py); no LM head."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = [(h, config.q_size + 2 * config.kv_size), (config.q_size, h), (h, i), (h, i), (i, h)]
+    return layer * config.num_layers
+
+
 def bench_gemms(config, repeat: int) -> None:
     """Each of the model's matmul shapes, F.linear (MKL on x86) against each packed GEMM, weights
     hot; then a decode step's matmuls one after the other, weights cold as in the model (162 MB
@@ -232,8 +240,7 @@ def bench_gemms(config, repeat: int) -> None:
             rates = (flop / gemm_seconds(k, n, rows, gemm, repeat) for gemm in gemms)
             cells.append(f"{name} {' vs '.join(f'{r:.0f}' for r in rates)}")
         print(f"  {rows:5d} rows: " + "; ".join(cells))
-    layer = [(h, qkv), (config.q_size, h), (h, i), (h, i), (i, h)]   # gate and up: two matmuls once packed
-    step = layer * config.num_layers + [(h, v)]
+    step = layer_matmuls(config) + [(h, v)]
     flop = sum(2 * 32 * k * n for k, n in step) / 1e9
     cells = []
     for gemm in gemms[1:]:
