@@ -15,14 +15,14 @@ is in docs/benchmarks.md) costs
 where the prompt tokens ahead are the prefills it is running or about to run (its report's, less
 this gateway's streams' prefills done since, plus its requests not yet taken, never fewer than its
 own streams' still to prefill: Worker.prefill_backlog), steps between this request and its first
-token that a count of sequences does not show, and the decode load counts the sequences
-there (its last report's count, less this gateway's streams that ended there since, plus those
-it sent there since, so a burst of misses spreads instead of all landing on the emptiest worker
-before its next report, and a finished conversation's worker is not thought busy): a page of
-compute for each one its batch runs (decodes share each step), an average request's prompt for
-each one queued beyond its batch (it is prefilled first; one this gateway sent and the worker has
-not taken yet counts by its own prompt, in the prompt tokens ahead). Among workers within one page's compute
-of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
+token that a count of sequences does not show, and the decode load counts the sequences there
+(its last report's count, less this gateway's streams that ended there since, plus those it sent
+there since, so a burst of misses spreads instead of all landing on the emptiest worker before
+its next report, and a finished conversation's worker is not thought busy): a page of compute
+for each one its batch runs (decodes share each step), an average request's prompt for each one
+queued beyond its batch (it is prefilled first; one this gateway sent and the worker has not
+taken yet counts by its own prompt, in the prompt tokens ahead). Among workers within one page's
+compute of the cheapest: the longest cached prefix; then a cold worker (empty cache); then the least
 recently used; then a hash of the request's first page (or session) and the worker's address,
 so that one conversation keeps choosing the same worker among equals while different ones, and
 several gateways, spread. No worker with room: the request waits in the gateway's queue.
