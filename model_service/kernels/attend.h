@@ -176,8 +176,8 @@ static inline __m512 load16(const void *p, int bf16)
 
 /* attend() for head_dim a multiple of 32 (a constant in each inlined copy), in chunks of up to
  * 16 tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
- * widened once into a buffer (bfloat16; a copy of float32 keys cost 6-8 % of a 32-sequence
- * step's attention, docs/benchmarks.md), each of its query heads takes the 16 scores as one
+ * widened once into a buffer (bfloat16; copying float32 ones too was measurably slower,
+ * docs/benchmarks.md, "The native GEMM by rows"), each of its query heads takes the 16 scores as one
  * vector (sum16x16), the softmax runs on that vector, and the values, read the same way, are
  * summed into accumulators held in registers for the chunk. The same sums as attend(), in
  * another order: results differ from it by rounding. */
