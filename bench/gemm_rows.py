@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.model_bench import layer_matmuls  # noqa: E402
+from kvserve.model_service import host_memory  # noqa: E402
 from kvserve.model_service.kernels import cpu_gemm, onednn  # noqa: E402
 from kvserve.model_service.model.config import ModelConfig  # noqa: E402
 from kvserve.model_service.tiny_model import default_tiny_path  # noqa: E402
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated bench model)")
     args = ap.parse_args()
 
+    host_memory.keep_freed_memory()   # as the model service does: a GEMM's scratch memory reused, not faulted in
     torch.manual_seed(0)
     config = ModelConfig.from_pretrained(Path(args.model) if args.model else default_tiny_path("bench"))
     shapes = [(n, k) for k, n in layer_matmuls(config)]   # (out, in), as a weight is laid out
