@@ -6,11 +6,13 @@
  * then stall on the first pass over each block of weights (docs/benchmarks.md,
  * "The native GEMM", has the measurements; at prefill sizes the two are on a par).
  *
- * Layout: W (N, K) becomes panels of NR = 32 output columns, panel p holding
- * W[p*32 .. p*32+31][k] for k = 0..K-1 as K rows of 32 floats (the last
- * panel zero-padded). A tile of up to 8 rows x 32 columns keeps its 16
- * accumulators in registers over the whole K loop: per k, two loads of W and
- * eight broadcasts of x feed 16 FMAs.
+ * Layout: W (N, K) becomes panels of NR = 48 output columns, panel p holding
+ * W[p*48 .. p*48+47][k] for k = 0..K-1 as K rows of 48 floats (the last
+ * panel zero-padded). A tile of up to 8 rows x 48 columns keeps its 24
+ * accumulators in registers over the whole K loop: per k, three loads of W and
+ * eight broadcasts of x feed 24 FMAs (32 columns, two loads and eight
+ * broadcasts for 16 FMAs, left the FMA units idle a third of the time:
+ * docs/benchmarks.md, "The native GEMM's tile").
  *
  * Order of work: rows in equal blocks of at most MC (x's block stays in L2
  * for K up to ~2000), then panels, each block's split evenly between the
@@ -37,7 +39,7 @@
    source_digest): kernels/library.py refuses a library built from another version of them. */
 const char *kvserve_source_sha256(void) { return KVSERVE_SOURCE_SHA256; }
 
-#define NR 32   /* columns per panel: two 16-float vectors */
+#define NR 48   /* columns per panel: three 16-float vectors */
 #define MR 8    /* rows per tile */
 #define MC 128  /* rows per block: a chat turn's chunk (~80 rows) streams the weights once */
 #define KMAX 2048  /* longer K is split into chunks of at most KC */
@@ -59,7 +61,7 @@ void kvserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, int64_t col_str
             }
 }
 
-/* The epilogue on one finished row segment of up to 32 outputs. Not inlined: inside
+/* The epilogue on one finished row segment of up to 48 outputs. Not inlined: inside
  * a tile, its vectorised expf call made GCC keep the accumulators in memory. */
 static __attribute__((noinline)) void finish_row(float *y, int ncols, const float *bias, int op, const float *other) {
     for (int j = 0; j < ncols; ++j) {
@@ -74,7 +76,12 @@ static __attribute__((noinline)) void finish_row(float *y, int ncols, const floa
     }
 }
 
-/* rows x 32 outputs over k values of K (a chunk of it: `resume` continues the sums stored
+/* The lanes of a 16-float vector that hold one of `ncols` outputs counted from its first. */
+static inline __mmask16 lanes(int ncols) {
+    return ncols >= 16 ? 0xffff : ncols <= 0 ? 0 : (__mmask16)((1u << ncols) - 1);
+}
+
+/* rows x 48 outputs over k values of K (a chunk of it: `resume` continues the sums stored
    in y, `finish` applies the epilogue after the last chunk); `rows` is a constant in each
    inlined copy, so the unused accumulators vanish and the rest stay in registers. */
 static inline __attribute__((always_inline)) void tile(
@@ -82,28 +89,32 @@ static inline __attribute__((always_inline)) void tile(
         const float *prefetch, int64_t prefetch_lines, float *y, int64_t ldy, int ncols,
         int resume, int finish, const float *bias, int op, const float *other, int64_t ldo) {
     int64_t due = 0;   /* prefetch_lines spread evenly over the k loop, without a division */
-    __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
-    __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00,
-           c70 = c00, c71 = c00;
+    const __mmask16 m0 = lanes(ncols), m1 = lanes(ncols - 16), m2 = lanes(ncols - 32);
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00,
+           c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00, c40 = c00, c41 = c00,
+           c42 = c00, c50 = c00, c51 = c00, c52 = c00, c60 = c00, c61 = c00, c62 = c00, c70 = c00,
+           c71 = c00, c72 = c00;
     if (resume) {   /* the float32 sums stored after the last chunk: the order of k is kept */
 #define LOAD(i) if (rows > i) { c##i##0 = _mm512_maskz_loadu_ps(m0, y + i * ldy); \
-            c##i##1 = _mm512_maskz_loadu_ps(m1, y + i * ldy + 16); }
+            c##i##1 = _mm512_maskz_loadu_ps(m1, y + i * ldy + 16); \
+            c##i##2 = _mm512_maskz_loadu_ps(m2, y + i * ldy + 32); }
         LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
 #undef LOAD
     }
     for (int64_t kk = 0; kk < k; ++kk) {
-        __m512 b0 = _mm512_loadu_ps(panel + kk * NR), b1 = _mm512_loadu_ps(panel + kk * NR + 16);
+        const __m512 b0 = _mm512_loadu_ps(panel + kk * NR), b1 = _mm512_loadu_ps(panel + kk * NR + 16),
+                     b2 = _mm512_loadu_ps(panel + kk * NR + 32);
         for (due += prefetch_lines; due >= k; due -= k, prefetch += 16)
             _mm_prefetch((const char *)prefetch, _MM_HINT_T1);
 #define ROW(i) if (rows > i) { __m512 a = _mm512_set1_ps(x[i * ldx + kk]); \
-            c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1); }
+            c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1); \
+            c##i##2 = _mm512_fmadd_ps(a, b2, c##i##2); }
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
     }
 #define STORE(i) if (rows > i) { \
             _mm512_mask_storeu_ps(y + i * ldy, m0, c##i##0); _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c##i##1); \
+            _mm512_mask_storeu_ps(y + i * ldy + 32, m2, c##i##2); \
             if (finish && (bias || op != OP_NONE)) finish_row(y + i * ldy, ncols, bias, op, other ? other + i * ldo : 0); }
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
 #undef STORE

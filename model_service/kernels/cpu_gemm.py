@@ -13,7 +13,7 @@ import torch
 
 from kvserve.model_service.kernels.library import KernelUnavailable, load_library, once_per_process
 
-PANEL = 32   # output columns per panel (NR in the C file)
+PANEL = 48   # output columns per panel (NR in the C file)
 OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 __all__ = ["CpuGemm", "KernelUnavailable", "PackedWeight", "load"]
@@ -22,7 +22,7 @@ __all__ = ["CpuGemm", "KernelUnavailable", "PackedWeight", "load"]
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """W (N, K), and its bias, checked once when packed: a call checks only its input."""
-    panels: torch.Tensor             # (ceil(N / 32), K, 32) float32, the last panel zero-padded
+    panels: torch.Tensor             # (ceil(N / 48), K, 48) float32, the last panel zero-padded
     n: int
     k: int
     bias: torch.Tensor | None = None  # (N,) float32, contiguous

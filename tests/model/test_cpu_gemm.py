@@ -44,7 +44,7 @@ def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, s
     x = torch.randn(rows, k + pad, generator=g)[:, :k]
     other = torch.randn(rows, n, generator=g) if op in ("mul", "add") else None
     packed = gemm.pack(weight, b)
-    assert packed.panels.shape == (-(-n // 32), k, 32) and (packed.n, packed.k) == (n, k)
+    assert packed.panels.shape == (-(-n // cpu_gemm.PANEL), k, cpu_gemm.PANEL) and (packed.n, packed.k) == (n, k)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -52,6 +52,26 @@ def test_matches_a_float64_reference(gemm, rows, n, k, op, bias, pad, threads, s
     finally:
         torch.set_num_threads(previous)
     assert_matches(got, reference(x, weight, b, op, other), k)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 95, 96, 97])
+@pytest.mark.parametrize("op", ["none", "silu", "mul"])
+def test_every_width_of_the_last_panel(gemm, n: int, op: str) -> None:
+    """A panel's 48 columns are three 16-float vectors: a last panel of any width, one to all
+    three partly filled or empty, reads and writes only its own columns (the output's neighbours
+    in a wider buffer stay untouched), with the epilogue on each."""
+    g = torch.Generator().manual_seed(n)
+    weight, b = torch.randn(n, 40, generator=g), torch.randn(n, generator=g)
+    x, other = torch.randn(11, 40, generator=g), torch.randn(11, n, generator=g)
+    other = other if op == "mul" else None
+    assert_matches(gemm(x, gemm.pack(weight, b), op, other), reference(x, weight, b, op, other), 40)
+    wide = torch.full((11, n + 5), 7.0)   # rows ldy apart, past the last column
+    packed = gemm.pack(weight, b)
+    out = gemm(x, packed)
+    gemm._gemm(x.data_ptr(), 40, packed.panels.data_ptr(), b.data_ptr(), wide.data_ptr(), n + 5, 11, n, 40, 0,
+               None, 0, 1)
+    torch.testing.assert_close(wide[:, :n], out)
+    assert (wide[:, n:] == 7.0).all()
 
 
 @pytest.mark.parametrize("k", [2049, 3001])
