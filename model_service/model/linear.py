@@ -8,7 +8,7 @@ by one element-wise op. Eagerly they are F.linear and then the op.
 of two CPU GEMMs (kernels/gemm.py says which runs where, and why); from then on every
 call is one matmul whose op runs in its epilogue, so the output is written once and
 never read back for the op:
-- "native" (float32, AVX-512): kernels/cpu_gemm.c, weights in 32-column panels, the next
+- "native" (float32, AVX-512): kernels/cpu_gemm.c, weights in 48-column panels, the next
   panel prefetched while this one is computed (decode steps multiply few rows by weights
   far larger than the caches).
 - "onednn" (float32, bfloat16): oneDNN's packed linears, called here directly (one call per
