@@ -10,8 +10,8 @@
  * W[p*48 .. p*48+47][k] for k = 0..K-1 as K rows of 48 floats (the last
  * panel zero-padded). A tile of up to 8 rows x 48 columns keeps its 24
  * accumulators in registers over the whole K loop: per k, three loads of W and
- * eight broadcasts of x feed 24 FMAs (32 columns, two loads and eight
- * broadcasts for 16 FMAs, left the FMA units idle a third of the time:
+ * eight broadcasts of x feed 24 FMAs (a 32-column tile, two loads and eight
+ * broadcasts for 16 FMAs, kept the FMA units busy a smaller share of the time:
  * docs/benchmarks.md, "The native GEMM's tile").
  *
  * Order of work: rows in equal blocks of at most MC (x's block stays in L2
