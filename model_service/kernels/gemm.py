@@ -9,7 +9,8 @@
 "Which GEMM auto takes" and "The native GEMM by rows, on Ice Lake", have the runs and the
 machines): oneDNN beat F.linear by far more than the run-to-run spread on an AVX2 machine; on
 an AVX-512 one the native GEMM, with prefill-sized calls on the plain weight, ran decode steps
-of many sequences and the 32-request workload faster than oneDNN by more than the spread. Without the plain weight (`--cpu-small-linear off`) every call would run native, prefill
+of many sequences and the 32-request workload faster than oneDNN by more than the spread.
+Without the plain weight (`--cpu-small-linear off`) every call would run native, prefill
 included, so auto takes oneDNN first there. A GEMM asked for by name that cannot run here is
 refused with the reason.
 """

@@ -43,6 +43,18 @@ def linear_add(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, bias:
     return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, "add")
 
 
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str = "none",
+              other: torch.Tensor | None = None) -> torch.Tensor:
+    """One of the four above by op ("none", "silu", "mul", "add"); the weight packed or plain."""
+    if op == "silu":
+        return linear_silu(x, weight, bias)
+    if op == "mul":
+        return linear_mul(x, other, weight, bias)
+    if op == "add":
+        return linear_add(x, other, weight, bias)
+    return linear(x, weight, bias)
+
+
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a bᵀ with b a plain (unpacked) matrix: (M, K) x (N, K) -> (M, N). For operands that change
     every call (attention's keys and values); only where onednn_available(a.dtype)."""

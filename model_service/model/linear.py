@@ -75,13 +75,8 @@ class Linear(nn.Linear):
     def _on_plain(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         w, b = self.plain.weight, self.plain.bias
         if self._plain_on_onednn:
-            if op in ("mul", "add"):
-                return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, op)
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "swish" if op == "silu" else "none", [], "")
-        y = F.linear(x, w, b)
-        if op == "silu":
-            return F.silu(y, inplace=True)
-        return y if op == "none" else (y.mul_(other) if op == "mul" else y.add_(other))
+            return onednn.linear_op(x, w, b, op, other)
+        return _op_after(F.linear(x, w, b), op, other)
 
     def _native_call(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         if self._many_rows(x):
@@ -92,10 +87,7 @@ class Linear(nn.Linear):
         if x.dtype == torch.float32:
             return self.plain(x, op, other)
         # bfloat16: the matmul rounds once, the op runs after it in bfloat16, as transformers does
-        y = self.plain(x.float()).to(x.dtype)
-        if op == "silu":
-            return F.silu(y)
-        return y if op == "none" else (y * other if op == "mul" else y + other)
+        return _op_after(self.plain(x.float()).to(x.dtype), op, other)
 
     def pack(self, gemm: str = "onednn") -> None:
         """Repacks the weight for `gemm` ("native" or "onednn") and drops the plain copy (a
@@ -157,3 +149,10 @@ class Linear(nn.Linear):
         if self.fused:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return self(x) + other
+
+
+def _op_after(y: torch.Tensor, op: str, other: torch.Tensor | None) -> torch.Tensor:
+    """op on a matmul's fresh output y, in place (a linear's unfused forms: silu, mul, add)."""
+    if op == "silu":
+        return F.silu(y, inplace=True)
+    return y if op == "none" else (y.mul_(other) if op == "mul" else y.add_(other))
