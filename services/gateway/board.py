@@ -62,6 +62,7 @@ class LoadBoard:
         self._rows: dict[int, dict[Worker, None]] = {}      # active count -> its workers, oldest move first
         self._shapes: Counter[Shape] = Counter()           # a few distinct ones, whatever the fleet's size
         self._by_address: dict[str, Worker] = {}
+        self._absent: dict[Worker, Shape] = {}   # added workers off the board now, as they were when on it
         for w in workers:
             self.update(w)
 
@@ -72,12 +73,16 @@ class LoadBoard:
     def remove(self, worker: Worker) -> None:
         worker.on_change = None
         self._take_off(worker)
+        self._absent.pop(worker, None)
 
     def update(self, worker: Worker) -> None:
         """Puts `worker` where its state and load say: in its row, or off the board."""
-        self._take_off(worker)
+        place = self._take_off(worker)
         if worker.state != SERVING or worker.info is None:
+            if place is not None and worker.on_change is not None:   # it left the board, and the fleet has it
+                self._absent[worker] = place[1]
             return
+        self._absent.pop(worker, None)
         info = worker.info
         active, shape = worker.active, shape_of(info)
         self._place[worker] = active, shape
@@ -119,6 +124,13 @@ class LoadBoard:
         most = max(s.num_pages * s.page_size for s in self._shapes)
         return reasons[max(self._shapes, key=lambda s: (s.max_model_len, s.num_pages * s.page_size))].format(most=most)
 
+    def fits_one_away(self, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
+                      salted: bool = False) -> bool:
+        """A worker off the board now (down, draining, its manager lost) could take the request
+        when it serves again, as it was when it last served: a request no serving worker can
+        take is then worth a retry (UNAVAILABLE), not wrong in itself (INVALID_ARGUMENT)."""
+        return any(why_not(s, prompt_tokens, length, output, salted) is None for s in set(self._absent.values()))
+
     def __contains__(self, worker: Worker) -> bool:
         return worker in self._place
 
@@ -128,10 +140,11 @@ class LoadBoard:
     def __len__(self) -> int:
         return len(self._place)
 
-    def _take_off(self, worker: Worker) -> None:
+    def _take_off(self, worker: Worker) -> tuple[int, Shape] | None:
+        """Off the board; where it was (None: it was not on it)."""
         place = self._place.pop(worker, None)
         if place is None:
-            return
+            return None
         active, shape = place
         row = self._rows[active]
         del row[worker]
@@ -142,3 +155,4 @@ class LoadBoard:
             del self._shapes[shape]
         if self._by_address.get(worker.address) is worker:   # not another worker of the same address
             del self._by_address[worker.address]
+        return place

@@ -142,6 +142,11 @@ class Fleet:
         (`output` asked for those past the prompt; `salted`: with a cache_salt); None when one could."""
         return self.board.never_fits(prompt_tokens, length, output, salted)
 
+    def fits_one_away(self, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
+                      salted: bool = False) -> bool:
+        """A worker not serving now could take what no serving one can, once it is back."""
+        return self.board.fits_one_away(prompt_tokens, length, output, salted)
+
     def hashes(self, ids: list[int], tenant: str = "", page_size: int | None = None,
                cache_salt: str = "") -> list[int]:
         """The pages' hashes as the worker computes them: the same salt, the same tenant, the

@@ -94,6 +94,17 @@ class Refused(Exception):
         self.code, self.message, self.trailers = code, message, trailers
 
 
+def unfit(fleet: Fleet, why: str, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
+          salted: bool = False) -> Refused:
+    """The refusal of a request no serving worker can take (`why`: Fleet.never_fits):
+    INVALID_ARGUMENT, or UNAVAILABLE where a worker not serving now could take it once it is back,
+    so that a client's retry is not refused as if the request itself were wrong."""
+    if fleet.fits_one_away(prompt_tokens, length, output, salted):
+        return Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can take the request now ({why}); one "
+                       "not serving now could once it is back: try again later")
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+
 class Relay:
     def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
                  migration_limit: int, no_worker_timeout_s: float = 30.0, tenant: str = "",
@@ -203,7 +214,7 @@ class Relay:
             if why is not None and prefill_sent:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
+                raise unfit(fleet, why, len(self.ids), length, output, salted)
             return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted, output,
                                 continued=len(earlier) + len(streamed.get(0, [])))
 

@@ -22,7 +22,7 @@ from kvserve.kvcache_service.contract.hashing import check_cache_salt
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
 from kvserve.model_service.status import status_message
 from kvserve.services.gateway.inputs import InputError, Inputs
-from kvserve.services.gateway.relay import Refused, Relay
+from kvserve.services.gateway.relay import Refused, Relay, unfit
 from kvserve.services.plumbing import stats_watch
 from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token
 
@@ -66,7 +66,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if request.WhichOneof("input") == "token_ids" and \
                     (why := self.fleet.never_fits(len(request.token_ids.ids))) is not None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, why)   # before a list of them is made
+                raise unfit(self.fleet, why, len(request.token_ids.ids))   # before a list of them is made
             try:
                 ids = await self.inputs.ids(request)
             except InputError as exc:

@@ -44,6 +44,7 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
         self.cancels: list[str] = []
         self.calls_cancelled = 0
         self.watching = 0
+        self.serving = True   # what its load reports say (False: "draining")
 
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(page_size=4, max_num_seqs=4, max_model_len=self.max_model_len, num_pages=self.num_pages,
@@ -57,7 +58,8 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
         self.watching += 1
         try:
             while True:
-                yield pb.ServerStats(serving=True, running=self.running,
+                yield pb.ServerStats(serving=self.serving, not_serving="" if self.serving else "draining",
+                                     running=self.running,
                                      kvcache=kv_pb.Stats(free_pages=self.num_pages, total_pages=self.num_pages))
                 await asyncio.sleep(heartbeat_s)
         finally:
@@ -350,6 +352,26 @@ def test_min_tokens_goes_to_a_worker_whose_model_length_leaves_it_room(tiny_dirs
         for _ in range(4):
             assert tokens_of(stub.Generate(request(token_ids=[5] * 8, min_tokens=100), timeout=10)) == [5, 6, 7, 8]
         assert (len(short.requests), len(long_.requests)) == (0, 4)
+
+
+def test_a_request_only_a_worker_away_could_take_is_refused_as_worth_a_retry(tiny_dirs):
+    """While the only worker long enough for a request is away, the request is refused
+    UNAVAILABLE (a client's retry will do), not INVALID_ARGUMENT; one too long for every worker
+    stays INVALID_ARGUMENT; once the worker is back it takes the request."""
+    short, long_ = ScriptedWorker(max_model_len=64), ScriptedWorker(max_model_len=1000)
+    with scripted_fleet(tiny_dirs, short, long_, poll_interval_s=0.05) as (gateway, stub, _):
+        long_.serving = False
+        wait_until(lambda: len(gateway.fleet.board) == 1, what="the long worker off the board")
+        for msg in (request(token_ids=[5] * 100, **greedy(4)), request(prompt="hello " * 100, **greedy(4))):
+            err = rpc_error(lambda: list(stub.Generate(msg, timeout=10)))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            assert "the model length is 64" in err.details() and "once it is back: try again later" in err.details()
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5] * 1000, **greedy(4)), timeout=10)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the prompt has 1000 tokens" in err.details()
+        long_.serving = True
+        wait_until(lambda: len(gateway.fleet.board) == 2, what="the long worker back")
+        assert tokens_of(stub.Generate(request(token_ids=[5] * 100, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
+        assert (len(short.requests), len(long_.requests)) == (0, 1)
 
 
 def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):

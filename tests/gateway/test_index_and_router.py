@@ -253,6 +253,35 @@ def test_a_request_longer_than_every_workers_model_is_refused_as_a_worker_would(
     assert choose(board, {}, 8, asks, b"k") is None
 
 
+def test_a_request_only_a_worker_off_the_board_could_take_is_worth_a_retry():
+    """The board remembers what a worker that left it could take: a request only it fits is
+    refused UNAVAILABLE (try again) by the gateway, not INVALID_ARGUMENT, until it is back or
+    leaves the fleet."""
+    from kvserve.services.gateway.worker import DOWN
+
+    board = LoadBoard()
+    short, long_ = worker("short"), worker("long")
+    short.info.max_model_len, long_.info.max_model_len = 256, 512
+    board.add(short)
+    board.add(long_)
+    assert board.never_fits(8, 500) is None and not board.fits_one_away(8, 500)
+    long_.state, long_.info = DOWN, None   # as the follower marks a worker down
+    long_.changed()
+    assert board.never_fits(8, 500) == "prompt (8 tokens) + max_tokens (492) = 500 exceeds the model length 256"
+    assert board.fits_one_away(8, 500) and not board.fits_one_away(8, 600)   # 600: not even when it is back
+    long_.state, long_.info = SERVING, pb.ModelInfo(max_num_seqs=1, page_size=4, max_model_len=512)
+    long_.changed()
+    assert board.never_fits(8, 500) is None and not board.fits_one_away(8, 500)
+    long_.state = NOT_SERVING   # draining, say: it may serve again
+    long_.changed()
+    assert board.fits_one_away(8, 500)
+    board.remove(long_)   # gone from the fleet (its DNS name no longer lists it)
+    assert not board.fits_one_away(8, 500)
+    # a board built for one choice (no add) remembers nothing
+    short.state = DOWN
+    assert not LoadBoard([short]).fits_one_away(8, 100)
+
+
 def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():
     """Not only when no other serves: a full one would otherwise hold the moved request, and the
     queue behind it, while the worker it left (back, or failed for that request alone) idles."""
