@@ -200,7 +200,15 @@ def _generate_summary(f: Finished) -> str:
 def run_chat(args: argparse.Namespace) -> int:
     from kvserve.clients.inference_client import KVServeError
 
+    from kvserve.clients.convert import generate_request
+
     _tolerant_stdout()
+    try:   # a value no turn's request can carry: said before the first turn, as generate says it
+        generate_request(messages=[{"role": "user", "content": ""}], max_tokens=args.max_tokens,
+                         temperature=args.temperature, seed=args.seed)
+    except ValueError as exc:
+        print(f"kvserve chat: {exc}", file=sys.stderr)
+        return 2
     client = _client(args, "chat", args.timeout)
     if client is None:
         return 2

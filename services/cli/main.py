@@ -41,12 +41,16 @@ COMMANDS: dict[str, str] = {
 def main(argv: Sequence[str] | None = None) -> int:
     from kvserve.services.cli.supervisor import EXIT_CANNOT_LISTEN
     from kvserve.services.plumbing.address import CannotListen
+    from kvserve.services.plumbing.config_flags import BadFlags
 
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
+    except BadFlags as exc:
+        print(exc.message, file=sys.stderr)
+        return exc.code
     except CannotListen as exc:
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN

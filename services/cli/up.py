@@ -40,7 +40,7 @@ from kvserve.services.plumbing.address import free_local_port, parse_flag
 from kvserve.services.plumbing.api_keys import read_token
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.temp_dir import require_temp_dir
-from kvserve.services.plumbing.config_flags import add_arguments, from_args, option, to_argv
+from kvserve.services.plumbing.config_flags import BadFlags, add_arguments, from_args, option, to_argv
 
 log = logging.getLogger("kvserve.up")
 
@@ -267,7 +267,7 @@ def front_flags(model_config: ModelServiceConfig) -> list[str]:
 
 
 def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
-    """Flags each valid alone that contradict each other: refused (SystemExit) or, where one is
+    """Flags each valid alone that contradict each other: refused (BadFlags) or, where one is
     merely unused, said."""
     if up.workers and up.kvcache_listen != KV_LISTEN:
         log.warning("--kvcache-listen %s is not used: with --workers each worker's manager listens on a private "
@@ -279,7 +279,7 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
         log.warning("--admin-token-file %s is not used: with --workers each worker's manager listens on a private "
                     "socket only", up.admin_token_file)
     if not up.workers and up.kvcache_listen == model_config.listen:
-        raise SystemExit(f"kvserve up: --listen and --kvcache-listen are both {up.kvcache_listen}; the model "
+        raise BadFlags(f"kvserve up: --listen and --kvcache-listen are both {up.kvcache_listen}; the model "
                          "service and its manager need an address each")
 
 

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from kvserve.services.gateway.config import GatewayConfig
-from kvserve.services.plumbing.config_flags import add_arguments, from_args
+from kvserve.services.plumbing.config_flags import BadFlags, add_arguments, from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = from_args(GatewayConfig, args, "kvserve gateway")
     if not config.worker and not config.workers_dns:
-        raise SystemExit("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
+        raise BadFlags("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
     if config.api_keys:   # before the imports and the tokenizer's load
         keep_sighup_until_watched()
     from kvserve.services.gateway.server import serve

@@ -29,6 +29,22 @@ from typing import Any, TypeVar
 
 C = TypeVar("C")
 
+EXIT_BAD_FLAGS = 2   # what argparse exits with for what it refuses itself
+
+
+class BadFlags(SystemExit):
+    """A command line no run of the command could take: a flag's value, flags that contradict
+    each other, one missing. Exits EXIT_BAD_FLAGS, as argparse's own refusals do (the `kvserve`
+    command prints the message); a file or a model it cannot use exits 1, an address it cannot
+    listen on 3."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_BAD_FLAGS)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
 
 def option(default: Any, help: str, *, flag: str | None = None, parse: Callable[[str], Any] | None = None,
            choices: Iterable[str] | None = None, metavar: str | None = None, hidden: bool = False) -> Any:
@@ -86,7 +102,7 @@ def from_args(cls: type[C], args: argparse.Namespace, prog: str = "kvserve") -> 
     try:
         return cls(**given)
     except ValueError as exc:
-        raise SystemExit(f"{prog}: {_as_flag(cls, str(exc))}") from None
+        raise BadFlags(f"{prog}: {_as_flag(cls, str(exc))}") from None
 
 
 def _as_flag(cls: type, message: str) -> str:

@@ -159,6 +159,17 @@ def test_chat_error_keeps_going_and_exits_1(model_server) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--max-tokens", "-1"], "max_tokens -1 does not fit the request"),
+    (["--seed", "-5"], "seed -5 does not fit the request"),
+])
+def test_chat_refuses_values_no_turn_can_carry_before_the_first_turn(args, said) -> None:
+    """As generate does (exit 2, one line), not a refusal at every turn and exit 1 at the end."""
+    r = kvserve("chat", "--address", "127.0.0.1:1", *args, stdin="hello\nagain\n")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"kvserve chat: {said}") and len(r.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_help_does_not_import_torch_or_grpc(command: str) -> None:
     code = ("import sys; from kvserve.services.cli import main as cli\n"

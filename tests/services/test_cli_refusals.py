@@ -1,7 +1,7 @@
 """What the kvserve command says, as a process, when it cannot start: one line naming the cause
-and an exit code the supervisor reads (1 for a bad flag or file, 3 for an address it cannot
-listen on: never restarted), never a traceback, and at once rather than after a timeout or
-restarts."""
+and an exit code a script or the supervisor reads (2 for a bad flag, as argparse's own
+refusals; 1 for a file, a model or a peer it cannot use; 3 for an address it cannot listen on:
+never restarted), never a traceback, and at once rather than after a timeout or restarts."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def busy_port():
 ])
 def test_an_address_the_model_service_cannot_use_is_refused_before_the_model_loads(flags, message):
     code, stderr = run("model", "--model", "tiny", "--listen", f"127.0.0.1:{free_port()}", *flags)
-    assert code == 1 and message in stderr.splitlines()[-1], stderr
+    assert code == 2 and message in stderr.splitlines()[-1], stderr
 
 
 @pytest.mark.parametrize("command, flags, message", [
@@ -59,7 +59,7 @@ def test_every_listen_flag_is_checked_at_start_and_named(command, flags, message
     base = {"kvcache": ["--listen", f"127.0.0.1:{free_port()}"], "model": ["--listen", f"127.0.0.1:{free_port()}"],
             "gateway": ["--listen", f"127.0.0.1:{free_port()}", "--worker", "127.0.0.1:1"]}[command]
     code, stderr = run(command, *base, *flags)
-    assert code in (1, 2) and message in stderr.splitlines()[-1], stderr
+    assert code == 2 and message in stderr.splitlines()[-1], stderr
 
 
 @pytest.mark.parametrize("spoil, message", [
