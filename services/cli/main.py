@@ -18,11 +18,15 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+from kvserve.services.plumbing.open_files import raise_open_files_limit
 
 # gRPC's own log lines above a command's one-line error (its INFO line for a failed TLS handshake,
 # say) say it again in a form meant for gRPC's developers; its errors still show. (Read when gRPC
 # is first imported: set before any command's module is.)
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+# The subcommands that serve: each keeps a connection (a file descriptor) per client or lane stream.
+SERVERS = {"up", "kvcache", "model", "gateway"}
 
 # Subcommand name -> "module:function" of its register function, in --help order.
 COMMANDS: dict[str, str] = {
@@ -46,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    if args.command in SERVERS:
+        raise_open_files_limit()
     try:
         return int(args.func(args) or 0)
     except BadFlags as exc:
