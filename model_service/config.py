@@ -8,6 +8,7 @@ it as a process or the model service holds it in-process (`--kvcache inprocess`)
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass
 
@@ -181,6 +182,8 @@ class ModelServiceConfig:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):   # (whether CUDA is here: at load)
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         one_of("dtype", DTYPES)
         one_of("kv_cache_dtype", KV_CACHE_DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
+
 log = logging.getLogger("kvserve.up")
 
 PR_SET_PDEATHSIG = 1
@@ -110,8 +112,8 @@ class Child:
 
 class RestartLimit(Exception):
     """A child exited more often in a minute than the limit allows, or in a way a restart cannot
-    mend; `exit_code` is the stack's (a child's EXIT_CANNOT_LISTEN is passed on, as a supervisor
-    above reads it: never restart)."""
+    mend; `exit_code` is the stack's (a child's EXIT_CANNOT_LISTEN or EXIT_BAD_FLAGS is passed on,
+    as a supervisor above reads it: never restart)."""
 
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
@@ -130,6 +132,9 @@ class Supervisor:
         if child.proc.returncode == EXIT_CANNOT_LISTEN:   # it would fail the same way again
             raise RestartLimit(f"{child.name} cannot listen on its address (in use, or not permitted; its "
                                "error is above); stopping the stack", EXIT_CANNOT_LISTEN)
+        if child.proc.returncode == EXIT_BAD_FLAGS:   # so would a command line it refused
+            raise RestartLimit(f"{child.name} refused the flags it was given (its error is above); stopping the "
+                               "stack", EXIT_BAD_FLAGS)
         if now - child.started_at > STEADY_S:
             child.backoff_s = FIRST_BACKOFF_S
         child.exits.append(now)

@@ -79,8 +79,7 @@ class LoadBoard:
         """Puts `worker` where its state and load say: in its row, or off the board."""
         place = self._take_off(worker)
         if worker.state != SERVING or worker.info is None:
-            if place is not None and worker.on_change is not None:   # it left the board, and the fleet has it
-                self._absent[worker] = place[1]
+            self._away(worker, place)
             return
         self._absent.pop(worker, None)
         info = worker.info
@@ -92,6 +91,17 @@ class LoadBoard:
         row[worker] = None
         self._shapes[shape] += 1
         self._by_address[worker.address] = worker
+
+    def _away(self, worker: Worker, place: tuple[int, Shape] | None) -> None:
+        """Remembers what a worker of this board off it now could take when back: its shape when
+        it left, or what it says of itself since (it answered again, not serving yet); forgotten
+        when it is back, removed, or one the gateway routes nothing to (another model)."""
+        if worker.on_change != self.update or worker.excluded:   # (a board built for one choice remembers nothing)
+            self._absent.pop(worker, None)
+        elif worker.info is not None and (place is not None or worker in self._absent):
+            self._absent[worker] = shape_of(worker.info)
+        elif place is not None:
+            self._absent[worker] = place[1]
 
     def least_busy(self, avoid: Worker | None = None) -> Iterator[Worker]:
         """The workers but `avoid`, the least busy first; among equals, the one whose load moved

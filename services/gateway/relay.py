@@ -100,8 +100,10 @@ def unfit(fleet: Fleet, why: str, prompt_tokens: int, length: int = 0, output: s
     INVALID_ARGUMENT, or UNAVAILABLE where a worker not serving now could take it once it is back,
     so that a client's retry is not refused as if the request itself were wrong."""
     if fleet.fits_one_away(prompt_tokens, length, output, salted):
+        # final: a gateway in front of this one passes it on, as it would INVALID_ARGUMENT, rather
+        # than taking it for this gateway's failure and moving the request
         return Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can take the request now ({why}); one "
-                       "not serving now could once it is back: try again later")
+                       "not serving now could once it is back: try again later", ((FINAL_TRAILER, "1"),))
     return Refused(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 

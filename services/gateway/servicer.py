@@ -79,6 +79,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             if (tenant, request_id) in self.relays:   # checked after the awaits, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
+            if exc.trailers:
+                context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[tenant, request_id] = relay

@@ -72,6 +72,7 @@ class Worker:
     events_live: bool = False
     hashes_match: bool = True   # its extra_key is ours: the index may route to its cache
     not_serving: str = ""     # why its state is not serving or down, in its words or the gateway's
+    excluded: bool = False    # the gateway routes nothing to it, whatever it says (another model, mixed tenants)
     requests_routed: int = 0
     hit_tokens: int = 0       # prompt tokens its cache held, as its PrefillDone events said
     prompt_tokens: int = 0

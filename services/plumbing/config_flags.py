@@ -34,9 +34,9 @@ EXIT_BAD_FLAGS = 2   # what argparse exits with for what it refuses itself
 
 class BadFlags(SystemExit):
     """A command line no run of the command could take: a flag's value, flags that contradict
-    each other, one missing. Exits EXIT_BAD_FLAGS, as argparse's own refusals do (the `kvserve`
-    command prints the message); a file or a model it cannot use exits 1, an address it cannot
-    listen on 3."""
+    each other, one missing. Exits EXIT_BAD_FLAGS, as argparse's own refusals do; a file or a
+    model it cannot use exits 1, an address it cannot listen on 3. The `kvserve` command prints
+    the message (str() of it): raised past it, the exit would be silent, its code an int."""
 
     def __init__(self, message: str) -> None:
         super().__init__(EXIT_BAD_FLAGS)

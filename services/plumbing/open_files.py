@@ -23,19 +23,23 @@ WANTED = 1 << 20   # more than any server here keeps open; a hard limit of "unli
 
 
 def raise_open_files_limit() -> int | None:
-    """Raises the soft RLIMIT_NOFILE to the hard limit (at most WANTED); the soft limit in force
-    after (None where the platform has none). Children started after this inherit it."""
+    """Raises the soft RLIMIT_NOFILE towards the hard limit (at most WANTED); the soft limit in
+    force after (None where the platform has none). Children started after this inherit it."""
     if resource is None:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = WANTED if hard == resource.RLIM_INFINITY else min(hard, WANTED)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    # A kernel may refuse more than its own cap below the hard limit (macOS: OPEN_MAX under an
+    # unlimited hard limit): halve until it takes one, or keep what there is.
+    while target > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:   # a sandbox that forbids it: keep what there is
-            log.warning("cannot raise the open files limit from %d to %d (%s): past it, connections are "
-                        "refused", soft, target, exc)
-            return soft
+        except (ValueError, OSError):
+            target //= 2
+            continue
         log.debug("open files limit raised from %d to %d", soft, target)
         return target
+    log.warning("cannot raise the open files limit above %d: past it, connections are refused", soft)
     return soft

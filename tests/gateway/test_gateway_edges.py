@@ -20,7 +20,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import ENDED_TRAILER
+from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
@@ -366,6 +366,8 @@ def test_a_request_only_a_worker_away_could_take_is_refused_as_worth_a_retry(tin
             err = rpc_error(lambda: list(stub.Generate(msg, timeout=10)))
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
             assert "the model length is 64" in err.details() and "once it is back: try again later" in err.details()
+            # the request's own status: a gateway in front of this one passes it on rather than moving it
+            assert dict(err.trailing_metadata() or ()).get(FINAL_TRAILER) == "1"
         err = rpc_error(lambda: list(stub.Generate(request(token_ids=[5] * 1000, **greedy(4)), timeout=10)))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the prompt has 1000 tokens" in err.details()
         long_.serving = True

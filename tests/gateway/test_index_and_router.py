@@ -277,9 +277,37 @@ def test_a_request_only_a_worker_off_the_board_could_take_is_worth_a_retry():
     assert board.fits_one_away(8, 500)
     board.remove(long_)   # gone from the fleet (its DNS name no longer lists it)
     assert not board.fits_one_away(8, 500)
-    # a board built for one choice (no add) remembers nothing
+    # a board built for one choice (no add) remembers nothing, even told of the worker's leaving
+    one_choice = LoadBoard([short])
     short.state = DOWN
-    assert not LoadBoard([short]).fits_one_away(8, 100)
+    one_choice.update(short)
+    assert not one_choice.fits_one_away(8, 100)
+    short.changed()   # its own board hears it
+    assert board.fits_one_away(8, 100)
+
+
+def test_a_worker_away_is_remembered_as_it_says_it_is_until_it_is_one_the_gateway_refuses():
+    """Back up but not serving yet, a worker's own word replaces what it was; come back as one
+    the gateway routes nothing to (another model, mixed tenants), it is forgotten."""
+    from kvserve.services.gateway.worker import DOWN
+
+    board = LoadBoard()
+    short, other = worker("short"), worker("other")
+    short.info.max_model_len, other.info.max_model_len = 64, 128
+    board.add(short)
+    board.add(other)
+    other.state, other.info = DOWN, None
+    other.changed()
+    assert board.fits_one_away(8, 100) and not board.fits_one_away(8, 300)
+    other.info = pb.ModelInfo(max_num_seqs=1, page_size=4, max_model_len=512)   # restarted, longer, not yet serving
+    other.changed()
+    assert board.fits_one_away(8, 300)
+    other.state, other.excluded = NOT_SERVING, True   # it serves another model: nothing is routed there
+    other.changed()
+    assert not board.fits_one_away(8, 100)
+    other.state, other.excluded = SERVING, False
+    other.changed()
+    assert board.never_fits(8, 300) is None
 
 
 def test_a_failed_worker_is_chosen_again_only_when_no_other_has_room():

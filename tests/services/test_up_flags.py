@@ -119,16 +119,20 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
      "--num-pages and --kv-cache-memory both size the page pool; give one"),
     (["model", "--attention-backend", "flash_attn", "--device", "cpu"],
      "--attention-backend flash_attn runs on CUDA only; on --device cpu choose auto, cpu or torch"),
+    (["model", "--device", "bogus"], "--device must be auto, cpu, cuda or cuda:N, got 'bogus'"),   # before the model loads
 ])
 def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
+    from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
+
     args = _parser().parse_args(argv)
     cls = {"model": ModelServiceConfig, "kvcache": ManagerConfig}.get(argv[0])
-    with pytest.raises(SystemExit, match=words):
+    with pytest.raises(SystemExit, match=words) as exited:
         if cls is None:
             from_args(up.UpConfig, args)
             from_args(ModelServiceConfig, args)
         else:
             from_args(cls, args)
+    assert exited.value.code == EXIT_BAD_FLAGS   # as argparse's own refusals exit
 
 
 @pytest.mark.parametrize("argv, words", [
