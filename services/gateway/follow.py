@@ -280,8 +280,9 @@ class Follower:
 
     def _take(self, stats: pb.ServerStats, serving: bool, asked: float) -> None:
         w, kv = self.worker, stats.kvcache
-        w.excluded = bool(self._refusal())
-        why = (stats.not_serving or "it says it is not serving") if not serving else self._refusal()
+        refusal = self._refusal()
+        w.excluded = bool(refusal)
+        why = (stats.not_serving or "it says it is not serving") if not serving else refusal
         state = NOT_SERVING if why else SERVING
         if state != w.state:
             log.info("worker %s: %s%s", w.address, state, f" ({why})" if why else "")
