@@ -198,9 +198,8 @@ def _generate_summary(f: Finished) -> str:
 # --------------------------------------------------------------------------- chat
 
 def run_chat(args: argparse.Namespace) -> int:
-    from kvserve.clients.inference_client import KVServeError
-
     from kvserve.clients.convert import generate_request
+    from kvserve.clients.inference_client import KVServeError
 
     _tolerant_stdout()
     try:   # a value no turn's request can carry: said before the first turn, as generate says it

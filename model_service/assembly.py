@@ -57,12 +57,10 @@ class ModelStack:
 
 
 def pick_device(name: str) -> torch.device:
+    """`name` as ModelServiceConfig checked its form; whether CUDA is here is known only now."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
     return device

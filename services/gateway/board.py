@@ -98,10 +98,10 @@ class LoadBoard:
         when it is back, removed, or one the gateway routes nothing to (another model)."""
         if worker.on_change != self.update or worker.excluded:   # (a board built for one choice remembers nothing)
             self._absent.pop(worker, None)
-        elif worker.info is not None and (place is not None or worker in self._absent):
-            self._absent[worker] = shape_of(worker.info)
         elif place is not None:
             self._absent[worker] = place[1]
+        elif worker.info is not None and worker in self._absent:
+            self._absent[worker] = shape_of(worker.info)
 
     def least_busy(self, avoid: Worker | None = None) -> Iterator[Worker]:
         """The workers but `avoid`, the least busy first; among equals, the one whose load moved
