@@ -66,18 +66,24 @@ def test_graceful_stop_ends_a_long_call_with_unavailable_and_frees_its_pages(tin
         server.stop()
 
 
-def _fail_fifth_forward(servicer):
-    """The runner's 5th forward pass raises (as a CUDA error or a bug would)."""
+def _fail_forward(servicer, when):
+    """The first forward pass whose work meets `when` raises (as a CUDA error or a bug
+    would); the passes before it and after it run."""
     runner = servicer.engine.runner
-    execute, calls = runner.execute, {"n": 0}
+    execute, calls = runner.execute, {"n": 0, "failed": False}
 
     def failing(work):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if not calls["failed"] and when(calls["n"], work):
+            calls["failed"] = True
             raise RuntimeError("injected failure")
         return execute(work)
 
     runner.execute = failing
+
+
+def _fail_fifth_forward(servicer):
+    _fail_forward(servicer, lambda n, work: n == 5)
 
 
 def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_server, caplog):
@@ -85,8 +91,9 @@ def test_failed_step_ends_streams_with_internal_and_the_engine_serves_on(fresh_s
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.InferenceStub(ch)
         solo = generate(stub, request(token_ids=PROMPT, **greedy(12))).tokens
-        _fail_fifth_forward(servicer)
-        calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(40)), timeout=30) for i in range(3)]
+        # fails once all three are in one batch, however late the third call arrives
+        _fail_forward(servicer, lambda n, work: len({w.request.request_id for w in work}) == 3)
+        calls = [stub.Generate(request(token_ids=PROMPT + [i], **greedy(200)), timeout=30) for i in range(3)]
         for call in calls:
             events = []
             with pytest.raises(grpc.RpcError) as info:
