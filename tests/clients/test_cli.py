@@ -118,7 +118,7 @@ def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
@@ -186,13 +186,21 @@ def test_ctrl_c_while_a_command_waits_on_a_silent_server_is_one_line() -> None:
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()   # connections complete, and nothing ever answers
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli.main", "stats", "--address",
                                  f"127.0.0.1:{silent.getsockname()[1]}"], stderr=subprocess.PIPE, text=True)
-        time.sleep(3)   # imported and waiting for the server's answer
+        # its call's first bytes (HTTP/2's preface) have come: it is waiting for the server's answer
+        silent.settimeout(60)
+        conn, _ = silent.accept()
+        conn.settimeout(60)
+        assert conn.recv(1)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 130, stderr
         assert "Traceback" not in stderr and stderr.strip().endswith("kvserve stats: interrupted")
+        conn.close()
     finally:
         silent.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()

@@ -9,7 +9,6 @@ Finished.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from kvserve.model_service.engine.events import Finished, Tokens
 from kvserve.model_service.engine.request import Request
 from kvserve.model_service.sampling.params import SamplingParams
 from tests.engine.harness import EngineHarness
+from tests.service.util import wait_until
 
 INTERVAL = 4
 PROMPT = [5, 17, 300, 42, 9, 77, 130]
@@ -63,7 +63,8 @@ def test_a_cancel_sends_the_unsent_tokens_before_finished(tiny_dirs):
     try:
         events, first, done = events_of(h, "cancel-me", 500)
         assert first.wait(60)
-        time.sleep(0.05)   # a few more tokens sampled, none sent
+        # a few more tokens sampled, none sent (the harness runs this request alone)
+        wait_until(lambda: h.engine.counters.generated_tokens >= 3, timeout=60, what="three tokens sampled")
         assert h.engine.cancel("cancel-me")
         assert done.wait(60)
     finally:

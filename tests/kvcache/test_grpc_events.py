@@ -6,14 +6,13 @@ byte-exact spec in kvcache.proto.
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.kvcache_service.contract.hashing import page_hashes
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.conftest import KV, admit, commit
+from tests.service.util import wait_until
 
 T10 = list(range(100, 110))
 
@@ -136,7 +135,8 @@ def test_without_snapshot_only_later_events_are_sent(kv: KV) -> None:
     kv.commit(0, 8)  # event 1, before subscribing
     watch = Watch(kv, snapshot=False)
     try:
-        time.sleep(0.3)  # no first message says the stream is open; give the server time to start it
+        # no first message says the stream is open: the server's log has its reader once it is
+        wait_until(lambda: len(kv.manager.state.events._readers) == 1, timeout=30, what="the stream open")
         kv.commit(0, 12, [1, 2])
         assert watch.next() == stored(2, page_hashes(T10, 4)[1], page_hashes(T10 + [1, 2], 4)[2:])
     finally:

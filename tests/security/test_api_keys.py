@@ -231,15 +231,30 @@ def reload_now(server) -> None:
     assert done.wait(10)
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """The process has a handler for the signal (SigCgt in /proc/PID/status)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def _command(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode().split("\0")
+    except OSError:   # gone meanwhile
+        return []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one model service", "a gateway and 2 workers"])
 def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path, workers):
     """A SIGHUP while the front still starts is kept and answered once it serves (its default
     action killed the child, and up started it again)."""
     import signal
-    import time
 
-    from tests.service.processes import free_port, kvserve, terminate, wait_serving
+    from tests.service.processes import children, free_port, kvserve, terminate, wait_serving
 
     path = tmp_path / "keys"
     path.write_text("old-key alpha\n")
@@ -250,7 +265,10 @@ def test_sighup_to_kvserve_up_reloads_the_fronts_keys(tiny_dirs, tmp_path, worke
                        f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
                        "--api-keys", str(path), *workers, "--log-level", "warning", stderr=err)
     try:
-        time.sleep(1.5)   # the children import and load
+        # up catches SIGHUP before it starts its children: with the front's process there, it still starts
+        front = "gateway" if workers else "model"
+        wait_until(lambda: _catches(proc.pid, signal.SIGHUP) and any(
+            front in _command(pid) for pid in children(proc.pid)), what=f"up's {front} started", timeout=60)
         path.write_text("early-key alpha\n")
         proc.send_signal(signal.SIGHUP)
         wait_serving(address, proc)
