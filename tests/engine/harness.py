@@ -64,7 +64,8 @@ class EngineHarness:
         self.engine.start()
         self._n = 0
 
-    def submit(self, prompt_ids: list[int], max_tokens: int = 12, **params) -> Outcome:
+    def submit(self, prompt_ids: list[int], max_tokens: int = 12, tap=None, **params) -> Outcome:
+        """`tap(outcome, event)`, when given, sees each event before the outcome takes it."""
         params.setdefault("temperature", 0.0)
         params.setdefault("ignore_eos", True)
         sp = SamplingParams(max_tokens=max_tokens, **params)
@@ -76,7 +77,8 @@ class EngineHarness:
             request.matcher = self.stack.grammars.matcher(sp.format)
             request.forget_format = functools.partial(self.stack.grammars.forget, sp.format)
         outcome = Outcome(request.request_id, n=sp.n)
-        self.engine.submit(request, outcome.sink)
+        sink = outcome.sink if tap is None else lambda event: (tap(outcome, event), outcome.sink(event))
+        self.engine.submit(request, sink)
         return outcome
 
     def run(self, prompts: list[list[int]], max_tokens: int = 12, **params) -> list[Outcome]:

@@ -174,18 +174,12 @@ def test_arrival_order_is_kept_through_a_restart(tiny_dirs):
     try:
         order: list[str] = []
         lock = threading.Lock()
-        outcomes = []
-        for p in PROMPTS[:4]:
-            o = h.submit(p, 6)
-            sink = o.sink
 
-            def recording(event, o=o, sink=sink):
-                if o.prefill is None and type(event).__name__ == "PrefillDone":
-                    with lock:
-                        order.append(o.request_id)
-                sink(event)
-            h.engine._live[o.request_id].sink = recording
-            outcomes.append(o)
+        def recording(o, event):   # from the first event: the engine may take a request at once
+            if o.prefill is None and type(event).__name__ == "PrefillDone":
+                with lock:
+                    order.append(o.request_id)
+        outcomes = [h.submit(p, 6, tap=recording) for p in PROMPTS[:4]]
         wait(outcomes)
         assert box["kv"].kills == 1
         assert order == [o.request_id for o in outcomes]
@@ -339,7 +333,7 @@ def test_ending_every_request_does_not_wait_for_a_manager_that_does_not_answer(t
                    what="a Step hanging")
         start = time.monotonic()
         h.engine.end_all(Unavailable("the server shut down"))
-        assert outcome.done.wait(10) and time.monotonic() - start < 5
+        assert outcome.done.wait(30) and time.monotonic() - start < 30   # not the 60 s manager timeout
         assert outcome.failure == "the server shut down"
     finally:
         h.close()

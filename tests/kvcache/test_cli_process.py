@@ -104,7 +104,7 @@ def test_sigterm_with_an_open_event_stream_still_exits_zero(socket_dir: Path) ->
             details = ended.value.details()
             assert "shutting down" in details or "Stream removed" in details, details
             assert proc.wait(timeout=10) == 0
-            assert time.monotonic() - started < 5  # the 30 s grace period was not waited out
+            assert time.monotonic() - started < 20  # the 30 s grace period was not waited out
     finally:
         if proc.poll() is None:
             proc.kill()

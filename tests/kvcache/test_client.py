@@ -63,13 +63,17 @@ def test_answers_are_read_as_they_arrive_not_when_awaited(remote) -> None:
 def test_an_interrupted_wait_ends_unavailable_and_the_next_step_opens_a_new_stream(remote) -> None:
     server, client = remote
     assert client.send_step(StepRequest(1, needs=[Admit("a", [1, 2, 3])]))().results[0].page_ids == [0]
-    server.loop.call_soon_threadsafe(time.sleep, 1.0)   # the manager stalls: the next answer is late
-    answer = client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))
-    threading.Timer(0.2, client.interrupt).start()   # what the watchdog does to a wait that took too long
-    start = time.monotonic()
-    with pytest.raises(ManagerUnavailable):
-        answer()
-    assert time.monotonic() - start < 0.9, "the wait ran on after the interrupt"
+    stalled = threading.Event()
+    server.loop.call_soon_threadsafe(stalled.wait, 30)   # the manager stalls: the next answer is late
+    try:
+        answer = client.send_step(StepRequest(1, needs=[Admit("b", [4, 5, 6])]))
+        threading.Timer(0.2, client.interrupt).start()   # what the watchdog does to a wait that took too long
+        start = time.monotonic()
+        with pytest.raises(ManagerUnavailable):
+            answer()
+        assert time.monotonic() - start < 15, "the wait ran on after the interrupt (to the stall's end)"
+    finally:
+        stalled.set()
     # b may have reached the manager before its stream closed: c comes after it either way
     assert client.send_step(StepRequest(1, needs=[Admit("c", [7, 8, 9])]))().results[0].page_ids in ([1], [2])
 

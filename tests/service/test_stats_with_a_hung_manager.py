@@ -25,8 +25,8 @@ def test_a_hung_manager_leaves_the_report_prompt_and_says_so(tiny_dirs):
             stats = manager.stats
             manager.stats = lambda: (release.wait(30), stats())[1]   # its event loop holds, as a stopped process's
             start = time.monotonic()
-            report = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=5)
-            assert time.monotonic() - start < 3
+            report = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=20)
+            assert time.monotonic() - start < 15   # its 1 s look at the manager, not the manager's 30 s hang
             assert not report.manager_reachable and not report.HasField("kvcache")
     finally:
         release.set()

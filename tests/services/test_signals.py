@@ -144,12 +144,15 @@ def test_a_sighup_sent_while_a_key_checking_child_starts_is_kept_for_it(tmp_path
 
     kept, started = tmp_path / "kept", tmp_path / "started"
     child = Child("a child", [sys.executable, "-c", f"""
-import time
+import signal, time
 open({str(started)!r}, "w").close()
-time.sleep(0.5)   # the interpreter still starting: no handler yet
+deadline = time.monotonic() + 30
+while signal.SIGHUP not in signal.sigpending() and time.monotonic() < deadline:
+    time.sleep(0.01)   # the interpreter still starting: no handler yet, the signal come
 from kvserve.services.plumbing import api_keys
 api_keys.keep_sighup_until_watched()
-time.sleep(0.2)
+while not api_keys._sighup_kept and time.monotonic() < deadline:
+    time.sleep(0.01)   # taken by the handler once it is installed
 open({str(kept)!r}, "w").write(str(len(api_keys._sighup_kept)))
 """], hold_sighup=True)
     with _started(child, started):
