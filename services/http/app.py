@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -45,11 +47,24 @@ HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
 
 def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
     status, kind = HTTP_OF.get(exc.code(), (500, "server_error"))
-    return HttpError(status, exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+    return HttpError(status, exc.details() or exc.code().name, kind, code=exc.code().name.lower(),
+                     headers=retry_headers(exc))
+
+
+def retry_headers(exc: grpc.aio.AioRpcError) -> dict[str, str] | None:
+    """What an HTTP client's retries go by: the server's retry-after-ms hint (a full queue, a
+    gateway's estimate) as Retry-After and retry-after-ms, which the openai SDKs wait out; a
+    request id already in flight is no error a retry mends (it could run the request twice)."""
+    if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+        return {"x-should-retry": "false"}
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+            return {"retry-after-ms": value, "retry-after": str(max(1, math.ceil(int(value) / 1000)))}
+    return None
 
 
 def error_response(err: HttpError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def sse(obj: dict | str) -> bytes:
@@ -64,14 +79,14 @@ class Front:
         self.stub = pb_grpc.InferenceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         self.max_body_bytes = max_body_bytes
-        self.model_name: str | None = None
+        self.info: pb.ModelInfo | None = None   # the served model's, once asked
 
-    @staticmethod
-    def metadata(request: Request) -> tuple:
-        """The client's Authorization header as gRPC metadata. One that no key can be (not
-        printable ASCII, or longer than any) is a 401 here: gRPC refuses to send it."""
+    def metadata(self, request: Request) -> tuple:
+        """The client's Authorization header as gRPC metadata, where the server checks keys. One
+        that no key can be (not printable ASCII, or longer than any) is a 401 here: gRPC refuses
+        to send it. Without keys it is not looked at (a proxy in front may send its own token)."""
         auth = request.headers.get("authorization")
-        if not auth:
+        if not auth or self.keys is None:
             return ()
         if len(auth) > MAX_AUTHORIZATION or not (auth.isascii() and auth.isprintable()):
             raise HttpError(401, "the Authorization header is malformed: it is `Bearer KEY`, printable ASCII, at "
@@ -108,11 +123,10 @@ class Front:
             raise HttpError(400, "the body must be a JSON object")
         return body
 
-    async def model(self, metadata: tuple) -> str:
-        if self.model_name is None:
-            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
-            self.model_name = info.name
-        return self.model_name
+    async def model(self, metadata: tuple) -> pb.ModelInfo:
+        if self.info is None:
+            self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
+        return self.info
 
     # ------------------------------------------------------------ routes
 
@@ -129,9 +143,14 @@ class Front:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
             return error_response(from_rpc(exc))
-        self.model_name = info.name
-        return JSONResponse({"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
-                                                         "owned_by": "kvserve", "max_model_len": info.max_model_len}]})
+        self.info = info
+        asked = request.path_params.get("model")
+        if asked is None:
+            return JSONResponse({"object": "list", "data": [_model_object(info)]})
+        if asked != info.name:   # GET /v1/models/{model}, the SDKs' models.retrieve
+            return error_response(HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves "
+                                                 f"`{info.name}`", "not_found_error", "model", "model_not_found"))
+        return JSONResponse(_model_object(info))
 
     async def health_check(self, request: Request) -> Response:
         try:
@@ -148,7 +167,8 @@ class Front:
                 raise HttpError(401, why, "authentication_error", code="unauthenticated")   # as from gRPC
             body = await self.body(request)
             msg = request_of(kind, body)
-            model = await self.model(metadata)
+            info = await self.model(metadata)
+            model = info.name
             asked = body.get("model")
             if asked is not None and not isinstance(asked, str):
                 raise HttpError(400, "'model' must be a string", param="model")
@@ -157,23 +177,27 @@ class Front:
                 raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
                                 "not_found_error", "model", "model_not_found")
             stream = body.get("stream") is True
-            usage = stream_usage(body.get("stream_options"), stream)
+            usage, continuous = stream_usage(body.get("stream_options"), stream)
+            if not msg.request_id:   # the reply's id is the one the server logs the request under
+                msg.request_id = uuid.uuid4().hex
             call = self.stub.Generate(msg, metadata=metadata)
             echo = kind == "completion" and body.get("echo") is True
             prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
-            events = self._events(call, echo or prompt_top is not None)
+            events = self._events(call, echo or prompt_top is not None or continuous)
             first = await self._first(request, call, events)   # errors before it get their HTTP status
             reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
                           logprobs=msg.sampling.HasField("logprobs"), echo=echo,
                           prompt=msg.prompt if msg.HasField("prompt") else None,
-                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=msg.request_id)
+                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=msg.request_id,
+                          eos_token_ids=info.eos_token_ids)
         except HttpError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
             return error_response(from_rpc(exc))
         if not stream:
             return await self._whole(request, call, events, first, reply)
-        return StreamingResponse(self._stream(call, events, first, reply, usage), media_type="text/event-stream",
+        return StreamingResponse(self._stream(call, events, first, reply, usage, continuous),
+                                 media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     @staticmethod
@@ -231,27 +255,37 @@ class Front:
             work.cancel()
             call.cancel()   # a finished call ignores it; a running one frees its pages
 
-    async def _stream(self, call, events, first, reply: Reply, usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, call, events, first, reply: Reply, usage: bool,
+                      continuous: bool = False) -> AsyncIterator[bytes]:
+        def sent(chunk: dict, index: int = 0) -> bytes:
+            if continuous:   # vLLM's continuous_usage_stats: each chunk says the usage so far
+                chunk["usage"] = reply.usage_so_far(index)
+            return sse(chunk)
+
         try:
+            if continuous and first is not None and first.HasField("prefill_done"):
+                reply.prompt_tokens = first.prefill_done.prompt_tokens
             if reply.kind == "chat":
                 for index in range(reply.n):
-                    yield sse(reply.choice_chunk(role=True, index=index))
+                    yield sent(reply.choice_chunk(role=True, index=index), index)
             event = first
             while event is not None:
                 if event.HasField("chunk"):
+                    reply.generated[event.index] += len(event.chunk.token_ids)
                     if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
-                        yield sse(reply.choice_chunk(event.chunk.text, index=event.index,
-                                                     logprobs=event.chunk.logprobs))
+                        yield sent(reply.choice_chunk(event.chunk.text, index=event.index,
+                                                      logprobs=event.chunk.logprobs), event.index)
                 elif event.HasField("prefill_done"):   # the prompt: its logprobs (vLLM's), an echo
                     reply.prefill_done(event.prefill_done)
                     if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first
-                        yield b"".join(sse(reply.prompt_logprobs_chunk(index))
+                        yield b"".join(sent(reply.prompt_logprobs_chunk(index), index)
                                        for index in range(1 if reply.kind == "chat" else reply.n))
                     if reply.echo:
-                        yield b"".join(sse(reply.echo_chunk(index)) for index in range(reply.n))
+                        yield b"".join(sent(reply.echo_chunk(index), index) for index in range(reply.n))
                 else:
                     reason = reply.finished(event.finished, event.index)
-                    out = sse(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index))
+                    out = sent(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index),
+                               event.index)
                     if reply.done:   # the call's last event: the stream's end goes in the same write
                         out += (sse(reply.usage_chunk()) if usage else b"") + sse("[DONE]")
                     yield out
@@ -265,6 +299,10 @@ class Front:
             call.cancel()   # the client went away (or the stream ended): nothing left running upstream
 
 
+def _model_object(info: pb.ModelInfo) -> dict:
+    return {"id": info.name, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": info.max_model_len}
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (its body is read: what comes next is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -275,7 +313,7 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     """A path or method this front does not serve, in OpenAI's error shape like every other."""
     if exc.status_code == 404:
         return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
-                                             "/v1/chat/completions, /v1/models and /health", "not_found_error"))
+                                             "/v1/chat/completions, /v1/models[/MODEL] and /health", "not_found_error"))
     if exc.status_code == 405:   # with the Allow header Starlette names the methods in
         err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
         return JSONResponse(err.body(), status_code=405, headers=exc.headers)
@@ -288,5 +326,6 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/health", front.health_check, methods=["GET"]),
     ], exception_handlers={HTTPException: _routing_error})

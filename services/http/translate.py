@@ -46,13 +46,15 @@ UNSUPPORTED = {
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
+COMPLETION_MAX_TOKENS = 16   # a completion without max_tokens, as OpenAI's and vLLM's (a chat's runs to the model length)
 
 
 class HttpError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers   # the response's own: a retry's hint
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -71,6 +73,8 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
     value = body.get(name)
     if value is None:
         return None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)   # 100.0 is 100, as vLLM's models read it (clients compute max_tokens as floats)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise HttpError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
     try:
@@ -84,12 +88,12 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
     return value
 
 
-def stream_usage(options, stream: bool) -> bool:
-    """Whether a stream ends with a usage chunk, from its stream_options. OpenAI's
-    include_obfuscation only pads chunks against length side channels: taken, with no padding.
-    vLLM's continuous_usage_stats is not done here, and is refused rather than ignored."""
+def stream_usage(options, stream: bool) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so
+    far (vLLM's continuous_usage_stats), from its stream_options. OpenAI's include_obfuscation
+    only pads chunks against length side channels: taken, with no padding."""
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise HttpError(400, "'stream_options' must be an object", param="stream_options")
     if options and not stream:   # as OpenAI and vLLM answer it
@@ -99,9 +103,7 @@ def stream_usage(options, stream: bool) -> bool:
             raise HttpError(400, f"'stream_options.{name}' is not an option of a stream", param="stream_options")
         if value is not None and not isinstance(value, bool):
             raise HttpError(400, f"'stream_options.{name}' must be true or false", param="stream_options")
-        if name == "continuous_usage_stats" and value:
-            raise HttpError(400, f"'stream_options.{name}' is not supported by this server", param="stream_options")
-    return options.get("include_usage") is True
+    return options.get("include_usage") is True, options.get("continuous_usage_stats") is True
 
 
 def sampling(body: dict) -> pb.SamplingParams:
@@ -295,6 +297,8 @@ def completion_request(body: dict) -> pb.GenerateRequest:
     prompt = body.get("prompt")
     _special_tokens(body, True)
     msg = pb.GenerateRequest(sampling=sampling(body))
+    if not msg.sampling.HasField("max_tokens"):
+        msg.sampling.max_tokens = COMPLETION_MAX_TOKENS
     if "top_logprobs" in body and body["top_logprobs"] is not None:
         raise HttpError(400, "'top_logprobs' is a chat field: a completion asks for its top-n with 'logprobs'",
                         param="top_logprobs")
@@ -380,7 +384,7 @@ class Reply:
 
     def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False, echo: bool = False,
                  prompt: str | None = None, echo_top: int = 0, prompt_top: int | None = None,
-                 request_id: str = "") -> None:
+                 request_id: str = "", eos_token_ids=()) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
@@ -397,7 +401,11 @@ class Reply:
         self.created = int(time.time())
         self.text: dict[int, list[str]] = defaultdict(list)   # by the sequences that sent text
         self.finish_reason: dict[int, str] = {}
+        self.stop_reason: dict[int, str | int | None] = {}   # vLLM's: the stop string or token (not EOS) that ended it
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.usage: dict | None = None
+        self.prompt_tokens: int | None = None   # from prefill_done, when it is asked for
+        self.generated: dict[int, int] = defaultdict(int)   # each choice's tokens so far
 
     @property
     def done(self) -> bool:
@@ -416,16 +424,27 @@ class Reply:
                      index: int = 0, logprobs=()) -> dict:
         shown = self.logprobs_of(index, logprobs) if logprobs else None
         if self.kind == "completion":
-            return self.head([{"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish}], True)
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        return self.head([{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}], True)
+            choice = {"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish}
+        else:
+            delta: dict[str, Any] = {}
+            if role:   # with empty content, as OpenAI's first chunk: clients that join contents find a string
+                delta["role"], delta["content"] = "assistant", ""
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = self.stop_reason.get(index)
+        return self.head([choice], True)
+
+    def usage_so_far(self, index: int) -> dict:
+        """vLLM's continuous usage: the prompt's tokens and choice `index`'s so far."""
+        prompt, done = self.prompt_tokens or 0, self.generated[index]
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def prefill_done(self, done: pb.PrefillDone) -> None:
-        """Takes the prompt's text and logprobs for the echo from the server's prefill_done."""
+        """Takes the prompt's size, and its text and logprobs for the echo, from the server's prefill_done."""
+        if self.prompt_tokens is None:   # (a moved request's second prefill_done counts the same prompt)
+            self.prompt_tokens = done.prompt_tokens
         if not done.HasField("prompt_logprobs"):
             return
         shown = done.prompt_logprobs
@@ -496,12 +515,13 @@ class Reply:
                 if echoed is not None:
                     shown = {key: echoed[key] + shown[key] for key in shown}
             if self.kind == "completion":
-                choices.append({"index": i, "text": text, "logprobs": shown, "finish_reason": self.finish_reason.get(i)})
+                choices.append({"index": i, "text": text, "logprobs": shown, "finish_reason": self.finish_reason.get(i),
+                                "stop_reason": self.stop_reason.get(i)})
                 if self.prompt_top is not None:
                     choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": shown,
-                                "finish_reason": self.finish_reason.get(i)})
+                                "finish_reason": self.finish_reason.get(i), "stop_reason": self.stop_reason.get(i)})
         out = self.head(choices, False)
         if self.kind == "chat" and self.prompt_top is not None:
             out["prompt_logprobs"] = self.vllm_prompt_logprobs
@@ -511,6 +531,10 @@ class Reply:
     def finished(self, f: pb.Finished, index: int = 0) -> str:
         """Records sequence `index`'s end; usage counts the prompt once and every choice's tokens."""
         self.finish_reason[index] = reason = FINISH.get(f.finish_reason, "stop")
+        if f.stop:
+            self.stop_reason[index] = f.stop
+        elif f.HasField("stop_token_id") and f.stop_token_id not in self.eos_token_ids:
+            self.stop_reason[index] = f.stop_token_id
         if self.usage is None:
             self.usage = usage(f.usage)
         else:

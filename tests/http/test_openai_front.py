@@ -170,6 +170,13 @@ def test_keys_are_bearer_tokens_over_http(tiny_dirs, tmp_path):
         with socket.create_connection((host, int(port)), timeout=10) as sock:   # a gigabyte declared, none sent
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
             assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
+        for value in MALFORMED_AUTHORIZATION:   # no key can be it, and gRPC would refuse to send it
+            status, answer = _post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}',
+                                   {"authorization": value})
+            assert status == 401 and "the Authorization header is malformed" in answer["error"]["message"]
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            conn.request("GET", "/v1/models", headers={"authorization": value})
+            assert conn.getresponse().status == 401
     finally:
         server.stop()
 
@@ -390,6 +397,8 @@ def test_vllms_stop_token_ids_and_skip_special_tokens_reach_the_server(front, cl
     stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True, "stop_token_ids": [ids[3]]})
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == ids.index(ids[3]) + 1
+    assert stopped.choices[0].stop_reason == ids[3]   # vLLM's: the stop token that ended it
+    assert free.choices[0].stop_reason is None   # its length ended it
     kept = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert kept.choices[0].text == grpc_text(front, prompt=PROMPT, skip_special_tokens=False)[:len(kept.choices[0].text)]
@@ -524,8 +533,6 @@ def test_fields_kvserve_does_not_do_are_refused_by_name(front, extra):
      "messages[2]: tool calls are not supported by this server"),
     ("/v1/completions", {"add_special_tokens": False}, "'add_special_tokens' is not supported by this server"),
     ("/v1/completions", {"add_special_tokens": "no"}, "'add_special_tokens' must be true or false"),
-    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "'stream_options.continuous_usage_stats' is not supported by this server"),
     ("/v1/completions", {"stream": True, "stream_options": {"usage": True}},
      "'stream_options.usage' is not an option of a stream"),
     ("/v1/completions", {"stream_options": {"include_usage": True}},
@@ -739,15 +746,19 @@ def test_a_huge_n_is_refused_by_the_server_before_the_front_builds_anything(fron
     assert status == 400 and "n" in answer["error"]["message"]
 
 
-@pytest.mark.parametrize("value", ["Bearer key\xe9", "bearer\tkey", "Bearer " + "k" * 5000])
-def test_an_authorization_header_no_key_can_be_is_a_401(front, value):
+MALFORMED_AUTHORIZATION = ["Bearer key\xe9", "bearer\tkey", "Bearer " + "k" * 5000]
+
+
+@pytest.mark.parametrize("value", MALFORMED_AUTHORIZATION)
+def test_without_keys_the_authorization_header_is_not_looked_at(front, value):
+    """A proxy in front may send a token of its own (a long JWT): no key is asked for here."""
     status, answer = _post(front, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}',
                            {"authorization": value})
-    assert status == 401 and "the Authorization header is malformed" in answer["error"]["message"]
+    assert status == 200, answer
     host, port = front.servicer.http_front.address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("GET", "/v1/models", headers={"authorization": value})
-    assert conn.getresponse().status == 401
+    assert conn.getresponse().status == 200
     conn.close()
 
 
@@ -795,3 +806,68 @@ def test_unknown_paths_and_methods_answer_in_openais_error_shape(front):
     assert response.status == 405 and response.getheader("allow") == "POST"
     assert json.loads(response.read())["error"]["message"] == "GET is not allowed on /v1/completions"
     conn.close()
+
+
+def test_what_vllms_clients_count_on(front, client, model):
+    """A completion without max_tokens stops at 16 tokens (OpenAI's and vLLM's default; a base
+    model seldom ends by itself); a whole number written as a float is that number; a chat's
+    stream opens with empty content; the model is found by id."""
+    short = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"
+    status, answer = _post(front, "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 3.0, "n": 1.0, "temperature": 0}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+    status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3.5}).encode())
+    assert status == 400 and answer["error"]["message"] == "'max_tokens' must be an integer"
+    first = next(iter(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, stream=True)))
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-5")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_give_each_chunk_the_usage_so_far(front, client, model, path):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the prompt's tokens and
+    its choice's tokens so far; the last chunk's usage is the whole reply's."""
+    body = {"model": model, "max_tokens": 6, "temperature": 0, "n": 2, "seed": 5, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            **({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})}
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    lines = conn.getresponse().read().decode().splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    final = chunks[-1]["usage"]
+    per_choice = [c for c in chunks if c["choices"]]
+    assert per_choice and all("usage" in c for c in per_choice)
+    assert {c["usage"]["prompt_tokens"] for c in per_choice} == {final["prompt_tokens"]} and final["prompt_tokens"] > 0
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in per_choice if c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 6, counts   # growing, to the choice's whole
+        assert all(c["usage"]["total_tokens"] == final["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in per_choice)
+    assert final["completion_tokens"] == 12
+
+
+def test_a_request_id_in_flight_is_a_409_no_sdk_retries_and_a_hint_becomes_retry_after(front):
+    from kvserve.services.http.app import from_rpc
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    running = http.client.HTTPConnection(host, int(port), timeout=60)
+    running.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": PROMPT, "max_tokens": 1500, "stream": True, "request_id": "twice", "ignore_eos": True,
+         "temperature": 0}).encode(), headers={"content-type": "application/json"})
+    reply = running.getresponse()
+    assert reply.status == 200 and reply.read(6) == b"data: "   # running now
+    again = http.client.HTTPConnection(host, int(port), timeout=60)
+    again.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 2,
+                                                               "request_id": "twice"}).encode())
+    answer = again.getresponse()
+    assert answer.status == 409 and answer.getheader("x-should-retry") == "false"
+    running.close()   # the client leaves: its call is cancelled
+    full = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(("retry-after-ms", "2500")), details="every worker is full")
+    err = from_rpc(full)
+    assert err.status == 429 and err.headers == {"retry-after-ms": "2500", "retry-after": "3"}
+    plain = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+    assert from_rpc(plain).headers is None
