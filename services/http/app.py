@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import HttpError, Reply, request_of, shown, stream_usage
+from kvserve.services.http.translate import HttpError, Reply, prompts_of, request_of, shown, stream_usage
 from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -161,12 +161,14 @@ class Front:
         return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        parts: list[Part] = []
         try:
             metadata = self.metadata(request)
             if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
                 raise HttpError(401, why, "authentication_error", code="unauthenticated")   # as from gRPC
             body = await self.body(request)
-            msg = request_of(kind, body)
+            prompts = prompts_of(body) if kind == "completion" else None
+            msgs = [request_of(kind, body, prompt) for prompt in prompts] if prompts else [request_of(kind, body)]
             info = await self.model(metadata)
             model = info.name
             asked = body.get("model")
@@ -178,45 +180,55 @@ class Front:
                                 "not_found_error", "model", "model_not_found")
             stream = body.get("stream") is True
             usage, continuous = stream_usage(body.get("stream_options"), stream)
-            if not msg.request_id:   # the reply's id is the one the server logs the request under
-                msg.request_id = uuid.uuid4().hex
-            call = self.stub.Generate(msg, metadata=metadata)
+            # the reply's id is the one the server logs the request under (a batch's prompts: -0, -1, ...)
+            base_id = msgs[0].request_id or uuid.uuid4().hex
             echo = kind == "completion" and body.get("echo") is True
             prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
-            events = self._events(call, echo or prompt_top is not None or continuous)
-            first = await self._first(request, call, events)   # errors before it get their HTTP status
-            reply = Reply(kind, model, msg.sampling.n or 1,   # once the server took n: it bounds it
-                          logprobs=msg.sampling.HasField("logprobs"), echo=echo,
-                          prompt=msg.prompt if msg.HasField("prompt") else None,
-                          echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=msg.request_id,
-                          eos_token_ids=info.eos_token_ids)
+            for i, msg in enumerate(msgs):
+                msg.request_id = base_id if len(msgs) == 1 else f"{base_id}-{i}"
+                call = self.stub.Generate(msg, metadata=metadata)
+                parts.append(Part(msg, call, self._events(call, echo or prompt_top is not None or continuous)))
+            await self._first(request, parts)   # errors before it get their HTTP status
+            offset = 0
+            for part in parts:   # once the server took n: it bounds it
+                msg = part.msg
+                part.offset = offset
+                part.reply = Reply(kind, model, msg.sampling.n or 1, logprobs=msg.sampling.HasField("logprobs"),
+                                   echo=echo, prompt=msg.prompt if msg.HasField("prompt") else None,
+                                   echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=base_id,
+                                   eos_token_ids=info.eos_token_ids)
+                part.reply.created = parts[0].reply.created
+                offset += part.reply.n
         except HttpError as err:
+            _cancel(parts)
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
+            _cancel(parts)
             return error_response(from_rpc(exc))
         if not stream:
-            return await self._whole(request, call, events, first, reply)
-        return StreamingResponse(self._stream(call, events, first, reply, usage, continuous),
-                                 media_type="text/event-stream",
+            return await self._whole(request, parts)
+        return StreamingResponse(self._stream(parts, usage, continuous), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     @staticmethod
-    async def _first(request: Request, call, events) -> pb.GenerateResponse | None:
-        """The call's first event (None if it ends without one). A client that leaves before it
-        (its request queued, or prefilling) cancels the call, as it would later: its place in
-        the queue and its prefill are freed at once."""
-        first, gone = asyncio.ensure_future(anext(events, None)), asyncio.ensure_future(_disconnected(request))
+    async def _first(request: Request, parts: list[Part]) -> None:
+        """Each call's first event (None if it ends without one), or the first call's error. A
+        client that leaves before them (its request queued, or prefilling) cancels the calls, as
+        it would later: their places in the queue and their prefills are freed at once."""
+        async def first_of(part: Part) -> None:
+            part.first = await anext(part.events, None)
+        firsts = asyncio.ensure_future(asyncio.gather(*(first_of(part) for part in parts)))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not gone.done():   # (a disconnect read here is seen by no later watcher: it ends the call here)
-                return first.result()
-            call.cancel()
+            await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not gone.done():   # (a disconnect read here is seen by no later watcher: it ends the calls here)
+                firsts.result()
+                return
             raise HttpError(499, "the client went away", "cancelled")
         finally:
             gone.cancel()
-            if not first.done():
-                first.cancel()
-                call.cancel()
+            if not firsts.done():
+                firsts.cancel()
 
     @staticmethod
     async def _events(call, prefill: bool) -> AsyncIterator[pb.GenerateResponse]:
@@ -226,23 +238,14 @@ class Front:
             if event.HasField("chunk") or event.HasField("finished") or (prefill and event.HasField("prefill_done")):
                 yield event
 
-    async def _whole(self, request: Request, call, events, first, reply: Reply) -> Response:
-        """The whole answer at once; a client that leaves before it is ready cancels the call."""
+    async def _whole(self, request: Request, parts: list[Part]) -> Response:
+        """The whole answer at once; a client that leaves before it is ready cancels the calls."""
         async def collect() -> Response:
             try:
-                event = first
-                while event is not None:
-                    if event.HasField("chunk"):
-                        reply.text[event.index].append(event.chunk.text)
-                        reply.tokens[event.index].extend(event.chunk.logprobs)
-                    elif event.HasField("prefill_done"):
-                        reply.prefill_done(event.prefill_done)
-                    else:
-                        reply.finished(event.finished, event.index)
-                    event = await anext(events, None)
+                await asyncio.gather(*(_collect(part) for part in parts))
             except grpc.aio.AioRpcError as exc:
                 return error_response(from_rpc(exc))
-            return JSONResponse(reply.whole())
+            return JSONResponse(_whole_of(parts))
 
         work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
         try:
@@ -253,50 +256,152 @@ class Front:
         finally:
             watch.cancel()
             work.cancel()
-            call.cancel()   # a finished call ignores it; a running one frees its pages
+            _cancel(parts)   # a finished call ignores it; a running one frees its pages
 
-    async def _stream(self, call, events, first, reply: Reply, usage: bool,
-                      continuous: bool = False) -> AsyncIterator[bytes]:
-        def sent(chunk: dict, index: int = 0) -> bytes:
-            if continuous:   # vLLM's continuous_usage_stats: each chunk says the usage so far
-                chunk["usage"] = reply.usage_so_far(index)
-            return sse(chunk)
-
+    async def _stream(self, parts: list[Part], usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+        left = sum(part.reply.n for part in parts)   # choices not yet sent finished
         try:
-            if continuous and first is not None and first.HasField("prefill_done"):
-                reply.prompt_tokens = first.prefill_done.prompt_tokens
-            if reply.kind == "chat":
-                for index in range(reply.n):
-                    yield sent(reply.choice_chunk(role=True, index=index), index)
-            event = first
-            while event is not None:
-                if event.HasField("chunk"):
-                    reply.generated[event.index] += len(event.chunk.token_ids)
-                    if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
-                        yield sent(reply.choice_chunk(event.chunk.text, index=event.index,
-                                                      logprobs=event.chunk.logprobs), event.index)
-                elif event.HasField("prefill_done"):   # the prompt: its logprobs (vLLM's), an echo
-                    reply.prefill_done(event.prefill_done)
-                    if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first
-                        yield b"".join(sent(reply.prompt_logprobs_chunk(index), index)
-                                       for index in range(1 if reply.kind == "chat" else reply.n))
-                    if reply.echo:
-                        yield b"".join(sent(reply.echo_chunk(index), index) for index in range(reply.n))
-                else:
-                    reason = reply.finished(event.finished, event.index)
-                    out = sent(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index),
-                               event.index)
-                    if reply.done:   # the call's last event: the stream's end goes in the same write
-                        out += (sse(reply.usage_chunk()) if usage else b"") + sse("[DONE]")
-                    yield out
-                event = await anext(events, None)   # to the call's end, so that it ends as finished
-            if not reply.done:
+            async for chunks in _merged(parts, continuous):
+                out = b"".join(sse(chunk) for chunk in chunks)
+                left -= sum(c.get("finish_reason") is not None for chunk in chunks for c in chunk["choices"])
+                if not left:   # the calls' last event: the end goes in the same write
+                    out += (sse(_usage_chunk(parts)) if usage else b"") + sse("[DONE]")
+                yield out
+            if left:
                 yield sse("[DONE]")
         except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
             yield sse(from_rpc(exc).body())
             yield sse("[DONE]")
         finally:
-            call.cancel()   # the client went away (or the stream ended): nothing left running upstream
+            _cancel(parts)   # the client went away (or the stream ended): nothing left running upstream
+
+
+class Part:
+    """One Generate call of a reply: a request's only one, or one prompt of a batch, whose
+    choices come after the `offset` choices of the prompts before it."""
+
+    def __init__(self, msg: pb.GenerateRequest, call, events: AsyncIterator[pb.GenerateResponse]) -> None:
+        self.msg, self.call, self.events = msg, call, events
+        self.first: pb.GenerateResponse | None = None
+        self.reply: Reply = None   # made once the server took the call
+        self.offset = 0
+
+
+def _cancel(parts: list[Part]) -> None:
+    for part in parts:
+        part.call.cancel()
+
+
+async def _collect(part: Part) -> None:
+    """A call's events into its reply, to the call's end."""
+    reply, event = part.reply, part.first
+    while event is not None:
+        if event.HasField("chunk"):
+            reply.text[event.index].append(event.chunk.text)
+            reply.tokens[event.index].extend(event.chunk.logprobs)
+        elif event.HasField("prefill_done"):
+            reply.prefill_done(event.prefill_done)
+        else:
+            reply.finished(event.finished, event.index)
+        event = await anext(part.events, None)
+
+
+async def _chunks(part: Part, continuous: bool) -> AsyncIterator[list[dict]]:
+    """A call's events as the chunks a stream sends, a list for each write, each choice numbered
+    after the batch's prompts before it."""
+    reply = part.reply
+
+    def sent(chunk: dict, index: int = 0) -> dict:
+        if continuous:   # vLLM's continuous_usage_stats: each chunk says the usage so far
+            chunk["usage"] = reply.usage_so_far(index)
+        for choice in chunk["choices"]:
+            choice["index"] += part.offset
+        return chunk
+
+    first = part.first
+    if continuous and first is not None and first.HasField("prefill_done"):
+        reply.prompt_tokens = first.prefill_done.prompt_tokens
+    if reply.kind == "chat":
+        yield [sent(reply.choice_chunk(role=True, index=index), index) for index in range(reply.n)]
+    event = first
+    while event is not None:
+        if event.HasField("chunk"):
+            reply.generated[event.index] += len(event.chunk.token_ids)
+            if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
+                yield [sent(reply.choice_chunk(event.chunk.text, index=event.index, logprobs=event.chunk.logprobs),
+                            event.index)]
+        elif event.HasField("prefill_done"):   # the prompt: its logprobs (vLLM's), an echo
+            reply.prefill_done(event.prefill_done)
+            if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first
+                yield [sent(reply.prompt_logprobs_chunk(index), index)
+                       for index in range(1 if reply.kind == "chat" else reply.n)]
+            if reply.echo:
+                yield [sent(reply.echo_chunk(index), index) for index in range(reply.n)]
+        else:
+            reason = reply.finished(event.finished, event.index)
+            yield [sent(reply.choice_chunk(None if reply.kind == "chat" else "", reason, index=event.index),
+                        event.index)]
+        event = await anext(part.events, None)   # to the call's end, so that it ends as finished
+
+
+async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dict]]:
+    """The parts' chunks as each comes; the first error of any ends it."""
+    if len(parts) == 1:
+        async for chunks in _chunks(parts[0], continuous):
+            yield chunks
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(part: Part) -> None:
+        try:
+            async for chunks in _chunks(part, continuous):
+                queue.put_nowait(chunks)
+            queue.put_nowait(None)
+        except grpc.aio.AioRpcError as exc:
+            queue.put_nowait(exc)
+    tasks = [asyncio.ensure_future(pump(part)) for part in parts]
+    try:
+        running = len(parts)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _summed_usage(parts: list[Part]) -> dict | None:
+    """The usage of a reply of several prompts: each prompt's tokens once, every choice's."""
+    usages = [part.reply.usage for part in parts if part.reply.usage is not None]
+    if not usages:
+        return None
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+    for u in usages:
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+def _usage_chunk(parts: list[Part]) -> dict:
+    out = parts[0].reply.usage_chunk()
+    out["usage"] = _summed_usage(parts)
+    return out
+
+
+def _whole_of(parts: list[Part]) -> dict:
+    out = parts[0].reply.whole()
+    for part in parts[1:]:
+        for choice in part.reply.whole()["choices"]:
+            choice["index"] += part.offset
+            out["choices"].append(choice)
+    out["usage"] = _summed_usage(parts)
+    return out
 
 
 def _model_object(info: pb.ModelInfo) -> dict:

@@ -46,6 +46,7 @@ UNSUPPORTED = {
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
+MAX_PROMPTS = 256   # a completion's batch of prompts: each is a call of its own
 COMPLETION_MAX_TOKENS = 16   # a completion without max_tokens, as OpenAI's and vLLM's (a chat's runs to the model length)
 
 
@@ -249,11 +250,23 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     return out
 
 
-def request_of(kind: str, body: dict) -> pb.GenerateRequest:
-    """The Generate message of a completion or chat body. A string holding a lone surrogate
-    (JSON allows the escape "\\ud800"; no UTF-8 text holds one) is a 400, not protobuf's error."""
+def prompts_of(body: dict) -> list | None:
+    """A completion's batch of prompts (OpenAI's list of strings, or of token-id lists, as
+    LangChain and lm-evaluation-harness send them), or None for one prompt."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)):
+        return None
+    if len(prompt) > MAX_PROMPTS:
+        raise HttpError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", param="prompt")
+    return prompt
+
+
+def request_of(kind: str, body: dict, prompt=None) -> pb.GenerateRequest:
+    """The Generate message of a completion or chat body (`prompt`: one of a completion's batch).
+    A string holding a lone surrogate (JSON allows the escape "\\ud800"; no UTF-8 text holds one)
+    is a 400, not protobuf's error."""
     try:
-        msg = completion_request(body) if kind == "completion" else chat_request(body)
+        msg = completion_request(body, prompt) if kind == "completion" else chat_request(body)
         prompt_top = _number(body, "prompt_logprobs", int, 0, UINT32)   # vLLM's; the server bounds it (--max-logprobs)
         if prompt_top is not None:   # an echo's logprobs may already ask for more of each top
             msg.sampling.prompt_logprobs = max(prompt_top, msg.sampling.prompt_logprobs)
@@ -293,8 +306,8 @@ def _special_tokens(body: dict, as_served: bool) -> None:
         raise HttpError(400, "'add_special_tokens' is not supported by this server", param="add_special_tokens")
 
 
-def completion_request(body: dict) -> pb.GenerateRequest:
-    prompt = body.get("prompt")
+def completion_request(body: dict, prompt=None) -> pb.GenerateRequest:
+    prompt = body.get("prompt") if prompt is None else prompt
     _special_tokens(body, True)
     msg = pb.GenerateRequest(sampling=sampling(body))
     if not msg.sampling.HasField("max_tokens"):
@@ -315,10 +328,9 @@ def completion_request(body: dict) -> pb.GenerateRequest:
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next(t for t in prompt if not 0 <= t <= INT32)
         raise HttpError(400, f"'prompt' token id {bad} is not in [0, 2^31-1]", param="prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise HttpError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:
-        raise HttpError(400, "'prompt' must be a string or a list of token ids (0 to 2^31-1)", param="prompt")
+        raise HttpError(400, "'prompt' must be a string, a list of token ids (0 to 2^31-1), or a list of "
+                             "either", param="prompt")
     echo = _flag(body, "echo")
     if echo and (logprobs is not None or not msg.HasField("prompt")):
         # the prompt's own logprobs; for token ids, also the prompt's text (the server decodes it)

@@ -871,3 +871,57 @@ def test_a_request_id_in_flight_is_a_409_no_sdk_retries_and_a_hint_becomes_retry
     assert err.status == 429 and err.headers == {"retry-after-ms": "2500", "retry-after": "3"}
     plain = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
     assert from_rpc(plain).headers is None
+
+
+BATCH = ["The quick brown fox", "Once upon a time", "In a hole in the ground"]
+
+
+def test_a_batch_of_prompts_gives_each_its_own_choices_in_order(front, client, model):
+    """OpenAI's list of prompts (LangChain's and lm-evaluation-harness's batches): choice
+    i * n + j is prompt i's j-th, each the text that prompt alone gives; the usage counts every
+    prompt once and every choice's tokens."""
+    alone = [grpc_text(front, prompt=p, max_tokens=5) for p in BATCH]
+    whole = client.completions.create(model=model, prompt=BATCH, max_tokens=5, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [text for text in alone for _ in range(2)]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=1, temperature=0) for p in BATCH]
+    assert whole.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert whole.usage.completion_tokens == 30 and whole.usage.total_tokens == whole.usage.prompt_tokens + 30
+    ids = [[17, 4, 250, 999], [31, 8, 77]]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in by_ids.choices] == [grpc_text(front, token_ids=i, max_tokens=4) for i in ids]
+    chunks = list(client.completions.create(model=model, prompt=BATCH, max_tokens=5, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(6)] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len({chunk.id for chunk in chunks}) == 1 == len({whole.id})
+
+
+def test_a_batch_scored_as_lm_evaluation_harness_scores_it(front, client, model):
+    """echo with logprobs over a batch: each choice begins with its own prompt and its logprobs."""
+    reply = client.completions.create(model=model, prompt=BATCH, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for prompt, choice in zip(BATCH, reply.choices):
+        one = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                        logprobs=1)
+        assert choice.text == one.choices[0].text and choice.text.startswith(prompt)
+        assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
+
+
+def test_a_batch_the_server_refuses_in_part_is_refused_whole(front):
+    """One prompt the server refuses (too long for the model) is the batch's 400; the calls of
+    the others are cancelled, their pages freed."""
+    status, answer = _post(front, "/v1/completions", json.dumps(
+        {"prompt": [PROMPT, [5] * 5000, PROMPT], "max_tokens": 3}).encode())
+    assert status == 400 and "model length" in answer["error"]["message"], answer
+    for prompt, words in (([PROMPT] * 257, "at most 256 prompts in one request, got 257"),
+                          ([PROMPT, [1, "x"]], "'prompt' must be a string, a list of token ids"),
+                          ([PROMPT, []], "'prompt' must be a string, a list of token ids")):
+        status, answer = _post(front, "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode())
+        assert status == 400 and answer["error"]["message"].startswith(words), answer
+    wait_until(lambda: front.servicer.engine.num_live() == 0, what="the batch's other calls ended")
