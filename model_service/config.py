@@ -29,12 +29,15 @@ PREEMPTION_MODES = choices.PREEMPTION_MODES
 SPECULATIVE = choices.SPECULATIVE
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
 UINT32_MAX = 2**32 - 1   # the largest count ModelInfo can say
+MAX_MODEL_NAME = 256   # characters of --served-model-name
 
 
 @dataclass(frozen=True)
 class ModelServiceConfig:
     model: str = option("tiny", "a checkpoint directory, or a built-in model (tiny, bench, ...) generated "
                                 "on first use")
+    served_model_name: str = option("", "the model's name to clients (GetModelInfo, and what the HTTP API's `model` "
+                                        "must say): default the --model directory's name, or the built-in model's")
     listen: str = option(DEFAULT_LISTEN, "the model service's address: host:port or unix:///path")
     kvcache: str = option(DEFAULT_KVCACHE, "the manager's address, or 'inprocess'")
     dtype: str = option("auto", "weights and KV pages (see --kv-cache-dtype); auto is bfloat16 on CUDA; on CPU the "
@@ -182,6 +185,11 @@ class ModelServiceConfig:
             raise ValueError(f"--swap-pages must not be negative, got {self.swap_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.served_model_name and not (len(self.served_model_name) <= MAX_MODEL_NAME
+                                           and self.served_model_name.isprintable()
+                                           and self.served_model_name.strip() == self.served_model_name):
+            raise ValueError(f"--served-model-name must be printable, with no space at either end, and at most "
+                             f"{MAX_MODEL_NAME} characters, got {self.served_model_name!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):   # (whether CUDA is here: at load)
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         one_of("dtype", DTYPES)

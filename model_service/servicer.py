@@ -177,7 +177,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         s = self.stack
         return pb.ModelInfo(
-            name=s.config.model if s.config.model in PRESETS else s.model_path.name, architecture=s.model_config.architecture, max_model_len=s.max_model_len,
+            name=s.config.served_model_name or (s.config.model if s.config.model in PRESETS else s.model_path.name),
+            architecture=s.model_config.architecture, max_model_len=s.max_model_len,
             vocab_size=s.model_config.vocab_size, page_size=s.page_size, dtype=str(s.dtype).removeprefix("torch."),
             attention_backend=s.backend_name, cpu_gemm=s.gemm, device=str(s.device), num_pages=s.num_pages,
             eos_token_ids=sorted(s.eos_token_ids), extra_key_digest=extra_key_digest(s.config.cache_salt),

@@ -925,3 +925,19 @@ def test_a_batch_the_server_refuses_in_part_is_refused_whole(front):
         status, answer = _post(front, "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode())
         assert status == 400 and answer["error"]["message"].startswith(words), answer
     wait_until(lambda: front.servicer.engine.num_live() == 0, what="the batch's other calls ended")
+
+
+def test_the_served_model_name_is_the_one_clients_ask_for(tiny_dirs):
+    """--served-model-name: the name vLLM's clients are configured with, not the directory's."""
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0", served_model_name="org/chat-model-v2")
+    try:
+        with openai.OpenAI(base_url=f"http://{server.servicer.http_front.address}/v1", api_key="none",
+                           max_retries=0, timeout=60) as c:
+            assert [m.id for m in c.models.list().data] == ["org/chat-model-v2"]
+            assert c.models.retrieve("org/chat-model-v2").id == "org/chat-model-v2"   # a name with a slash
+            reply = c.completions.create(model="org/chat-model-v2", prompt=PROMPT, max_tokens=2)
+            assert reply.model == "org/chat-model-v2" and reply.usage.completion_tokens == 2
+            with pytest.raises(openai.NotFoundError, match="this server serves `org/chat-model-v2`"):
+                c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    finally:
+        server.stop()

@@ -120,6 +120,9 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["model", "--attention-backend", "flash_attn", "--device", "cpu"],
      "--attention-backend flash_attn runs on CUDA only; on --device cpu choose auto, cpu or torch"),
     (["model", "--device", "bogus"], "--device must be auto, cpu, cuda or cuda:N, got 'bogus'"),   # before the model loads
+    (["model", "--served-model-name", " gpt"], "--served-model-name must be printable, with no space at either end"),
+    (["up", "--served-model-name", "a\tb"], "--served-model-name must be printable"),
+    (["model", "--served-model-name", "m" * 257], "and at most 256 characters"),
 ])
 def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
     from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
