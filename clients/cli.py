@@ -40,7 +40,8 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
                         "separated by commas or spaces")
     _add_common(p)
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: off; "
+                                                          "default: the model's)")
     p.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
     p.add_argument("-n", "--n", type=int, default=None, metavar="N",
                    help="sample N sequences from the prompt (computed once); each is printed when all end")

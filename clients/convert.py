@@ -169,8 +169,8 @@ def generate_request(
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    top_k: int | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
@@ -198,12 +198,12 @@ def generate_request(
         stop = (stop,)
     if n is not None and not (isinstance(n, int) and n >= 1):   # 0 would read as unset: one sequence
         raise ValueError(f"n is the number of sequences to sample, at least 1; got {n!r}")
-    with _field("top_k, min_p, penalties, stop, stop_token_ids, logit_bias or min_tokens", None):
-        sampling = pb.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+    with _field("penalties, stop, stop_token_ids, logit_bias or min_tokens", None):
+        sampling = pb.SamplingParams(presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty, stop=list(stop),
                                      stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                      logit_bias=dict(logit_bias or {}), min_tokens=min_tokens)
-    optional = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
+    optional = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,
                     skip_special_tokens=skip_special_tokens, n=n, prompt_logprobs=prompt_logprobs)
     for name, value in optional.items():

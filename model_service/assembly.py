@@ -23,6 +23,8 @@ from kvserve.kvcache_service.contract.client import InProcessKVClient, KVClient,
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import SchedulerConfig
 from kvserve.model_service.engine.speculation import NgramDrafter
+from kvserve.model_service import generation_defaults
+from kvserve.model_service.generation_defaults import GenerationDefaults
 from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import first_line, load_model
 from kvserve.model_service.sampling.sampler import Sampler
@@ -54,6 +56,7 @@ class ModelStack:
     kv_cache_dtype: torch.dtype    # the pages' (--kv-cache-dtype): the model's, or narrower
     grammars: Grammars             # structured output's formats for this model's vocabulary
     tokenizer_digest: str          # what its tokenizer does, for a gateway to compare (prompt_tokens.py)
+    generation_defaults: GenerationDefaults = GenerationDefaults()   # sampling for what a request leaves unset
 
 
 def pick_device(name: str) -> torch.device:
@@ -174,7 +177,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                     "others is refused", len(tokenizer), mcfg.vocab_size)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
-                      Grammars(tokenizer, mcfg.vocab_size, eos_ids), tokenizer_digest(tokenizer))
+                      Grammars(tokenizer, mcfg.vocab_size, eos_ids), tokenizer_digest(tokenizer),
+                      generation_defaults.load(path, cfg.generation_config))
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

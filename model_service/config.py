@@ -30,6 +30,7 @@ SPECULATIVE = choices.SPECULATIVE
 MIN_MANAGER_SEQS = 256   # seq ids are cheap; a pool this large never limits a small model service
 UINT32_MAX = 2**32 - 1   # the largest count ModelInfo can say
 MAX_MODEL_NAME = 256   # characters of --served-model-name
+GENERATION_CONFIGS = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class ModelServiceConfig:
                                             "(and --max-num-seqs) replay a CUDA graph captured at start, one "
                                             "launch for the step's every kernel; 0: every step launches its "
                                             "kernels one by one", metavar="N")
+    generation_config: str = option("auto", "sampling for what a request leaves unset (temperature, top_p, top_k, "
+                                            "min_p, repetition_penalty): auto takes the checkpoint's "
+                                            "generation_config.json where it has one; none: temperature 1, no "
+                                            "filters", choices=GENERATION_CONFIGS)
     max_num_seqs: int = option(64, "sequences in one forward pass")
     max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
     max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
@@ -199,6 +204,7 @@ class ModelServiceConfig:
         one_of("cpu_small_linear", ("auto", "off"))
         one_of("preemption_mode", PREEMPTION_MODES)
         one_of("speculative", SPECULATIVE)
+        one_of("generation_config", GENERATION_CONFIGS)
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ValueError("--num-pages and --kv-cache-memory both size the page pool; give one")
         if self.attention_backend == "flash_attn" and self.device == "cpu":

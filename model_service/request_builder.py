@@ -22,6 +22,7 @@ from kvserve.model_service.engine.errors import InvalidRequest, NothingToGenerat
 from kvserve.model_service import prompt_tokens
 from kvserve.model_service.engine.output import OutputProcessor
 from kvserve.model_service.engine.request import Request
+from kvserve.model_service.generation_defaults import GenerationDefaults
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
 from kvserve.model_service.request_ids import id_problem
 from kvserve.model_service.sampling.params import SamplingParams
@@ -70,6 +71,7 @@ class RequestBuilder:
         self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
         self.chat_keeps_text = prompt_tokens.keeps_message_text(stack.tokenizer)   # its size bounds its tokens
         self.tokenizer_ids = len(stack.tokenizer)   # more than the model's vocabulary: a fine-tune's added tokens
+        self.defaults = getattr(stack, "generation_defaults", GenerationDefaults())
 
     async def build(self, msg, request_id: str, tenant: str = "") -> Request:
         self.check_limits(msg, request_id)
@@ -266,10 +268,11 @@ class RequestBuilder:
         def opt(name, default):
             return getattr(s, name) if s.HasField(name) else default
 
+        d = self.defaults   # what is unset: the model's recommendation (generation_defaults.py)
         try:
             params = SamplingParams(
-                temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=s.top_k,
-                min_p=s.min_p, repetition_penalty=opt("repetition_penalty", 1.0),
+                temperature=opt("temperature", d.temperature), top_p=opt("top_p", d.top_p), top_k=opt("top_k", d.top_k),
+                min_p=opt("min_p", d.min_p), repetition_penalty=opt("repetition_penalty", d.repetition_penalty),
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 seed=opt("seed", None), max_tokens=opt("max_tokens", None),
                 stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
