@@ -104,6 +104,7 @@ class ModelServiceConfig:
                                  "with UNAVAILABLE", flag="--grace-period")
     metrics_listen: str = server_flags.metrics_listen()
     http_listen: str = server_flags.http_listen()
+    http_allowed_origins: str = server_flags.http_allowed_origins()
     lane_listen: str = option("", "also serve Generate to a kvserve gateway on HOST:PORT or unix:PATH over the lane "
                                   "(protos/kvserve/inference/v1/lane.proto), a hop cheaper than gRPC; TLS as "
                                   "--tls-cert on TCP; not with --api-keys (default: off)", metavar="ADDR")
@@ -214,6 +215,7 @@ class ModelServiceConfig:
         if self.health_listen:
             parse_flag("--health-listen", self.health_listen)
         check_tcp_listen("--http-listen", self.http_listen)
+        server_flags.allowed_origins(self.http_allowed_origins)
         check_tcp_listen("--metrics-listen", self.metrics_listen)
         if self.lane_listen:
             parse_flag("--lane-listen", self.lane_listen)

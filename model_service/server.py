@@ -19,6 +19,7 @@ from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import NOT_SERVING, HealthReporter
 from kvserve.model_service.lane_server import LaneServer
 from kvserve.model_service.metrics import ServiceMetrics
+from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront
@@ -71,7 +72,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
             servicer.lane = lane
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
-                                                        config.server_tls(), config.max_request_bytes, keys)
+                                                        config.server_tls(), config.max_request_bytes, keys,
+                                                        server_flags.allowed_origins(config.http_allowed_origins))
         return running, servicer
     except Exception:   # nothing half-started outlives the failure
         if running is not None:

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             # The gateway is the front: it serves TLS and checks keys; the workers, on private
             # sockets, take each request's tenant from it.
             worker_config = replace(model_config, tls_cert="", tls_key="", tls_client_ca="", api_keys="", http_listen="",
+                                    http_allowed_origins="",
                                     health_listen="",
                                     trust_tenant_metadata=bool(model_config.api_keys),
                                     cpu_threads=worker_threads(model_config.cpu_threads, up.workers))
@@ -260,7 +261,8 @@ def front_flags(model_config: ModelServiceConfig) -> list[str]:
     keys, serves HTTP and health, bounds requests, keeps at most --max-waiting requests in its
     queue (where they wait with workers in front) and drains the streams on SIGTERM."""
     flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
-             for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "health_listen",
+             for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "http_allowed_origins",
+                          "health_listen",
                           "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads")
              if getattr(model_config, name)]
     return flags + [f"--max-queued={model_config.max_waiting}", f"--grace-period={model_config.grace_s}"]

@@ -57,6 +57,7 @@ class GatewayConfig:
                                "(its --lane-listen), a hop cheaper than gRPC; off: gRPC always", choices=("auto", "off"))
     metrics_listen: str = server_flags.metrics_listen()
     http_listen: str = server_flags.http_listen()
+    http_allowed_origins: str = server_flags.http_allowed_origins()
     tls_cert: str = server_flags.tls_cert()
     tls_key: str = server_flags.tls_key()
     tls_client_ca: str = server_flags.tls_client_ca()
@@ -79,6 +80,7 @@ class GatewayConfig:
         if self.health_listen:
             parse_flag("--health-listen", self.health_listen)
         check_tcp_listen("--http-listen", self.http_listen)
+        server_flags.allowed_origins(self.http_allowed_origins)
         check_tcp_listen("--metrics-listen", self.metrics_listen)
         for flag, address in [*(("--worker", w) for w in self.worker),
                               *([("--workers-dns", self.workers_dns)] if self.workers_dns else [])]:

@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -425,9 +427,15 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     return error_response(HttpError(exc.status_code, exc.detail or "", "invalid_request_error"))
 
 
-def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: ApiKeys | None = None) -> Starlette:
+def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: ApiKeys | None = None,
+             allowed_origins: list[str] | None = None) -> Starlette:
+    """`allowed_origins` (--http-allowed-origins): the browser origins answered under CORS, with the
+    Authorization header allowed (a key is a header, not a cookie: no credentials mode)."""
     front = Front(channel, max_body_bytes, keys)
-    return Starlette(routes=[
+    middleware = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                             allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms"],
+                             max_age=600)] if allowed_origins else []
+    return Starlette(middleware=middleware, routes=[
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),

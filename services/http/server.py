@@ -70,7 +70,7 @@ class HttpFront:
 
     @classmethod
     async def start(cls, listen: str, channel, tls: ServerTLS | None = None,
-                    max_body_bytes: int = 8 << 20, keys=None) -> HttpFront:
+                    max_body_bytes: int = 8 << 20, keys=None, allowed_origins: list[str] | None = None) -> HttpFront:
         """Serves on `listen` (host:port; 0 picks a port), calling the Inference service through
         `channel` (this process's server's local_channel(): its handlers behind its
         interceptors, no socket); stop() ends it."""
@@ -91,7 +91,8 @@ class HttpFront:
             raise CannotListen(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
         sock.listen(2048)
         sock.setblocking(False)
-        config = uvicorn.Config(make_app(channel, max_body_bytes, keys), log_level="warning", lifespan="off",
+        config = uvicorn.Config(make_app(channel, max_body_bytes, keys, allowed_origins), log_level="warning",
+                                lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))
         server = _Server(config)

@@ -8,6 +8,7 @@ config dataclass names its fields with these, so a flag reads the same on every 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
@@ -27,6 +28,22 @@ def health_listen() -> Any:
 def http_listen() -> Any:
     return option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                       "/health) on HOST:PORT (default: off)", metavar="HOST:PORT")
+
+
+def http_allowed_origins() -> Any:
+    return option("", "browser origins the HTTP API answers (CORS), comma-separated, e.g. "
+                      "https://chat.example.com, or * for any (default: none, as a browser page on another "
+                      "origin may not read its answers)", metavar="ORIGINS")
+
+
+def allowed_origins(text: str) -> list[str]:
+    """--http-allowed-origins as a list, each `*` or scheme://host[:port] (ValueError otherwise)."""
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise ValueError(f"--http-allowed-origins: {origin!r} is not an origin (scheme://host[:port], no "
+                             "path) or *")
+    return origins
 
 
 def tls_cert() -> Any:

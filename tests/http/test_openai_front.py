@@ -941,3 +941,30 @@ def test_the_served_model_name_is_the_one_clients_ask_for(tiny_dirs):
                 c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     finally:
         server.stop()
+
+
+def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs):
+    """--http-allowed-origins: a web UI on that origin may call the API from the browser
+    (preflight answered, its answers readable); other origins, and every origin by default, not."""
+    preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    default = f"http://{front.servicer.http_front.address}"
+    assert httpx.options(f"{default}/v1/chat/completions", headers=preflight, timeout=10).status_code == 405
+    plain = httpx.get(f"{default}/v1/models", headers={"Origin": "https://chat.example.com"}, timeout=10)
+    assert "access-control-allow-origin" not in plain.headers
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0",
+                               http_allowed_origins="https://chat.example.com, http://localhost:3000")
+    try:
+        base = f"http://{server.servicer.http_front.address}"
+        answer = httpx.options(f"{base}/v1/chat/completions", headers=preflight, timeout=10)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://chat.example.com"
+        assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+        got = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                         headers={"Origin": "http://localhost:3000"}, timeout=60)
+        assert got.status_code == 200 and got.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"},
+                              timeout=10)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    finally:
+        server.stop()

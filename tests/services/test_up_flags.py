@@ -67,6 +67,12 @@ def test_max_waiting_bounds_the_gateways_queue_in_front_of_workers():
     assert "--max-queued=1" in up.front_flags(ModelServiceConfig(max_waiting=1))
 
 
+def test_the_http_apis_browser_origins_go_to_the_gateway_in_front():
+    flags = up.front_flags(ModelServiceConfig(http_listen="0.0.0.0:8000", http_allowed_origins="*"))
+    assert "--http-allowed-origins=*" in flags
+    assert not any("allowed-origins" in f for f in up.front_flags(ModelServiceConfig()))
+
+
 def test_max_seqs_past_32_bits_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="--max-seqs must be a positive integer of at most 4,294,967,295"):
         up.UpConfig(max_seqs=2**32)
@@ -123,6 +129,8 @@ def test_the_manager_is_sized_by_one_function_whatever_the_launcher():
     (["model", "--served-model-name", " gpt"], "--served-model-name must be printable, with no space at either end"),
     (["up", "--served-model-name", "a\tb"], "--served-model-name must be printable"),
     (["model", "--served-model-name", "m" * 257], "and at most 256 characters"),
+    (["up", "--http-allowed-origins", "https://a.example.com/chat"], "--http-allowed-origins: 'https://a.example.com/chat' "
+                                                                      "is not an origin"),
 ])
 def test_a_bad_value_exits_with_the_dataclass_message(argv, words):
     from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
