@@ -27,7 +27,8 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import HttpError, Reply, prompts_of, request_of, shown, stream_usage
+from kvserve.services.http.translate import (HttpError, Reply, prompts_of, request_of, shown, stream_usage,
+                                             tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,36 @@ class Front:
             self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
         return self.info
 
+    async def _model_asked(self, body: dict, metadata: tuple) -> pb.ModelInfo:
+        """The served model, when the body's `model` names it (or names none); a 404 otherwise."""
+        info = await self.model(metadata)
+        asked = body.get("model")
+        if asked is not None and not isinstance(asked, str):
+            raise HttpError(400, "'model' must be a string", param="model")
+        if asked not in (None, "", info.name):
+            await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
+            raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{info.name}`",
+                            "not_found_error", "model", "model_not_found")
+        return info
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the ids (and, asked, the token strings) the server makes of a prompt
+        or of chat messages rendered by the model's template."""
+        try:
+            metadata = self.metadata(request)
+            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
+                raise HttpError(401, why, "authentication_error", code="unauthenticated")
+            body = await self.body(request)
+            msg, strings = tokenize_request(body)
+            info = await self._model_asked(body, metadata)
+            answer = await self.stub.Tokenize(msg, metadata=metadata, timeout=60)
+        except HttpError as err:
+            return error_response(err)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(from_rpc(exc))
+        return JSONResponse({"count": len(answer.token_ids), "max_model_len": info.max_model_len,
+                             "tokens": list(answer.token_ids), "token_strs": list(answer.tokens) if strings else None})
+
     # ------------------------------------------------------------ routes
 
     async def completions(self, request: Request) -> Response:
@@ -171,15 +202,8 @@ class Front:
             body = await self.body(request)
             prompts = prompts_of(body) if kind == "completion" else None
             msgs = [request_of(kind, body, prompt) for prompt in prompts] if prompts else [request_of(kind, body)]
-            info = await self.model(metadata)
+            info = await self._model_asked(body, metadata)
             model = info.name
-            asked = body.get("model")
-            if asked is not None and not isinstance(asked, str):
-                raise HttpError(400, "'model' must be a string", param="model")
-            if asked not in (None, "", model):
-                await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)   # the key
-                raise HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves `{model}`",
-                                "not_found_error", "model", "model_not_found")
             stream = body.get("stream") is True
             usage, continuous = stream_usage(body.get("stream_options"), stream)
             # the reply's id is the one the server logs the request under (a batch's prompts: -0, -1, ...)
@@ -420,7 +444,8 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     """A path or method this front does not serve, in OpenAI's error shape like every other."""
     if exc.status_code == 404:
         return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
-                                             "/v1/chat/completions, /v1/models[/MODEL] and /health", "not_found_error"))
+                                             "/v1/chat/completions, /v1/models[/MODEL], /tokenize and /health",
+                                             "not_found_error"))
     if exc.status_code == 405:   # with the Allow header Starlette names the methods in
         err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
         return JSONResponse(err.body(), status_code=405, headers=exc.headers)
@@ -440,5 +465,6 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/health", front.health_check, methods=["GET"]),
     ], exception_handlers={HTTPException: _routing_error})

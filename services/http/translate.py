@@ -385,6 +385,31 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     return msg
 
 
+def tokenize_request(body: dict) -> tuple[pb.TokenizeRequest, bool]:
+    """vLLM's /tokenize body (a prompt, or chat messages with their template options) as a
+    TokenizeRequest, and whether it asks for each token's string (return_token_strs)."""
+    strings = _flag(body, "return_token_strs") is True
+    out = pb.TokenizeRequest()
+    try:
+        if body.get("messages") is not None and body.get("prompt") is None:
+            _special_tokens(body, False)
+            chat = chat_request({k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
+                                                      "chat_template_kwargs") if k in body})
+            out.messages.CopyFrom(chat.messages)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise HttpError(400, "'prompt' must be a string, or give 'messages'", param="prompt")
+            out.prompt = prompt
+            special = _flag(body, "add_special_tokens")
+            if special is not None:
+                out.add_special_tokens = special
+    except UnicodeEncodeError:
+        raise HttpError(400, "a string in the body holds a lone UTF-16 surrogate (such as \\ud800), which is "
+                             "not text") from None
+    return out, strings
+
+
 def usage(u: pb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,

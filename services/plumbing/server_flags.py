@@ -27,7 +27,7 @@ def health_listen() -> Any:
 
 def http_listen() -> Any:
     return option("", "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                      "/health) on HOST:PORT (default: off)", metavar="HOST:PORT")
+                      "/tokenize, /health) on HOST:PORT (default: off)", metavar="HOST:PORT")
 
 
 def http_allowed_origins() -> Any:

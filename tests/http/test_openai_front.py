@@ -968,3 +968,25 @@ def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs):
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     finally:
         server.stop()
+
+
+def test_tokenize_gives_the_ids_the_server_makes(front):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template, as the server
+    tokenizes them for Generate."""
+    from kvserve.inference.v1 import inference_pb2 as pb
+    with grpc.insecure_channel(front.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        by_prompt = stub.Tokenize(pb.TokenizeRequest(prompt=PROMPT), timeout=30)
+        chat = pb.TokenizeRequest()
+        chat.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES)
+        by_chat = stub.Tokenize(chat, timeout=30)
+    status, answer = _post(front, "/tokenize", json.dumps({"prompt": PROMPT, "return_token_strs": True}).encode())
+    assert status == 200 and answer["tokens"] == list(by_prompt.token_ids) and answer["count"] == len(answer["tokens"])
+    assert answer["token_strs"] == list(by_prompt.tokens) and answer["max_model_len"] > 0
+    status, answer = _post(front, "/tokenize", json.dumps({"messages": MESSAGES, "model": "tiny"}).encode())
+    assert status == 200 and answer["tokens"] == list(by_chat.token_ids) and answer["token_strs"] is None
+    for body, code, words in (({"prompt": 5}, 400, "'prompt' must be a string, or give 'messages'"),
+                              ({"prompt": "x", "model": "gpt-5"}, 404, "does not exist"),
+                              ({"messages": MESSAGES, "add_special_tokens": True}, 400, "not supported")):
+        status, answer = _post(front, "/tokenize", json.dumps(body).encode())
+        assert status == code and words in answer["error"]["message"], answer
