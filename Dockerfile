@@ -45,9 +45,10 @@ ENV PYTHONUNBUFFERED=1 \
 RUN if ! command -v python3 >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends python3 && rm -rf /var/lib/apt/lists/*; \
     fi \
- && useradd --create-home --uid 10001 kvserve
+ && groupadd --gid 10001 kvserve && useradd --create-home --uid 10001 --gid 10001 kvserve
 COPY --from=build /opt/kvserve /opt/kvserve
-USER kvserve
+# By number: a pod's runAsNonRoot can check a number, not a name
+USER 10001:10001
 WORKDIR /home/kvserve
 
 # 50051: model service / gateway (Inference API). The KV-cache manager `up` starts listens inside

@@ -13,7 +13,7 @@ import yaml
 from kvserve.services.cli.main import build_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
+MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))   # the fleet's, and deploy/examples/
 
 
 def documents(path: Path) -> list[dict]:
@@ -31,19 +31,44 @@ def parsed(container: dict):
     return build_parser().parse_args(args[1:])
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_every_manifest_is_valid_kubernetes(path):
     for doc in documents(path):
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_every_container_runs_flags_kvserve_accepts(path):
     for doc in documents(path):
         if doc["kind"] == "Deployment":
             spec = doc["spec"]["template"]["spec"]
             for container in spec.get("initContainers", []) + spec["containers"]:
-                parsed(container)   # argparse exits on an unknown flag
+                config_of(container)   # argparse exits on an unknown flag; the config checks the values
+                assert container["imagePullPolicy"] == "IfNotPresent" and not container["image"].endswith(":latest")
+
+
+def test_the_fleet_applied_as_a_folder_creates_no_placeholder_secret_and_has_its_volume():
+    """`kubectl apply -f deploy/` (not recursive) must not write placeholder Secrets over the real
+    ones on a re-apply; the checkpoints' claim both Deployments mount is there."""
+    fleet = [d for path in DEPLOY.glob("*.yaml") for d in documents(path)]
+    assert not any(d["kind"] == "Secret" for d in fleet)
+    claims = {d["metadata"]["name"]: d for d in fleet if d["kind"] == "PersistentVolumeClaim"}
+    for name in ("model-service.yaml", "gateway.yaml"):
+        for volume in pod_spec(name)["volumes"]:
+            if "persistentVolumeClaim" in volume:
+                claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+                assert set(claim["spec"]["accessModes"]) & {"ReadOnlyMany", "ReadWriteMany"}   # pods on many nodes
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard():
+    for path in MANIFESTS:
+        for doc in (d for d in documents(path) if d["kind"] == "Deployment"):
+            spec = doc["spec"]["template"]["spec"]
+            assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["seccompProfile"] == {
+                "type": "RuntimeDefault"}, path.name
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                context = container["securityContext"]
+                assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"]
 
 
 def test_the_gateway_follows_the_workers_headless_service_with_their_checkpoint_and_salt():
@@ -71,24 +96,50 @@ def pod_template_labels(name: str) -> dict:
 
 
 def test_the_manager_is_a_sidecar_that_outlives_the_model_services_drain():
+    from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
+
     spec = pod_spec("model-service.yaml")
     [manager] = spec["initContainers"]
     [model] = spec["containers"]
     # a native sidecar: started first, restarted when it dies, stopped after the main containers
     assert manager["restartPolicy"] == "Always"
-    kv, served = parsed(manager), parsed(model)
-    assert (kv.num_pages, kv.page_size) == (served.num_pages, served.page_size)
-    assert served.grace_s + 5 <= spec["terminationGracePeriodSeconds"]
+    kv, served = config_of(manager), config_of(model)
+    assert (parsed(manager).num_pages, parsed(manager).page_size) == (served.num_pages, served.page_size)
+    assert served.kvcache in kv.listen   # the socket, on the volume both mount at one path
+    socket_dir = served.kvcache.removeprefix("unix://").rsplit("/", 1)[0]
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (manager, model)]
+    assert mounts[0][socket_dir] == mounts[1][socket_dir]
+    # the model service's whole drain (model_service/server.py: the grace, 2 s for the streams'
+    # ends, 5 s for their open streams, the server's stop), then the manager's own, in one period
+    drain = served.grace_s + 2 + 5 + LAST_MESSAGES_S + kv.grace_s
+    assert drain <= spec["terminationGracePeriodSeconds"], drain
     assert model["livenessProbe"]["grpc"]["service"] == "liveness"
     assert "service" not in model["readinessProbe"]["grpc"]
+    assert manager["livenessProbe"]["grpc"]["port"] == port_of(kv.health_listen)
 
 
-def config_of(name: str, container: dict):
+def test_the_gateway_leaves_the_service_before_it_drains_and_drains_in_its_period():
+    from kvserve.services.http.server import HTTP_STOP_S
+    from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
+
+    spec = pod_spec("gateway.yaml")
+    [gateway] = spec["containers"]
+    pre_stop = gateway["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    drain = int(pre_stop[1]) + config_of(gateway).grace_s + 2 + LAST_MESSAGES_S + HTTP_STOP_S
+    assert drain <= spec["terminationGracePeriodSeconds"], drain
+
+
+def config_of(container: dict):
+    """The container's config, as its command builds and checks it."""
+    from kvserve.kvcache_service.config import KVCacheServerConfig
     from kvserve.model_service.config import ModelServiceConfig
     from kvserve.services.gateway.config import GatewayConfig
     from kvserve.services.plumbing.config_flags import from_args
 
-    return from_args(GatewayConfig if name == "gateway.yaml" else ModelServiceConfig, parsed(container), name)
+    command = container["args"][1]
+    kind = {"gateway": GatewayConfig, "model": ModelServiceConfig, "kvcache": KVCacheServerConfig}[command]
+    return from_args(kind, parsed(container), command)
 
 
 def port_of(address: str) -> int:
@@ -99,7 +150,7 @@ def port_of(address: str) -> int:
 def test_ports_probes_and_scrape_annotations_match_the_flags(name):
     [deployment] = [d for d in documents(DEPLOY / name) if d["kind"] == "Deployment"]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
-    config = config_of(name, container)
+    config = config_of(container)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["grpc"] == port_of(config.listen)
     assert ports["metrics"] == port_of(config.metrics_listen)
@@ -120,9 +171,9 @@ def test_ports_probes_and_scrape_annotations_match_the_flags(name):
         assert kv_ports["metrics-kv"] == port_of(parsed(manager).metrics_listen)
 
 
-@pytest.mark.parametrize("name", ["gateway.yaml", "model-service.yaml", "kvcache.yaml"])
+@pytest.mark.parametrize("name", ["gateway.yaml", "model-service.yaml", "examples/kvcache.yaml"])
 def test_every_file_a_flag_names_is_a_key_of_a_mounted_secret(name):
-    secrets = {d["metadata"]["name"]: d for d in documents(DEPLOY / "secrets.yaml") if d["kind"] == "Secret"}
+    secrets = {d["metadata"]["name"]: d for d in documents(DEPLOY / "examples/secrets.yaml") if d["kind"] == "Secret"}
     spec = pod_spec(name)
     volumes = {v["name"]: v for v in spec["volumes"]}
     for container in spec.get("initContainers", []) + spec["containers"]:
@@ -146,6 +197,6 @@ def test_every_disruption_budget_selects_its_deployments_pods():
 def test_workers_take_only_the_gateways_calls_and_tenants():
     [gateway] = pod_spec("gateway.yaml")["containers"]
     [model] = pod_spec("model-service.yaml")["containers"]
-    gw, worker = config_of("gateway.yaml", gateway), config_of("model-service.yaml", model)
+    gw, worker = config_of(gateway), config_of(model)
     assert gw.api_keys and not worker.api_keys and worker.trust_tenant_metadata
     assert worker.tls_client_ca == gw.worker_tls_ca and gw.worker_tls_cert and gw.tls_cert and worker.tls_cert

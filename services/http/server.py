@@ -31,6 +31,7 @@ class _Server(uvicorn.Server):
 
 
 HEADERS_TIMEOUT_S = 30.0   # from a connection's start, or a request's first byte, to its last header
+HTTP_STOP_S = 10   # what stop() waits for the requests in flight (the server drained before it)
 
 
 class _HeadersInTime(H11Protocol):
@@ -109,7 +110,7 @@ class HttpFront:
     async def stop(self) -> None:
         self.server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, 10)
+            await asyncio.wait_for(self.task, HTTP_STOP_S)
         await self.channel.close()
 
 
