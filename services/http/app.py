@@ -27,8 +27,8 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import (HttpError, Reply, prompts_of, request_of, shown, stream_usage,
-                                             tokenize_request)
+from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompts_of, request_of, shown,
+                                             stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class Front:
                 part.reply = Reply(kind, model, msg.sampling.n or 1, logprobs=msg.sampling.HasField("logprobs"),
                                    echo=echo, prompt=msg.prompt if msg.HasField("prompt") else None,
                                    echo_top=msg.sampling.logprobs, prompt_top=prompt_top, request_id=base_id,
-                                   eos_token_ids=info.eos_token_ids)
+                                   eos_token_ids=info.eos_token_ids, echo_only=echo and echo_only(body))
                 part.reply.created = parts[0].reply.created
                 offset += part.reply.n
         except HttpError as err:
@@ -352,10 +352,11 @@ async def _chunks(part: Part, continuous: bool) -> AsyncIterator[list[dict]]:
     event = first
     while event is not None:
         if event.HasField("chunk"):
-            reply.generated[event.index] += len(event.chunk.token_ids)
-            if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
-                yield [sent(reply.choice_chunk(event.chunk.text, index=event.index, logprobs=event.chunk.logprobs),
-                            event.index)]
+            if not reply.echo_only:   # (echo only: the token run for the prompt's logprobs is not shown)
+                reply.generated[event.index] += len(event.chunk.token_ids)
+                if event.chunk.text or event.chunk.logprobs:   # (text held back has its tokens' logprobs)
+                    yield [sent(reply.choice_chunk(event.chunk.text, index=event.index,
+                                                   logprobs=event.chunk.logprobs), event.index)]
         elif event.HasField("prefill_done"):   # the prompt: its logprobs (vLLM's), an echo
             reply.prefill_done(event.prefill_done)
             if reply.prompt_top is not None:   # vLLM's prompt_logprobs come first

@@ -306,9 +306,18 @@ def _special_tokens(body: dict, as_served: bool) -> None:
         raise HttpError(400, "'add_special_tokens' is not supported by this server", param="add_special_tokens")
 
 
+def echo_only(body: dict) -> bool:
+    """A completion that scores its prompt and generates nothing (echo with max_tokens 0, as older
+    lm-evaluation-harness and HELM send it): run for one token, answered with the prompt alone."""
+    return (body.get("echo") is True and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+            and body.get("max_completion_tokens") in (None, 0))
+
+
 def completion_request(body: dict, prompt=None) -> pb.GenerateRequest:
     prompt = body.get("prompt") if prompt is None else prompt
     _special_tokens(body, True)
+    if echo_only(body):
+        body = {**body, "max_tokens": 1, "max_completion_tokens": None}
     msg = pb.GenerateRequest(sampling=sampling(body))
     if not msg.sampling.HasField("max_tokens"):
         msg.sampling.max_tokens = COMPLETION_MAX_TOKENS
@@ -421,12 +430,13 @@ class Reply:
 
     def __init__(self, kind: str, model: str, n: int = 1, logprobs: bool = False, echo: bool = False,
                  prompt: str | None = None, echo_top: int = 0, prompt_top: int | None = None,
-                 request_id: str = "", eos_token_ids=()) -> None:
+                 request_id: str = "", eos_token_ids=(), echo_only: bool = False) -> None:
         self.kind = kind   # "completion" | "chat"
         self.model = model
         self.n = n
         self.logprobs = logprobs   # asked for: each choice carries its tokens' logprobs
         self.echo = echo           # a completion's choices begin with the prompt (and its logprobs)
+        self.echo_only = echo_only   # ... and are the prompt alone: the token run for it is not shown
         self.prompt = prompt       # its text: the client's string, or what prefill_done says
         self.prompt_logprobs: list[tuple[str, float | None, dict | None]] = []   # the echo's (token, logprob, top)
         self.echo_top = echo_top       # how many of each prompt token's top the echo shows
@@ -544,9 +554,9 @@ class Reply:
     def whole(self) -> dict:
         choices = []
         for i in range(self.n):
-            text = "".join(self.text[i])
+            text = "" if self.echo_only else "".join(self.text[i])
             echoed = self._echoed_logprobs(i) if self.echo and self.logprobs else None   # offsets go on after it
-            shown = self.logprobs_of(i, self.tokens[i]) if self.logprobs else None
+            shown = self.logprobs_of(i, [] if self.echo_only else self.tokens[i]) if self.logprobs else None
             if self.echo:
                 text = (self.prompt or "") + text
                 if echoed is not None:
@@ -572,11 +582,14 @@ class Reply:
             self.stop_reason[index] = f.stop
         elif f.HasField("stop_token_id") and f.stop_token_id not in self.eos_token_ids:
             self.stop_reason[index] = f.stop_token_id
+        completion = 0 if self.echo_only else f.usage.completion_tokens
         if self.usage is None:
             self.usage = usage(f.usage)
+            self.usage["completion_tokens"] = completion
+            self.usage["total_tokens"] = f.usage.prompt_tokens + completion
         else:
-            self.usage["completion_tokens"] += f.usage.completion_tokens
-            self.usage["total_tokens"] += f.usage.completion_tokens
+            self.usage["completion_tokens"] += completion
+            self.usage["total_tokens"] += completion
         return reason
 
 

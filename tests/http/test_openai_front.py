@@ -990,3 +990,36 @@ def test_tokenize_gives_the_ids_the_server_makes(front):
                               ({"messages": MESSAGES, "add_special_tokens": True}, 400, "not supported")):
         status, answer = _post(front, "/tokenize", json.dumps(body).encode())
         assert status == code and words in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(front, stream):
+    """Older lm-evaluation-harness and HELM score a prompt with echo and max_tokens 0: the prompt,
+    its logprobs, no completion (as vLLM answers it)."""
+    body = {"prompt": BATCH[0], "echo": True, "logprobs": 1, "temperature": 0}
+    status, scored = _post(front, "/v1/completions", json.dumps({**body, "max_tokens": 1}).encode())
+    assert status == 200
+    one = scored["choices"][0]
+    prompt_part = len(one["logprobs"]["tokens"]) - 1   # the echo's tokens, then the one generated
+    if not stream:
+        status, answer = _post(front, "/v1/completions", json.dumps({**body, "max_tokens": 0}).encode())
+        assert status == 200, answer
+        choice = answer["choices"][0]
+    else:
+        host, port = front.servicer.http_front.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {**body, "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}}).encode())
+        chunks = [json.loads(line[6:]) for line in conn.getresponse().read().decode().splitlines()
+                  if line.startswith("data: {")]
+        choice = {"text": "".join(c["choices"][0]["text"] for c in chunks if c["choices"]),
+                  "finish_reason": chunks[-2]["choices"][0]["finish_reason"],
+                  "logprobs": {"token_logprobs": [lp for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                                                  for lp in c["choices"][0]["logprobs"]["token_logprobs"]]}}
+        answer = chunks[-1]
+    assert choice["text"] == BATCH[0] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == one["logprobs"]["token_logprobs"][:prompt_part]
+    assert answer["usage"]["completion_tokens"] == 0
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] == scored["usage"]["prompt_tokens"]
+    status, refused = _post(front, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode())
+    assert status == 400 and "'max_tokens' must be in [1" in refused["error"]["message"]   # without echo
