@@ -174,6 +174,33 @@ static inline __m512 load16(const void *p, int bf16)
     return _mm512_loadu_ps(p);
 }
 
+/* Query heads whose value sums one pass of add_values takes: R x NV accumulators, 16 registers
+ * (head_dim 64: four heads, 128: two), so that each value vector is loaded once for R heads and
+ * R x NV independent sums hide the FMA's latency, which one head's NV sums alone wait on. */
+#define VALUE_HEADS(NV) ((NV) <= 4 ? 4 : (NV) <= 8 ? 2 : 1)
+
+/* R query heads' accumulators (rows of acc, head_dim apart) += the chunk's m values (rows of vr,
+ * stride apart) weighted by their probabilities (rows of probs, 16 apart). Each sum takes the
+ * values in token order, as a head at a time did: the results are the same to the bit. */
+static inline __attribute__((always_inline)) void
+add_values(const float *vr, int64_t stride, int64_t m, const int64_t NV, const int64_t R,
+           const float *probs, float *acc, int64_t head_dim)
+{
+    __m512 a[16];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < NV; j++)
+            a[r * NV + j] = _mm512_load_ps(acc + r * head_dim + 16 * j);
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t j = 0; j < NV; j++) {
+            const __m512 value = _mm512_loadu_ps(vr + t * stride + 16 * j);
+            for (int64_t r = 0; r < R; r++)
+                a[r * NV + j] = _mm512_fmadd_ps(_mm512_set1_ps(probs[16 * r + t]), value, a[r * NV + j]);
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < NV; j++)
+            _mm512_store_ps(acc + r * head_dim + 16 * j, a[r * NV + j]);
+}
+
 /* attend() for head_dim a multiple of 32 (a constant in each inlined copy), in chunks of up to
  * 16 tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
  * widened once into a buffer (bfloat16; copying float32 ones too was measurably slower,
@@ -266,19 +293,11 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                         for (int64_t j = 0; j < NV; j++)
                             _mm512_store_ps(&kf[t][16 * j],
                                             load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, kv16));
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t h = kh * group + g;
-                    __m512 a[NV];
-                    for (int64_t j = 0; j < NV; j++)
-                        a[j] = _mm512_load_ps(&acc[h][16 * j]);
-                    for (int64_t t = 0; t < m; t++) {
-                        const __m512 w = _mm512_set1_ps(probs[g][t]);
-                        for (int64_t j = 0; j < NV; j++)
-                            a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + t * kr_stride + 16 * j), a[j]);
-                    }
-                    for (int64_t j = 0; j < NV; j++)
-                        _mm512_store_ps(&acc[h][16 * j], a[j]);
-                }
+                int64_t g = 0;
+                for (; g + VALUE_HEADS(NV) <= group; g += VALUE_HEADS(NV))
+                    add_values(vr, kr_stride, m, NV, VALUE_HEADS(NV), probs[g], acc[kh * group + g], head_dim);
+                for (; g < group; g++)
+                    add_values(vr, kr_stride, m, NV, 1, probs[g], acc[kh * group + g], head_dim);
             }
         }
     }
