@@ -384,7 +384,7 @@ async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dic
             async for chunks in _chunks(part, continuous):
                 queue.put_nowait(chunks)
             queue.put_nowait(None)
-        except grpc.aio.AioRpcError as exc:
+        except Exception as exc:   # any: a pump that ended without a word would hold the stream open forever
             queue.put_nowait(exc)
     tasks = [asyncio.ensure_future(pump(part)) for part in parts]
     try:
@@ -393,7 +393,7 @@ async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dic
             item = await queue.get()
             if item is None:
                 running -= 1
-            elif isinstance(item, grpc.aio.AioRpcError):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield item

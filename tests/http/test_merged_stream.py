@@ -1,0 +1,67 @@
+"""The merge of a batch's streams (services/http/app.py, _merged): whatever ends one call's
+stream ends the merged one, never leaving it waiting on a pump that has stopped."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvserve.services.http import app
+
+
+def run(parts_behaviour: dict[str, object], monkeypatch) -> tuple[list, BaseException | None, list[str]]:
+    """_merged over fake parts named by parts_behaviour's keys: each yields one chunk, then
+    raises the given exception, or (None) waits until cancelled. -> what the merge yielded,
+    what it raised, and which parts' waits were cancelled."""
+    cancelled: list[str] = []
+
+    async def chunks(part, continuous):
+        yield [{"part": part}]
+        behaviour = parts_behaviour[part]
+        if behaviour is None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append(part)
+                raise
+        raise behaviour
+
+    monkeypatch.setattr(app, "_chunks", chunks)
+
+    async def merge() -> tuple[list, BaseException | None]:
+        got, raised = [], None
+        try:
+            async for item in app._merged(list(parts_behaviour), False):
+                got.append(item)
+        except Exception as exc:
+            raised = exc
+        await asyncio.sleep(0)   # the cancelled pumps' turn to see it
+        return got, raised
+
+    got, raised = asyncio.run(asyncio.wait_for(merge(), 30))   # 30 s: a hang, not a timing
+    return got, raised, cancelled
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug in one part"),
+                                   grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                                        grpc.aio.Metadata(), "the worker failed")])
+def test_an_error_in_one_part_ends_the_merge_and_cancels_the_others(error, monkeypatch):
+    got, raised, cancelled = run({"a": error, "b": None}, monkeypatch)
+    assert raised is error
+    assert got[0] == [{"part": "a"}]
+    assert cancelled == ["b"]   # the part still running is stopped, not left behind
+
+
+def test_parts_that_finish_end_the_merge(monkeypatch):
+    async def chunks(part, continuous):
+        yield [{"part": part}]
+
+    monkeypatch.setattr(app, "_chunks", chunks)
+
+    async def merge() -> list:
+        return [item async for item in app._merged(["a", "b", "c"], False)]
+
+    got = asyncio.run(asyncio.wait_for(merge(), 30))
+    assert sorted(item[0]["part"] for item in got) == ["a", "b", "c"]
