@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # A call past its deadline that grpc has not ended yet is given this long to be, before it is
 # ended here DEADLINE_EXCEEDED.
 DEADLINE_END_WAIT_S = 0.5
+MODEL_INFO_LOOK_S = 0.05   # how often GetModelInfo looks for a serving worker while none is
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 # How a stream the gateway took can fail (no worker, its worker lost past --migration-limit, a
@@ -177,9 +178,18 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))
 
     async def GetModelInfo(self, request, context):
-        info = next((w.info for w in self.fleet.serving() if w.info is not None), None)
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving yet")
+        """A serving worker's; while none is, waited for as a request waits (--no-worker-timeout,
+        within the call's deadline), so that a client's first call in a restart of every worker,
+        or the HTTP front's, is answered once one serves rather than refused at once."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.no_worker_timeout_s
+        while (info := next((w.info for w in self.fleet.serving() if w.info is not None), None)) is None:
+            if self.draining or loop.time() >= give_up:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                    "the gateway is draining" if self.draining else
+                    f"no worker has been serving for {self.no_worker_timeout_s:g} s (--no-worker-timeout); try "
+                    f"again later{self.fleet.why_none_serving(addresses=False)}"))
+            await asyncio.sleep(MODEL_INFO_LOOK_S)
         return info
 
     async def GetServerStats(self, request, context):

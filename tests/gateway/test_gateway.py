@@ -14,7 +14,9 @@ import pytest
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
-from tests.gateway.conftest import make_fleet
+from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.gateway.conftest import GatewayThread, WorkerThreads, make_fleet
+from tests.service.processes import free_port
 from tests.service.util import generate, greedy, request, wait_until
 
 SYSTEM = list(range(100, 164))   # 64 tokens: 16 pages
@@ -326,6 +328,37 @@ def test_with_no_worker_serving_a_request_waits_then_ends_unavailable(tiny_dirs)
         assert s.code == grpc.StatusCode.UNAVAILABLE and s.positions == [1]
         stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
         assert (stats.requests_finished, stats.requests_aborted, stats.requests_failed) == (0, 0, 1)
+
+
+def test_model_info_waits_for_a_worker_to_serve_as_a_request_does(tiny_dirs):
+    """GetModelInfo (a client's first call, the HTTP front's) while no worker serves: answered
+    once one does, and UNAVAILABLE, saying why, once --no-worker-timeout has passed."""
+    address = f"127.0.0.1:{free_port()}"   # the worker's, before it listens
+    gateway = GatewayThread([address], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=60.0)
+    worker = None
+    try:
+        with grpc.insecure_channel(gateway.address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.RpcError) as waited:   # not refused at once: it waits
+                stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=0.5)
+            assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            answer = stub.GetModelInfo.future(pb.GetModelInfoRequest(), timeout=60)
+            worker = WorkerThreads(tiny_dirs["tiny"], listen=address)
+            assert answer.result().max_model_len > 0
+    finally:
+        gateway.stop()
+        if worker is not None:
+            worker.stop()
+    gateway = GatewayThread([f"127.0.0.1:{free_port()}"], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=0.3)
+    try:
+        with grpc.insecure_channel(gateway.address) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.InferenceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker has been serving for 0.3 s (--no-worker-timeout); try again later; 1 worker: down" \
+            in refused.value.details()
+    finally:
+        gateway.stop()
 
 
 def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavailable(two_workers):
