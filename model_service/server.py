@@ -25,7 +25,7 @@ from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
-                                                   drain_wait, stop_server, wait_for_signal)
+                                                   drain_wait, send_goaway, stop_server, wait_for_signal)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,6 +128,7 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     engine = servicer.engine
     await servicer.health.drain()
     servicer.drain()
+    stopping = send_goaway(running.server)
     await drain_wait(engine.num_live, grace_s, hurry)
     if engine.num_live():
         hurried = hurry is not None and hurry.is_set()
@@ -145,6 +146,7 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     if servicer.lane is not None:
         await servicer.lane.close()
     await stop_server(running.server, LAST_MESSAGES_S, hurry)
+    await stopping
 
 
 async def serve(config: ModelServiceConfig) -> None:

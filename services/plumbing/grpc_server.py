@@ -209,6 +209,20 @@ async def drain_wait(busy: Callable[[], bool], seconds: float, hurry: asyncio.Ev
         await asyncio.sleep(0.02)
 
 
+# What the drain's first stop gives the calls in flight: longer than any drain, whose own last
+# stop (stop_server) then cuts it to what the drain has left.
+_UNTIL_DRAINED_S = 3600.0
+
+
+def send_goaway(server: grpc.aio.Server) -> asyncio.Future:
+    """A drain's first step: the server stops listening and tells every connection GOAWAY, so a
+    client holding one sends its next call elsewhere (gRPC retries a call refused so, unseen)
+    where answering it UNAVAILABLE would have failed it; calls in flight go on, for the drain to
+    end (stop_server later cuts their time). Health probes keep their own port (--health-listen)
+    until the server has stopped."""
+    return asyncio.ensure_future(server.stop(_UNTIL_DRAINED_S))
+
+
 async def stop_server(server: grpc.aio.Server, grace_s: float | None, hurry: asyncio.Event | None = None) -> None:
     """server.stop(grace_s), cut to no grace when `hurry` is set meanwhile (every call left then
     ends UNAVAILABLE)."""

@@ -364,7 +364,7 @@ def test_model_info_waits_for_a_worker_to_serve_as_a_request_does(tiny_dirs):
 def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavailable(two_workers):
     import asyncio
 
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
     from kvserve.services.gateway.server import drain
 
@@ -373,14 +373,39 @@ def test_the_gateways_drain_lets_short_streams_finish_and_ends_the_rest_unavaila
     short = Streamed(fleet.stub, request(token_ids=SYSTEM[:20], **greedy(6)))
     wait_until(lambda: long.started() and short.started(), what="both streams under way")
     draining = asyncio.run_coroutine_threadsafe(drain(fleet.gateway.gateway, 1.0), fleet.gateway.loop)
-    health = health_pb2_grpc.HealthStub(fleet.channel)
-    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    health = fleet.gateway.gateway.running.health   # what probes read on --health-listen: the main port says GOAWAY
+    wait_until(lambda: fleet.gateway.call(health.Check(health_pb2.HealthCheckRequest(), None)).status
                == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
     assert short.done.wait(30) and short.code == grpc.StatusCode.OK
     assert long.done.wait(30) and long.code == grpc.StatusCode.UNAVAILABLE
     draining.result(15)
     for w in fleet.workers:
         wait_until(lambda: w.manager.manager.stats().used_pages == 0, what="the worker's pages freed")
+
+
+def test_a_client_holding_a_connection_to_a_draining_gateway_is_not_failed_by_it(two_workers):
+    """Two gateway replicas in front of the same workers, a client's channel knowing both: the
+    drain of the one it holds a connection to says GOAWAY, and its next calls go to the other
+    without one error (a rolling update of the gateways); its stream there finishes."""
+    from kvserve.services.gateway.server import drain
+
+    fleet = two_workers
+    other = GatewayThread([w.address for w in fleet.workers], model=fleet.gateway.config.model)
+    try:
+        other.wait_serving(2)
+        with grpc.insecure_channel(f"ipv4:{fleet.gateway.address},{other.address}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            running = Streamed(stub, request(token_ids=SYSTEM, **greedy(40)))
+            wait_until(running.started, what="the stream under way")
+            draining = asyncio.run_coroutine_threadsafe(drain(fleet.gateway.gateway, 60.0), fleet.gateway.loop)
+            wait_until(lambda: fleet.gateway.gateway.servicer.draining, what="the drain to start")
+            for i in range(5):
+                assert len(generate(stub, request(token_ids=SYSTEM[:10] + [i], **greedy(3))).tokens) == 3
+            assert running.done.wait(60) and running.code == grpc.StatusCode.OK
+            draining.result(30)
+        assert other.gateway.servicer._stats().requests_finished == 5
+    finally:
+        other.stop()
 
 
 def test_a_request_id_in_flight_is_refused_through_the_gateway(two_workers):

@@ -175,15 +175,19 @@ def test_a_cpu_gemm_that_cannot_run_is_refused_at_build(tiny_dirs):
 
 
 def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavailable(tiny_dirs):
+    """NOT_SERVING on the probes' port; the main one says GOAWAY (a client's next call goes
+    elsewhere: the next test); the calls in flight finish or end UNAVAILABLE saying why."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from kvserve.model_service.server import drain
     from tests.service.conftest import ModelServerThread
+    from tests.service.processes import free_port
 
-    server = ModelServerThread(tiny_dirs["tiny"])
+    probes = f"127.0.0.1:{free_port()}"
+    server = ModelServerThread(tiny_dirs["tiny"], health_listen=probes)
     try:
-        with grpc.insecure_channel(server.address) as ch:
-            stub, health = pb_grpc.InferenceStub(ch), health_pb2_grpc.HealthStub(ch)
+        with grpc.insecure_channel(server.address) as ch, grpc.insecure_channel(probes) as probe_ch:
+            stub, health = pb_grpc.InferenceStub(ch), health_pb2_grpc.HealthStub(probe_ch)
             serving = lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
             assert serving() == health_pb2.HealthCheckResponse.SERVING
             long_call, _ = _stream_until_chunk(stub, request(token_ids=PROMPT, **greedy(1900)))
@@ -195,7 +199,7 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
                 assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
                     health_pb2.HealthCheckResponse.NOT_SERVING, name
             err = rpc_error(lambda: stub.Generate(request(token_ids=PROMPT, **greedy(3)), timeout=10))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+            assert err.code() == grpc.StatusCode.UNAVAILABLE   # nowhere else to go: no server listens
             short_events += list(short_call)
             assert short_events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
             with pytest.raises(grpc.RpcError) as info:
@@ -208,6 +212,38 @@ def test_drain_says_not_serving_lets_short_calls_finish_and_ends_the_rest_unavai
         assert_pages_free(server.servicer)
     finally:
         server.stop()
+
+
+def test_a_client_holding_a_connection_to_a_draining_server_is_not_failed_by_it(tiny_dirs):
+    """GOAWAY at the drain's start: a client whose channel knows another server sends its next
+    calls there without one error, where a refusal on the held connection failed each call
+    until the server stopped; its stream on the draining one finishes there."""
+    from kvserve.model_service.server import drain
+    from tests.service.conftest import ModelServerThread
+    from tests.service.processes import free_port
+
+    servers = []
+    try:
+        for _ in range(2):
+            servers.append(ModelServerThread(tiny_dirs["tiny"], listen=f"127.0.0.1:{free_port()}"))
+        first, second = servers
+        target = f"ipv4:{first.address},{second.address}"   # pick_first: every call to the first while it serves
+        with grpc.insecure_channel(target) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            running, events = _stream_until_chunk(stub, request(token_ids=PROMPT, **greedy(40)))
+            assert first.servicer.engine.num_live() == 1
+            draining = asyncio.run_coroutine_threadsafe(drain(first.running, first.servicer, 60.0), first.loop)
+            wait_until(lambda: first.servicer.draining, what="the drain to start")
+            for i in range(5):
+                out = generate(stub, request(token_ids=PROMPT + [i], **greedy(3)))
+                assert len(out.tokens) == 3
+            events += list(running)
+            assert events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+            draining.result(30)
+        assert second.servicer.engine.counters.finished == 5
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_a_hurried_drain_ends_the_streams_at_once_saying_so(tiny_dirs):
