@@ -129,6 +129,8 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     await servicer.health.drain()
     servicer.drain()
     stopping = send_goaway(running.server)
+    if servicer.http_front is not None:
+        servicer.http_front.begin_stop(grace_s)
     await drain_wait(engine.num_live, grace_s, hurry)
     if engine.num_live():
         hurried = hurry is not None and hurry.is_set()

@@ -134,6 +134,8 @@ async def drain(gateway: Gateway, grace_s: float, hurry: asyncio.Event | None = 
     for name in ("", SERVICE_NAME):
         await gateway.running.health.set(name, NOT_SERVING)
     stopping = send_goaway(gateway.running.server)
+    if gateway.http_front is not None:
+        gateway.http_front.begin_stop(grace_s)
     await drain_wait(lambda: bool(servicer.relays), grace_s, hurry)
     why = ("the gateway was stopped before the request finished" if hurry is not None and hurry.is_set() else
            f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")

@@ -32,6 +32,7 @@ class _Server(uvicorn.Server):
 
 HEADERS_TIMEOUT_S = 30.0   # from a connection's start, or a request's first byte, to its last header
 HTTP_STOP_S = 10   # what stop() waits for the requests in flight (the server drained before it)
+DRAIN_END_S = 30.0   # past a drain's grace: its streams' ends and last messages (begin_stop; stop() cuts it)
 
 
 class _HeadersInTime(H11Protocol):
@@ -106,6 +107,14 @@ class HttpFront:
         bound = address.with_port(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http%s://%s", "s" if tls else "", bound)
         return cls(server, task, channel, bound)
+
+    def begin_stop(self, grace_s: float) -> None:
+        """A drain's start, HTTP's GOAWAY: the port closes, idle keep-alive connections are closed
+        and busy ones once their response is out, so a client's next request opens a connection
+        that reaches another replica where this one would answer 503 until it stopped; requests in
+        flight get `grace_s` and the drain's end (stop() then bounds what is left)."""
+        self.server.config.timeout_graceful_shutdown = grace_s + DRAIN_END_S
+        self.server.should_exit = True
 
     async def stop(self) -> None:
         self.server.should_exit = True

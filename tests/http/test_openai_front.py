@@ -1023,3 +1023,48 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(front, s
     assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] == scored["usage"]["prompt_tokens"]
     status, refused = _post(front, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode())
     assert status == 400 and "'max_tokens' must be in [1" in refused["error"]["message"]   # without echo
+
+
+def test_a_drain_closes_idle_connections_and_the_port_and_lets_a_running_stream_finish(tiny_dirs):
+    """HTTP's GOAWAY: at the drain's start an idle keep-alive connection is closed and the port
+    with it (a client's next request opens a connection that reaches another replica, where it
+    got 503 here for the whole drain); a stream under way finishes."""
+    import asyncio
+
+    from kvserve.model_service.server import drain
+
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0")
+    try:
+        host, port = server.servicer.http_front.address.rsplit(":", 1)
+        idle = socket.create_connection((host, int(port)), timeout=30)
+        idle.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += idle.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()   # kept alive
+        busy = http.client.HTTPConnection(host, int(port), timeout=60)
+        busy.request("POST", "/v1/completions", headers={"content-type": "application/json"},
+                     body=json.dumps({"prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True,
+                                      "ignore_eos": True}))
+        stream = busy.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        assert server.servicer.engine.num_live() == 1
+        draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 60.0), server.loop)
+        idle.settimeout(30)
+        rest = head.split(b"\r\n\r\n", 1)[1]
+        while (got := idle.recv(65536)):   # the rest of the body, then the server's close
+            rest += got
+        idle.close()
+
+        def refused() -> bool:
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except ConnectionRefusedError:
+                return True
+            return False
+        wait_until(refused, what="the HTTP port closed")
+        body = stream.read().decode()
+        assert body.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in body
+        draining.result(60)
+    finally:
+        server.stop()
