@@ -78,6 +78,12 @@ def _final(exc: grpc.aio.AioRpcError) -> bool:
     return any(key == FINAL_TRAILER for key, _ in exc.trailing_metadata() or ())
 
 
+def none_serving(fleet: Fleet, waited_s: float) -> str:
+    """What a call that waited --no-worker-timeout for a serving worker in vain is told."""
+    return (f"no worker has been serving for {waited_s:g} s (--no-worker-timeout); try again later"
+            f"{fleet.why_none_serving(addresses=False)}")
+
+
 def renamed(request_id: str) -> str:
     """A moved request's id once another request holds it at the worker: a random suffix, within
     the length a worker allows."""
@@ -447,9 +453,7 @@ class Relay:
                 elif alone_since is None:
                     alone_since = loop.time()
                 elif loop.time() - alone_since > self.no_worker_timeout_s:
-                    raise Refused(grpc.StatusCode.UNAVAILABLE, f"no worker has been serving for "
-                                  f"{self.no_worker_timeout_s:g} s (--no-worker-timeout); try again later"
-                                  f"{self.fleet.why_none_serving(addresses=False)}")
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, none_serving(self.fleet, self.no_worker_timeout_s))
                 position = queue.position(waiter)
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)

@@ -22,7 +22,7 @@ from kvserve.kvcache_service.contract.hashing import check_cache_salt
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
 from kvserve.model_service.status import status_message
 from kvserve.services.gateway.inputs import InputError, Inputs
-from kvserve.services.gateway.relay import Refused, Relay, unfit
+from kvserve.services.gateway.relay import Refused, Relay, none_serving, unfit
 from kvserve.services.plumbing import stats_watch
 from kvserve.services.plumbing.api_keys import TENANT_METADATA, ApiKeys, bearer_token
 
@@ -185,10 +185,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         give_up = loop.time() + self.no_worker_timeout_s
         while (info := next((w.info for w in self.fleet.serving() if w.info is not None), None)) is None:
             if self.draining or loop.time() >= give_up:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                    "the gateway is draining" if self.draining else
-                    f"no worker has been serving for {self.no_worker_timeout_s:g} s (--no-worker-timeout); try "
-                    f"again later{self.fleet.why_none_serving(addresses=False)}"))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is draining" if self.draining else
+                                    none_serving(self.fleet, self.no_worker_timeout_s))
             await asyncio.sleep(MODEL_INFO_LOOK_S)
         return info
 
