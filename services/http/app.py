@@ -386,6 +386,13 @@ async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dic
             queue.put_nowait(None)
         except Exception as exc:   # any: a pump that ended without a word would hold the stream open forever
             queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # the merge itself stopped it
+                raise
+            # its call was cancelled from elsewhere (the front's channel closed at a stop)
+            queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                                  "the call was cancelled before the request finished"))
     tasks = [asyncio.ensure_future(pump(part)) for part in parts]
     try:
         running = len(parts)

@@ -65,3 +65,11 @@ def test_parts_that_finish_end_the_merge(monkeypatch):
 
     got = asyncio.run(asyncio.wait_for(merge(), 30))
     assert sorted(item[0]["part"] for item in got) == ["a", "b", "c"]
+
+
+def test_a_call_cancelled_from_elsewhere_ends_the_merge_as_cancelled(monkeypatch):
+    """A call cancelled under a pump (the front's channel closed) raises CancelledError there:
+    the merge ends CANCELLED instead of waiting for that pump forever."""
+    got, raised, cancelled = run({"a": asyncio.CancelledError(), "b": None}, monkeypatch)
+    assert isinstance(raised, grpc.aio.AioRpcError) and raised.code() == grpc.StatusCode.CANCELLED
+    assert cancelled == ["b"]
