@@ -12,7 +12,8 @@ report, and a fleet of quiet workers costs the gateway almost nothing. A worker 
 (an older version) is polled instead: GetServerStats and grpc.health.v1 every --poll-interval.
 A worker whose stream or poll fails, or whose stream stays silent for three heartbeats, is
 down: its running streams are moved to other workers (relay.py) and it gets nothing new until
-it answers again; NOT_SERVING (draining, its manager lost, stalled) gets nothing new.
+it answers again; NOT_SERVING (draining, its manager lost, stalled) gets nothing new. A draining
+worker closes its port: a poll it refuses while streams still run there leaves it NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -200,7 +201,10 @@ class Follower:
                                 w.address, exc.details(), self.poll_s)                # it is not failing
                     self.pushed = False
                     continue
-                self._down(f"{exc.code().name}: {exc.details()}")
+                if not self.pushed and self._refused_under_streams(exc):
+                    self._refusing(exc)
+                else:
+                    self._down(f"{exc.code().name}: {exc.details()}")
             except asyncio.TimeoutError:
                 self._down(f"its load stream sent nothing for {self._load_watch()[1]:g} s")
             self.on_change()
@@ -289,6 +293,22 @@ class Follower:
         w.state, w.not_serving = state, why
         w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
                       asked, stats.prefill_tokens))
+
+    def _refused_under_streams(self, exc: grpc.aio.AioRpcError) -> bool:
+        """A poll refused (UNAVAILABLE: nothing listens) while streams of this gateway still run
+        there. A draining worker closes its port at once (GOAWAY) and serves its streams to their
+        end over the connections they hold; a dead one resets those too, and each stream fails
+        and moves on its own (a hung one still takes the connection: its poll times out)."""
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and bool(self.worker.relays)
+
+    def _refusing(self, exc: grpc.aio.AioRpcError) -> None:
+        """Nothing new goes there; its streams and its lane are left to run to their end."""
+        w = self.worker
+        why = f"it refuses new connections (draining, or stopped): {exc.details()}"
+        if w.state != NOT_SERVING or not w.not_serving.startswith("it refuses new connections"):
+            log.info("worker %s: %s; its %d streams run on", w.address, why, len(w.relays))
+        w.state, w.not_serving = NOT_SERVING, why
+        w.changed()
 
     def _down(self, why: str) -> None:
         w = self.worker

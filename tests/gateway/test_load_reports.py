@@ -15,7 +15,7 @@ from kvserve.kvcache_service.contract.hashing import extra_key_digest
 from kvserve.model_service.servicer import InferenceServicer
 from tests.gateway.conftest import GatewayThread, make_fleet
 from tests.server_thread import LoopThread
-from tests.service.util import generate, greedy, request, wait_until
+from tests.service.util import Stream, generate, greedy, request, wait_until
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
 
@@ -78,6 +78,34 @@ def test_a_worker_whose_streams_are_full_is_polled_not_taken_for_failed(tiny_dir
         assert len(out.tokens) == 3 and polls[0] > 0
         assert [w.state for w in fleet.gateway.fleet.workers.values()] == ["serving"]
         assert "keeps no more WatchServerStats streams" in caplog.text and "is down" not in caplog.text
+
+
+def test_a_polled_worker_that_drains_keeps_its_streams(tiny_dirs, monkeypatch, caplog):
+    """A draining worker closes its port at once (GOAWAY): the next poll is refused. The gateway
+    took that for a failure, marked the worker down and moved its streams off, redoing their
+    prefill elsewhere (here, with no other worker, failing them)."""
+    from kvserve.model_service.server import drain
+
+    async def full(self, request, context):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "64 WatchServerStats streams are open")
+        yield
+
+    monkeypatch.setattr(InferenceServicer, "WatchServerStats", full)
+    caplog.set_level("INFO", logger="kvserve.services.gateway.follow")
+    for fleet in make_fleet(tiny_dirs["tiny"], 1):
+        call = fleet.stub.Generate(request(token_ids=PROMPT, **greedy(1500)), timeout=120)
+        wait_until(lambda: busy_worker(fleet) is not None, what="a polled report of the running request")
+        [worker] = fleet.workers
+        server = worker.model
+        draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 60.0), server.loop)
+        [w] = fleet.gateway.fleet.workers.values()
+        wait_until(lambda: "refuses new connections" in w.not_serving, what="a poll refused by the drained port")
+        assert w.state == "not serving"
+        out = Stream(events=list(call))
+        assert len(out.tokens) == 1500 and out.finished is not None
+        draining.result(timeout=60)
+        wait_until(lambda: w.state == "down", what="the worker down once its port is closed and its streams ended")
+        assert caplog.text.index("refuses new connections") < caplog.text.index("is down")
 
 
 class HangingWorker(pb_grpc.InferenceServicer):
