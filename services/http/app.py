@@ -231,6 +231,9 @@ class Front:
         except grpc.aio.AioRpcError as exc:
             _cancel(parts)
             return error_response(from_rpc(exc))
+        except BaseException:   # a failure of this front's, or the request's task cancelled: no call left running
+            _cancel(parts)
+            raise
         if not stream:
             return await self._whole(request, parts)
         return StreamingResponse(self._stream(parts, usage, continuous), media_type="text/event-stream",
@@ -297,6 +300,10 @@ class Front:
                 yield sse("[DONE]")
         except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
             yield sse(from_rpc(exc).body())
+            yield sse("[DONE]")
+        except Exception:   # this front's own failure: said, as the last event, not a cut connection
+            log.exception("the HTTP front failed streaming a reply")
+            yield sse(INTERNAL_ERROR.body())
             yield sse("[DONE]")
         finally:
             _cancel(parts)   # the client went away (or the stream ended): nothing left running upstream
@@ -448,6 +455,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its log says why)", "server_error",
+                           code="internal")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """An unexpected failure: OpenAI's error shape, not Starlette's plain text (Starlette logs it)."""
+    return error_response(INTERNAL_ERROR)
+
+
 async def _routing_error(request: Request, exc: HTTPException) -> Response:
     """A path or method this front does not serve, in OpenAI's error shape like every other."""
     if exc.status_code == 404:
@@ -475,4 +491,4 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/health", front.health_check, methods=["GET"]),
-    ], exception_handlers={HTTPException: _routing_error})
+    ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.gateway.conftest import make_fleet
 from tests.service.conftest import ModelServerThread
@@ -1068,3 +1069,44 @@ def test_a_drain_closes_idle_connections_and_the_port_and_lets_a_running_stream_
         draining.result(60)
     finally:
         server.stop()
+
+
+def _aborted(front) -> int:
+    with grpc.insecure_channel(front.address) as ch:
+        return pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10).requests_aborted
+
+
+def test_a_failure_of_the_front_itself_is_an_openai_500_and_leaves_no_call_running(front, monkeypatch):
+    """An unexpected exception once the call had started (here, making the reply) was Starlette's
+    plain-text 500, and the started Generate ran on to its max_tokens."""
+    from kvserve.services.http import app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the front")
+
+    monkeypatch.setattr(app, "Reply", broken)
+    before = _aborted(front)
+    status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 1500}).encode())
+    assert status == 500 and answer["error"]["type"] == "server_error"
+    assert "RuntimeError" not in json.dumps(answer) and "a bug" not in json.dumps(answer)
+    wait_until(lambda: _aborted(front) == before + 1, what="the started call cancelled")
+
+
+def test_a_failure_of_the_front_mid_stream_is_the_streams_last_event(front, monkeypatch):
+    """An unexpected exception after the 200 went out cut the connection without a word."""
+    from kvserve.services.http import app
+
+    async def failing(part, continuous):
+        yield [part.reply.choice_chunk("a", None)]
+        raise RuntimeError("a bug in the front")
+
+    monkeypatch.setattr(app, "_chunks", failing)
+    before = _aborted(front)
+    answer = httpx.post(f"http://{front.servicer.http_front.address}/v1/completions", timeout=60,
+                        json={"prompt": PROMPT, "max_tokens": 1500, "stream": True})
+    assert answer.status_code == 200
+    events = [line[len("data: "):] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[1])["error"]["type"] == "server_error" and events[2:] == ["[DONE]"]
+    assert "RuntimeError" not in answer.text
+    wait_until(lambda: _aborted(front) == before + 1, what="the streamed call cancelled")
