@@ -914,6 +914,88 @@ def test_a_batch_scored_as_lm_evaluation_harness_scores_it(front, client, model)
         assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
 
 
+def _sse_chunks(front, body: dict) -> list:
+    """A streamed reply's events, [DONE] as the string."""
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+        lines = conn.getresponse().read().decode().splitlines()
+    finally:
+        conn.close()
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_streamed_batch_echoes_scores_and_counts_each_prompt_as_the_whole_reply_does(front, client, model):
+    """echo, logprobs and continuous usage in a streamed batch: each choice's text and logprobs are
+    the non-streamed batch's, and each chunk's usage is its own prompt's tokens and its choice's so far."""
+    whole = client.completions.create(model=model, prompt=BATCH, max_tokens=4, temperature=0, echo=True, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    events = _sse_chunks(front, {"prompt": BATCH, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1,
+                                 "ignore_eos": True, "stream": True,
+                                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            logprobs.setdefault(c["index"], []).extend((c["logprobs"] or {}).get("token_logprobs") or [])
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+    for i, c in enumerate(whole.choices):   # (the same up to the float sums of how the steps batched them)
+        assert logprobs[i][0] is None is c.logprobs.token_logprobs[0]
+        assert logprobs[i][1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
+    prompt_tokens = [client.completions.create(model=model, prompt=p, max_tokens=1).usage.prompt_tokens
+                     for p in BATCH]
+    for index in range(3):
+        usages = [c["usage"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert {u["prompt_tokens"] for u in usages} == {prompt_tokens[index]}
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 4
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 == whole.usage.completion_tokens
+    assert chunks[-1]["usage"]["prompt_tokens"] == sum(prompt_tokens) == whole.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_a_batch_cancels_every_prompts_call(front, stream):
+    engine = front.servicer.engine
+    aborted = engine.counters.aborted
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": BATCH, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": stream})
+    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+    wait_until(lambda: engine.num_live() == 3, what="the batch's three calls running")
+    if stream:
+        conn.getresponse().readline()   # its first event
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_until(lambda: engine.num_live() == 0, timeout=30, what="the batch's calls gone")
+    assert engine.counters.aborted == aborted + 3   # cancelled, not run to their 1,900 tokens
+
+
+def test_a_batch_whose_calls_fail_mid_stream_ends_with_the_error(front, monkeypatch):
+    """A forward pass fails once the batch's three prompts decode together (a CUDA error, a bug):
+    their calls end INTERNAL, and the stream's last events are that error and [DONE]."""
+    runner = front.servicer.engine.runner
+    execute, seen = runner.execute, {"n": 0}
+
+    def failing(work):
+        if len({w.request.request_id for w in work}) == 3:
+            seen["n"] += 1
+            if seen["n"] == 8:
+                raise RuntimeError("injected failure")
+        return execute(work)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    events = _sse_chunks(front, {"prompt": BATCH, "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+                                 "stream": True})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error", events[-3:]
+    assert any(c.get("choices") and c["choices"][0]["text"] for c in events[:-2])   # tokens came before it
+    wait_until(lambda: front.servicer.engine.num_live() == 0, what="nothing left running")
+
+
 def test_a_batch_the_server_refuses_in_part_is_refused_whole(front):
     """One prompt the server refuses (too long for the model) is the batch's 400; the calls of
     the others are cancelled, their pages freed."""
