@@ -25,7 +25,7 @@ from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
-                                                   drain_wait, send_goaway, stop_server, wait_for_signal)
+                                                   drain_wait, goaway_drain, stop_server, wait_for_signal)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,27 +128,26 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
     engine = servicer.engine
     await servicer.health.drain()
     servicer.drain()
-    stopping = send_goaway(running.server)
-    if servicer.http_front is not None:
-        servicer.http_front.begin_stop(grace_s)
-    await drain_wait(engine.num_live, grace_s, hurry)
-    if engine.num_live():
-        hurried = hurry is not None and hurry.is_set()
-        log.warning("%d requests still running %s end with UNAVAILABLE", engine.num_live(),
-                    "when told to stop now" if hurried else f"after the {grace_s:.1f} s grace period")
-        engine.end_all(Unavailable("the server was stopped before the request finished" if hurried else
-                                   f"the server shut down before the request finished (it was given "
-                                   f"{grace_s:g} s to finish)"))
-        await drain_wait(engine.num_live, 2.0)
-    # The engine is done with them; each call still has to take its last event off its queue
-    # and return (a busy loop can take a while): only then does the server's stop leave it be.
-    await drain_wait(lambda: bool(servicer.open_streams), 5.0, hurry)
-    if servicer.cache_events is not None:   # a gateway's event stream ends UNAVAILABLE, not cancelled
-        await servicer.cache_events.close()
-    if servicer.lane is not None:
-        await servicer.lane.close()
-    await stop_server(running.server, LAST_MESSAGES_S, hurry)
-    await stopping
+    async with goaway_drain(running):
+        if servicer.http_front is not None:
+            servicer.http_front.begin_stop(grace_s)
+        await drain_wait(engine.num_live, grace_s, hurry)
+        if engine.num_live():
+            hurried = hurry is not None and hurry.is_set()
+            log.warning("%d requests still running %s end with UNAVAILABLE", engine.num_live(),
+                        "when told to stop now" if hurried else f"after the {grace_s:.1f} s grace period")
+            engine.end_all(Unavailable("the server was stopped before the request finished" if hurried else
+                                       f"the server shut down before the request finished (it was given "
+                                       f"{grace_s:g} s to finish)"))
+            await drain_wait(engine.num_live, 2.0)
+        # The engine is done with them; each call still has to take its last event off its queue
+        # and return (a busy loop can take a while): only then does the server's stop leave it be.
+        await drain_wait(lambda: bool(servicer.open_streams), 5.0, hurry)
+        if servicer.cache_events is not None:   # a gateway's event stream ends UNAVAILABLE, not cancelled
+            await servicer.cache_events.close()
+        if servicer.lane is not None:
+            await servicer.lane.close()
+        await stop_server(running.server, LAST_MESSAGES_S, hurry)
 
 
 async def serve(config: ModelServiceConfig) -> None:

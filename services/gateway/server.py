@@ -25,7 +25,7 @@ from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
 from kvserve.services.plumbing.metrics_server import MetricsEndpoint, serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
-                                                   drain_wait, send_goaway, stop_server, wait_for_signal)
+                                                   drain_wait, goaway_drain, stop_server, wait_for_signal)
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,13 @@ async def drain(gateway: Gateway, grace_s: float, hurry: asyncio.Event | None = 
     servicer.draining = True
     for name in ("", SERVICE_NAME):
         await gateway.running.health.set(name, NOT_SERVING)
-    stopping = send_goaway(gateway.running.server)
-    if gateway.http_front is not None:
-        gateway.http_front.begin_stop(grace_s)
-    await drain_wait(lambda: bool(servicer.relays), grace_s, hurry)
-    why = ("the gateway was stopped before the request finished" if hurry is not None and hurry.is_set() else
-           f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")
-    for relay in list(servicer.relays.values()):
-        relay.end(why)
-    await drain_wait(lambda: bool(servicer.relays), 2.0)
-    await stop_server(gateway.running.server, LAST_MESSAGES_S, hurry)
-    await stopping
+    async with goaway_drain(gateway.running):
+        if gateway.http_front is not None:
+            gateway.http_front.begin_stop(grace_s)
+        await drain_wait(lambda: bool(servicer.relays), grace_s, hurry)
+        why = ("the gateway was stopped before the request finished" if hurry is not None and hurry.is_set() else
+               f"the gateway shut down before the request finished (it was given {grace_s:g} s to finish)")
+        for relay in list(servicer.relays.values()):
+            relay.end(why)
+        await drain_wait(lambda: bool(servicer.relays), 2.0)
+        await stop_server(gateway.running.server, LAST_MESSAGES_S, hurry)

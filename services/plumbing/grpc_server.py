@@ -12,10 +12,11 @@ grpcurl and Kubernetes `grpc:` probes work against any kvserve process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -74,6 +75,7 @@ class RunningServer(NamedTuple):
     addresses: tuple[str, ...] = ()
     handlers: tuple = ()       # the services' and health's method handlers
     interceptors: tuple = ()   # in the order a call meets them
+    probe_free: asyncio.Event | None = None   # --health-listen's port closes once it is set and the server stopped
 
     def local_channel(self) -> LocalChannel:
         """A channel to this server from inside its process: its handlers behind its
@@ -135,9 +137,13 @@ async def create_server(
         bound.append(listen.with_port(await _bind(server, listen, text, tls)))
     await server.start()
     if probe_listen is not None:
-        await _serve_health_alone(server, health, probe_listen, health_listen)
+        probe_free = asyncio.Event()
+        probe_free.set()
+        await _serve_health_alone(server, health, probe_listen, health_listen, probe_free)
+    else:
+        probe_free = None
     log.info("serving %s on %s", ", ".join(s.name for s in specs) or "health only", ", ".join(bound))
-    return RunningServer(server, bound[0], health, tuple(bound), tuple(recorder.handlers), chain)
+    return RunningServer(server, bound[0], health, tuple(bound), tuple(recorder.handlers), chain, probe_free)
 
 
 async def serve_until_signal(
@@ -214,13 +220,24 @@ async def drain_wait(busy: Callable[[], bool], seconds: float, hurry: asyncio.Ev
 _UNTIL_DRAINED_S = 3600.0
 
 
-def send_goaway(server: grpc.aio.Server) -> asyncio.Future:
-    """A drain's first step: the server stops listening and tells every connection GOAWAY, so a
-    client holding one sends its next call elsewhere (gRPC retries a call refused so, unseen)
-    where answering it UNAVAILABLE would have failed it; calls in flight go on, for the drain to
-    end (stop_server later cuts their time). Health probes keep their own port (--health-listen)
-    until the server has stopped."""
-    return asyncio.ensure_future(server.stop(_UNTIL_DRAINED_S))
+@contextlib.asynccontextmanager
+async def goaway_drain(running: RunningServer) -> AsyncIterator[None]:
+    """A drain's frame. On entering, the server stops listening and tells every connection
+    GOAWAY, so a client holding one sends its next call elsewhere (gRPC retries a call refused
+    so, unseen) where answering it UNAVAILABLE would have failed it; calls in flight go on, for
+    the drain to end (stop_server inside cuts their time). Health probes keep their own port
+    (--health-listen) until the drain leaves the frame: work that is no gRPC call (a lane's
+    streams, HTTP requests) may outlast the server's last call, and a probe refused meanwhile
+    would read as a dead process."""
+    if running.probe_free is not None:
+        running.probe_free.clear()
+    stopping = asyncio.ensure_future(running.server.stop(_UNTIL_DRAINED_S))
+    try:
+        yield
+        await stopping
+    finally:
+        if running.probe_free is not None:
+            running.probe_free.set()
 
 
 async def stop_server(server: grpc.aio.Server, grace_s: float | None, hurry: asyncio.Event | None = None) -> None:
@@ -271,8 +288,9 @@ _probe_watchers: set[asyncio.Task] = set()
 
 
 async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthServicer, listen: ListenAddress,
-                              address: str) -> None:
-    """The same health servicer (so the same statuses) on a plaintext port of its own."""
+                              address: str, free: asyncio.Event) -> None:
+    """The same health servicer (so the same statuses) on a plaintext port of its own, stopped
+    once the main server has stopped and no drain holds it (`free`)."""
     probe = grpc.aio.server(options=list(DEFAULT_OPTIONS.items()),   # no port sharing, as for the main one
                             interceptors=[RefuseMalformed()])
     health_pb2_grpc.add_HealthServicer_to_server(health, probe)
@@ -285,6 +303,7 @@ async def _serve_health_alone(main: grpc.aio.Server, health: health_aio.HealthSe
 
     async def stop_with_main() -> None:
         await main.wait_for_termination()
+        await free.wait()
         await probe.stop(None)
 
     task = asyncio.create_task(stop_with_main(), name="health port")

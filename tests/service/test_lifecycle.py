@@ -246,6 +246,52 @@ def test_a_client_holding_a_connection_to_a_draining_server_is_not_failed_by_it(
             server.stop()
 
 
+def test_the_probe_port_answers_until_the_drain_ends_not_the_last_grpc_call(tiny_dirs):
+    """Work that is no gRPC call (an HTTP stream, a lane's) outlasts the server's last call: the
+    probe port closed with that last call (at once here, with none), and a liveness probe refused
+    for the rest of the drain reads as a dead process."""
+    import http.client
+    import json
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvserve.model_service.server import drain
+    from tests.service.conftest import ModelServerThread
+    from tests.service.processes import free_port
+
+    probes = f"127.0.0.1:{free_port()}"
+    server = ModelServerThread(tiny_dirs["tiny"], health_listen=probes, http_listen="127.0.0.1:0")
+    try:
+        host, port = server.servicer.http_front.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "stream": True}).encode(),
+            headers={"content-type": "application/json"})
+        answer = conn.getresponse()
+        assert answer.readline().startswith(b"data: ")
+        draining = asyncio.run_coroutine_threadsafe(drain(server.running, server.servicer, 60.0), server.loop)
+        server.call(asyncio.wait_for(server.running.server.wait_for_termination(), 10))   # no gRPC call holds it
+        assert server.servicer.engine.num_live() == 1
+        with grpc.insecure_channel(probes) as probe_ch:
+            status = health_pb2_grpc.HealthStub(probe_ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert answer.read().rstrip().endswith(b"data: [DONE]")
+        conn.close()
+        draining.result(30)
+        with grpc.insecure_channel(probes) as probe_ch:   # the drain over: the probe port closes with it
+            stub = health_pb2_grpc.HealthStub(probe_ch)
+
+            def refused() -> bool:
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError as exc:
+                    return exc.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+            wait_until(refused, what="the probe port closed")
+    finally:
+        server.stop()
+
+
 def test_a_hurried_drain_ends_the_streams_at_once_saying_so(tiny_dirs):
     """Ctrl-C twice (wait_for_signal's event): the grace period is cut short, and what runs ends
     UNAVAILABLE saying the server was stopped, not that it had its grace period."""
