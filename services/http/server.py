@@ -117,9 +117,23 @@ class HttpFront:
         self.server.should_exit = True
 
     async def stop(self) -> None:
+        """Requests still running after HTTP_STOP_S (a client that stopped reading its stream)
+        are cancelled, their calls with them, and their connections closed: nothing of the front
+        is left for the process's exit to find."""
         self.server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, HTTP_STOP_S)
+        done, _ = await asyncio.wait({self.task}, timeout=HTTP_STOP_S)
+        if not done:
+            state = self.server.server_state
+            log.warning("the HTTP front stops with %d requests still running: they are cancelled", len(state.tasks))
+            self.server.force_exit = True
+            for connection in list(state.connections):   # a request sees its client gone and ends
+                connection.transport.close()
+            if state.tasks:
+                await asyncio.wait(set(state.tasks), timeout=1)
+            for task in list(state.tasks):   # one that did not
+                task.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(self.task, 5)
         await self.channel.close()
 
 

@@ -1192,3 +1192,32 @@ def test_a_failure_of_the_front_mid_stream_is_the_streams_last_event(front, monk
     assert json.loads(events[1])["error"]["type"] == "server_error" and events[2:] == ["[DONE]"]
     assert "RuntimeError" not in answer.text
     wait_until(lambda: _aborted(front) == before + 1, what="the streamed call cancelled")
+
+
+def test_the_fronts_stop_cancels_requests_left_past_its_bound(tiny_dirs, monkeypatch):
+    """stop() waits HTTP_STOP_S for the requests in flight; what runs past it is cancelled (its
+    call with it, its connection closed) rather than left to the process's exit."""
+    from kvserve.services.http import server as http_server
+
+    monkeypatch.setattr(http_server, "HTTP_STOP_S", 0.5)
+    server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0")
+    try:
+        engine, front_ = server.servicer.engine, server.servicer.http_front
+        host, port = front_.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}).encode(),
+            headers={"content-type": "application/json"})
+        answer = conn.getresponse()
+        assert answer.readline().startswith(b"data: ")
+        server.call(front_.stop(), timeout=30)
+        assert front_.task.done() and not front_.server.server_state.tasks
+        with pytest.raises(http.client.IncompleteRead) as cut:   # its connection closed before the 1,900 tokens
+            answer.read()
+        assert b"[DONE]" not in cut.value.partial
+        wait_until(lambda: engine.num_live() == 0, what="its call cancelled")
+        assert engine.counters.aborted == 1
+        conn.close()
+    finally:
+        server.servicer.http_front = None   # stopped already
+        server.stop()
