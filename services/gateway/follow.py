@@ -295,11 +295,13 @@ class Follower:
                       asked, stats.prefill_tokens))
 
     def _refused_under_streams(self, exc: grpc.aio.AioRpcError) -> bool:
-        """A poll refused (UNAVAILABLE: nothing listens) while streams of this gateway still run
-        there. A draining worker closes its port at once (GOAWAY) and serves its streams to their
-        end over the connections they hold; a dead one resets those too, and each stream fails
-        and moves on its own (a hung one still takes the connection: its poll times out)."""
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and bool(self.worker.relays)
+        """A poll's connection refused (its host answers, nothing listens on the port) while
+        streams of this gateway still run there. A draining worker closes its port at once
+        (GOAWAY) and serves its streams to their end over the connections they hold; a dead
+        process's host resets those too, and each stream fails and moves on its own. Anything
+        else (a host unreachable, a poll timed out: a lost machine, a hung process) is down."""
+        return (exc.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (exc.details() or "").lower()
+                and bool(self.worker.relays))
 
     def _refusing(self, exc: grpc.aio.AioRpcError) -> None:
         """Nothing new goes there; its streams and its lane are left to run to their end."""

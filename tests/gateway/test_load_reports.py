@@ -108,6 +108,29 @@ def test_a_polled_worker_that_drains_keeps_its_streams(tiny_dirs, monkeypatch, c
         assert caplog.text.index("refuses new connections") < caplog.text.index("is down")
 
 
+def test_only_a_refused_connection_under_running_streams_spares_a_polled_worker():
+    """A host that refuses the connection is up: a draining worker's, or a dead process's whose
+    streams' connections are reset too. An unreachable host (a lost machine) or a timeout (a
+    hung worker) resets nothing: that worker is down and its streams move."""
+    from types import SimpleNamespace
+
+    from kvserve.services.gateway.follow import Follower
+
+    def error(code, details):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    follower = Follower.__new__(Follower)
+    follower.worker = SimpleNamespace(relays={object()})
+    refused = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:50051: "
+               "Failed to connect to remote host: Connection refused")
+    assert follower._refused_under_streams(error(grpc.StatusCode.UNAVAILABLE, refused))
+    assert not follower._refused_under_streams(error(grpc.StatusCode.UNAVAILABLE, refused.replace(
+        "Connection refused", "No route to host")))
+    assert not follower._refused_under_streams(error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    follower.worker.relays = set()
+    assert not follower._refused_under_streams(error(grpc.StatusCode.UNAVAILABLE, refused))
+
+
 class HangingWorker(pb_grpc.InferenceServicer):
     """Answers GetModelInfo, sends one load report, then says nothing more: a hung worker
     whose connection stays up."""
