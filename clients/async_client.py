@@ -166,6 +166,10 @@ class AsyncInferenceClient:
         request = convert.tokenize_request(prompt, messages, add_special_tokens, **chat)
         return convert.tokenized(await self._unary("Tokenize", request))
 
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """As InferenceClient.detokenize."""
+        return (await self._unary("Detokenize", convert.detokenize_request(token_ids, skip_special_tokens))).text
+
     async def model_info(self) -> ModelInfo:
         return convert.model_info(await self._unary("GetModelInfo", pb.GetModelInfoRequest()))
 

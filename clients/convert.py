@@ -311,6 +311,12 @@ def tokenize_request(prompt: str | None = None, messages: Sequence[Message] | No
     return request
 
 
+def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool = False) -> pb.DetokenizeRequest:
+    request = pb.DetokenizeRequest(skip_special_tokens=skip_special_tokens)
+    request.token_ids.extend(_token_ids(token_ids))
+    return request
+
+
 def stream_event(stream: Any, msg: pb.GenerateResponse) -> Event | None:
     """`msg` as an Event for a Generate stream (the sync or the asyncio one), which keeps the
     request id the server assigned and the Finished; None for a message it does not know."""

@@ -232,6 +232,11 @@ class InferenceClient:
                                            continue_final_message, chat_template_kwargs)
         return convert.tokenized(self._unary("Tokenize", request))
 
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of these token ids as the server's tokenizer writes it (special tokens kept
+        unless skip_special_tokens)."""
+        return self._unary("Detokenize", convert.detokenize_request(token_ids, skip_special_tokens)).text
+
     def model_info(self) -> ModelInfo:
         return convert.model_info(self._unary("GetModelInfo", pb.GetModelInfoRequest()))
 

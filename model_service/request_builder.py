@@ -159,6 +159,14 @@ class RequestBuilder:
             return await self._chat(msg.messages, fit=False)
         raise RequestError("set one input: prompt or messages")
 
+    async def detokenize(self, msg: pb.DetokenizeRequest) -> str:
+        try:
+            prompt_tokens.check_detokenize_count(len(msg.token_ids))
+            return await self.lanes.run(len(msg.token_ids), prompt_tokens.detokenize, self.stack.tokenizer,
+                                        list(msg.token_ids), msg.skip_special_tokens)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
     def check_limits(self, msg, request_id: str) -> None:
         """What can be refused from the message's sizes alone; a long prompt is not even decoded
         (reading a string field builds a Python str of it, every time)."""

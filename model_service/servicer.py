@@ -174,6 +174,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         tokens = self.stack.tokenizer.convert_ids_to_tokens(ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
+    async def Detokenize(self, request, context):
+        try:
+            text = await self.builder.detokenize(request)
+        except Exception as exc:
+            await abort(context, as_request_failed(exc, "detokenizing failed"))
+        return pb.DetokenizeResponse(text=text)
+
     async def GetModelInfo(self, request, context):
         s = self.stack
         return pb.ModelInfo(

@@ -62,6 +62,15 @@ class Inputs:
         raise InputError("set one input: " + ("prompt, token_ids or messages" if isinstance(msg, pb.GenerateRequest)
                                               else "prompt or messages"))
 
+    async def text(self, msg: pb.DetokenizeRequest) -> str:
+        """The ids as the workers' tokenizer writes them, off the event loop."""
+        try:
+            prompt_tokens.check_detokenize_count(len(msg.token_ids))
+            return await self._lanes.run(len(msg.token_ids), prompt_tokens.detokenize, self.tokenizer,
+                                         list(msg.token_ids), msg.skip_special_tokens)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
     async def tokens(self, ids: list[int]) -> list[str]:
         """The ids as the tokenizer's token strings, off the event loop."""
         return await self._lanes.run(len(ids), self.tokenizer.convert_ids_to_tokens, ids)

@@ -1,7 +1,7 @@
 """kvserve.inference.v1.Inference on the gateway: the workers' API, so every client works
 unchanged. Generate goes through the fleet (relay.py); Cancel follows the request to its worker
 (another replica's is asked of every worker);
-Tokenize answers here, with the workers' tokenizer; GetModelInfo is a worker's; GetServerStats
+Tokenize and Detokenize answer here, with the workers' tokenizer; GetModelInfo is a worker's; GetServerStats
 (and WatchServerStats, as it changes) sums the workers and lists each."""
 
 from __future__ import annotations
@@ -176,6 +176,15 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))
+
+    async def Detokenize(self, request, context):
+        try:
+            text = await self.inputs.text(request)
+        except InputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         """A serving worker's; while none is, waited for as a request waits (--no-worker-timeout,

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompts_of, request_of, shown,
-                                             stream_usage, tokenize_request)
+                                             detokenize_request, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,22 @@ class Front:
             return error_response(from_rpc(exc))
         return JSONResponse({"count": len(answer.token_ids), "max_model_len": info.max_model_len,
                              "tokens": list(answer.token_ids), "token_strs": list(answer.tokens) if strings else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids, as the server's tokenizer writes it."""
+        try:
+            metadata = self.metadata(request)
+            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
+                raise HttpError(401, why, "authentication_error", code="unauthenticated")
+            body = await self.body(request)
+            msg = detokenize_request(body)
+            await self._model_asked(body, metadata)
+            answer = await self.stub.Detokenize(msg, metadata=metadata, timeout=60)
+        except HttpError as err:
+            return error_response(err)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(from_rpc(exc))
+        return JSONResponse({"prompt": answer.text})
 
     # ------------------------------------------------------------ routes
 
@@ -468,7 +484,8 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     """A path or method this front does not serve, in OpenAI's error shape like every other."""
     if exc.status_code == 404:
         return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
-                                             "/v1/chat/completions, /v1/models[/MODEL], /tokenize and /health",
+                                             "/v1/chat/completions, /v1/models[/MODEL], /tokenize, /detokenize and "
+                                             "/health",
                                              "not_found_error"))
     if exc.status_code == 405:   # with the Allow header Starlette names the methods in
         err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
@@ -490,5 +507,6 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
         Route("/health", front.health_check, methods=["GET"]),
     ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})

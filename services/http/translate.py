@@ -419,6 +419,14 @@ def tokenize_request(body: dict) -> tuple[pb.TokenizeRequest, bool]:
     return out, strings
 
 
+def detokenize_request(body: dict) -> pb.DetokenizeRequest:
+    """vLLM's /detokenize body: `tokens`, a list of token ids (and, kvserve's, skip_special_tokens)."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
+        raise HttpError(400, "'tokens' must be a list of token ids (integers from 0)", param="tokens")
+    return pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=_flag(body, "skip_special_tokens") is True)
+
+
 def usage(u: pb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,

@@ -29,15 +29,17 @@ def test_same_greedy_tokens_and_results_as_the_sync_client(model_server, client:
         async with AsyncInferenceClient(model_server.address, timeout=RPC_TIMEOUT_S) as c:
             events = [e async for e in c.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)]
             done = await c.complete(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
-            return events, done, await c.tokenize(PROMPT), await c.model_info(), await c.server_stats()
+            tokenized = await c.tokenize(PROMPT)
+            return events, done, tokenized, await c.detokenize(tokenized.token_ids), await c.model_info(), \
+                await c.server_stats()
 
-    events, done, tokenized, info, stats = run(go())
+    events, done, tokenized, text, info, stats = run(go())
     assert isinstance(events[0], PrefillDone) and isinstance(events[-1], Finished)
     assert tuple(t for e in events if isinstance(e, Chunk) for t in e.token_ids) == want.token_ids
     assert isinstance(done, Completion)
     assert (done.text, done.token_ids, done.finished.completion_tokens) == \
         (want.text, want.token_ids, want.finished.completion_tokens)
-    assert tokenized == client.tokenize(PROMPT)
+    assert tokenized == client.tokenize(PROMPT) and text == PROMPT
     assert info == client.model_info()
     assert stats.prompt_tokens > 0 and stats.kvcache is not None
 

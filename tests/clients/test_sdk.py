@@ -85,6 +85,18 @@ def test_token_ids_may_be_any_iterable_of_integers(client: InferenceClient) -> N
     assert client.complete(token_ids=np.array(ids), max_tokens=4, temperature=0).token_ids == want
 
 
+def test_detokenize_gives_back_the_text_and_checks_its_ids(client: InferenceClient) -> None:
+    import numpy as np
+
+    ids = client.tokenize(PROMPT).token_ids
+    assert client.detokenize(ids) == client.detokenize(np.array(ids)) == PROMPT
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\^31\), got -1"):
+        client.detokenize([1, -1])
+    with pytest.raises(KVServeError) as err:
+        client.detokenize([1, 1 << 30])
+    assert err.value.code == "INVALID_ARGUMENT" and "outside the tokenizer's vocabulary" in str(err.value)
+
+
 def test_complete_is_the_concatenated_stream(client: InferenceClient) -> None:
     chunks = [e for e in client.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
               if isinstance(e, Chunk)]

@@ -461,3 +461,24 @@ def test_a_request_that_waited_for_a_cancelled_id_is_refused_if_a_drain_began_me
     finally:
         servicer._cancelled_one_ended = waited
         servicer.draining = False
+
+
+def test_tokenize_and_detokenize_answer_as_a_worker_does(two_workers):
+    """The gateway answers both with the workers' tokenizer, refusals included."""
+    from tests.service.util import rpc_error
+
+    fleet = two_workers
+    with grpc.insecure_channel(fleet.workers[0].address) as ch:
+        worker = pb_grpc.InferenceStub(ch)
+        text = "Hello, wörld! <|assistant|> 123"
+        ours = fleet.stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=10)
+        assert ours == worker.Tokenize(pb.TokenizeRequest(prompt=text), timeout=10)
+        for skip in (False, True):
+            asked = pb.DetokenizeRequest(token_ids=ours.token_ids, skip_special_tokens=skip)
+            assert fleet.stub.Detokenize(asked, timeout=10) == worker.Detokenize(asked, timeout=10)
+        assert fleet.stub.Detokenize(pb.DetokenizeRequest(token_ids=ours.token_ids), timeout=10).text == text
+        bad = pb.DetokenizeRequest(token_ids=[5, 1 << 30])
+        theirs, gateways = rpc_error(lambda: worker.Detokenize(bad, timeout=10)), \
+            rpc_error(lambda: fleet.stub.Detokenize(bad, timeout=10))
+        assert (gateways.code(), gateways.details()) == (theirs.code(), theirs.details())
+        assert gateways.code() == grpc.StatusCode.INVALID_ARGUMENT

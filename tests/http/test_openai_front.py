@@ -646,20 +646,23 @@ def test_chat_logprob_fields_out_of_place_are_a_400(front, body, message):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_cancels_its_request(front, stream):
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_a_client_that_leaves_cancels_its_request(front, stream, prompts):
+    """A lone prompt's call, or every call of a batch's three."""
     engine = front.servicer.engine
     aborted = engine.counters.aborted
     host, port = front.servicer.http_front.address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": stream})
+    body = json.dumps({"prompt": PROMPT if prompts == 1 else BATCH[:prompts], "max_tokens": 1900, "temperature": 0,
+                       "ignore_eos": True, "stream": stream})
     conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-    wait_until(lambda: engine.num_live() == 1, what="the request running")
+    wait_until(lambda: engine.num_live() == prompts, what="its calls running")
     if stream:
         conn.getresponse().readline()   # its first event
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_until(lambda: engine.num_live() == 0, timeout=30, what="the request gone")
-    assert engine.counters.aborted == aborted + 1   # cancelled, not run to its 1,900 tokens
+    wait_until(lambda: engine.num_live() == 0, timeout=30, what="its calls gone")
+    assert engine.counters.aborted == aborted + prompts   # cancelled, not run to their 1,900 tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -958,23 +961,6 @@ def test_a_streamed_batch_echoes_scores_and_counts_each_prompt_as_the_whole_repl
     assert chunks[-1]["usage"]["prompt_tokens"] == sum(prompt_tokens) == whole.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_a_batch_cancels_every_prompts_call(front, stream):
-    engine = front.servicer.engine
-    aborted = engine.counters.aborted
-    host, port = front.servicer.http_front.address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"prompt": BATCH, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": stream})
-    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-    wait_until(lambda: engine.num_live() == 3, what="the batch's three calls running")
-    if stream:
-        conn.getresponse().readline()   # its first event
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    wait_until(lambda: engine.num_live() == 0, timeout=30, what="the batch's calls gone")
-    assert engine.counters.aborted == aborted + 3   # cancelled, not run to their 1,900 tokens
-
-
 def test_a_batch_whose_calls_fail_mid_stream_ends_with_the_error(front, monkeypatch):
     """A forward pass fails once the batch's three prompts decode together (a CUDA error, a bug):
     their calls end INTERNAL, and the stream's last events are that error and [DONE]."""
@@ -1072,6 +1058,22 @@ def test_tokenize_gives_the_ids_the_server_makes(front):
                               ({"prompt": "x", "model": "gpt-5"}, 404, "does not exist"),
                               ({"messages": MESSAGES, "add_special_tokens": True}, 400, "not supported")):
         status, answer = _post(front, "/tokenize", json.dumps(body).encode())
+        assert status == code and words in answer["error"]["message"], answer
+
+
+def test_detokenize_gives_the_text_of_the_ids(front):
+    """vLLM's /detokenize: a list of ids back to the text /tokenize made them from."""
+    status, answer = _post(front, "/tokenize", json.dumps({"prompt": PROMPT}).encode())
+    ids = answer["tokens"]
+    status, answer = _post(front, "/detokenize", json.dumps({"tokens": ids, "model": "tiny"}).encode())
+    assert status == 200 and answer == {"prompt": PROMPT}
+    for body, code, words in (({"tokens": "5"}, 400, "'tokens' must be a list of token ids"),
+                              ({"tokens": [1, True]}, 400, "'tokens' must be a list of token ids"),
+                              ({"tokens": [1, -2]}, 400, "'tokens' must be a list of token ids"),
+                              ({"tokens": [1, 1 << 30]}, 400, "outside the tokenizer's vocabulary"),
+                              ({"tokens": ids, "skip_special_tokens": 1}, 400, "must be true or false"),
+                              ({"tokens": ids, "model": "gpt-5"}, 404, "does not exist")):
+        status, answer = _post(front, "/detokenize", json.dumps(body).encode())
         assert status == code and words in answer["error"]["message"], answer
 
 

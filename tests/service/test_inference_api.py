@@ -305,16 +305,18 @@ def test_no_input(stub):
     _invalid(stub, request(**greedy(4)), "set one input")
 
 
-@pytest.mark.parametrize("method, streams", [("Generate", True), ("Tokenize", False), ("Cancel", False)])
+@pytest.mark.parametrize("method, streams", [("Generate", True), ("Tokenize", False), ("Cancel", False),
+                                             ("Detokenize", False)])
 def test_bytes_that_do_not_parse_are_invalid_argument(channel, stub, method, streams):
     """Not a protobuf message, or a prompt that is not UTF-8: a sentence naming the message the
     method takes, not grpc's UNKNOWN with the parser's exception class."""
     valid = {"Generate": request(prompt="ab", **greedy(4)), "Tokenize": pb.TokenizeRequest(prompt="ab"),
-             "Cancel": pb.CancelRequest(request_id="ab")}[method]
+             "Cancel": pb.CancelRequest(request_id="ab"), "Detokenize": pb.DetokenizeRequest(token_ids=[97, 98])}[method]
     bad_utf8 = valid.SerializeToString().replace(b"ab", b"\xc3\x28")
     call = (channel.unary_stream if streams else channel.unary_unary)(f"/kvserve.inference.v1.Inference/{method}")
-    expected = {"Generate": "GenerateRequest", "Tokenize": "TokenizeRequest", "Cancel": "CancelRequest"}[method]
-    for raw in (b"\xff\xff\xff\xff", bad_utf8):
+    expected = method + "Request"
+    texts = method != "Detokenize"   # (its request holds no string)
+    for raw in (b"\xff\xff\xff\xff", bad_utf8) if texts else (b"\xff\xff\xff\xff",):
         err = rpc_error(lambda: list(call(raw, timeout=10)) if streams else call(raw, timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
         assert err.details() == (f"the request is not a valid kvserve.inference.v1.{expected}: "
@@ -450,3 +452,30 @@ def test_errors_leave_no_trace(stub, model_server):
     assert (after.requests_finished, after.requests_aborted, after.prompt_tokens) == (
         before.requests_finished, before.requests_aborted, before.prompt_tokens)
     assert after.kvcache.prefix_query_tokens == before.kvcache.prefix_query_tokens
+
+
+# ---------------------------------------------------------------------- Detokenize
+
+
+def test_detokenize_writes_ids_as_the_tokenizer_does(stub, tokenizer):
+    text = "Hello, wörld! 123"
+    ids = list(stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=10).token_ids)
+    assert stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10).text == tokenizer.decode(ids) == text
+    special = [tokenizer.convert_tokens_to_ids("<|assistant|>"), *ids]
+    kept = stub.Detokenize(pb.DetokenizeRequest(token_ids=special), timeout=10).text
+    skipped = stub.Detokenize(pb.DetokenizeRequest(token_ids=special, skip_special_tokens=True), timeout=10).text
+    assert kept == tokenizer.decode(special) and kept.startswith("<|assistant|>")
+    assert skipped == tokenizer.decode(special, skip_special_tokens=True) == text
+    assert stub.Detokenize(pb.DetokenizeRequest(), timeout=10).text == ""
+
+
+def test_detokenize_refuses_ids_the_tokenizer_does_not_have_and_too_many(stub, tokenizer):
+    """A bare decode skips an unknown id without a word: the text would silently lack it."""
+    for bad in (len(tokenizer), -1):
+        err = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5, bad]), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == f"token id {bad} is outside the tokenizer's vocabulary [0, {len(tokenizer)})"
+    err = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * (1 << 20 | 1)), timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "1,048,577 token ids; at most 1,048,576 are written out in one call"
+    assert_serving(stub)

@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvserve.inference.v1.Inference/Detokenize',
+                request_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/kvserve.inference.v1.Inference/GetModelInfo',
                 request_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
@@ -88,6 +93,13 @@ class InferenceServicer:
 
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids as the model's tokenizer writes them (vLLM's /detokenize).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -133,6 +145,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -231,6 +248,33 @@ class Inference:
             '/kvserve.inference.v1.Inference/Tokenize',
             kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             kvserve_dot_inference_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.inference.v1.Inference/Detokenize',
+            kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            kvserve_dot_inference_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
