@@ -15,10 +15,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
 from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
 from kvserve.services.plumbing.open_files import raise_open_files_limit
+from kvserve.services.plumbing.version import kvserve_version
 
 # gRPC's own log lines above a command's one-line error (its INFO line for a failed TLS handshake,
 # say) say it again in a form meant for gRPC's developers; its errors still show. (Read when gRPC
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving over gRPC.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvserve_version()}")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for spec in COMMANDS.values():
@@ -83,13 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _register(subparsers: argparse._SubParsersAction, spec: str) -> None:
     module_name, _, func_name = spec.partition(":")
     getattr(importlib.import_module(module_name), func_name)(subparsers)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvserve")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompts_of, request_of, shown,
                                              detokenize_request, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
+from kvserve.services.plumbing.version import kvserve_version
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,10 @@ class Front:
             return error_response(HttpError(404, f"the model `{shown(asked)}` does not exist; this server serves "
                                                  f"`{info.name}`", "not_found_error", "model", "model_not_found"))
         return JSONResponse(_model_object(info))
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's /version (no key asked, as for /health)."""
+        return JSONResponse({"version": kvserve_version()})
 
     async def health_check(self, request: Request) -> Response:
         try:
@@ -484,8 +489,8 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     """A path or method this front does not serve, in OpenAI's error shape like every other."""
     if exc.status_code == 404:
         return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
-                                             "/v1/chat/completions, /v1/models[/MODEL], /tokenize, /detokenize and "
-                                             "/health",
+                                             "/v1/chat/completions, /v1/models[/MODEL], /tokenize, /detokenize, "
+                                             "/health and /version",
                                              "not_found_error"))
     if exc.status_code == 405:   # with the Allow header Starlette names the methods in
         err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
@@ -509,4 +514,5 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/detokenize", front.detokenize, methods=["POST"]),
         Route("/health", front.health_check, methods=["GET"]),
+        Route("/version", front.version, methods=["GET"]),
     ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})

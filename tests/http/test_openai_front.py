@@ -1061,6 +1061,17 @@ def test_tokenize_gives_the_ids_the_server_makes(front):
         assert status == code and words in answer["error"]["message"], answer
 
 
+def test_version_is_the_installed_packages(front):
+    from importlib import metadata
+
+    host, port = front.servicer.http_front.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/version")
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read()) == {"version": metadata.version("kvserve")}
+    conn.close()
+
+
 def test_detokenize_gives_the_text_of_the_ids(front):
     """vLLM's /detokenize: a list of ids back to the text /tokenize made them from."""
     status, answer = _post(front, "/tokenize", json.dumps({"prompt": PROMPT}).encode())
