@@ -40,6 +40,9 @@ RESUBSCRIBE_MAX_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
 LOAD_SILENCE_S = 3.0   # three default heartbeats missed: the worker hangs (SIGSTOP, a blocked loop)
 LATE_S = 0.5   # a silence timer firing later than this found the gateway's loop busy: no verdict yet
+# A worker refusing connections (its drain) while its streams say nothing this long is taken for
+# hung: down, its streams moved. Long enough for a long prompt's prefill, which streams nothing.
+REFUSED_SILENCE_S = 60.0
 
 
 async def _cancel(task: asyncio.Task | None) -> None:
@@ -95,6 +98,7 @@ class Follower:
         self.on_change = on_change
         self.on_down = on_down
         self.pushed = True   # the worker pushes its load (WatchServerStats); False: it is polled
+        self._refused: tuple[int, float] | None = None   # refusing polls: its streams' events then, and since when
         self._events: asyncio.Task | None = None
         self._load: asyncio.Task | None = None
         self._events_stopped = False
@@ -188,6 +192,11 @@ class Follower:
                     await self._watch_load()   # until the worker ends it: it drained
                 else:
                     stats = await w.inference.GetServerStats(pb.GetServerStatsRequest(), timeout=2)
+                    if self._refused is not None:   # what answers where connections were refused is
+                        self._refused = None        # another process: asked anew what it is and does
+                        w.set_info(None)
+                        self.pushed = True
+                        continue
                     health = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
                     self._take(stats, health.status == health_pb2.HealthCheckResponse.SERVING, asked)
             except grpc.aio.AioRpcError as exc:
@@ -304,8 +313,14 @@ class Follower:
                 and bool(self.worker.relays))
 
     def _refusing(self, exc: grpc.aio.AioRpcError) -> None:
-        """Nothing new goes there; its streams and its lane are left to run to their end."""
-        w = self.worker
+        """Nothing new goes there; its streams and its lane are left to run to their end, unless
+        they say nothing for REFUSED_SILENCE_S (a drain that hung: down)."""
+        w, now = self.worker, time.monotonic()
+        if self._refused is None or self._refused[0] != w.events_heard:
+            self._refused = (w.events_heard, now)
+        elif now - self._refused[1] > REFUSED_SILENCE_S:
+            self._down(f"it refuses new connections and its streams there said nothing for {REFUSED_SILENCE_S:g} s")
+            return
         why = f"it refuses new connections (draining, or stopped): {exc.details()}"
         if w.state != NOT_SERVING or not w.not_serving.startswith("it refuses new connections"):
             log.info("worker %s: %s; its %d streams run on", w.address, why, len(w.relays))
@@ -315,6 +330,7 @@ class Follower:
     def _down(self, why: str) -> None:
         w = self.worker
         self.pushed = True   # what answers next may be a newer version
+        self._refused = None
         w.not_serving = why   # its latest reason, down already or not
         if w.state != DOWN:
             log.warning("worker %s is down (%s)", w.address, why)

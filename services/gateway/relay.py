@@ -268,6 +268,7 @@ class Relay:
             try:
                 async for response in call:
                     answered = True
+                    worker.events_heard += 1
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
                         worker.prefilled(choice.mark)

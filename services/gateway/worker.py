@@ -78,6 +78,7 @@ class Worker:
     prompt_tokens: int = 0
     migrated_away: int = 0
     relays: set = field(default_factory=set)                # the streams now running on it
+    events_heard: int = 0     # their events from it, ever: whether they still make progress
     streaming: int = 0        # their sequences (a request of n runs n), running or waiting there
     prefilling: int = 0       # prompt tokens those streams compute there before their first token
     prefills_done: list = field(default_factory=list)   # (when, tokens) of those done since its last report was asked

@@ -5,6 +5,7 @@ the gateway's own WatchServerStats over its fleet."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -129,6 +130,32 @@ def test_only_a_refused_connection_under_running_streams_spares_a_polled_worker(
     assert not follower._refused_under_streams(error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     follower.worker.relays = set()
     assert not follower._refused_under_streams(error(grpc.StatusCode.UNAVAILABLE, refused))
+
+
+def test_a_refusing_worker_whose_streams_fall_silent_is_down(monkeypatch):
+    """A drain that hangs (its loop wedged, the process stopped) keeps refusing connections while
+    its streams say nothing: after REFUSED_SILENCE_S without an event it is down and they move."""
+    from kvserve.services.gateway import follow
+    from kvserve.services.gateway.worker import Worker
+
+    monkeypatch.setattr(follow, "REFUSED_SILENCE_S", 0.2)
+    moved: list[Worker] = []
+    worker = Worker("10.0.0.7:50051", channel=None, state="serving")
+    worker.relays.add(object())
+    follower = follow.Follower(worker, index=None, cache_salt="", poll_s=0.05, on_change=lambda: None,
+                               on_down=moved.append)
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "failed to connect to all addresses; last error: Connection refused")
+    follower._refusing(refused)
+    assert worker.state == "not serving" and not moved
+    for _ in range(3):   # its streams still speak: it drains
+        time.sleep(0.1)
+        worker.events_heard += 1
+        follower._refusing(refused)
+    assert worker.state == "not serving" and not moved
+    time.sleep(0.3)   # silent past the bound
+    follower._refusing(refused)
+    assert worker.state == "down" and moved == [worker] and "said nothing for 0.2 s" in worker.not_serving
 
 
 class HangingWorker(pb_grpc.InferenceServicer):
