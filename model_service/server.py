@@ -148,6 +148,8 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
         if servicer.lane is not None:
             await servicer.lane.close()
         await stop_server(running.server, LAST_MESSAGES_S, hurry)
+        if servicer.http_front is not None:   # inside the frame: the probe port answers until it has stopped
+            await servicer.http_front.stop()
 
 
 async def serve(config: ModelServiceConfig) -> None:
@@ -157,9 +159,7 @@ async def serve(config: ModelServiceConfig) -> None:
         servicer.keys.reload_on_sighup()
     try:
         hurry = await wait_for_signal(running.server, config.grace_s)
-        await drain(running, servicer, config.grace_s, hurry)   # which also ends the relayed event streams
-        if servicer.http_front is not None:
-            await servicer.http_front.stop()
+        await drain(running, servicer, config.grace_s, hurry)   # which also ends the relayed event streams and HTTP
     finally:
         servicer.engine.stop()
         servicer.close()

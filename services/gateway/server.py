@@ -143,3 +143,5 @@ async def drain(gateway: Gateway, grace_s: float, hurry: asyncio.Event | None = 
             relay.end(why)
         await drain_wait(lambda: bool(servicer.relays), 2.0)
         await stop_server(gateway.running.server, LAST_MESSAGES_S, hurry)
+        if gateway.http_front is not None:   # inside the frame: the probe port answers until it has stopped
+            await gateway.http_front.stop()

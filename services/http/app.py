@@ -418,7 +418,8 @@ async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dic
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # the merge itself stopped it
                 raise
-            # its call was cancelled from elsewhere (the front's channel closed at a stop)
+            # its call was cancelled from elsewhere (a real channel closed under it; the server's
+            # local channel cancels nothing at its close)
             queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                   "the call was cancelled before the request finished"))
     tasks = [asyncio.ensure_future(pump(part)) for part in parts]
@@ -481,7 +482,8 @@ INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its l
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    """An unexpected failure: OpenAI's error shape, not Starlette's plain text (Starlette logs it)."""
+    """An unexpected failure: OpenAI's error shape, not Starlette's plain text (uvicorn logs the
+    traceback). It answers outside the CORS middleware: a browser page cannot read this one."""
     return error_response(INTERNAL_ERROR)
 
 

@@ -127,7 +127,7 @@ class HttpFront:
             log.warning("the HTTP front stops with %d requests still running: they are cancelled", len(state.tasks))
             self.server.force_exit = True
             for connection in list(state.connections):   # a request sees its client gone and ends
-                connection.transport.close()
+                connection.transport.abort()   # (close() would wait on a client that stopped reading)
             if state.tasks:
                 await asyncio.wait(set(state.tasks), timeout=1)
             for task in list(state.tasks):   # one that did not

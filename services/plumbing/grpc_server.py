@@ -235,6 +235,9 @@ async def goaway_drain(running: RunningServer) -> AsyncIterator[None]:
     try:
         yield
         await stopping
+    except BaseException:   # the drain failed or was cancelled: the server stops now, not in an hour
+        await running.server.stop(0)   # (a second stop with less grace cuts the first)
+        raise
     finally:
         if running.probe_free is not None:
             running.probe_free.set()

@@ -1184,7 +1184,7 @@ def test_a_failure_of_the_front_itself_is_an_openai_500_and_leaves_no_call_runni
     status, answer = _post(front, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 1500}).encode())
     assert status == 500 and answer["error"]["type"] == "server_error"
     assert "RuntimeError" not in json.dumps(answer) and "a bug" not in json.dumps(answer)
-    wait_until(lambda: _aborted(front) == before + 1, what="the started call cancelled")
+    wait_until(lambda: _aborted(front) >= before + 1, what="the started call cancelled")
 
 
 def test_a_failure_of_the_front_mid_stream_is_the_streams_last_event(front, monkeypatch):
@@ -1204,27 +1204,36 @@ def test_a_failure_of_the_front_mid_stream_is_the_streams_last_event(front, monk
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["type"] == "server_error" and events[2:] == ["[DONE]"]
     assert "RuntimeError" not in answer.text
-    wait_until(lambda: _aborted(front) == before + 1, what="the streamed call cancelled")
+    wait_until(lambda: _aborted(front) >= before + 1, what="the streamed call cancelled")
 
 
 def test_the_fronts_stop_cancels_requests_left_past_its_bound(tiny_dirs, monkeypatch):
     """stop() waits HTTP_STOP_S for the requests in flight; what runs past it is cancelled (its
-    call with it, its connection closed) rather than left to the process's exit."""
+    call with it, its connection closed) rather than left to the process's exit. Here its client
+    stopped reading: the server's socket buffers are small, so its writes back up."""
     from kvserve.services.http import server as http_server
 
     monkeypatch.setattr(http_server, "HTTP_STOP_S", 0.5)
     server = ModelServerThread(tiny_dirs["tiny"], http_listen="127.0.0.1:0")
     try:
         engine, front_ = server.servicer.engine, server.servicer.http_front
+        for listening in front_.server.servers[0].sockets:   # what it accepts inherits it
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         host, port = front_.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.connect()
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.request("POST", "/v1/completions", body=json.dumps(
             {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}).encode(),
             headers={"content-type": "application/json"})
         answer = conn.getresponse()
         assert answer.readline().startswith(b"data: ")
+        wait_until(lambda: engine.num_live() == 0 or any(
+            c.transport.get_write_buffer_size() > 0 for c in front_.server.server_state.connections),
+            what="its writes backed up")
         server.call(front_.stop(), timeout=30)
-        assert front_.task.done() and not front_.server.server_state.tasks
+        state = front_.server.server_state
+        assert front_.task.done() and not state.tasks and not state.connections
         with pytest.raises(http.client.IncompleteRead) as cut:   # its connection closed before the 1,900 tokens
             answer.read()
         assert b"[DONE]" not in cut.value.partial

@@ -265,7 +265,7 @@ def test_the_probe_port_answers_until_the_drain_ends_not_the_last_grpc_call(tiny
         host, port = server.servicer.http_front.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps(
-            {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "stream": True}).encode(),
+            {"prompt": "hello", "max_tokens": 1200, "ignore_eos": True, "stream": True}).encode(),
             headers={"content-type": "application/json"})
         answer = conn.getresponse()
         assert answer.readline().startswith(b"data: ")
