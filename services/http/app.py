@@ -481,10 +481,17 @@ INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its l
                            code="internal")
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    """An unexpected failure: OpenAI's error shape, not Starlette's plain text (uvicorn logs the
-    traceback). It answers outside the CORS middleware: a browser page cannot read this one."""
-    return error_response(INTERNAL_ERROR)
+def _guarded(endpoint):
+    """The endpoint, its unexpected failures answered in OpenAI's error shape (not Starlette's
+    plain text) from inside the middleware, so that a browser page allowed under CORS can read
+    them too; the log has the traceback."""
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception:
+            log.exception("the HTTP front failed answering %s %s", request.method, request.url.path)
+            return error_response(INTERNAL_ERROR)
+    return guarded
 
 
 async def _routing_error(request: Request, exc: HTTPException) -> Response:
@@ -509,12 +516,12 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
                              allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms"],
                              max_age=600)] if allowed_origins else []
     return Starlette(middleware=middleware, routes=[
-        Route("/v1/completions", front.completions, methods=["POST"]),
-        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
-        Route("/v1/models", front.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
-        Route("/tokenize", front.tokenize, methods=["POST"]),
-        Route("/detokenize", front.detokenize, methods=["POST"]),
-        Route("/health", front.health_check, methods=["GET"]),
-        Route("/version", front.version, methods=["GET"]),
-    ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})
+        Route("/v1/completions", _guarded(front.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(front.chat_completions), methods=["POST"]),
+        Route("/v1/models", _guarded(front.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guarded(front.models), methods=["GET"]),
+        Route("/tokenize", _guarded(front.tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(front.detokenize), methods=["POST"]),
+        Route("/health", _guarded(front.health_check), methods=["GET"]),
+        Route("/version", _guarded(front.version), methods=["GET"]),
+    ], exception_handlers={HTTPException: _routing_error})

@@ -1012,7 +1012,7 @@ def test_the_served_model_name_is_the_one_clients_ask_for(tiny_dirs):
         server.stop()
 
 
-def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs):
+def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs, monkeypatch):
     """--http-allowed-origins: a web UI on that origin may call the API from the browser
     (preflight answered, its answers readable); other origins, and every origin by default, not."""
     preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
@@ -1032,6 +1032,17 @@ def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs):
         got = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
                          headers={"Origin": "http://localhost:3000"}, timeout=60)
         assert got.status_code == 200 and got.headers["access-control-allow-origin"] == "http://localhost:3000"
+        from kvserve.services.http import app
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the front")
+
+        monkeypatch.setattr(app, "Reply", broken)   # the front's own failure: its 500 readable there too
+        failed = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                            headers={"Origin": "http://localhost:3000"}, timeout=60)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert failed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        monkeypatch.undo()
         other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"},
                               timeout=10)
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
