@@ -499,7 +499,7 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return error_response(HttpError(404, f"no route {request.url.path}: this server serves /v1/completions, "
                                              "/v1/chat/completions, /v1/models[/MODEL], /tokenize, /detokenize, "
-                                             "/health and /version",
+                                             "/health, /ping and /version",
                                              "not_found_error"))
     if exc.status_code == 405:   # with the Allow header Starlette names the methods in
         err = HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
@@ -523,5 +523,6 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/tokenize", _guarded(front.tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(front.detokenize), methods=["POST"]),
         Route("/health", _guarded(front.health_check), methods=["GET"]),
+        Route("/ping", _guarded(front.health_check), methods=["GET", "POST"]),   # vLLM's, for SageMaker
         Route("/version", _guarded(front.version), methods=["GET"]),
     ], exception_handlers={HTTPException: _routing_error})

@@ -102,8 +102,9 @@ def test_errors_come_in_openais_shapes(client, model):
 
 def test_raw_http_edges(front):
     base = f"http://{front.servicer.http_front.address}"
-    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
-        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    for asked in (f"{base}/health", f"{base}/ping", urllib.request.Request(f"{base}/ping", data=b"")):   # GET, POST
+        with urllib.request.urlopen(asked, timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
     for body, status in ((b"{not json", 400), (b"[1, 2]", 400)):
         req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"content-type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as err:
