@@ -38,6 +38,8 @@ COMMANDS: dict[str, str] = {
     "generate": "kvserve.clients.cli:register_generate",
     "chat": "kvserve.clients.cli:register_chat",
     "stats": "kvserve.clients.cli:register_stats",
+    "tokenize": "kvserve.clients.tokens_cli:register_tokenize",
+    "detokenize": "kvserve.clients.tokens_cli:register_detokenize",
     "top": "kvserve.clients.top:register",
 }
 

@@ -204,3 +204,19 @@ def test_ctrl_c_while_a_command_waits_on_a_silent_server_is_one_line() -> None:
         silent.close()
         if proc is not None and proc.poll() is None:
             proc.kill()
+
+
+def test_tokenize_and_detokenize_from_the_shell(model_server, client: InferenceClient) -> None:
+    prompt = "The cache page holds"
+    ids = client.tokenize(prompt).token_ids
+    r = kvserve("tokenize", prompt, "--address", model_server.address, "--tokens")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{len(ids)} tokens: " + ", ".join(map(str, ids))
+    assert [int(line.split("\t")[0]) for line in lines[1:]] == list(ids)
+    r = kvserve("detokenize", ",".join(map(str, ids)), "--address", model_server.address)
+    assert (r.returncode, r.stdout) == (0, prompt + "\n"), r.stderr
+    r = kvserve("detokenize", "1", "x", "--address", model_server.address)
+    assert r.returncode == 2 and "token ids are integers, got '1 x'" in r.stderr
+    r = kvserve("detokenize", str(1 << 30), "--address", model_server.address)
+    assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "outside the tokenizer's vocabulary" in r.stderr
