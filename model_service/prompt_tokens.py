@@ -46,26 +46,6 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-MAX_DETOKENIZE_IDS = 1 << 20   # a Detokenize call's ids: a bound on the text one call makes
-
-
-def check_detokenize_count(count: int) -> None:
-    """Looked at before the ids are read (reading a repeated field builds a list of it)."""
-    if count > MAX_DETOKENIZE_IDS:
-        raise ValueError(f"{count:,} token ids; at most {MAX_DETOKENIZE_IDS:,} are written out in one call")
-
-
-def detokenize(tokenizer, ids: list[int], skip_special_tokens: bool = False) -> str:
-    """The text of `ids` as the tokenizer writes it, its own clean-up included: the text a stream
-    of them or an echoed prompt shows. ValueError for an id the tokenizer does not have, which
-    its decode would skip without a word."""
-    size = len(tokenizer)
-    bad = next((t for t in ids if not 0 <= t < size), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the tokenizer's vocabulary [0, {size})")
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 # Texts a tokenizer_digest encodes: spaces, digits, accents, an emoji, something special-looking.
 _PROBE_TEXTS = ("Hello, world!", "  Ünïcödé\tnew\nlines 1234567 <|x|></s>[INST] 🙂", "")
 

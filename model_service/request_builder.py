@@ -26,6 +26,7 @@ from kvserve.model_service.generation_defaults import GenerationDefaults
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
 from kvserve.model_service.request_ids import id_problem
 from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.detokenizer import check_detokenize_count, detokenize
 from kvserve.model_service.sampling.sampler import make_generator
 from kvserve.model_service.sampling.structured import Format
 from kvserve.model_service.tokenizing import TokenizerLanes
@@ -161,9 +162,9 @@ class RequestBuilder:
 
     async def detokenize(self, msg: pb.DetokenizeRequest) -> str:
         try:
-            prompt_tokens.check_detokenize_count(len(msg.token_ids))
-            return await self.lanes.run(len(msg.token_ids), prompt_tokens.detokenize, self.stack.tokenizer,
-                                        list(msg.token_ids), msg.skip_special_tokens)
+            check_detokenize_count(len(msg.token_ids))
+            return await self.lanes.run(len(msg.token_ids), detokenize, self.stack.tokenizer, msg.token_ids,
+                                        self.vocab_size, msg.skip_special_tokens)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 

@@ -54,6 +54,41 @@ def decoder_of(tokenizer: Tokenizer) -> Callable[..., str]:
     return backend.decode
 
 
+# A Detokenize call's ids and the text it answers: under the 4 MiB a gRPC client receives by default.
+MAX_DETOKENIZE_IDS = 1 << 17
+MAX_DETOKENIZE_BYTES = 4_000_000
+
+
+def check_detokenize_count(count: int) -> None:
+    """Looked at before the ids are read (reading a repeated field builds a list of it)."""
+    if count > MAX_DETOKENIZE_IDS:
+        raise ValueError(f"{count:,} token ids; at most {MAX_DETOKENIZE_IDS:,} are written out in one call")
+
+
+def detokenize(tokenizer: Tokenizer, ids: Sequence[int], vocab_size: int, skip_special_tokens: bool = False) -> str:
+    """The text of `ids` as the tokenizer writes it, its own clean-up included: the text a stream of
+    them or an echoed prompt shows. Ids past the tokenizer's own but within the model's
+    `vocab_size` (its padding rows, which it can emit) write nothing. ValueError for an id past
+    both, or a text over MAX_DETOKENIZE_BYTES. Run off the event loop: the Rust decode underneath
+    a transformers tokenizer is called through decode_batch, which lets go of the GIL where
+    decode does not."""
+    ids = list(ids)
+    size = max(len(tokenizer), vocab_size)
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {size})")
+    decode = decoder_of(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and decode == backend.decode:
+        text = backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+    else:
+        text = decode(ids, skip_special_tokens=skip_special_tokens)
+    if len(text) * 4 > MAX_DETOKENIZE_BYTES and (size := len(text.encode("utf-8"))) > MAX_DETOKENIZE_BYTES:
+        raise ValueError(f"the text of these {len(ids):,} ids is {size:,} bytes; at most {MAX_DETOKENIZE_BYTES:,} "
+                         "are answered in one call: ask for fewer ids")
+    return text
+
+
 def _defined_in(cls: type, name: str, modules: tuple[str, ...]) -> bool:
     owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
     return owner is not None and owner.__module__ in modules

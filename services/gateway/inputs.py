@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.model_service import prompt_tokens
+from kvserve.model_service.sampling.detokenizer import check_detokenize_count, detokenize
 from kvserve.model_service.tokenizing import TokenizerLanes
 
 
@@ -62,12 +63,12 @@ class Inputs:
         raise InputError("set one input: " + ("prompt, token_ids or messages" if isinstance(msg, pb.GenerateRequest)
                                               else "prompt or messages"))
 
-    async def text(self, msg: pb.DetokenizeRequest) -> str:
+    async def text(self, msg: pb.DetokenizeRequest, vocab_size: int) -> str:
         """The ids as the workers' tokenizer writes them, off the event loop."""
         try:
-            prompt_tokens.check_detokenize_count(len(msg.token_ids))
-            return await self._lanes.run(len(msg.token_ids), prompt_tokens.detokenize, self.tokenizer,
-                                         list(msg.token_ids), msg.skip_special_tokens)
+            check_detokenize_count(len(msg.token_ids))
+            return await self._lanes.run(len(msg.token_ids), detokenize, self.tokenizer, msg.token_ids, vocab_size,
+                                         msg.skip_special_tokens)
         except ValueError as exc:
             raise InputError(str(exc)) from None
 

@@ -179,7 +179,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
 
     async def Detokenize(self, request, context):
         try:
-            text = await self.inputs.text(request)
+            model = self.fleet.model   # its vocabulary's padding rows are ids too (None: the tokenizer's alone)
+            text = await self.inputs.text(request, model.vocab_size if model is not None else 0)
         except InputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(exc))
         except QueueFull as exc:

@@ -481,6 +481,11 @@ INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its l
                            code="internal")
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """What fails outside an endpoint (a middleware): OpenAI's shape all the same, not plain text."""
+    return error_response(INTERNAL_ERROR)
+
+
 def _guarded(endpoint):
     """The endpoint, its unexpected failures answered in OpenAI's error shape (not Starlette's
     plain text) from inside the middleware, so that a browser page allowed under CORS can read
@@ -488,6 +493,8 @@ def _guarded(endpoint):
     async def guarded(request: Request) -> Response:
         try:
             return await endpoint(request)
+        except HTTPException:   # a 4xx of Starlette's: its own handler answers it
+            raise
         except Exception:
             log.exception("the HTTP front failed answering %s %s", request.method, request.url.path)
             return error_response(INTERNAL_ERROR)
@@ -525,4 +532,4 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
         Route("/health", _guarded(front.health_check), methods=["GET"]),
         Route("/ping", _guarded(front.health_check), methods=["GET", "POST"]),   # vLLM's, for SageMaker
         Route("/version", _guarded(front.version), methods=["GET"]),
-    ], exception_handlers={HTTPException: _routing_error})
+    ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})

@@ -419,9 +419,17 @@ def tokenize_request(body: dict) -> tuple[pb.TokenizeRequest, bool]:
     return out, strings
 
 
+# The servers' bound on a Detokenize call's ids (model_service/sampling/detokenizer.py; a test holds
+# the two equal): a longer list is refused before its ids are looked at one by one.
+MAX_DETOKENIZE_IDS = 1 << 17
+
+
 def detokenize_request(body: dict) -> pb.DetokenizeRequest:
     """vLLM's /detokenize body: `tokens`, a list of token ids (and, kvserve's, skip_special_tokens)."""
     tokens = body.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > MAX_DETOKENIZE_IDS:
+        raise HttpError(400, f"{len(tokens):,} token ids; at most {MAX_DETOKENIZE_IDS:,} are written out in one call",
+                        param="tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
         raise HttpError(400, "'tokens' must be a list of token ids (integers from 0)", param="tokens")
     return pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=_flag(body, "skip_special_tokens") is True)

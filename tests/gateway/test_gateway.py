@@ -477,8 +477,9 @@ def test_tokenize_and_detokenize_answer_as_a_worker_does(two_workers):
             asked = pb.DetokenizeRequest(token_ids=ours.token_ids, skip_special_tokens=skip)
             assert fleet.stub.Detokenize(asked, timeout=10) == worker.Detokenize(asked, timeout=10)
         assert fleet.stub.Detokenize(pb.DetokenizeRequest(token_ids=ours.token_ids), timeout=10).text == text
-        bad = pb.DetokenizeRequest(token_ids=[5, 1 << 30])
-        theirs, gateways = rpc_error(lambda: worker.Detokenize(bad, timeout=10)), \
-            rpc_error(lambda: fleet.stub.Detokenize(bad, timeout=10))
-        assert (gateways.code(), gateways.details()) == (theirs.code(), theirs.details())
-        assert gateways.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for ids in ([5, 1 << 30], [5, -1], [5] * ((1 << 17) + 1)):
+            bad = pb.DetokenizeRequest(token_ids=ids)
+            theirs, gateways = rpc_error(lambda: worker.Detokenize(bad, timeout=10)), \
+                rpc_error(lambda: fleet.stub.Detokenize(bad, timeout=10))
+            assert (gateways.code(), gateways.details()) == (theirs.code(), theirs.details())
+            assert gateways.code() == grpc.StatusCode.INVALID_ARGUMENT

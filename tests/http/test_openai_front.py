@@ -168,6 +168,15 @@ def test_keys_are_bearer_tokens_over_http(tiny_dirs, tmp_path):
             answer = httpx.post(f"{base}/completions", headers=headers, content=body, timeout=10)
             assert answer.status_code == 401, (headers, answer.text)
             assert answer.json()["error"]["code"] == "unauthenticated"
+        root = base.removesuffix("/v1")
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+            assert httpx.post(f"{root}{path}", json=body, timeout=10).status_code == 401
+            keyed = httpx.post(f"{root}{path}", json=body, headers={"Authorization": "Bearer key-a"}, timeout=10)
+            assert keyed.status_code == 200, keyed.text
+        with grpc.insecure_channel(server.address) as ch:   # the RPC as well, without a key
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.InferenceStub(ch).Detokenize(pb.DetokenizeRequest(token_ids=[5]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         host, port = server.servicer.http_front.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:   # a gigabyte declared, none sent
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
@@ -1093,7 +1102,8 @@ def test_detokenize_gives_the_text_of_the_ids(front):
     for body, code, words in (({"tokens": "5"}, 400, "'tokens' must be a list of token ids"),
                               ({"tokens": [1, True]}, 400, "'tokens' must be a list of token ids"),
                               ({"tokens": [1, -2]}, 400, "'tokens' must be a list of token ids"),
-                              ({"tokens": [1, 1 << 30]}, 400, "outside the tokenizer's vocabulary"),
+                              ({"tokens": [1, 1 << 30]}, 400, "outside the vocabulary"),
+                              ({"tokens": [1] * ((1 << 17) + 1)}, 400, "131,073 token ids; at most 131,072"),
                               ({"tokens": ids, "skip_special_tokens": 1}, 400, "must be true or false"),
                               ({"tokens": ids, "model": "gpt-5"}, 404, "does not exist")):
         status, answer = _post(front, "/detokenize", json.dumps(body).encode())

@@ -121,3 +121,33 @@ def test_the_rust_decode_stands_in_only_where_it_gives_transformers_text(tokeniz
     assert decoder_of(rewriting) == rewriting.decode
     bare = tokenizer.backend_tokenizer
     assert decoder_of(bare) == bare.decode
+
+
+def test_detokenize_is_the_tokenizers_decode_and_checks_its_ids(tokenizer, monkeypatch):
+    """Detokenize's text: the tokenizer's own decode (its Rust one, which lets go of the GIL,
+    where that writes the same); ids in the model's padding rows write nothing; ids past both and
+    a text past the reply's bound are sentences."""
+    import pytest
+
+    from kvserve.model_service.sampling import detokenizer
+
+    ids = tokenizer.encode(CORPUS[0], add_special_tokens=False)[:40]
+    size = len(tokenizer)
+    for skip in (False, True):
+        assert detokenizer.detokenize(tokenizer, ids, size, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert detokenizer.detokenize(tokenizer, [*ids[:3], size, size + 5, *ids[3:]], size + 8) == tokenizer.decode(ids)
+    for bad in (-1, size + 8):
+        with pytest.raises(ValueError, match=rf"^token id {bad} is outside the vocabulary \[0, {size + 8}\)$"):
+            detokenizer.detokenize(tokenizer, [*ids, bad], size + 8)
+    with pytest.raises(ValueError, match="^131,073 token ids; at most 131,072 are written out in one call$"):
+        detokenizer.check_detokenize_count((1 << 17) + 1)
+    monkeypatch.setattr(detokenizer, "MAX_DETOKENIZE_BYTES", len(tokenizer.decode(ids).encode()) - 1)
+    with pytest.raises(ValueError, match="ask for fewer ids$"):
+        detokenizer.detokenize(tokenizer, ids, size)
+
+
+def test_the_http_fronts_bound_on_detokenized_ids_is_the_servers():
+    from kvserve.model_service.sampling.detokenizer import MAX_DETOKENIZE_IDS
+    from kvserve.services.http.translate import MAX_DETOKENIZE_IDS as FRONTS
+
+    assert FRONTS == MAX_DETOKENIZE_IDS

@@ -469,13 +469,22 @@ def test_detokenize_writes_ids_as_the_tokenizer_does(stub, tokenizer):
     assert stub.Detokenize(pb.DetokenizeRequest(), timeout=10).text == ""
 
 
-def test_detokenize_refuses_ids_the_tokenizer_does_not_have_and_too_many(stub, tokenizer):
+def test_detokenize_refuses_ids_the_model_does_not_have_and_too_many(stub, tokenizer):
     """A bare decode skips an unknown id without a word: the text would silently lack it."""
-    for bad in (len(tokenizer), -1):
+    size = max(len(tokenizer), stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).vocab_size)
+    for bad in (size, -1):
         err = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5, bad]), timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.details() == f"token id {bad} is outside the tokenizer's vocabulary [0, {len(tokenizer)})"
-    err = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * (1 << 20 | 1)), timeout=30))
+        assert err.details() == f"token id {bad} is outside the vocabulary [0, {size})"
+    err = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * ((1 << 17) + 1)), timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details() == "1,048,577 token ids; at most 1,048,576 are written out in one call"
+    assert err.details() == "131,073 token ids; at most 131,072 are written out in one call"
     assert_serving(stub)
+
+
+def test_detokenize_answers_its_largest_call_within_a_clients_default_message_size(stub, tokenizer):
+    """The most ids a call takes, each of the longest token the vocabulary has: its text fits
+    the 4 MiB a gRPC client receives by default (a bound on ids alone did not)."""
+    longest = max(range(len(tokenizer)), key=lambda i: len(tokenizer.decode([i]).encode()))
+    answer = stub.Detokenize(pb.DetokenizeRequest(token_ids=[longest] * (1 << 17)), timeout=60)   # a default channel
+    assert len(answer.text.encode()) <= 4_000_000 and answer.text.startswith(tokenizer.decode([longest]))
