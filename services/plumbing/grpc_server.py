@@ -30,6 +30,7 @@ from kvserve.services.plumbing.address import CannotListen, ListenAddress, parse
 from kvserve.services.plumbing.local_channel import HandlerRecorder, LocalChannel
 from kvserve.services.plumbing.malformed import RefuseMalformed
 from kvserve.services.plumbing.tls import ServerTLS
+from kvserve.services.plumbing.unexpected import HideUnexpected
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,8 @@ async def create_server(
     gRPC's default); ``options`` override DEFAULT_OPTIONS key by key; ``tls``
     serves every TCP address over TLS (Unix sockets stay plaintext: tls.py);
     ``interceptors`` see every call first (auth.py), then a request whose bytes do not parse
-    is refused with INVALID_ARGUMENT (malformed.py); ``health_listen`` adds a
+    is refused with INVALID_ARGUMENT (malformed.py), and a handler's unexpected failure is
+    INTERNAL with an incident id, not its repr (unexpected.py); ``health_listen`` adds a
     plaintext port serving grpc.health.v1 alone, for Kubernetes probes (which
     cannot speak TLS), stopped with the server. Raises
     ValueError for a malformed address or service list, BindError when the
@@ -117,7 +119,7 @@ async def create_server(
     probe_listen = parse_address(health_listen) if health_listen else None
     specs = _check_services(services)
     pool = futures.ThreadPoolExecutor(max_workers) if max_workers else None
-    chain = (*interceptors, RefuseMalformed())
+    chain = (*interceptors, RefuseMalformed(), HideUnexpected())
     server = grpc.aio.server(
         migration_thread_pool=pool,
         options=list({**DEFAULT_OPTIONS, **(options or {})}.items()),

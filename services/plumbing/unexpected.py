@@ -1,0 +1,66 @@
+"""A handler's unexpected failure (a bug) told as INTERNAL with an incident id that the log has
+beside the traceback, never grpc's UNKNOWN with the exception's repr ("Unexpected <class
+'...'>: ..."). A peer's status that a handler let through (an upstream call that failed) is
+passed on as the peer said it. Installed on every kvserve server (grpc_server.create_server),
+innermost: it wraps the servicer's own behaviour and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from kvserve.services.plumbing.handlers import like
+
+log = logging.getLogger(__name__)
+
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+
+
+async def _told(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AioRpcError):   # a peer's answer, as it gave it
+        await context.abort(exc.code(), exc.details() or exc.code().name)
+    incident = uuid.uuid4().hex[:12]
+    log.error("%s failed (incident %s)", method, incident, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.rsplit('/', 1)[-1]}; the server "
+                                                  f"log has the details under incident {incident}")
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str):
+    """handler's behaviour with its unexpected failures told; None where it is not async."""
+    behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    if handler.response_streaming and inspect.isasyncgenfunction(behaviour):
+        async def stream(request, context):
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):   # ended by the handler, or the client
+                raise
+            except Exception as exc:
+                await _told(context, method, exc)
+        return stream
+    if not inspect.iscoroutinefunction(behaviour):
+        return None
+
+    async def once(request, context):
+        try:
+            return await behaviour(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await _told(context, method, exc)
+    return once
+
+
+class HideUnexpected(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        behaviour = _guarded(handler, details.method)
+        return handler if behaviour is None else like(handler, behaviour)
