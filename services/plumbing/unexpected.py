@@ -1,8 +1,10 @@
 """A handler's unexpected failure (a bug) told as INTERNAL with an incident id that the log has
 beside the traceback, never grpc's UNKNOWN with the exception's repr ("Unexpected <class
-'...'>: ..."). A peer's status that a handler let through (an upstream call that failed) is
-passed on as the peer said it. Installed on every kvserve server (grpc_server.create_server),
-innermost: it wraps the servicer's own behaviour and nothing else."""
+'...'>: ..."). A peer's failed call that a handler let through is a bug too: its status spoke
+of this server's call to the peer (and may name internal addresses), so handlers say what a
+peer's failure means to their client themselves. grpc's own exceptions (an abort, a stopped
+server, a client gone) and cancellation pass untouched. Installed on every kvserve server
+(grpc_server.create_server), innermost: it wraps the servicer's own behaviour and nothing else."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandl
 
 
 async def _told(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    if isinstance(exc, grpc.aio.AioRpcError):   # a peer's answer, as it gave it
-        await context.abort(exc.code(), exc.details() or exc.code().name)
+    if getattr(context, "done", lambda: False)():   # ended already: nothing can be told
+        raise exc
     incident = uuid.uuid4().hex[:12]
     log.error("%s failed (incident %s)", method, incident, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.rsplit('/', 1)[-1]}; the server "
@@ -38,7 +40,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str):
             try:
                 async for response in behaviour(request, context):
                     yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):   # ended by the handler, or the client
+            except (grpc.aio.BaseError, asyncio.CancelledError):   # grpc's own (an abort among them), or a cancel
                 raise
             except Exception as exc:
                 await _told(context, method, exc)
@@ -49,7 +51,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str):
     async def once(request, context):
         try:
             return await behaviour(request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except (grpc.aio.BaseError, asyncio.CancelledError):
             raise
         except Exception as exc:
             await _told(context, method, exc)

@@ -1,6 +1,6 @@
 """A handler's bug is INTERNAL with an incident id, never grpc's UNKNOWN with the exception's repr;
-a peer's status a handler lets through is passed on; a handler's own abort and a client's cancel
-are untouched (services/plumbing/unexpected.py, on every kvserve server)."""
+a peer's failed call a handler lets through is a bug too (its status and details spoke of another
+call); a handler's own abort is untouched (services/plumbing/unexpected.py, on every server)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ class Buggy(pb_grpc.InferenceServicer):
         raise KeyError("a bug")
 
     async def Cancel(self, request, context):   # a peer's failure let through
-        raise grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   "no request 'x' in flight")
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "failed to connect to all addresses; ipv4:10.0.0.7:50051")
 
     async def GetModelInfo(self, request, context):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "its own words")
@@ -64,7 +64,7 @@ def test_bugs_are_internal_with_an_incident_and_the_rest_as_they_were(caplog):
         (bug, bug_details), peer, own, (mid, mid_details) = outcomes
         assert bug == grpc.StatusCode.INTERNAL and bug_details.startswith("internal error in Tokenize; the server")
         assert "KeyError" not in bug_details and bug_details.rsplit(" ", 1)[-1] in caplog.text
-        assert peer == (grpc.StatusCode.NOT_FOUND, "no request 'x' in flight")
+        assert peer[0] == grpc.StatusCode.INTERNAL and "10.0.0.7" not in peer[1]
         assert own == (grpc.StatusCode.FAILED_PRECONDITION, "its own words")
         assert streamed == 1 and mid == grpc.StatusCode.INTERNAL and "ZeroDivisionError" not in mid_details
     assert "a bug mid-stream" in caplog.text
