@@ -9,6 +9,7 @@ server, a client gone) and cancellation pass untouched. Installed on every kvser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import uuid
@@ -37,9 +38,10 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str):
     behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
     if handler.response_streaming and inspect.isasyncgenfunction(behaviour):
         async def stream(request, context):
-            try:
-                async for response in behaviour(request, context):
-                    yield response
+            try:   # closed with this one: the handler's own finally runs as the call ends, not when collected
+                async with contextlib.aclosing(behaviour(request, context)) as responses:
+                    async for response in responses:
+                        yield response
             except (grpc.aio.BaseError, asyncio.CancelledError):   # grpc's own (an abort among them), or a cancel
                 raise
             except Exception as exc:
