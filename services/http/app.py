@@ -98,6 +98,14 @@ class Front:
                             code="unauthenticated")
         return (("authorization", auth),)
 
+    async def keyed_body(self, request: Request) -> tuple[tuple, dict]:
+        """The call's metadata and the JSON body, once its key is known good (401 as from gRPC
+        otherwise: without a key nothing of the body is read)."""
+        metadata = self.metadata(request)
+        if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
+            raise HttpError(401, why, "authentication_error", code="unauthenticated")
+        return metadata, await self.body(request)
+
     async def body(self, request: Request) -> dict:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -148,10 +156,7 @@ class Front:
         """vLLM's /tokenize: the ids (and, asked, the token strings) the server makes of a prompt
         or of chat messages rendered by the model's template."""
         try:
-            metadata = self.metadata(request)
-            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
-                raise HttpError(401, why, "authentication_error", code="unauthenticated")
-            body = await self.body(request)
+            metadata, body = await self.keyed_body(request)
             msg, strings = tokenize_request(body)
             info = await self._model_asked(body, metadata)
             answer = await self.stub.Tokenize(msg, metadata=metadata, timeout=60)
@@ -165,10 +170,7 @@ class Front:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: the text of token ids, as the server's tokenizer writes it."""
         try:
-            metadata = self.metadata(request)
-            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
-                raise HttpError(401, why, "authentication_error", code="unauthenticated")
-            body = await self.body(request)
+            metadata, body = await self.keyed_body(request)
             msg = detokenize_request(body)
             await self._model_asked(body, metadata)
             answer = await self.stub.Detokenize(msg, metadata=metadata, timeout=60)
@@ -217,10 +219,7 @@ class Front:
     async def _generate(self, request: Request, kind: str) -> Response:
         parts: list[Part] = []
         try:
-            metadata = self.metadata(request)
-            if self.keys is not None and (why := self.keys.refusal(metadata)) is not None:
-                raise HttpError(401, why, "authentication_error", code="unauthenticated")   # as from gRPC
-            body = await self.body(request)
+            metadata, body = await self.keyed_body(request)
             prompts = prompts_of(body) if kind == "completion" else None
             msgs = [request_of(kind, body, prompt) for prompt in prompts] if prompts else [request_of(kind, body)]
             info = await self._model_asked(body, metadata)
