@@ -128,12 +128,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _submit(self, req, request_id: str, sink) -> None:
         """Hands the request to the engine. An id in flight is refused, unless a cancel has
         reached the request holding it: that one ends within a step, and a client that cancelled
-        (or left) and sends the id again is served once it has, not told the id is in flight."""
+        (or left) and sends the id again is served once it has, not told the id is in flight.
+        A call its client left is cancelled by grpc (or the lane) a loop turn before its handler
+        cancels the request: the id is looked at again after one turn before it is refused."""
         deadline = time.monotonic() + CANCELLED_ID_WAIT_S
+        looked_again = False
         while True:
             try:
                 return self.engine.submit(req, sink)
             except DuplicateRequest:   # said with the id the client knows, not the engine's
+                if not self.engine.ending(req.request_id) and not looked_again:
+                    looked_again = True
+                    await asyncio.sleep(0)
+                    continue
                 if not self.engine.ending(req.request_id) or time.monotonic() > deadline:
                     raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
             while self.engine.ending(req.request_id) and time.monotonic() <= deadline:
