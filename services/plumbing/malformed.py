@@ -12,6 +12,7 @@ still answers first.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 
@@ -80,8 +81,10 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str):
     if streams_out:
         async def stream(request, context):
             await first(request, context)
-            async for response in behaviour(*arguments(request, context)):
-                yield response
+            # closed with this one: the handler's own finally runs as the call ends, not when collected
+            async with contextlib.aclosing(behaviour(*arguments(request, context))) as responses:
+                async for response in responses:
+                    yield response
         return stream
 
     async def once(request, context):
