@@ -48,6 +48,10 @@ MAX_REFUSALS = 16
 # other stream's tokens (a 128k-token prompt hashes in about 10 ms).
 HASH_OFF_LOOP_TOKENS = 4096
 MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fresh one
+# A request whose prompt this many workers failed while computing it (before their prefill_done)
+# goes to no other: it may be what kills them (a query of death), and --migration-limit moves
+# would take down that many more. A worker failing mid-decode, the usual way, counts nothing.
+PREFILL_FAILURES_LIMIT = 2
 
 
 def _too_large(exc: grpc.aio.AioRpcError) -> bool:
@@ -191,6 +195,7 @@ class Relay:
         n = self.request.sampling.n or 1
         left = n   # sequences to finish: the call ends after the last
         moves = renames = refusals = 0
+        prefill_failures = 0   # workers that failed before the prompt was computed there
         avoid = self._avoid
 
         # Tokens a gateway in front of this one streamed before it moved the request here: a move
@@ -265,12 +270,14 @@ class Relay:
             worker.stream_started(self, here)
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
             answered = full = False   # the worker sent something; it refused the request as full
+            prefilled_here = False    # this worker computed the prompt (its prefill_done came)
             try:
                 async for response in call:
                     answered = True
                     worker.events_heard += 1
                     kind = response.WhichOneof("event")
                     if kind == "prefill_done":
+                        prefilled_here = True
                         worker.prefilled(choice.mark)
                         # the worker took it: its prompt and hits count now (not a request it refused)
                         worker.prompt_tokens += response.prefill_done.prompt_tokens
@@ -342,6 +349,14 @@ class Relay:
                                   f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
+            if not prefilled_here and moves < self.migration_limit:
+                prefill_failures += 1
+                if prefill_failures >= PREFILL_FAILURES_LIMIT:
+                    log.warning("request %s: worker %s failed (%s) before computing its prompt, as %d workers have; "
+                                "it goes to no other", self.request_id, worker.address, why, prefill_failures)
+                    raise Refused(grpc.StatusCode.INTERNAL,
+                                  f"{prefill_failures} workers failed while computing the request's prompt "
+                                  f"(the last: {why}); it is sent to no other, in case it is what makes them fail")
             if moves >= self.migration_limit:   # (the workers' addresses are the log's, not the client's)
                 log.warning("request %s: worker %s failed (%s); it has moved %d times, as many as "
                             "--migration-limit allows", self.request_id, worker.address, why, moves)

@@ -667,6 +667,19 @@ def test_a_request_moved_before_its_prefill_done_waits_at_the_head_of_the_queue(
     assert not any(e.HasField("queued") for e in moved_events)   # to its client the stream only paused
 
 
+def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_third(tiny_dirs):
+    """A query of death: with --migration-limit 3 it took four workers down. Two workers lost
+    before their prefill_done end it INTERNAL, and the third never sees it; a request that lost
+    one worker that way moves as before (the test above)."""
+    workers = [PrefillFailure(running=0) for _ in range(3)]
+    with scripted_fleet(tiny_dirs, *workers, migration_limit=3) as (gateway, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert err.details().startswith("2 workers failed while computing the request's prompt (the last: "
+                                        "UNAVAILABLE: the worker is going away); it is sent to no other")
+        assert sorted(len(w.requests) for w in workers) == [0, 1, 1] and gateway.fleet.migrations == 1
+
+
 def test_refused_requests_are_not_taken_for_room_freed_at_a_worker(tiny_dirs):
     """The queue's wait estimate counts streams that ended at a worker; refusals counted too and
     told a waiting client its turn was a millisecond away while no worker had served anything."""
