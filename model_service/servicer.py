@@ -19,13 +19,13 @@ import grpc
 from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import KVCacheError
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import (DuplicateRequest, InvalidRequest, RequestFailed, Unauthenticated,
-                                                 Unavailable)
+from kvserve.model_service.engine.errors import (TAKEN_HEADER, DuplicateRequest, InvalidRequest, RequestFailed,
+                                                 Unauthenticated, Unavailable)
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
-from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S
+from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.stream_backlog import StreamBacklog, Unread
 from kvserve.model_service.tiny_model import PRESETS
@@ -96,7 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             try:
                 # The response headers now, not with the first token: a gateway counts the request
                 # as this worker's from them (services/gateway/worker.py, Routing).
-                await context.send_initial_metadata(())
+                await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
                 while not finished:
                     event = await events.get()
                     if isinstance(event, Unread):
@@ -129,22 +129,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Hands the request to the engine. An id in flight is refused, unless a cancel has
         reached the request holding it: that one ends within a step, and a client that cancelled
         (or left) and sends the id again is served once it has, not told the id is in flight.
-        A call its client left is cancelled by grpc (or the lane) a loop turn before its handler
-        cancels the request: the id is looked at again after one turn before it is refused."""
-        deadline = time.monotonic() + CANCELLED_ID_WAIT_S
-        looked_again = False
+        A call its client left frees its id as its handler unwinds, a few loop turns after grpc
+        (or the lane) ended it: an id not yet ending is looked at for LEFT_CALL_WAIT_S first."""
+        start = time.monotonic()
         while True:
             try:
                 return self.engine.submit(req, sink)
             except DuplicateRequest:   # said with the id the client knows, not the engine's
-                if not self.engine.ending(req.request_id) and not looked_again:
-                    looked_again = True
-                    await asyncio.sleep(0)
-                    continue
-                if not self.engine.ending(req.request_id) or time.monotonic() > deadline:
+                ending = self.engine.ending(req.request_id)
+                if time.monotonic() - start > (CANCELLED_ID_WAIT_S if ending else LEFT_CALL_WAIT_S):
                     raise DuplicateRequest(f"request id {request_id!r} is already in flight") from None
-            while self.engine.ending(req.request_id) and time.monotonic() <= deadline:
-                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005 if ending else 0.001)
 
     def _tenant(self, context) -> str:
         """Whose prefix cache the request uses: its key's tenant, a trusted front's metadata, or

@@ -34,6 +34,11 @@ class QueueFull(RequestFailed):
     """More requests wait than --max-waiting allows: try again later."""
 
 
+# The response header a worker sends as it takes a Generate in (its engine has the request, queued
+# or running). A gateway tells by it a worker that failed with the request taken from one that
+# refused it before (draining, its port closed), which a response of trailers alone cannot say.
+TAKEN_HEADER = "kvserve-taken"
+
 # Trailing metadata on a status that is the request's own although its code says "try another
 # server" (RESOURCE_EXHAUSTED): a gateway passes it on instead of moving the request.
 FINAL_TRAILER = "kvserve-final"

@@ -39,7 +39,8 @@ class GatewayConfig:
                                         "counts n sequences)")
     max_queued: int = option(1024, "requests in the gateway's queue before RESOURCE_EXHAUSTED")
     migration_limit: int = option(3, "times one request may move to another worker when its worker fails "
-                                     "mid-stream (0: never; it then ends UNAVAILABLE)")
+                                     "mid-stream (0: never; it then ends UNAVAILABLE); one that two workers "
+                                     "failed before computing its prompt moves no more")
     no_worker_timeout_s: float = option(30.0, "seconds a request may wait while no worker is serving before it "
                                               "ends UNAVAILABLE", flag="--no-worker-timeout")
     poll_interval_s: float = option(0.05, "seconds between looks at each worker's load and health: each worker "

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import lane_pb2 as lane_pb
+from kvserve.model_service.engine.errors import TAKEN_HEADER
 from kvserve.services.plumbing import lane_wire as wire
 from kvserve.services.plumbing.tls import ClientTLS
 
@@ -224,8 +225,8 @@ class LaneCall:
         return self._responses
 
     def _took(self, taken: bool = True) -> None:
-        if not self._headers.done():
-            self._headers.set_result(()) if taken else self._headers.cancel()
+        if not self._headers.done():   # the lane's HEADERS frame says what the gRPC header does
+            self._headers.set_result(((TAKEN_HEADER, "1"),)) if taken else self._headers.cancel()
 
     def _expire(self) -> None:
         """The deadline: the connection closes (the worker cancels the request), and the response

@@ -26,7 +26,7 @@ from contextlib import aclosing
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
-from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER
+from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER, TAKEN_HEADER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.model_service.status import status_message
@@ -35,6 +35,7 @@ from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
 from kvserve.services.gateway.worker import Worker
 from kvserve.services.plumbing.api_keys import TENANT_METADATA
+from kvserve.services.plumbing.retry_hints import NO_RETRY_TRAILER
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,12 @@ MAX_REFUSALS = 16
 # other stream's tokens (a 128k-token prompt hashes in about 10 ms).
 HASH_OFF_LOOP_TOKENS = 4096
 MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fresh one
-# A request whose prompt this many workers failed while computing it (before their prefill_done)
-# goes to no other: it may be what kills them (a query of death), and --migration-limit moves
-# would take down that many more. A worker failing mid-decode, the usual way, counts nothing.
+# A request whose prompt this many workers failed while computing it (they had taken it, their
+# prefill_done had not come) goes to no other: it may be what kills them (a query of death), and
+# --migration-limit moves would take down that many more. A worker failing mid-decode, the usual
+# way, or refusing the request before taking it (draining, unreachable) counts nothing; one
+# failing with the request queued there counts as one failing while computing it (the gateway
+# cannot tell them apart).
 PREFILL_FAILURES_LIMIT = 2
 
 
@@ -120,7 +124,7 @@ def unfit(fleet: Fleet, why: str, prompt_tokens: int, length: int = 0, output: s
 class Relay:
     def __init__(self, fleet: Fleet, request: pb.GenerateRequest, request_id: str, ids: list[int],
                  migration_limit: int, no_worker_timeout_s: float = 30.0, tenant: str = "",
-                 resumed: bool = False, avoid: Worker | None = None) -> None:
+                 resumed: bool = False, avoid: Worker | None = None, prefill_failures: int = 0) -> None:
         self.no_worker_timeout_s = no_worker_timeout_s
         self.tenant = tenant   # whose prefix cache: in the hashes here, in metadata to the worker
         self._metadata = ((TENANT_METADATA, tenant),) if tenant else ()
@@ -138,6 +142,7 @@ class Relay:
         self._waiter = None   # its place in the gateway's queue while it waits there
         self._resumed = resumed   # one sequence of a split request: its client has had prefill_done
         self._avoid = avoid       # the worker it left, chosen again only if no other can take it
+        self._prefill_failures = prefill_failures   # a split's part: its request's, so far
         self._parts: list[Relay] = []   # a split request's sequences, each its own Relay (_split)
 
     def move_off(self, worker: Worker) -> None:
@@ -195,7 +200,7 @@ class Relay:
         n = self.request.sampling.n or 1
         left = n   # sequences to finish: the call ends after the last
         moves = renames = refusals = 0
-        prefill_failures = 0   # workers that failed before the prompt was computed there
+        prefill_failures = self._prefill_failures   # workers that failed with it taken, before computing its prompt
         avoid = self._avoid
 
         # Tokens a gateway in front of this one streamed before it moved the request here: a move
@@ -349,14 +354,15 @@ class Relay:
                                   f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
-            if not prefilled_here and moves < self.migration_limit:
+            if choice.mark.admitted and not prefilled_here:
                 prefill_failures += 1
                 if prefill_failures >= PREFILL_FAILURES_LIMIT:
                     log.warning("request %s: worker %s failed (%s) before computing its prompt, as %d workers have; "
                                 "it goes to no other", self.request_id, worker.address, why, prefill_failures)
                     raise Refused(grpc.StatusCode.INTERNAL,
                                   f"{prefill_failures} workers failed while computing the request's prompt "
-                                  f"(the last: {why}); it is sent to no other, in case it is what makes them fail")
+                                  f"(the last: {why}); it is sent to no other, in case it is what makes them fail",
+                                  ((NO_RETRY_TRAILER, "1"),))
             if moves >= self.migration_limit:   # (the workers' addresses are the log's, not the client's)
                 log.warning("request %s: worker %s failed (%s); it has moved %d times, as many as "
                             "--migration-limit allows", self.request_id, worker.address, why, moves)
@@ -370,17 +376,19 @@ class Relay:
                         self.request_id, worker.address, why, sum(map(len, streamed.values())), moves)
             if streamed and n > 1:   # a continuation goes on one sequence: one request for each
                 async with aclosing(self._split(streamed, finished, first_cached, worker, time_left,
-                                                self.migration_limit - moves)) as parts:
+                                                self.migration_limit - moves, prefill_failures)) as parts:
                     async for response in parts:
                         yield response
                 return
 
     async def _split(self, streamed: dict[int, list[int]], finished: set[int], first_cached: int,
-                     failed: Worker, time_left, moves_left: int) -> AsyncIterator[pb.GenerateResponse]:
+                     failed: Worker, time_left, moves_left: int,
+                     prefill_failures: int = 0) -> AsyncIterator[pb.GenerateResponse]:
         """A request of n > 1 sequences goes on as one request per sequence not yet finished, each
         continuing its own tokens and drawing with the seed its sequence draws with (child_seed),
         so greedy and seeded output is what one worker would have streamed. Each part moves on its
-        own, up to `moves_left` times; their events reach the client under their sequence's index,
+        own, up to `moves_left` times (and PREFILL_FAILURES_LIMIT counted on from the request's
+        `prefill_failures`); their events reach the client under their sequence's index,
         the usage's cache hit the one the client was told first."""
         indices: list[int] = []   # the sequence each part goes on
         for i in range(self.request.sampling.n):
@@ -399,7 +407,7 @@ class Relay:
             suffix = f".{i}.{uuid.uuid4().hex[:8]}"
             part_id = self.request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
             part = Relay(self.fleet, msg, part_id, self.ids, moves_left, self.no_worker_timeout_s, self.tenant,
-                         resumed=True, avoid=failed)
+                         resumed=True, avoid=failed, prefill_failures=prefill_failures)
             part.cancelled = self.cancelled   # a Cancel while it moved: each part ends ABORT at once
             part.ended = self.ended
             self._parts.append(part)
@@ -495,7 +503,9 @@ async def _note_taken(call, mark) -> None:
     """The worker sends its response headers as it takes a request in (or with its first message):
     from then its load reports count it (Routing.take)."""
     try:
-        await call.initial_metadata()
+        metadata = await call.initial_metadata()
     except (grpc.aio.AioRpcError, asyncio.CancelledError):
         return
     mark.take()
+    # (a call refused before it was taken ends with headers too, empty: grpc's trailers-only answer)
+    mark.admitted = any(key == TAKEN_HEADER for key, _ in metadata or ())

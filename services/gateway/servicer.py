@@ -19,7 +19,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
 from kvserve.kvcache_service.contract.hashing import check_cache_salt
-from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, id_problem
+from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S, id_problem
 from kvserve.model_service.status import status_message
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.relay import Refused, Relay, none_serving, unfit
@@ -50,7 +50,6 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self.migration_limit = migration_limit
         self.relays: dict[tuple[str, str], Relay] = {}   # (tenant, request id): each tenant's ids are its own
         self._streams_over: dict[tuple[str, str], asyncio.Event] = {}   # set as its relay leaves `relays`
-        self._contexts: dict[tuple[str, str], grpc.aio.ServicerContext] = {}   # each relay's client call
         self.draining = False
         self._shared_stats = stats_watch.SharedStats(self._built_stats, self._load)   # WatchServerStats' messages
 
@@ -87,7 +86,6 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         relay = Relay(self.fleet, request, request_id, ids, self.migration_limit, self.no_worker_timeout_s, tenant)
         self.relays[tenant, request_id] = relay
         self._streams_over[tenant, request_id] = asyncio.Event()
-        self._contexts[tenant, request_id] = context
         ended = "aborted"   # unless it runs to its end: the client went away
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
@@ -115,7 +113,6 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             await context.abort(exc.code, exc.message)
         finally:
             del self.relays[tenant, request_id]
-            del self._contexts[tenant, request_id]
             self._streams_over.pop((tenant, request_id)).set()
             if ended is not None:
                 self.fleet.ended[ended] += 1
@@ -123,18 +120,19 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 self.fleet.queue.stream_ended()
 
     async def _cancelled_one_ended(self, tenant: str, request_id: str) -> None:
-        """A client that cancelled a request here (Cancel answered) or left its call, and sends
-        its id again, is served once the old stream has ended (its worker's ABORT relayed, or its
-        handler unwound: moments), not told the id is in flight, as a worker serves it; one still
-        running keeps its id. A call the client left is cancelled in grpc before its handler hears
-        of it: the id sent again in between waits rather than racing the unwinding. (A Cancel
-        answered by another gateway replica is not seen here: the id is in flight until the
-        worker's ABORT reaches this one.)"""
+        """A client that cancelled a request here (Cancel answered) and sends its id again is served
+        once the cancelled stream has ended (its worker's ABORT relayed: moments), not told the id
+        is in flight, as a worker serves it. A client that left its call frees the id as the
+        call's handler unwinds, a few loop turns after grpc ended the call (which its context
+        does not show): any other holder is waited for LEFT_CALL_WAIT_S, and one still running
+        keeps its id. (A Cancel answered by another gateway replica is not seen here: the id is
+        in flight until the worker's ABORT reaches this one.)"""
         key = (tenant, request_id)
         relay = self.relays.get(key)
-        if relay is not None and (relay.cancelled or self._contexts[key].cancelled()):
+        if relay is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._streams_over[key].wait(), CANCELLED_ID_WAIT_S)
+                await asyncio.wait_for(self._streams_over[key].wait(),
+                                       CANCELLED_ID_WAIT_S if relay.cancelled else LEFT_CALL_WAIT_S)
 
     def _tenant(self, context) -> str:
         if self.keys is None:

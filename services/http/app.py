@@ -30,6 +30,7 @@ from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompts_of, request_of, shown,
                                              detokenize_request, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
+from kvserve.services.plumbing.retry_hints import says_no_retry
 from kvserve.services.plumbing.version import kvserve_version
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
 def retry_headers(exc: grpc.aio.AioRpcError) -> dict[str, str] | None:
     """What an HTTP client's retries go by: the server's retry-after-ms hint (a full queue, a
     gateway's estimate) as Retry-After and retry-after-ms, which the openai SDKs wait out; a
-    request id already in flight is no error a retry mends (it could run the request twice)."""
-    if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+    request id already in flight is no error a retry mends (it could run the request twice), nor
+    is one the server marks so (a request two workers died computing: a retry could kill more)."""
+    if exc.code() == grpc.StatusCode.ALREADY_EXISTS or says_no_retry(exc.trailing_metadata()):
         return {"x-should-retry": "false"}
     for key, value in exc.trailing_metadata() or ():
         if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():

@@ -70,11 +70,6 @@ class _Context:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
-    def cancelled(self) -> bool:
-        """Never seen True by a handler: cancelling a local call closes its handler there and then
-        (or cancels the task reading it), with no moment where grpc knows and the handler does not."""
-        return False
-
     async def send_initial_metadata(self, metadata) -> None:
         pass
 

@@ -20,12 +20,13 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER
+from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER, TAKEN_HEADER
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.plumbing import stats_watch
+from kvserve.services.plumbing.retry_hints import NO_RETRY_TRAILER
 from tests.gateway.conftest import GatewayThread
 from tests.server_thread import LoopThread
 from tests.service.util import greedy, request, rpc_error, wait_until
@@ -667,17 +668,38 @@ def test_a_request_moved_before_its_prefill_done_waits_at_the_head_of_the_queue(
     assert not any(e.HasField("queued") for e in moved_events)   # to its client the stream only paused
 
 
+class TakenThenLost(ScriptedWorker):
+    """Takes every request in (its response headers say so, as a worker's do), then fails it
+    UNAVAILABLE before its prefill_done: its process died computing the prompt."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
+        await asyncio.sleep(1.5)   # a load report (a heartbeat a second) comes first
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+
 def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_third(tiny_dirs):
     """A query of death: with --migration-limit 3 it took four workers down. Two workers lost
-    before their prefill_done end it INTERNAL, and the third never sees it; a request that lost
-    one worker that way moves as before (the test above)."""
-    workers = [PrefillFailure(running=0) for _ in range(3)]
+    with it taken and before their prefill_done end it INTERNAL, and the third never sees it."""
+    workers = [TakenThenLost(running=0) for _ in range(3)]
     with scripted_fleet(tiny_dirs, *workers, migration_limit=3) as (gateway, stub, _):
         err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
         assert err.code() == grpc.StatusCode.INTERNAL
         assert err.details().startswith("2 workers failed while computing the request's prompt (the last: "
                                         "UNAVAILABLE: the worker is going away); it is sent to no other")
         assert sorted(len(w.requests) for w in workers) == [0, 1, 1] and gateway.fleet.migrations == 1
+        assert (NO_RETRY_TRAILER, "1") in err.trailing_metadata()   # an HTTP front says: do not retry
+
+
+def test_workers_that_fail_a_request_before_taking_it_do_not_count_it_as_a_query_of_death(tiny_dirs):
+    """A worker refusing a call before taking it in (draining, its port refused) has computed
+    nothing of it: the request moves on, up to --migration-limit, as before."""
+    workers = [PrefillFailure(running=0) for _ in range(3)]   # no response headers: never taken
+    with scripted_fleet(tiny_dirs, *workers, migration_limit=2) as (gateway, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "it has moved 2 times" in err.details()
+        assert sorted(len(w.requests) for w in workers) == [1, 1, 1] and gateway.fleet.migrations == 2
 
 
 def test_refused_requests_are_not_taken_for_room_freed_at_a_worker(tiny_dirs):

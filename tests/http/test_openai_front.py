@@ -19,6 +19,7 @@ import pytest
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
+from kvserve.services.plumbing.retry_hints import NO_RETRY_TRAILER
 from tests.gateway.conftest import make_fleet
 from tests.service.conftest import ModelServerThread
 from tests.service.util import generate, request, wait_until
@@ -883,6 +884,11 @@ def test_a_request_id_in_flight_is_a_409_no_sdk_retries_and_a_hint_becomes_retry
                                 grpc.aio.Metadata(("retry-after-ms", "2500")), details="every worker is full")
     err = from_rpc(full)
     assert err.status == 429 and err.headers == {"retry-after-ms": "2500", "retry-after": "3"}
+    # a request two workers died computing (services/gateway/relay.py): a retry could kill more
+    deadly = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                  grpc.aio.Metadata((NO_RETRY_TRAILER, "1")), details="2 workers failed")
+    err = from_rpc(deadly)
+    assert err.status == 500 and err.headers == {"x-should-retry": "false"}
     plain = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
     assert from_rpc(plain).headers is None
 

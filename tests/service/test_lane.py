@@ -18,7 +18,7 @@ import pytest
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.config import ModelServiceConfig
-from kvserve.model_service.engine.errors import ENDED_TRAILER
+from kvserve.model_service.engine.errors import ENDED_TRAILER, TAKEN_HEADER
 from kvserve.model_service.lane_server import LaneServer
 from kvserve.services.gateway.lane import LaneChannel
 from kvserve.services.plumbing import lane_wire as wire
@@ -124,6 +124,27 @@ def test_a_lane_call_streams_what_the_grpc_port_streams(served, client):
         assert lane[0].WhichOneof("event") == grpc_stream[0].WhichOneof("event") == "prefill_done"
         assert by_sequence(lane) == by_sequence(grpc_stream)
     assert client.lane.fallbacks == 0 and client.lane.idle == 1   # one connection, kept for each next call
+
+
+def test_the_workers_headers_say_it_took_the_request_and_a_refusals_do_not(served, client):
+    """What a gateway tells a worker that failed with a request taken (it may have been computing
+    it) from one that refused it before, over either hop (services/gateway/relay.py)."""
+    async def headers(hop, msg) -> tuple:
+        call = hop(msg, timeout=30)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError:
+            pass
+        try:
+            return tuple(await call.initial_metadata())
+        except asyncio.CancelledError:   # the lane's answer to headers that never came
+            return ()
+
+    taken, refused = request(token_ids=PROMPT, **greedy(2)), request(token_ids=PROMPT, **greedy(5000))
+    for hop in (client.lane.generate, pb_grpc.InferenceStub(client.grpc_channel).Generate):
+        assert (TAKEN_HEADER, "1") in client.call(headers(hop, taken))
+        assert (TAKEN_HEADER, "1") not in client.call(headers(hop, refused))
 
 
 def test_a_refusal_has_the_grpc_port_s_code_words_and_trailers(served, client):
