@@ -170,11 +170,14 @@ class Front:
                              "tokens": list(answer.token_ids), "token_strs": list(answer.tokens) if strings else None})
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's /detokenize: the text of token ids, as the server's tokenizer writes it."""
+        """vLLM's /detokenize: the text of token ids, as the server's tokenizer writes it. The
+        model is asked for only to check a `model` the body names: a gateway with no worker
+        serving answers the rest from its own tokenizer at once."""
         try:
             metadata, body = await self.keyed_body(request)
             msg = detokenize_request(body)
-            await self._model_asked(body, metadata)
+            if body.get("model") is not None:
+                await self._model_asked(body, metadata)
             answer = await self.stub.Detokenize(msg, metadata=metadata, timeout=60)
         except HttpError as err:
             return error_response(err)

@@ -1116,6 +1116,26 @@ def test_detokenize_gives_the_text_of_the_ids(front):
         assert status == code and words in answer["error"]["message"], answer
 
 
+def test_a_gateway_with_no_worker_serving_detokenizes_at_once(tiny_dirs):
+    """A gateway answers Detokenize with its own tokenizer: its HTTP front need not wait for a
+    worker's model info (up to --no-worker-timeout) unless the body names a model to check."""
+    from tests.gateway.conftest import GatewayThread
+    from tests.service.processes import free_port
+
+    gateway = GatewayThread([f"127.0.0.1:{free_port()}"], model=str(tiny_dirs["tiny"]),
+                            http_listen="127.0.0.1:0", no_worker_timeout_s=60)
+    try:
+        host, port = gateway.gateway.http_front.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=20)
+        conn.request("POST", "/detokenize", body=json.dumps({"tokens": [5, 6, 7]}).encode(),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and isinstance(json.loads(response.read())["prompt"], str)
+        conn.close()
+    finally:
+        gateway.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(front, stream):
     """Older lm-evaluation-harness and HELM score a prompt with echo and max_tokens 0: the prompt,
