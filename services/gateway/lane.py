@@ -35,6 +35,7 @@ MAX_IDLE = 256         # idle connections kept per worker: a stream each, up to 
 IDLE_S = 30.0          # an idle connection older than this is closed, not reused (a middlebox may have dropped it)
 CONNECT_TIMEOUT_S = 2.0
 RETRY_LANE_S = 10.0    # after a lane could not be connected to, calls go over gRPC this long
+TAKEN = ((TAKEN_HEADER, "1"),)   # the lane's HEADERS frame says what a worker's gRPC response header does
 
 
 def _error(code: grpc.StatusCode, details: str, trailers: tuple = ()) -> grpc.aio.AioRpcError:
@@ -206,7 +207,7 @@ class LaneCall:
         if self._done or self._cancelled:
             return False
         self._cancelled = True
-        self._took(False)
+        self._took(None)
         if self._timer is not None:   # it would hold the call until the deadline
             self._timer.cancel()
         conn, self._conn = self._conn, None
@@ -224,9 +225,10 @@ class LaneCall:
     def __aiter__(self):
         return self._responses
 
-    def _took(self, taken: bool = True) -> None:
-        if not self._headers.done():   # the lane's HEADERS frame says what the gRPC header does
-            self._headers.set_result(((TAKEN_HEADER, "1"),)) if taken else self._headers.cancel()
+    def _took(self, metadata: tuple | None = TAKEN) -> None:
+        """The worker's response headers came (`metadata`), or the call ended without (None)."""
+        if not self._headers.done():
+            self._headers.set_result(metadata) if metadata is not None else self._headers.cancel()
 
     def _expire(self) -> None:
         """The deadline: the connection closes (the worker cancels the request), and the response
@@ -329,7 +331,7 @@ class LaneCall:
             self._done = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._took(False)
+            self._took(None)
             if self._conn is not None:   # left early (cancelled, past its deadline, failed): the worker cancels it
                 self._conn.close()
                 self._conn = None
@@ -343,12 +345,12 @@ class LaneCall:
         self._grpc_call = self._channel.grpc_generate(self._request, timeout=left, metadata=self._metadata)
 
         async def headers() -> None:
-            try:
-                await self._grpc_call.initial_metadata()
+            try:   # (a call refused before it was taken has headers too, empty: grpc's trailers-only answer)
+                metadata = tuple(await self._grpc_call.initial_metadata())
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                self._took(False)
+                self._took(None)
                 return
-            self._took()
+            self._took(metadata)
         self._channel.spawn(headers())
         async for response in self._grpc_call:
             yield response

@@ -12,7 +12,7 @@ down (it failed or went silent: the call is cancelled here); a move costs one of
 --migration-limit. RESOURCE_EXHAUSTED before anything came is the worker's queue full (it filled
 before the gateway saw it): the request waits for room again and spends no move. Either way the
 worker is held off until it reports again. Any other status is the request's own and reaches
-the client as the worker gave it.
+the client as the worker gave it, with the trailers a client retries by (PASSED_TRAILERS).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fres
 # failing with the request queued there counts as one failing while computing it (the gateway
 # cannot tell them apart).
 PREFILL_FAILURES_LIMIT = 2
+HEADERS_LOOK_S = 1.0   # a failed call's headers, asked for: there at once, or never
+# A worker's trailers that a status passed on to the client keeps: what a client (or a gateway in
+# front of this one) reads to retry, or not.
+PASSED_TRAILERS = frozenset({FINAL_TRAILER, NO_RETRY_TRAILER, "retry-after-ms"})
 
 
 def _too_large(exc: grpc.aio.AioRpcError) -> bool:
@@ -324,7 +328,8 @@ class Relay:
                     raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \
                         from None
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
-                    raise Refused(exc.code(), exc.details()) from None
+                    raise Refused(exc.code(), exc.details(), tuple(
+                        (key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)) from None
                 why = f"{exc.code().name}: {exc.details()}"
                 full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
@@ -354,7 +359,7 @@ class Relay:
                                   f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
-            if choice.mark.admitted and not prefilled_here:
+            if not prefilled_here and await _admitted(call, choice.mark):
                 prefill_failures += 1
                 if prefill_failures >= PREFILL_FAILURES_LIMIT:
                     log.warning("request %s: worker %s failed (%s) before computing its prompt, as %d workers have; "
@@ -497,6 +502,22 @@ class Relay:
         finally:
             self._waiter = None
             queue.leave(waiter)
+
+
+async def _admitted(call, mark) -> bool:
+    """Whether the worker had taken the failed call in (its TAKEN_HEADER came). Asked of the call
+    as well as the mark: headers that came in the same read as the failure are the call's before
+    _note_taken has run. A call that has ended has its headers, or never will, at once."""
+    if mark.admitted:
+        return True
+    look = asyncio.ensure_future(call.initial_metadata())
+    try:
+        await asyncio.wait({look}, timeout=HEADERS_LOOK_S)
+    finally:
+        look.cancel()
+    if not look.done() or look.cancelled() or look.exception() is not None:
+        return False
+    return any(key == TAKEN_HEADER for key, _ in look.result() or ())
 
 
 async def _note_taken(call, mark) -> None:

@@ -129,10 +129,15 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         in flight until the worker's ABORT reaches this one.)"""
         key = (tenant, request_id)
         relay = self.relays.get(key)
-        if relay is not None:
+        if relay is None:
+            return
+        over = self._streams_over[key]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(over.wait(), LEFT_CALL_WAIT_S)
+            return
+        if relay.cancelled:   # (a Cancel may have come meanwhile)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._streams_over[key].wait(),
-                                       CANCELLED_ID_WAIT_S if relay.cancelled else LEFT_CALL_WAIT_S)
+                await asyncio.wait_for(over.wait(), CANCELLED_ID_WAIT_S)
 
     def _tenant(self, context) -> str:
         if self.keys is None:

@@ -692,6 +692,42 @@ def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_thir
         assert (NO_RETRY_TRAILER, "1") in err.trailing_metadata()   # an HTTP front says: do not retry
 
 
+class TakenAndLostAtOnce(ScriptedWorker):
+    """Takes every request in and fails it at once: its headers and its status come together."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+
+def test_headers_that_come_with_the_failure_count_the_worker_as_having_taken_the_request(tiny_dirs):
+    workers = [TakenAndLostAtOnce(running=0) for _ in range(3)]
+    with scripted_fleet(tiny_dirs, *workers, migration_limit=3) as (gateway, stub, _):
+        for _ in range(3):
+            err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+            assert err.code() == grpc.StatusCode.INTERNAL, err.details()
+
+
+class OwnFailure(ScriptedWorker):
+    """Ends every request with a status of the request's own, marked not to be retried."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.abort(grpc.StatusCode.INTERNAL, "the request broke something",
+                            trailing_metadata=((NO_RETRY_TRAILER, "1"), ("kvserve-private", "x")))
+        yield pb.GenerateResponse()
+
+
+def test_a_workers_status_passed_on_keeps_the_trailers_clients_retry_by(tiny_dirs):
+    """A gateway in front of this one, and the HTTP front, read them; anything else stays here."""
+    with scripted_fleet(tiny_dirs, OwnFailure()) as (_, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "the request broke something"
+        trailers = [tuple(t) for t in err.trailing_metadata()]
+        assert (NO_RETRY_TRAILER, "1") in trailers and not any(key == "kvserve-private" for key, _ in trailers)
+
+
 def test_workers_that_fail_a_request_before_taking_it_do_not_count_it_as_a_query_of_death(tiny_dirs):
     """A worker refusing a call before taking it in (draining, its port refused) has computed
     nothing of it: the request moves on, up to --migration-limit, as before."""

@@ -128,7 +128,8 @@ def test_a_lane_call_streams_what_the_grpc_port_streams(served, client):
 
 def test_the_workers_headers_say_it_took_the_request_and_a_refusals_do_not(served, client):
     """What a gateway tells a worker that failed with a request taken (it may have been computing
-    it) from one that refused it before, over either hop (services/gateway/relay.py)."""
+    it) from one that refused it before, over each hop: the lane, gRPC, and gRPC where the lane
+    cannot be reached (services/gateway/relay.py)."""
     async def headers(hop, msg) -> tuple:
         call = hop(msg, timeout=30)
         try:
@@ -141,10 +142,53 @@ def test_the_workers_headers_say_it_took_the_request_and_a_refusals_do_not(serve
         except asyncio.CancelledError:   # the lane's answer to headers that never came
             return ()
 
-    taken, refused = request(token_ids=PROMPT, **greedy(2)), request(token_ids=PROMPT, **greedy(5000))
-    for hop in (client.lane.generate, pb_grpc.InferenceStub(client.grpc_channel).Generate):
-        assert (TAKEN_HEADER, "1") in client.call(headers(hop, taken))
-        assert (TAKEN_HEADER, "1") not in client.call(headers(hop, refused))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"   # nothing listens there once closed
+    unreachable = LaneClient(served.address, closed)
+    try:
+        taken, refused = request(token_ids=PROMPT, **greedy(2)), request(token_ids=PROMPT, **greedy(5000))
+        for c, hop in ((client, client.lane.generate), (client, pb_grpc.InferenceStub(client.grpc_channel).Generate),
+                       (unreachable, unreachable.lane.generate)):
+            assert (TAKEN_HEADER, "1") in c.call(headers(hop, taken))
+            assert (TAKEN_HEADER, "1") not in c.call(headers(hop, refused))
+        assert unreachable.lane.fallbacks == 2
+    finally:
+        unreachable.close()
+
+
+def test_headers_that_come_in_the_same_read_as_the_failure_count(tmp_path):
+    """A worker that takes a call in and fails it at once sends HEADERS and STATUS in one write:
+    the call raises before the relay's task waiting for the headers has run, and the relay asks
+    the call itself (relay._admitted), so the worker counts as having taken it."""
+    from kvserve.services.gateway.relay import _admitted, _note_taken
+    from kvserve.services.gateway.worker import Routing
+
+    async def worker(reader, writer):
+        while await reader.read(1 << 16):   # a call (after the magic, on a new connection); the
+            writer.write(wire.frame(wire.HEADERS) + wire.status_frame(grpc.StatusCode.UNAVAILABLE, "died"))
+            await writer.drain()            # connection is kept for the next one
+
+    async def main() -> list[bool]:
+        path = str(tmp_path / "lane.sock")
+        server = await asyncio.start_unix_server(worker, path)
+        lane = LaneChannel(path, None, None)
+        out = []
+        try:
+            for _ in range(3):   # as Relay.run does it
+                call, mark = lane.generate(pb.GenerateRequest(), 10), Routing()
+                taken = asyncio.ensure_future(_note_taken(call, mark))
+                with pytest.raises(grpc.aio.AioRpcError):
+                    async for _ in call:
+                        pass
+                taken.cancel()
+                out.append(await _admitted(call, mark))
+        finally:
+            lane.close()
+            server.close()
+        return out
+
+    assert asyncio.run(main()) == [True, True, True]
 
 
 def test_a_refusal_has_the_grpc_port_s_code_words_and_trailers(served, client):

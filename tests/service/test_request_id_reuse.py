@@ -96,3 +96,16 @@ def test_the_gateway_waits_for_a_stream_its_client_just_left_and_not_for_one_run
         return over.is_set()   # returned as the old stream ended, not before
 
     assert asyncio.run(run()) is client_left
+
+
+def test_a_cancel_that_comes_while_the_gateway_waits_lets_it_wait_for_the_stream_to_end() -> None:
+    async def run() -> bool:
+        servicer = gateway_holding()
+        relay, over = servicer.relays["", "again"], servicer._streams_over["", "again"]
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, setattr, relay, "cancelled", True)   # Cancel(request_id) answered
+        loop.call_later(0.2, over.set)   # its worker's ABORT relayed, past LEFT_CALL_WAIT_S
+        await asyncio.wait_for(servicer._cancelled_one_ended("", "again"), 5)
+        return over.is_set()
+
+    assert asyncio.run(run())
