@@ -219,7 +219,11 @@ class LaneCall:
         return True
 
     async def initial_metadata(self):
-        """Once the worker took the call (its HEADERS frame); CancelledError if it ended without."""
+        """Once the worker took the call (its HEADERS frame); CancelledError if it ended without.
+        Gone over gRPC, the gRPC call's own: asked once the call has ended, they may not have been
+        passed on yet (when the headers and the status came together)."""
+        if self._grpc_call is not None:
+            return await self._grpc_call.initial_metadata()
         return await self._headers
 
     def __aiter__(self):

@@ -157,38 +157,59 @@ def test_the_workers_headers_say_it_took_the_request_and_a_refusals_do_not(serve
         unreachable.close()
 
 
+class TakenAndLostAtOnce(pb_grpc.InferenceServicer):
+    """A worker's gRPC port that takes every call in and fails it at once."""
+
+    async def Generate(self, request, context):
+        await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "died")
+        yield pb.GenerateResponse()
+
+
 def test_headers_that_come_in_the_same_read_as_the_failure_count(tmp_path):
-    """A worker that takes a call in and fails it at once sends HEADERS and STATUS in one write:
-    the call raises before the relay's task waiting for the headers has run, and the relay asks
-    the call itself (relay._admitted), so the worker counts as having taken it."""
+    """A worker that takes a call in and fails it at once sends its headers and its status
+    together: the call raises before the relay's task waiting for the headers has run, and the
+    relay asks the call itself (relay._admitted), so the worker counts as having taken it. Over
+    the lane (HEADERS and STATUS in one write) and over its gRPC fallback."""
     from kvserve.services.gateway.relay import _admitted, _note_taken
     from kvserve.services.gateway.worker import Routing
 
-    async def worker(reader, writer):
+    async def lane_worker(reader, writer):
         while await reader.read(1 << 16):   # a call (after the magic, on a new connection); the
             writer.write(wire.frame(wire.HEADERS) + wire.status_frame(grpc.StatusCode.UNAVAILABLE, "died"))
             await writer.drain()            # connection is kept for the next one
 
     async def main() -> list[bool]:
         path = str(tmp_path / "lane.sock")
-        server = await asyncio.start_unix_server(worker, path)
+        lane_server = await asyncio.start_unix_server(lane_worker, path)
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(TakenAndLostAtOnce(), grpc_server)
+        port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         lane = LaneChannel(path, None, None)
+        gone = LaneChannel(str(tmp_path / "nothing-listens-here.sock"), None, pb_grpc.InferenceStub(channel).Generate)
         out = []
         try:
-            for _ in range(3):   # as Relay.run does it
-                call, mark = lane.generate(pb.GenerateRequest(), 10), Routing()
-                taken = asyncio.ensure_future(_note_taken(call, mark))
-                with pytest.raises(grpc.aio.AioRpcError):
-                    async for _ in call:
-                        pass
-                taken.cancel()
-                out.append(await _admitted(call, mark))
+            for channel_ in (lane, gone):
+                for _ in range(3):   # as Relay.run does it
+                    call, mark = channel_.generate(pb.GenerateRequest(), 10), Routing()
+                    taken = asyncio.ensure_future(_note_taken(call, mark))
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        async for _ in call:
+                            pass
+                    taken.cancel()
+                    out.append(await _admitted(call, mark))
         finally:
             lane.close()
-            server.close()
+            gone.close()
+            lane_server.close()
+            await channel.close()
+            await grpc_server.stop(None)
+        assert gone.fallbacks == 3
         return out
 
-    assert asyncio.run(main()) == [True, True, True]
+    assert asyncio.run(main()) == [True] * 6
 
 
 def test_a_refusal_has_the_grpc_port_s_code_words_and_trailers(served, client):
