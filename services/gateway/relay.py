@@ -328,8 +328,8 @@ class Relay:
                     raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \
                         from None
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
-                    raise Refused(exc.code(), exc.details(), tuple(
-                        (key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)) from None
+                    kept = tuple((key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)
+                    raise Refused(exc.code(), exc.details(), kept) from None
                 why = f"{exc.code().name}: {exc.details()}"
                 full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
