@@ -359,7 +359,7 @@ class Relay:
                                   f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
-            if not prefilled_here and await _admitted(call, choice.mark):
+            if not prefilled_here and await _admitted(call):
                 prefill_failures += 1
                 if prefill_failures >= PREFILL_FAILURES_LIMIT:
                     log.warning("request %s: worker %s failed (%s) before computing its prompt, as %d workers have; "
@@ -504,12 +504,10 @@ class Relay:
             queue.leave(waiter)
 
 
-async def _admitted(call, mark) -> bool:
+async def _admitted(call) -> bool:
     """Whether the worker had taken the failed call in (its TAKEN_HEADER came). Asked of the call
-    as well as the mark: headers that came in the same read as the failure are the call's before
-    _note_taken has run. A call that has ended has its headers, or never will, at once."""
-    if mark.admitted:
-        return True
+    once it has ended, when it has its headers, or never will, at once (headers that came in the
+    same read as the failure included, which _note_taken may not have seen yet)."""
     look = asyncio.ensure_future(call.initial_metadata())
     try:
         await asyncio.wait({look}, timeout=HEADERS_LOOK_S)
@@ -524,9 +522,7 @@ async def _note_taken(call, mark) -> None:
     """The worker sends its response headers as it takes a request in (or with its first message):
     from then its load reports count it (Routing.take)."""
     try:
-        metadata = await call.initial_metadata()
+        await call.initial_metadata()
     except (grpc.aio.AioRpcError, asyncio.CancelledError):
         return
     mark.take()
-    # (a call refused before it was taken ends with headers too, empty: grpc's trailers-only answer)
-    mark.admitted = any(key == TAKEN_HEADER for key, _ in metadata or ())

@@ -46,11 +46,10 @@ class Routing:
     after the worker took the call: during a burst a worker may take a call long after it was
     sent, and a report that does not count it yet must not make room for another."""
 
-    __slots__ = ("taken_at", "admitted", "sequences", "prefill")
+    __slots__ = ("taken_at", "sequences", "prefill")
 
     def __init__(self, sequences: int = 1, prefill: int = 0) -> None:
         self.taken_at = math.inf   # until its response headers come
-        self.admitted = False      # its headers said the worker's engine has it (TAKEN_HEADER)
         self.sequences = sequences   # its n: each runs in the worker's batch
         self.prefill = prefill     # prompt tokens it computes there, as routed; 0 once its prefill is done
 

@@ -199,7 +199,7 @@ def test_headers_that_come_in_the_same_read_as_the_failure_count(tmp_path):
                         async for _ in call:
                             pass
                     taken.cancel()
-                    out.append(await _admitted(call, mark))
+                    out.append(await _admitted(call))
         finally:
             lane.close()
             gone.close()
