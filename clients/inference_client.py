@@ -176,7 +176,7 @@ class InferenceClient:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerateStream:
         """Start a generation; iterate the result for PrefillDone, Chunk..., Finished
-        (a gateway may send Queued first). Give exactly one of prompt, token_ids, messages.
+        (Queued first while it waits in a queue). Give exactly one of prompt, token_ids, messages.
         Unset (None) parameters take the server's defaults. With n > 1 the server samples n
         sequences from the prompt: each Chunk and Finished says which (`index`). prompt_logprobs
         (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone. logit_bias

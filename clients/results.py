@@ -39,9 +39,10 @@ class KVServeError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Queued:
-    """The request waits for a worker (sent by a gateway, not by the model service)."""
+    """The request waits: in a gateway's queue for a worker, or in a model service's queue for
+    room (position 0: it left that queue; its prompt is being computed)."""
     position: int  # 1 = next
-    eta_ms: int
+    eta_ms: int    # 0: no estimate
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from kvserve.kvcache_service.contract.errors import KVCacheError
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
 from kvserve.model_service.engine.errors import (TAKEN_HEADER, DuplicateRequest, InvalidRequest, RequestFailed,
                                                  Unauthenticated, Unavailable)
-from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Tokens
+from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Queued, Tokens
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
@@ -297,7 +297,9 @@ def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]
         if chunk is not None:
             yield pb.GenerateResponse(chunk=chunk, index=index), False, None
             chunk = None
-        if isinstance(event, PrefillDone):
+        if isinstance(event, Queued):
+            yield pb.GenerateResponse(queued=pb.QueueStatus(position=event.position, eta_ms=event.eta_ms)), False, None
+        elif isinstance(event, PrefillDone):
             done = pb.PrefillDone(request_id=request_id, prompt_tokens=event.prompt_tokens,
                                   cached_tokens=event.cached_tokens)
             asked = event.prompt_logprobs

@@ -56,6 +56,7 @@ from kvserve.model_service.engine.events import Event, Failed, Finished, Prefill
 from kvserve.model_service.engine.family import spawn
 from kvserve.model_service.engine.manager_link import ManagerLink
 from kvserve.model_service.engine.output import OutputProcessor
+from kvserve.model_service.engine.queue_positions import QueuePositions
 from kvserve.model_service.engine.request import Request, Status
 from kvserve.model_service.engine.runner import ModelRunner
 from kvserve.model_service.engine.scheduler import HeldElsewhere, Scheduler, SchedulerConfig, Work
@@ -128,6 +129,7 @@ class Engine:
         self.drafter = drafter
         self.scheduler = Scheduler(scheduler_config, preemptions=self.counters.preemptions, drafter=drafter)
         self.progress = Progress()
+        self._positions = QueuePositions()   # tells waiting requests their place
         self._watchdog = Watchdog(self.progress, self.link, lambda: bool(self._live), stall_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
@@ -316,6 +318,7 @@ class Engine:
         """Into the waiting queue; with n > 1, its children wait to fork from it (family.py)."""
         if request.output is None:   # a continued request brings its own, primed
             request.output = OutputProcessor(request, self.tokenizer, self.eos_token_ids)
+        request.queued_at_step = self.counters.steps
         self.scheduler.add(request)
         if request.params.n > 1:
             device = self.runner.device
@@ -437,6 +440,7 @@ class Engine:
             r, why = sched.unservable.pop()
             self._fail(r, InvalidRequest(f"the request cannot go on with this server's KV cache: {why}"))
         c.steps += 1
+        self._positions.tell(sched.waiting, c.steps, sched.first_admitted)
         progress.step = c.steps
         self._count(work)
         c.schedule_s += clock() - t3

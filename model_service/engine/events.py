@@ -1,4 +1,5 @@
-"""What the engine tells a request's listener, in order: PrefillDone, Tokens..., Finished.
+"""What the engine tells a request's listener, in order: Queued... (only when it waits),
+PrefillDone, Tokens..., Finished.
 
 Plain data, made on the engine thread and handed to the listener's sink,
 which must not block (the servicer's sink hops onto its asyncio loop).
@@ -15,6 +16,14 @@ from kvserve.model_service.engine.errors import RequestFailed
 class PromptLogprobs:
     prompt_ids: list[int]   # the first has no logprob
     tokens: list            # TokenLogprobs of the prompt's tokens after the first
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """Its place in the worker's queue (1 = next), or 0: it left the queue, its prompt is being
+    computed (queue_positions.py)."""
+    position: int
+    eta_ms: int   # 0: no estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,4 +67,4 @@ class Failed:
         return str(self.error)
 
 
-Event = PrefillDone | Tokens | Finished | Failed
+Event = Queued | PrefillDone | Tokens | Finished | Failed

@@ -53,6 +53,8 @@ class Request:
     matcher: Any = None              # structured output's grammar matcher (sampling/structured.py)
     forget_format: Any = None        # Callable[[], None]: its matcher failed, the compiled format is not kept
     continued: int = 0               # output tokens a continuation brought (generated elsewhere)
+    queued_at_step: int = 0          # the engine's step count when it took the request in
+    told_position: int | None = None  # its place in the queue as its stream last heard it (queue_positions.py)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -125,6 +125,7 @@ class Scheduler:
         self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
         self.unswapped = 0                 # swapped sequences sent back to recompute to end a deadlock, since start
         self.available_pages = 0           # free + evictable pages after the last plan
+        self.first_admitted = 0            # requests the last plan took in for the first time
 
     # ------------------------------------------------------------ requests
 
@@ -342,6 +343,7 @@ class Scheduler:
         refused = ""   # why an admission was not granted
         resume_refused = False
         self.available_pages = plan.available_pages
+        self.first_admitted = 0
         recomputed = {p.seq_id for p in plan.preempted if p.mode is PreemptionMode.RECOMPUTE}
         preempted = {p.seq_id for p in plan.preempted}
         if recomputed:   # the manager freed these; a release of ours would hit a freed (or reused) id
@@ -386,6 +388,7 @@ class Scheduler:
                 if r.cached_tokens is None:   # the prompt's share: a continuation's tokens are admitted too
                     r.cached_tokens = min(result.cached_tokens, r.num_prompt)
                     r.scheduled_at = time.monotonic()
+                    self.first_admitted += 1
                 self.waiting.remove(r)
                 self.by_seq[r.seq_id] = r
                 self._start(r)

@@ -52,9 +52,8 @@ MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fres
 # A request whose prompt this many workers failed while computing it (they had taken it, their
 # prefill_done had not come) goes to no other: it may be what kills them (a query of death), and
 # --migration-limit moves would take down that many more. A worker failing mid-decode, the usual
-# way, or refusing the request before taking it (draining, unreachable) counts nothing; one
-# failing with the request queued there counts as one failing while computing it (the gateway
-# cannot tell them apart).
+# way, refusing the request before taking it (draining, unreachable), or failing while the request
+# waited in its queue (its last `queued` said a place, not 0) counts nothing.
 PREFILL_FAILURES_LIMIT = 2
 HEADERS_LOOK_S = 1.0   # a failed call's headers, asked for: there at once, or never
 # A worker's trailers that a status passed on to the client keeps: what a client (or a gateway in
@@ -280,12 +279,17 @@ class Relay:
             taken = asyncio.ensure_future(_note_taken(call, choice.mark))
             answered = full = False   # the worker sent something; it refused the request as full
             prefilled_here = False    # this worker computed the prompt (its prefill_done came)
+            waiting_here = False      # it waits in this worker's queue (its last `queued` said a place)
             try:
                 async for response in call:
                     answered = True
                     worker.events_heard += 1
                     kind = response.WhichOneof("event")
-                    if kind == "prefill_done":
+                    if kind == "queued":
+                        waiting_here = response.queued.position > 0
+                        if moved:   # to its client a moved stream only pauses
+                            continue
+                    elif kind == "prefill_done":
                         prefilled_here = True
                         worker.prefilled(choice.mark)
                         # the worker took it: its prompt and hits count now (not a request it refused)
@@ -359,7 +363,7 @@ class Relay:
                                   f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
-            if not prefilled_here and await _admitted(call):
+            if not prefilled_here and not waiting_here and await _admitted(call):
                 prefill_failures += 1
                 if prefill_failures >= PREFILL_FAILURES_LIMIT:
                     log.warning("request %s: worker %s failed (%s) before computing its prompt, as %d workers have; "

@@ -692,6 +692,46 @@ def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_thir
         assert (NO_RETRY_TRAILER, "1") in err.trailing_metadata()   # an HTTP front says: do not retry
 
 
+class QueuedThenLost(ScriptedWorker):
+    """Takes every request in and tells it its place in the worker's queue (then, with `leaves`,
+    that it left the queue: its prompt computing), then fails it before its prefill_done."""
+
+    def __init__(self, leaves: bool, **kw) -> None:
+        super().__init__(**kw)
+        self.leaves = leaves
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
+        yield pb.GenerateResponse(queued=pb.QueueStatus(position=2, eta_ms=40))
+        yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=20))
+        if self.leaves:
+            yield pb.GenerateResponse(queued=pb.QueueStatus(position=0))
+        await asyncio.sleep(1.5)   # a load report (a heartbeat a second) comes first
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+
+def test_workers_that_fail_while_the_request_waits_in_their_queue_do_not_count_it_as_a_query_of_death(tiny_dirs):
+    """Queued behind what the worker was computing, the request cannot be what made it fail: it
+    moves on as far as --migration-limit allows, and its client heard the first worker's queue."""
+    workers = [QueuedThenLost(leaves=False, running=0) for _ in range(3)]
+    with scripted_fleet(tiny_dirs, *workers, migration_limit=2) as (gateway, stub, _):
+        heard = []
+        err = rpc_error(lambda: heard.extend(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "it has moved 2 times" in err.details()
+        assert sorted(len(w.requests) for w in workers) == [1, 1, 1] and gateway.fleet.migrations == 2
+        # the first worker's queue told as the worker told it; a moved stream only pauses
+        assert [(e.queued.position, e.queued.eta_ms) for e in heard] == [(2, 40), (1, 20)]
+
+
+def test_workers_that_fail_after_the_request_left_their_queue_count_it(tiny_dirs):
+    workers = [QueuedThenLost(leaves=True, running=0) for _ in range(3)]
+    with scripted_fleet(tiny_dirs, *workers, migration_limit=3) as (gateway, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.INTERNAL and (NO_RETRY_TRAILER, "1") in err.trailing_metadata()
+        assert sorted(len(w.requests) for w in workers) == [0, 1, 1]
+
+
 class TakenAndLostAtOnce(ScriptedWorker):
     """Takes every request in and fails it at once: its headers and its status come together."""
 

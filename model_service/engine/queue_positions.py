@@ -1,0 +1,65 @@
+"""Where a waiting request stands in this worker's queue, told to its stream.
+
+Most requests are taken in by the step after the one that found them in the queue, and hear
+nothing of it. One still waiting two steps after the engine took it in (no sequence slot or no
+pages for it) is told its place (`Queued`, 1 = next) and told again whenever it changes; once it
+leaves the queue, `Queued` with position 0: its prompt is being computed. Only a request that has
+had no token yet is told (one preempted back into the queue after its first token is not).
+
+A gateway reads these to tell a request that waited in a worker's queue from one the worker was
+computing when it failed: only the second may be what made it fail (services/gateway/relay.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Collection
+
+from kvserve.model_service.engine.events import Queued
+from kvserve.model_service.engine.request import Request, Status
+
+WINDOW_S = 60.0   # the rate requests leave the queue is measured over the last minute
+STEPS_BEFORE_TELLING = 2
+
+
+class QueuePositions:
+    def __init__(self) -> None:
+        self._told: set[Request] = set()        # told a place, not yet told they left
+        self._left: deque[float] = deque()      # when requests last left the queue (first admissions)
+
+    def tell(self, waiting: Collection[Request], step: int, left: int) -> None:
+        """After a step's plan is applied: `waiting` is the queue in order, `step` the engine's
+        step count, `left` the requests this step took out of the queue for the first time."""
+        now = time.monotonic()
+        if left:
+            self._left.extend([now] * left)
+        if not waiting and not self._told:
+            return
+        for r in [r for r in self._told if r.status is not Status.WAITING]:
+            self._told.discard(r)
+            if r.status is not Status.FINISHED:
+                r.told_position = 0
+                r.sink(Queued(0, 0))
+        position = 0
+        for r in waiting:
+            if r.index:   # a child of parallel sampling: its request's place is its parent's
+                continue
+            position += 1
+            if (r.status is Status.FINISHED or r.first_token_at is not None or r.told_position == position
+                    or step - r.queued_at_step < STEPS_BEFORE_TELLING):
+                continue
+            r.told_position = position
+            self._told.add(r)
+            r.sink(Queued(position, self._eta_ms(position, now)))
+
+    def _eta_ms(self, position: int, now: float) -> int:
+        """At the rate requests left the queue over the last minute; 0 when fewer than two did
+        (no estimate), as a gateway's queue says it (services/gateway/waiting.py)."""
+        left = self._left
+        while left and left[0] < now - WINDOW_S:
+            left.popleft()
+        if len(left) < 2:
+            return 0
+        rate = (len(left) - 1) / max(now - left[0], 1e-3)
+        return int(1000 * position / rate)
