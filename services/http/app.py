@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompts_of, request_of, shown,
+from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompt_top_of, prompts_of, request_of, shown,
                                              detokenize_request, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.retry_hints import says_no_retry
@@ -234,7 +234,7 @@ class Front:
             # the reply's id is the one the server logs the request under (a batch's prompts: -0, -1, ...)
             base_id = msgs[0].request_id or uuid.uuid4().hex
             echo = kind == "completion" and body.get("echo") is True
-            prompt_top = body.get("prompt_logprobs")   # vLLM's (request_of checked it)
+            prompt_top = prompt_top_of(body)   # vLLM's, as request_of read it (1.0 is 1)
             for i, msg in enumerate(msgs):
                 msg.request_id = base_id if len(msgs) == 1 else f"{base_id}-{i}"
                 call = self.stub.Generate(msg, metadata=metadata)
@@ -271,7 +271,7 @@ class Front:
         it would later: their places in the queue and their prefills are freed at once."""
         async def first_of(part: Part) -> None:
             part.first = await anext(part.events, None)
-        firsts = asyncio.ensure_future(asyncio.gather(*(first_of(part) for part in parts)))
+        firsts = asyncio.ensure_future(_each(first_of(part) for part in parts))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -296,7 +296,7 @@ class Front:
         """The whole answer at once; a client that leaves before it is ready cancels the calls."""
         async def collect() -> Response:
             try:
-                await asyncio.gather(*(_collect(part) for part in parts))
+                await _each(_collect(part) for part in parts)
             except grpc.aio.AioRpcError as exc:
                 return error_response(from_rpc(exc))
             return JSONResponse(_whole_of(parts))
@@ -348,6 +348,18 @@ class Part:
 def _cancel(parts: list[Part]) -> None:
     for part in parts:
         part.call.cancel()
+
+
+async def _each(coroutines: Iterable[Awaitable]) -> None:
+    """Runs them side by side to their ends; the first to fail cancels the others, so that the
+    tasks reading a batch's other calls stop (an in-process call being read is cancelled only
+    through its reader: local_channel.py), and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()   # (a task done already ignores it)
 
 
 async def _collect(part: Part) -> None:

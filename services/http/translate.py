@@ -127,7 +127,10 @@ def sampling(body: dict) -> pb.SamplingParams:
         value = _number(body, name, float, -2, 2)
         if value is not None:
             setattr(out, name, value)
-    max_tokens = _number(body, "max_completion_tokens", int, 1, UINT32) or _number(body, "max_tokens", int, 1, UINT32)
+    # both checked: the newer name wins, but a bad value of the older one is still a 400
+    legacy = _number(body, "max_tokens", int, 1, UINT32)
+    max_tokens = _number(body, "max_completion_tokens", int, 1, UINT32)
+    max_tokens = legacy if max_tokens is None else max_tokens
     if max_tokens is not None:
         out.max_tokens = max_tokens
     seed = _number(body, "seed", int, -2**63, 2**63 - 1)   # OpenAI's int64
@@ -261,13 +264,19 @@ def prompts_of(body: dict) -> list | None:
     return prompt
 
 
+def prompt_top_of(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: how many of each prompt token's top logprobs to show (1.0 is 1);
+    the server bounds it (--max-logprobs)."""
+    return _number(body, "prompt_logprobs", int, 0, UINT32)
+
+
 def request_of(kind: str, body: dict, prompt=None) -> pb.GenerateRequest:
     """The Generate message of a completion or chat body (`prompt`: one of a completion's batch).
     A string holding a lone surrogate (JSON allows the escape "\\ud800"; no UTF-8 text holds one)
     is a 400, not protobuf's error."""
     try:
         msg = completion_request(body, prompt) if kind == "completion" else chat_request(body)
-        prompt_top = _number(body, "prompt_logprobs", int, 0, UINT32)   # vLLM's; the server bounds it (--max-logprobs)
+        prompt_top = prompt_top_of(body)
         if prompt_top is not None:   # an echo's logprobs may already ask for more of each top
             msg.sampling.prompt_logprobs = max(prompt_top, msg.sampling.prompt_logprobs)
         if "user" in body and isinstance(body["user"], str):

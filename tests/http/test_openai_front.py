@@ -232,6 +232,8 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "seed": -9223372036854775809}', "seed"),
     ('{"prompt": "x", "stream_options": {"include_usage": true}}', "only allowed when 'stream' is true"),
     ('{"prompt": "x", "model": 5}', "'model' must be a string"),
+    ('{"prompt": "x", "max_completion_tokens": 5, "max_tokens": "abc"}', "'max_tokens' must be an integer"),
+    ('{"prompt": "x", "max_completion_tokens": 5, "max_tokens": -7}', "'max_tokens' must be in"),
 ])
 def test_numbers_out_of_range_are_a_400_in_openais_shape(front, body, message):
     req = urllib.request.Request(f"http://{front.servicer.http_front.address}/v1/completions", data=body.encode(),
@@ -391,6 +393,14 @@ def test_vllms_prompt_logprobs_for_completions_and_chats_streamed_or_not(front, 
     assert [c["prompt_logprobs"] for c in streamed if c.get("prompt_logprobs")] == [chat_expected]
     plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).model_dump()
     assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_vllms_prompt_logprobs_as_a_whole_float_are_that_integer(front):
+    """1.0 is 1, as for every integer field (clients compute them as floats)."""
+    answers = [_post(front, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+                                                            "prompt_logprobs": top}).encode()) for top in (1, 1.0)]
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert answers[0][1]["choices"][0]["prompt_logprobs"] == answers[1][1]["choices"][0]["prompt_logprobs"]
 
 
 @pytest.mark.parametrize("value, message", [(-1, "must be in [0"), (True, "must be an integer"),
