@@ -119,7 +119,7 @@ class _Step:
             return NeedResult(True, need.seq_id, [])
         if n <= state.available():   # fits without preempting anybody: the common case, kept short
             return NeedResult(True, need.seq_id, state.grow(seq, need.num_tokens))
-        room = self._room_ever(seq, need.seq_id)
+        room = self._room_ever(seq, need.seq_id, n)
         if n > room:   # it could never fit: nobody is preempted for it, itself included
             return NeedResult(False, need.seq_id, reason=f"needs {n} more pages; at most {room} could be had "
                               "even with every other sequence gone")
@@ -133,17 +133,19 @@ class _Step:
                                   "preempting every lower-priority sequence")
         return allocation.grow(state, seq, need.num_tokens)
 
-    def _room_ever(self, seq, seq_id: int) -> int:
+    def _room_ever(self, seq, seq_id: int, wanted: int) -> int:
         """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own
         pages, and less the pages a slide of its own left blocked (they come back only when it
-        lets go of the pages below them). Worked out page by page only when blocked pages could
-        make the difference: there are none without sliding windows. (Pages swapped sequences
-        keep on the device count as room: they come back when those resume and end, so a Grow
-        short of them now is preempted and runs later, not refused for good.)"""
+        lets go of the pages below them). Worked out page by page (every other sequence's table)
+        only when blocked pages could make the difference to the `wanted` pages: there are none
+        without sliding windows, and a Grow past the pool less its own pages is refused without.
+        (Pages swapped sequences keep on the device count as room: they come back when those
+        resume and end, so a Grow short of them now is preempted and runs later, not refused for
+        good.)"""
         state = self.state
         bound = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
         blocked = state.tree.num_parked - state.tree.num_evictable
-        if not blocked:
+        if not blocked or wanted > bound:
             return bound
         forecast = release.DropForecast(state)
         return state.available() + sum(forecast.drop(page) for other_id, other in state.seqs.items()

@@ -93,15 +93,23 @@ def check_commit(state: ManagerState, c: Commit, num_tokens: int | None = None) 
     seq = state.seqs.get(c.seq_id)
     if seq is None or seq.state is not SeqState.RUNNING:
         seq = state.running_seq(c.seq_id)  # raises the right error
+    # Tokens known past the slots held are the few sampled ahead of their slots (a draft's too);
+    # past the whole pool's more, never computable: they would only cost memory, and each fork a copy.
+    ahead = state.pool.num_pages * ps
     if num_tokens is None:  # the common case, in one expression; any failure is reported below
         n, ids = c.num_computed, c.token_ids
-        if (seq.num_computed <= n <= len(seq.tokens) + len(ids) and n <= len(seq.pages) * ps
+        known = len(seq.tokens) + len(ids)
+        if (seq.num_computed <= n <= known and n <= len(seq.pages) * ps and known <= len(seq.pages) * ps + ahead
                 and out_of_range(ids) is None):
             return
     known = (len(seq.tokens) if num_tokens is None else num_tokens) + len(c.token_ids)
     computed = seq.num_computed if num_tokens is None else min(seq.num_computed, num_tokens)
     pages = len(seq.pages) if num_tokens is None else min(len(seq.pages), -(-num_tokens // ps))
     slots = pages * ps
+    if len(c.token_ids) and known > slots + ahead:
+        raise InvalidArgument(
+            f"commit seq id {c.seq_id}: {known} known tokens would be more than its {slots} slots and the "
+            f"{ahead} the whole pool holds could ever compute")
     if c.num_computed < computed:
         raise InvalidArgument(
             f"commit seq id {c.seq_id}: num_computed {c.num_computed} is below the {computed} "

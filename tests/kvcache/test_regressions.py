@@ -154,3 +154,40 @@ def test_a_step_of_more_needs_than_any_engine_sends_is_refused_whole_and_changes
     assert snapshot(m.state) == before
     plan = m.step(StepRequest(needs=[Admit(f"r{i}", [1]) for i in range(16)]))   # twelve past the pool
     assert [r.granted for r in plan.results] == [True] * 4 + [False] * 12
+
+
+def test_a_grow_past_the_pool_is_refused_without_walking_every_sequences_pages(monkeypatch):
+    """With a page blocked by a slide, a Grow that does not fit works out the room page by page
+    over every other sequence's table; one asking for more than the pool less its own pages
+    cannot fit whatever that walk says, and is refused before it (a Step of such Grows over
+    many forks of a long table took seconds)."""
+    from kvserve.kvcache_service.contract.types import Slide
+    from kvserve.kvcache_service.core import release
+    m = KVCacheManager(ManagerConfig(num_pages=16, page_size=4, max_seqs=8))
+    res, _, _ = m.try_allocate(Admit("a", list(range(1, 41))))   # 10 pages
+    sid = res.seq_id
+    m.commit(Commit(sid, 40))
+    m.step(StepRequest(slides=[Slide(sid, 0, 1)]))   # page 0 parks blocked by page 1
+    assert m.state.tree.num_parked > m.state.tree.num_evictable
+    forks = [m.try_allocate(Fork(sid, f"c{i}"))[0].seq_id for i in range(3)]
+
+    def walked(*_):
+        raise AssertionError("the room was worked out page by page")
+    monkeypatch.setattr(release.DropForecast, "drop", walked)
+    plan = m.step(StepRequest(needs=[Grow(s, 2**32 - 1) for s in [sid, *forks]]))
+    assert not any(r.granted for r in plan.results) and "at most" in plan.results[0].reason
+    check_invariants(m.state)
+
+
+def test_a_commit_of_more_tokens_than_its_slots_and_the_pool_could_hold_is_refused():
+    """Tokens past a sequence's slots are the few sampled ahead of them; millions more would
+    only cost memory, and every fork a copy of them."""
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=4))
+    res, _, _ = m.try_allocate(Admit("a", [1, 2, 3, 4]))   # one page: 4 slots, the pool 32 more
+    sid = res.seq_id
+    before = snapshot(m.state)
+    with pytest.raises(InvalidArgument, match="the whole pool holds could ever compute"):
+        m.commit(Commit(sid, 4, [7] * 33))
+    assert snapshot(m.state) == before
+    m.commit(Commit(sid, 4, [7] * 32))   # as far as the pool could still take it
+    check_invariants(m.state)
