@@ -28,12 +28,20 @@ async def follow_dns(fleet: Fleet, name_port: str, interval_s: float) -> None:
     while True:
         try:
             found = await asyncio.to_thread(_resolve, host, int(port))
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:   # (a name IDNA cannot encode raises the second)
             log.warning("resolving %s failed (%s); keeping the %d workers known", name_port, exc, len(known))
         else:
             for address in sorted(found - known):
-                fleet.add(address)
+                try:
+                    fleet.add(address)
+                except Exception:   # its channel's TLS files unreadable now (being rotated): tried again next time
+                    log.exception("adding worker %s failed; it is tried again at the next resolution", address)
+                else:
+                    known.add(address)
             for address in sorted(known - found):
-                await fleet.remove(address)
-            known = found
+                known.discard(address)
+                try:
+                    await fleet.remove(address)
+                except Exception:   # a bug: the rest of the fleet is still followed
+                    log.exception("removing worker %s failed", address)
         await asyncio.sleep(interval_s)

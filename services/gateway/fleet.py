@@ -99,6 +99,7 @@ class Fleet:
 
     @staticmethod
     async def _close(worker: Worker, follower: Follower | None) -> None:
+        worker.closed = True   # (before any await: a relay about to send there looks first)
         if follower is not None:
             await follower.stop()
         worker.close_lane()

@@ -140,6 +140,9 @@ class Follower:
                     await asyncio.sleep(NO_EVENTS_RETRY_S)
                     continue
                 log.debug("worker %s: event stream ended: %s", w.address, exc.code().name)
+            except Exception:   # a bug here must not leave the worker's entries standing, unfollowed
+                log.exception("worker %s: following its cache events failed; its entries are dropped and "
+                              "the stream asked for again", w.address)
             self._forget()
             await asyncio.sleep(wait_s)
             wait_s = min(2 * wait_s, RESUBSCRIBE_MAX_S)
@@ -216,6 +219,9 @@ class Follower:
                     self._down(f"{exc.code().name}: {exc.details()}")
             except asyncio.TimeoutError:
                 self._down(f"its load stream sent nothing for {self._load_watch()[1]:g} s")
+            except Exception as exc:   # a bug: the worker is down until it answers again, never left unwatched
+                log.exception("worker %s: following its load failed", w.address)
+                self._down(f"following its load failed: {exc}")
             self.on_change()
             await asyncio.sleep(self.poll_s)
 

@@ -203,6 +203,7 @@ class Relay:
         n = self.request.sampling.n or 1
         left = n   # sequences to finish: the call ends after the last
         moves = renames = refusals = 0
+        rerouted = False   # its worker was removed between the choice and the send
         prefill_failures = self._prefill_failures   # workers that failed with it taken, before computing its prompt
         avoid = self._avoid
 
@@ -253,7 +254,7 @@ class Relay:
             # A moved stream waits at the head of the queue, and its client is not told: to it the
             # stream only pauses.
             # closed on the way out, so that it leaves the queue even if run() is closed while it waits
-            moved = prefill_sent or moves > 0 or refusals > 0
+            moved = prefill_sent or moves > 0 or refusals > 0 or rerouted
             async with aclosing(self._acquire(route, front=moved)) as acquired:
                 async for item in acquired:
                     if isinstance(item, Choice):
@@ -265,6 +266,10 @@ class Relay:
                     yield response
                 return
             worker = choice.worker
+            if worker.closed:   # removed (and its channel closed) while this request was on its way
+                worker.ended(choice.mark)   # there, as it told its client its place: it goes elsewhere
+                rerouted = True
+                continue
             msg = self.request   # the client's own message, forwarded as it is but for these two
             msg.request_id = self.request_id
             if streamed:   # one sequence here: a request of n > 1 with tokens streamed has split

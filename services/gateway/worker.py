@@ -73,6 +73,7 @@ class Worker:
     hashes_match: bool = True   # its extra_key is ours: the index may route to its cache
     not_serving: str = ""     # why its state is not serving or down, in its words or the gateway's
     excluded: bool = False    # the gateway routes nothing to it, whatever it says (another model, mixed tenants)
+    closed: bool = False      # removed and its channel closed: a request routed there just before goes elsewhere
     requests_routed: int = 0
     hit_tokens: int = 0       # prompt tokens its cache held, as its PrefillDone events said
     prompt_tokens: int = 0
@@ -100,7 +101,11 @@ class Worker:
         self.close_lane()
         target = dial_target(self.address, info.lane_address) if info is not None and info.lane_address else None
         if target is not None and self.lanes:
-            self.lane = LaneChannel(target, self.tls, self.inference.Generate)
+            try:
+                self.lane = LaneChannel(target, self.tls, self.inference.Generate)
+            except (OSError, ValueError) as exc:   # its TLS files unreadable now (being rotated): gRPC serves
+                log.warning("worker %s: its lane at %s cannot be set up (%s); its requests go over gRPC until "
+                            "it is asked what it is again", self.address, info.lane_address, exc)
         elif target is None and self.lanes and info is not None and info.lane_address:
             log.warning("worker %s offers its lane at %s, which this gateway cannot dial (a Unix socket is dialled "
                         "only for a worker reached over one); its requests go over gRPC", self.address,

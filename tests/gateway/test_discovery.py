@@ -74,3 +74,30 @@ def test_removing_a_worker_does_not_wait_for_its_streams():
         await fleet.close()
 
     asyncio.run(run())
+
+
+def test_a_worker_that_cannot_be_added_now_is_tried_again_and_the_names_still_followed(monkeypatch):
+    """Adding a worker reads the TLS files its channel uses; while they are being rotated that
+    fails, and the task following the name died with it (no worker added or removed again)."""
+    monkeypatch.setattr(discovery, "_resolve", lambda host, port: {"10.0.0.1:50051", "10.0.0.2:50051"})
+    fleet, failures = FakeFleet(), iter([True])
+    add = fleet.add
+
+    def flaky_add(address: str) -> None:
+        if address == "10.0.0.2:50051" and next(failures, False):
+            raise ValueError("cannot read CA certificate /etc/tls/ca.crt")
+        add(address)
+
+    fleet.add = flaky_add
+
+    async def run() -> None:
+        task = asyncio.create_task(discovery.follow_dns(fleet, "workers.kvserve.svc:50051", 0.01))
+        for _ in range(1000):
+            if len(fleet.workers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(run())
+    assert fleet.log == ["+10.0.0.1:50051", "+10.0.0.2:50051"]   # the second the next time round

@@ -1080,3 +1080,69 @@ def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_be
         assert worker.pending == [] and len(queue) == 0
 
     asyncio.run(main())
+
+
+class LaneOffering(ScriptedWorker):
+    """Says it serves a lane (which the test's gateway cannot set up)."""
+
+    async def GetModelInfo(self, request, context):
+        info = await super().GetModelInfo(request, context)
+        info.lane_address = "127.0.0.1:9"
+        return info
+
+
+def test_a_lane_that_cannot_be_set_up_leaves_the_worker_served_over_grpc(tiny_dirs, monkeypatch, caplog):
+    """Setting a lane up reads the TLS files; while they are being rotated that fails, and the
+    task following the worker's load died with it: the worker stayed starting for good."""
+    from kvserve.services.gateway import worker as worker_module
+
+    def unreadable(*_):
+        raise ValueError("cannot read CA certificate /etc/tls/ca.crt")
+    monkeypatch.setattr(worker_module, "LaneChannel", unreadable)
+    caplog.set_level("WARNING", logger="kvserve.services.gateway.worker")
+    with scripted_fleet(tiny_dirs, LaneOffering()) as (gateway, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30))
+        assert events[-1].HasField("finished")
+        assert "its requests go over gRPC" in caplog.text
+
+
+def test_a_failure_following_a_workers_load_marks_it_down_until_it_answers_again(tiny_dirs, monkeypatch, caplog):
+    """A bug in reading a report ended the task following the worker: it kept its last state,
+    unwatched. It is down for that moment now, and followed on."""
+    from kvserve.services.gateway.follow import Follower
+    take, broken = Follower._take, iter([True])
+
+    def flaky(self, *args):
+        if next(broken, False):
+            raise RuntimeError("a bug")
+        return take(self, *args)
+    monkeypatch.setattr(Follower, "_take", flaky)
+    caplog.set_level("WARNING", logger="kvserve.services.gateway.follow")
+    with scripted_fleet(tiny_dirs, ScriptedWorker()) as (gateway, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30))
+        assert events[-1].HasField("finished")
+        assert "following its load failed" in caplog.text
+
+
+def test_a_request_whose_worker_is_removed_between_its_choice_and_its_send_goes_elsewhere(tiny_dirs):
+    """A queued request told its place writes that to its client between the choice of a worker
+    and the call there; the worker removed meanwhile (gone from DNS) had its channel closed, and
+    the call raised grpc's UsageError past the failover: the client got UNKNOWN."""
+    workers = [ScriptedWorker(), ScriptedWorker()]
+    with scripted_fleet(tiny_dirs, *workers) as (gateway, stub, addresses):
+        fleet, removed = gateway.fleet, []
+        choose = fleet.choose
+
+        def removed_after_the_choice(*args, **kw):
+            choice = choose(*args, **kw)
+            if choice is not None and not removed:   # as Fleet.remove leaves it, before the call is made
+                removed.append(choice.worker.address)
+                fleet.board.remove(choice.worker)
+                choice.worker.closed = True
+                asyncio.ensure_future(fleet.remove(choice.worker.address))
+            return choice
+        fleet.choose = removed_after_the_choice
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30))
+        assert events[-1].HasField("finished")
+        served = [len(w.requests) for w in workers]
+        assert served[addresses.index(removed[0])] == 0 and sum(served) == 1
