@@ -25,7 +25,7 @@ from kvserve.model_service.engine.request import Request
 from kvserve.model_service.generation_defaults import GenerationDefaults
 from kvserve.model_service.prompt_bound import fewest_tokens, max_bytes_per_token
 from kvserve.model_service.request_ids import id_problem
-from kvserve.model_service.sampling.params import SamplingParams
+from kvserve.model_service.sampling.params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvserve.model_service.sampling.detokenizer import check_detokenize_count, detokenize
 from kvserve.model_service.sampling.sampler import make_generator
 from kvserve.model_service.sampling.structured import Format
@@ -60,6 +60,9 @@ def _prompt_bytes(msg: pb.GenerateRequest | pb.TokenizeRequest) -> int:
 
 STREAM_LIMIT = 1 << 24   # tokens a stream with --attention-sink may reach (page tables keep an entry a page)
 MAX_STOP_CHARS = 1024   # a stop string is matched against the text after every token
+# A prompt's logprobs go in one message (prefill_done), built on the event loop: at ~17 bytes a
+# logprob this many stay near 1 MB, under a gRPC client's default 4 MB.
+MAX_PROMPT_LOGPROBS = 1 << 16
 
 
 class RequestBuilder:
@@ -82,6 +85,11 @@ class RequestBuilder:
         if len(prompt) >= limit:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model length is {limit}, "
                                "which leaves no room for output")
+        asked = params.prompt_logprobs
+        if asked is not None and (len(prompt) - 1) * (1 + asked) > MAX_PROMPT_LOGPROBS:
+            raise RequestError(f"prompt_logprobs {asked} for a {len(prompt):,}-token prompt is "
+                               f"{(len(prompt) - 1) * (1 + asked):,} logprobs; at most {MAX_PROMPT_LOGPROBS:,} go "
+                               "in one prefill_done (ask for fewer, or for a shorter prompt)")
         what = "the model length"
         if self.config.attention_sink:   # a stream with attention sinks may run past the model length
             limit, what = STREAM_LIMIT, "the longest stream with attention sinks"
@@ -187,6 +195,14 @@ class RequestBuilder:
         elif kind == "token_ids" and len(msg.token_ids.ids) >= self.stack.max_model_len:
             raise RequestError(f"the prompt has {len(msg.token_ids.ids)} tokens; the model length is "
                                f"{self.stack.max_model_len}, which leaves no room for output")
+        # counted before they are copied and checked one by one on the event loop (a message of
+        # 8 MB holds millions of one-byte ids)
+        if len(msg.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"{len(msg.sampling.stop_token_ids):,} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} "
+                               "are allowed")
+        if len(msg.sampling.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias has {len(msg.sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS} "
+                               "are allowed")
         stops = msg.sampling.stop
         if len(stops) > cfg.max_stop_strings:
             raise RequestError(f"{len(stops)} stop strings; at most {cfg.max_stop_strings} are allowed "
@@ -284,7 +300,7 @@ class RequestBuilder:
                 min_p=opt("min_p", d.min_p), repetition_penalty=opt("repetition_penalty", d.repetition_penalty),
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 seed=opt("seed", None), max_tokens=opt("max_tokens", None),
-                stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+                stop_token_ids=tuple(dict.fromkeys(s.stop_token_ids)), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 logprobs=opt("logprobs", None), skip_special_tokens=opt("skip_special_tokens", True),
                 n=s.n or 1, prompt_logprobs=opt("prompt_logprobs", None),
                 logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,

@@ -193,10 +193,13 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         """Aborts a live request (its pages go within one step). False if unknown."""
         with self._lock:
-            if request_id not in self._live:
+            request = self._live.get(request_id)
+            if request is None:
                 return False
             self._cancelled.add(request_id)
-        self._inbox.put(("cancel", request_id))
+        # the request itself, not its id: a cancel still in the inbox when its request ends must
+        # not abort a request sent again under the same id after it
+        self._inbox.put(("cancel", request))
         return True
 
     def ending(self, request_id: str) -> bool:
@@ -302,9 +305,8 @@ class Engine:
                 if value.status is not Status.FINISHED:   # not ended while it sat in the inbox
                     self._admit(value)
             elif kind == "cancel":
-                request = self._live.get(value)
-                if request is not None:
-                    for member in _members(request):
+                if self._live.get(value.request_id) is value:
+                    for member in _members(value):
                         if member.status is not Status.FINISHED:
                             self._finish(member, "abort")
             elif kind == "end_all":

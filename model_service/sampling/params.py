@@ -22,6 +22,7 @@ _MAX_SEED = 2**64  # the proto's seed is a uint64
 # way is far past any use (HF's and vLLM's examples stay within 1-2).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LOGIT_BIAS = 1024   # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 1024   # stop_token_ids per request: each masked in every step while min_tokens holds
 
 
 def _float32(x: float) -> float:
@@ -121,6 +122,9 @@ class SamplingParams:
                 top = min(max_logprobs, vocab_size)
                 _check_int(value, name, f"an integer in [0, {top}]")
                 _check(0 <= value <= top, name, value, f"an integer in [0, {top}] (--max-logprobs)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids):,} entries; at most {MAX_STOP_TOKEN_IDS} "
+                             "are allowed")
         for token_id in self.stop_token_ids:
             _check_int(token_id, "stop_token_ids", f"token ids in [0, {vocab_size})")
             _check(0 <= token_id < vocab_size, "stop_token_ids", token_id,

@@ -381,6 +381,24 @@ def test_stop_token_id_outside_vocabulary(stub):
     _invalid(stub, request(prompt="hi", stop_token_ids=[4096], max_tokens=4), "stop_token_ids", "4096")
 
 
+def test_stop_token_ids_past_the_limit_are_refused_before_they_are_read(stub):
+    """Each is checked on the event loop and masked in every step while min_tokens holds: an
+    8 MB message held millions of them (a second of the loop's time, seconds a step)."""
+    _invalid(stub, request(prompt="hi", stop_token_ids=[5] * 100_000, max_tokens=4, min_tokens=2),
+             "100,000 stop_token_ids", "at most 1024")
+
+
+def test_prompt_logprobs_past_what_one_message_holds_are_refused(stub, monkeypatch):
+    """They all go in one prefill_done, built on the event loop: past the bound a client's default
+    4 MB limit would refuse it after the whole prefill."""
+    from kvserve.model_service import request_builder
+    monkeypatch.setattr(request_builder, "MAX_PROMPT_LOGPROBS", 100)
+    _invalid(stub, request(token_ids=list(range(3, 63)), prompt_logprobs=1, max_tokens=1),
+             "prompt_logprobs 1 for a 60-token prompt is 118 logprobs", "at most 100")
+    out = generate(stub, request(token_ids=list(range(3, 53)), prompt_logprobs=1, max_tokens=1))   # 98: taken
+    assert len(out.tokens) == 1
+
+
 def test_duplicate_request_id_in_flight(stub, model_server):
     call = stub.Generate(request(token_ids=PROMPT_IDS, request_id="dup", **greedy(1900)), timeout=60)
     assert next(call).HasField("prefill_done")
