@@ -48,8 +48,8 @@ def _before_exec(parent: int, hold_sighup: bool) -> Callable[[], None] | None:
             signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:   # `up` died before the line above
-                os.kill(os.getpid(), signal.SIGTERM)
+            if os.getppid() != parent:   # `up` died before the line above: no exec. (A SIGTERM to
+                os._exit(1)              # itself would meet the handler this fork of `up` still has.)
     return arm
 
 FIRST_BACKOFF_S = 0.5
@@ -96,6 +96,15 @@ class Child:
         if self.proc is not None and self.proc.poll() is None and self.proc is not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
             self._terminated = self.proc
+
+    def hurry(self) -> bool:
+        """SIGINT to a child already sent SIGTERM and still draining: it stops now (a server's
+        second signal, grpc_server.wait_for_signal). One not yet stopping is left alone: a
+        SIGINT would be its first signal, a drain of its own. True when one was sent."""
+        if self.proc is not None and self.proc is self._terminated and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            return True
+        return False
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""

@@ -144,10 +144,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve up: {exc}") from None
     require_temp_dir("kvserve up")   # the children's private sockets, and torch's caches
     cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
-    stop = {"signal": None}
+    stop = {"signal": None, "hurry": False}
+    started: list[Child] = []   # every child, once made: a second Ctrl-C reaches those draining
 
     def on_signal(signum, _frame):
-        stop["signal"] = signum
+        if stop["signal"] is None:
+            stop["signal"] = signum
+        elif signum == signal.SIGINT and not stop["hurry"]:   # Ctrl-C again: no more waiting for drains
+            log.warning("SIGINT again: stopping every server now, without waiting for its requests")
+            stop["hurry"] = True
+            for child in started:
+                child.hurry()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -199,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             reloads.append(checker)
         supervisor = Supervisor(up.max_restarts, stopping=lambda: stop["signal"] is not None)
         children = [c for p in pairs for c in (p.manager, p.model)] + ([gateway] if gateway else [])
+        started.extend(children)
         try:
             for pair in pairs:
                 pair.model.start()
@@ -221,14 +229,17 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if stop["signal"] is not None:
                 log.info("%s: stopping the stack", signal.Signals(stop["signal"]).name)
+            def patience(seconds: float) -> float:   # after a second Ctrl-C, a second each
+                return 1.0 if stop["hurry"] else seconds
+
             if gateway is not None:
-                gateway.stop(model_config.grace_s + 10)
+                gateway.stop(patience(model_config.grace_s + 10))
             for pair in pairs:   # they drain at once, each while its manager still serves it
                 pair.model.terminate()
             for pair in pairs:
-                pair.model.stop(model_config.grace_s + 10)
+                pair.model.stop(patience(model_config.grace_s + 10))
             for pair in pairs:
-                pair.manager.stop(10)
+                pair.manager.stop(patience(10))
             if endpoint is not None:
                 endpoint.close()
 

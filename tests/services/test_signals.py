@@ -119,6 +119,39 @@ time.sleep(1.0)
         assert counted.read_text() == "x"
 
 
+def test_a_second_ctrl_c_under_up_reaches_only_the_children_already_draining(tmp_path: Path) -> None:
+    """The children run in sessions of their own, so a terminal's Ctrl-C reaches `up` alone; a
+    second one said "stop now" to nobody, and `up` waited out every drain. It now passes SIGINT
+    to each child it sent SIGTERM (its second signal: stop now); a child not yet stopping is
+    not sent one (as its first signal it would start a drain of its own)."""
+    from kvserve.services.cli.supervisor import Child
+
+    def recording(name: str) -> tuple[Child, Path, Path]:
+        said, ready = tmp_path / f"{name}.signals", tmp_path / f"{name}.ready"
+        child = Child(name, [sys.executable, "-c", f"""
+import signal, time
+def note(signum, _):
+    with open({str(said)!r}, "a") as f:
+        f.write(signal.Signals(signum).name + " ")
+signal.signal(signal.SIGTERM, note)
+signal.signal(signal.SIGINT, note)
+open({str(ready)!r}, "w").close()
+time.sleep(3)
+"""])
+        return child, said, ready
+
+    draining, draining_said, draining_ready = recording("draining")
+    idle, idle_said, idle_ready = recording("idle")
+    with _started(draining, draining_ready), _started(idle, idle_ready):
+        draining.terminate()
+        time.sleep(0.3)   # handled: the SIGINT after it is not merged with it
+        assert draining.hurry() and not idle.hurry()
+        draining.stop(10)
+        idle.stop(10)
+    assert draining_said.read_text().split() == ["SIGTERM", "SIGINT"]
+    assert idle_said.read_text().split() == ["SIGTERM"]   # stop()'s own, never a SIGINT
+
+
 def test_sigint_again_while_draining_stops_now_cleanly(tmp_path: Path) -> None:
     """Ctrl-C twice: the second cuts a long drain short. It used to be Python's KeyboardInterrupt
     tearing the loop down under the server: a traceback, and calls ended CANCELLED unexplained."""

@@ -4,6 +4,7 @@ with its code; any other is started again."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -36,3 +37,23 @@ def test_any_other_exit_is_started_again():
     supervisor.restart(child)
     assert child.proc is not first and len(child.exits) == 1
     child.proc.wait(30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_child_whose_supervisor_died_before_it_was_armed_never_runs(monkeypatch):
+    """Between fork and prctl, `up` may die: the child then must not go on to exec its server,
+    which would serve (and hold its ports) with nobody to stop it. It sent itself SIGTERM, which
+    the fork of `up` it still was handled (it has `up`'s handler) and went on."""
+    import signal
+    import subprocess
+
+    from kvserve.services.cli.supervisor import _before_exec
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)   # as `up` has one
+    try:
+        arm = _before_exec(parent=os.getpid() + 1_000_000, hold_sighup=False)   # not this child's parent
+        proc = subprocess.Popen([sys.executable, "-c", "print('served')"], preexec_fn=arm,
+                                stdout=subprocess.PIPE)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert proc.returncode == 1 and out == b""
