@@ -50,7 +50,7 @@ from kvserve.kvcache_service.core.manager import KVCacheManager  # noqa: E402
 from kvserve.services.gateway.board import LoadBoard  # noqa: E402
 from kvserve.services.gateway.follow import EventCursor  # noqa: E402
 from kvserve.services.gateway.index import PrefixIndex  # noqa: E402
-from kvserve.services.gateway.router import Choice, Policy, choose  # noqa: E402
+from kvserve.services.gateway.router import SHORTLIST_HOLDERS, Choice, Policy, choose  # noqa: E402
 from kvserve.services.gateway.worker import SERVING, Load, Worker  # noqa: E402
 
 PAGE = 16
@@ -195,9 +195,13 @@ def simulate(n: int, args, routing: str) -> dict:
         t0 = time.perf_counter()
         if routing == "cache":
             hashes = page_hashes(ids, PAGE)   # the gateway hashes each request itself: timed
-            matches = index.holders(hashes)
+            if args.all_holders:   # every holder weighed, as before the index named its deepest alone
+                matches, depths = index.holders(hashes), None
+            else:   # as the gateway's Fleet.choose asks
+                matches = index.holders(hashes, most=SHORTLIST_HOLDERS)
+                depths = lambda addresses, hashes=hashes: index.matches(hashes, addresses)   # noqa: E731
             choice = choose(board, matches, len(ids), policy, hashes[0].to_bytes(8, "little"),
-                            mean_request_tokens=mean)
+                            mean_request_tokens=mean, depths=depths)
         else:
             choice = None
         decisions.append(time.perf_counter() - t0)
@@ -245,6 +249,9 @@ def main() -> None:
                     help="simulated milliseconds between load reports (100: the gateway's old polling)")
     ap.add_argument("--balance-slack", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--all-holders", action="store_true",
+                    help="weigh every worker holding the prompt's first page (as before the index named the "
+                         "deepest %d alone): to compare" % SHORTLIST_HOLDERS)
     ap.add_argument("--ignore-prefill-ahead", action="store_true",
                     help="the router blind to the prefill ahead at each worker (as before it weighed it): "
                          "to compare")

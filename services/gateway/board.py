@@ -26,11 +26,12 @@ class Shape(NamedTuple):
     streams: bool = False   # it keeps attention sinks: output may run past max_model_len
     slides: bool = False    # a sliding window: a prompt longer than its KV cache still fits
     salts: bool = False     # it keeps a request's cache_salt (an older version ignores it)
+    batch: int = 1          # its --max-num-seqs
 
 
 def shape_of(info: pb.ModelInfo) -> Shape:
     return Shape(info.page_size, info.max_model_len, info.num_pages, info.attention_sink > 0,
-                 info.sliding_window > 0, info.takes_cache_salt)
+                 info.sliding_window > 0, info.takes_cache_salt, info.max_num_seqs or 1)
 
 
 def why_not(s: Shape, prompt_tokens: int, length: int, output: str = "max_tokens",
@@ -103,13 +104,21 @@ class LoadBoard:
         elif worker.info is not None and worker in self._absent:
             self._absent[worker] = shape_of(worker.info)
 
-    def least_busy(self, avoid: Worker | None = None) -> Iterator[Worker]:
+    def least_busy(self, avoid: Worker | None = None, below: int | None = None) -> Iterator[Worker]:
         """The workers but `avoid`, the least busy first; among equals, the one whose load moved
-        least recently first (so that idle workers take turns)."""
+        least recently first (so that idle workers take turns); with `below`, only those less
+        busy than that."""
         for active in sorted(self._rows):
+            if below is not None and active >= below:
+                return
             for w in self._rows[active]:
                 if w is not avoid:
                     yield w
+
+    @property
+    def largest_batch(self) -> int:
+        """The largest --max-num-seqs on the board (0 when it is empty)."""
+        return max((s.batch for s in self._shapes), default=0)
 
     def get(self, address: str) -> Worker | None:
         return self._by_address.get(address)

@@ -14,7 +14,7 @@ from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
-from kvserve.services.gateway.router import Choice, Policy, choose, choose_blind
+from kvserve.services.gateway.router import SHORTLIST_HOLDERS, Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import DOWN, SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
@@ -164,9 +164,14 @@ class Fleet:
         ps = self.page_size
         if ps is None:
             return None
-        matches = {a: n for a, n in self.index.holders(hashes).items()
-                   if (w := self.workers.get(a)) is not None and w.hashes_match and w.events_live
-                   and w.state == SERVING}   # (a worker of another model may hash alike: not a session's home)
+        def matchable(address: str) -> bool:   # (a worker of another model may hash alike: not a session's home)
+            w = self.workers.get(address)
+            return w is not None and w.hashes_match and w.events_live and w.state == SERVING
+
+        matches = {a: n for a, n in self.index.holders(hashes, most=SHORTLIST_HOLDERS).items() if matchable(a)}
+
+        def depths(addresses: list[str]) -> dict[str, int]:   # workers weighed beside the deepest holders
+            return self.index.matches(hashes, [a for a in addresses if matchable(a)]) if hashes else {}
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
         if session_id and sticky is None and matches:
             # A session this replica has not routed (another gateway did): the worker holding most
@@ -180,12 +185,13 @@ class Fleet:
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted, output)
         if self.routing == "cache":
-            choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid)
+            choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid, depths)
         else:
             choice = choose_blind(self.board, len(ids), policy, self.routing, self._turn, self._rng, avoid)
             self._turn += choice is not None
         if choice is not None and self.routing != "cache":   # what it finds there, for the stats
-            choice = Choice(choice.worker, matches.get(choice.worker.address, 0))
+            address = choice.worker.address
+            choice = Choice(choice.worker, matches.get(address) or depths([address]).get(address, 0))
         if choice is not None:
             w = choice.worker
             prefill = max(0, len(ids) - choice.matched_pages * ps) + continued

@@ -54,11 +54,15 @@ class PrefixIndex:
         self.drop(worker)
         self.add(worker, hashes)
 
-    def holders(self, hashes: Sequence[int]) -> dict[str, int]:
+    def holders(self, hashes: Sequence[int], most: int | None = None) -> dict[str, int]:
         """The workers holding at least the first page of `hashes`, each with how many of the
-        leading pages it holds: as many entries as holders, whatever the fleet's size."""
+        leading pages it holds; with `most`, only that many of those holding the most (a prompt
+        whose first pages every warm worker holds, a shared system prompt's, would otherwise
+        name the whole fleet)."""
         first = self._holders.get(hashes[0], 0) if hashes else 0
-        return self._depths(hashes, first) if first else {}
+        if not first:
+            return {}
+        return self._depths(hashes, first) if most is None else self._deepest(hashes, first, most)
 
     def matches(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many of the leading pages of `hashes` it holds."""
@@ -120,6 +124,30 @@ class PrefixIndex:
                     return out
         for slot in _bits(active):
             out[self._names[slot]] = len(hashes)
+        return out
+
+
+    def _deepest(self, hashes: Sequence[int], active: int, most: int) -> dict[str, int]:
+        """_depths' answer for the `most` workers holding the most leading pages (among those
+        holding as many, the lowest slots): the ANDs over every holder at once, names for
+        `most` alone."""
+        holders, levels = self._holders, []   # (depth, the bits that stopped there), shallowest first
+        for i, h in enumerate(hashes):
+            still = active & holders.get(h, 0)
+            if still != active:
+                if i:
+                    levels.append((i, active & ~still))
+                active = still
+                if not active:
+                    break
+        if active:
+            levels.append((len(hashes), active))
+        out: dict[str, int] = {}
+        for depth, bits in reversed(levels):
+            for slot in _bits(bits):
+                out[self._names[slot]] = depth
+                if len(out) == most:
+                    return out
         return out
 
 

@@ -32,7 +32,7 @@ A session sticks to its last worker while that worker has room.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
@@ -58,12 +58,15 @@ class Policy:
     output: str = "max_tokens"   # what asked for the output's length: min_tokens holds even with sinks
 
 
-def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0) -> bool:
+def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 0, active: int | None = None) -> bool:
     """Room for a request now: serving, not held off (a call there failed or was refused since
     its last report), its queue not full (--worker-queue-depth past its batch, and its own
     --max-waiting), pages enough, and nothing that would always refuse it there (board.why_not:
-    a model length too short, a fleet may mix --max-model-len; a cache_salt it would ignore)."""
+    a model length too short, a fleet may mix --max-model-len; a cache_salt it would ignore).
+    `active`: w.active, when the caller has it (a sum over its routings)."""
     ld, info = w.load, w.info
+    if w.state != SERVING or w.held_off:
+        return False
     if info is not None and why_not(shape_of(info), prompt_tokens, policy.length, policy.output, policy.salted):
         return False
     batch = info.max_num_seqs if info is not None and info.max_num_seqs else 1
@@ -74,37 +77,45 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
         pages_needed = -(-prompt_tokens // info.page_size)
     if info is not None and info.sliding_window:   # a sequence there holds at most two windows (and sinks)
         pages_needed = min(pages_needed, -(-(2 * info.sliding_window + info.attention_sink) // info.page_size))
-    return (w.state == SERVING and not w.held_off and not queue_full and w.active < batch + policy.worker_queue_depth
-            and ld.free_pages + ld.cached_pages >= pages_needed)
+    active = w.active if active is None else active
+    return not queue_full and active < batch + policy.worker_queue_depth and ld.free_pages + ld.cached_pages >= pages_needed
 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
            key: bytes, sticky: Worker | None = None, mean_request_tokens: float = 0.0,
-           avoid: Worker | None = None) -> Choice | None:
-    """The worker for a request of `prompt_tokens` whose leading pages `matches` says each
-    worker holds; None when no worker has room. `key` names the request (its first page, or
-    its session) for the last tie-break; `avoid` (the worker it just failed on) is chosen only
-    when no other worker has room."""
+           avoid: Worker | None = None, depths: Depths | None = None) -> Choice | None:
+    """The worker for a request of `prompt_tokens` whose leading pages `matches` says workers
+    hold (the index's deepest holders: PrefixIndex.holders); `depths` tells how many any other
+    worker weighed holds (without it, those not in `matches` hold none). None when no worker
+    has room. `key` names the request (its first page, or its session) for the last tie-break;
+    `avoid` (the worker it just failed on) is chosen only when no other worker has room."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
     board = _as_board(workers)
-    room = [w for w in shortlist(board, matches, sticky, ps, avoid)
-            if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens)]
+    weighed = shortlist(board, matches, sticky, ps, avoid)
+    matches = _with_depths(matches, weighed, depths)
+    active = {w: w.active for w in weighed}   # (each a sum over its routings: once per choice)
+    room = [w for w in weighed
+            if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens, active[w])]
+    if not room:   # the least busy few cannot take it (too short a model, no pages left): others may
+        room = further(board, weighed, policy, total_pages, prompt_tokens, avoid)
+        matches = _with_depths(matches, room, depths)
+        active = {w: w.active for w in room}
     if not room:
         return _avoided(board, avoid, policy, total_pages - matches.get(avoid.address, 0) if avoid else 0,
                         prompt_tokens, matches)
     if sticky is not None and sticky in room:   # before the balance: a session leaves only a full worker
         return Choice(sticky, matches.get(sticky.address, 0))
-    least = min(w.active for w in room)
-    room = [w for w in room if w.active <= least + policy.balance_slack]
+    least = min(active[w] for w in room)
+    room = [w for w in room if active[w] <= least + policy.balance_slack]
 
     def cost(w: Worker) -> float:
         uncached = max(0, prompt_tokens - matches.get(w.address, 0) * ps)
         batch = w.info.max_num_seqs if w.info is not None and w.info.max_num_seqs else 1
         # queued there: each must be prefilled before this one (those not yet taken are in the
         # prefill ahead by their own prompts, not here by an average one)
-        ahead = max(0, w.active - batch - w.untaken)
-        load = ahead * mean_request_tokens + min(w.active, batch) * ps
+        ahead = max(0, active[w] - batch - w.untaken) if active[w] > batch else 0
+        load = ahead * mean_request_tokens + min(active[w], batch) * ps
         return policy.overlap_weight * (uncached + w.prefill_backlog) + load
 
     costs = {w.address: cost(w) for w in room}
@@ -120,13 +131,42 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
 
 
 SHORTLIST_LEAST_BUSY = 8
+SHORTLIST_HOLDERS = 16   # the deepest holders of a prompt's pages weighed (PrefixIndex.holders' `most`)
+
+# How many leading pages of the request each named worker holds: the index's answer for workers
+# weighed that its deepest holders left out.
+Depths = Callable[[list[str]], Mapping[str, int]]
+
+
+def _with_depths(matches: Mapping[str, int], workers: Iterable[Worker], depths: Depths | None) -> Mapping[str, int]:
+    unknown = [w.address for w in workers if w.address not in matches]
+    if depths is None or not unknown:
+        return matches
+    return {**matches, **{a: n for a, n in depths(unknown).items() if n}}
+
+
+def further(board: LoadBoard, weighed: list[Worker], policy: Policy, pages: int, prompt_tokens: int,
+            avoid: Worker | None = None) -> list[Worker]:
+    """Workers with room past the shortlist, the least busy first, up to SHORTLIST_LEAST_BUSY of
+    them: when every one of the least busy few is one that cannot take this request (its model
+    too short, its pages taken by a long context), the queue's head waited for ever while idle
+    workers elsewhere could. Their cached pages are not counted here (conservative: room for the
+    whole prompt), and the scan stops at the first workers too busy for any batch, so a full
+    fleet costs no walk over it."""
+    seen, out = set(weighed), []
+    for w in board.least_busy(avoid, below=board.largest_batch + policy.worker_queue_depth):
+        if w not in seen and has_room(w, policy, pages, prompt_tokens):
+            out.append(w)
+            if len(out) == SHORTLIST_LEAST_BUSY:
+                break
+    return out
 
 
 def shortlist(board: LoadBoard, matches: Mapping[str, int], sticky: Worker | None, page_size: int,
               avoid: Worker | None = None) -> list[Worker]:
-    """The workers worth weighing: those holding part of the prompt, the session's, and the
-    least busy few (every one, in a fleet of up to twice as many). Read off the board, so a
-    large fleet's choice costs what a small one's does."""
+    """The workers worth weighing: those `matches` names (the deepest holders of the prompt's
+    pages), the session's, and the least busy few (every one, in a fleet of up to twice as
+    many). Read off the board, so a large fleet's choice costs what a small one's does."""
     few = SHORTLIST_LEAST_BUSY if len(board) > 2 * SHORTLIST_LEAST_BUSY else len(board)
     picked = dict.fromkeys(islice(board.least_busy(avoid), few))
     for address in matches:

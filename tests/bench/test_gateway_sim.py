@@ -11,7 +11,7 @@ from kvserve.services.gateway.index import PrefixIndex
 
 ARGS = SimpleNamespace(conversations=150, turns=3, systems=4, system=64, reply=8, rate=50.0, think_s=1.0,
                        pages=256, max_num_seqs=4, prefill_us=100.0, decode_us=20_000.0, report_ms=50.0,
-                       balance_slack=2, seed=0)
+                       balance_slack=2, seed=0, all_holders=False)
 
 
 def test_cache_aware_routing_finds_far_more_of_the_prompts_than_random():

@@ -71,7 +71,12 @@ def test_the_index_agrees_with_a_plain_model_of_it(ops, query):
             expected += 1
         depths[w] = expected
     assert index.matches(query, "abcde") == depths
-    assert index.holders(query) == {w: n for w, n in depths.items() if n}
+    every = {w: n for w, n in depths.items() if n}
+    assert index.holders(query) == every
+    for most in (1, 2, 3):   # those holding the most, and no more of them
+        top = index.holders(query, most=most)
+        assert len(top) == min(most, len(every)) and all(every[w] == n for w, n in top.items())
+        assert sorted(top.values(), reverse=True) == sorted(every.values(), reverse=True)[:most]
     assert len(index) == len(set().union(*model.values()))
 
 
@@ -423,3 +428,49 @@ def test_the_prefill_ahead_follows_reports_and_this_gateways_own_streams():
     left = w.routed(prefill=300)        # a stream that leaves before its prefill_done
     w.ended(left)
     assert w.prefill_backlog == 0 and w.prefilling == 0
+
+
+def test_when_the_least_busy_few_cannot_take_a_request_a_worker_further_down_that_can_does():
+    """Only the least busy few and the prompt's holders were weighed: with the idle workers
+    all of too short a model (or without pages), a long prompt found no worker with room and
+    waited at the queue's head, holding everyone behind it, while busier workers could take it."""
+    from kvserve.services.gateway.router import SHORTLIST_LEAST_BUSY
+    short = [worker(f"short{i}") for i in range(2 * SHORTLIST_LEAST_BUSY)]
+    for w in short:
+        w.info.max_model_len = 2048
+    long_ = [worker(f"long{i}") for i in range(2 * SHORTLIST_LEAST_BUSY)]
+    for w in long_:
+        w.info.max_model_len, w.load.running, w.load.free_pages = 32768, 1, 4000
+    board = LoadBoard(short + long_)
+    choice = choose(board, {}, 8000, Policy(page_size=4, worker_queue_depth=2), b"k")
+    assert choice is not None and choice.worker in long_
+    for w in long_:   # every worker busy past its batch and queue: no scan finds room, none is made up
+        w.load.running = 3
+        board.update(w)
+    assert choose(board, {}, 8000, Policy(page_size=4, worker_queue_depth=2), b"k") is None
+
+
+def test_a_prefix_every_worker_holds_weighs_its_deepest_holders_and_the_least_busy_not_the_whole_fleet():
+    """A shared system prompt is held by every warm worker: each request weighed all of them,
+    an O(fleet) choice. The index names the deepest holders alone; the least busy few are
+    weighed with what they hold, asked of the index for them."""
+    from kvserve.services.gateway.router import SHORTLIST_HOLDERS
+    index, fleet = PrefixIndex(), [worker(f"w{i:03}") for i in range(200)]
+    for i, w in enumerate(fleet):
+        index.add(w.address, [1, 2, 3])   # the shared prompt's pages
+        w.load.running = 200 - i          # the last ones are the least busy
+    index.add("w007", [1, 2, 3, 4, 5])    # one conversation's worker
+    hashes = [1, 2, 3, 4, 5, 6]
+    matches = index.holders(hashes, most=SHORTLIST_HOLDERS)
+    assert len(matches) == SHORTLIST_HOLDERS and matches["w007"] == 5
+    asked = []
+
+    def depths(addresses):
+        asked.extend(addresses)
+        return index.matches(hashes, addresses)
+
+    policy = Policy(page_size=4, overlap_weight=1.0, worker_queue_depth=500, balance_slack=500)
+    choice = choose(LoadBoard(fleet), matches, 24, policy, b"k", mean_request_tokens=24, depths=depths)
+    assert 0 < len(asked) <= 8 and all(index.matches(hashes, [a])[a] == 3 for a in asked)
+    # the idle one (the conversation's worker has 190 requests queued), its 3 pages known
+    assert choice.worker.address == "w199" and choice.matched_pages == 3
