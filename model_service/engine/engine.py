@@ -442,7 +442,8 @@ class Engine:
             r, why = sched.unservable.pop()
             self._fail(r, InvalidRequest(f"the request cannot go on with this server's KV cache: {why}"))
         c.steps += 1
-        self._positions.tell(sched.waiting, c.steps, sched.first_admitted)
+        if self._positions.tell(sched.waiting, c.steps, sched.first_admitted):
+            self.on_step_end()   # "left the queue" out now, not after the forward that may crash on it
         progress.step = c.steps
         self._count(work)
         c.schedule_s += clock() - t3

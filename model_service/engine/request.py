@@ -55,6 +55,7 @@ class Request:
     continued: int = 0               # output tokens a continuation brought (generated elsewhere)
     queued_at_step: int = 0          # the engine's step count when it took the request in
     told_position: int | None = None  # its place in the queue as its stream last heard it (queue_positions.py)
+    told_at: float = 0.0             # when it heard it
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -229,17 +229,22 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if stop["signal"] is not None:
                 log.info("%s: stopping the stack", signal.Signals(stop["signal"]).name)
-            def patience(seconds: float) -> float:   # after a second Ctrl-C, a second each
-                return 1.0 if stop["hurry"] else seconds
+            def halt(group: list[Child], seconds: float) -> None:
+                """SIGTERM to each at once (a drain), then each waited for; after a second Ctrl-C,
+                SIGINT once its SIGTERM is handled (its "stop now"), and a second each."""
+                for child in group:
+                    child.terminate()
+                if stop["hurry"]:
+                    time.sleep(0.2)   # a SIGINT pending beside the SIGTERM could be handled first
+                    for child in group:
+                        child.hurry()
+                for child in group:
+                    child.stop(1.0 if stop["hurry"] else seconds)
 
             if gateway is not None:
-                gateway.stop(patience(model_config.grace_s + 10))
-            for pair in pairs:   # they drain at once, each while its manager still serves it
-                pair.model.terminate()
-            for pair in pairs:
-                pair.model.stop(patience(model_config.grace_s + 10))
-            for pair in pairs:
-                pair.manager.stop(patience(10))
+                halt([gateway], model_config.grace_s + 10)
+            halt([p.model for p in pairs], model_config.grace_s + 10)   # each drains while its manager serves it
+            halt([p.manager for p in pairs], 10)
             if endpoint is not None:
                 endpoint.close()
 

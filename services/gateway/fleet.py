@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter, OrderedDict
 
 from kvserve.kvcache_service.contract.hashing import page_hashes, request_extra_key
@@ -14,7 +15,7 @@ from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
-from kvserve.services.gateway.router import SHORTLIST_HOLDERS, Choice, Policy, choose, choose_blind
+from kvserve.services.gateway.router import SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import DOWN, SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
@@ -38,6 +39,7 @@ class Fleet:
         self.routing = routing
         self._turn = 0
         self._rng = random.Random()
+        self._fruitless_widen_at = -WIDEN_EVERY_S   # when a walk further down the board last found no room
         self.overlap_weight = overlap_weight
         self.worker_queue_depth = worker_queue_depth
         self.poll_s = poll_s
@@ -185,7 +187,11 @@ class Fleet:
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted, output)
         if self.routing == "cache":
-            choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid, depths)
+            now = time.monotonic()
+            widen = now - self._fruitless_widen_at >= WIDEN_EVERY_S
+            choice = choose(self.board, matches, len(ids), policy, key, sticky, mean, avoid, depths, widen)
+            if choice is None and widen:
+                self._fruitless_widen_at = now
         else:
             choice = choose_blind(self.board, len(ids), policy, self.routing, self._turn, self._rng, avoid)
             self._turn += choice is not None

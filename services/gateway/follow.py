@@ -102,6 +102,7 @@ class Follower:
         self._events: asyncio.Task | None = None
         self._load: asyncio.Task | None = None
         self._events_stopped = False
+        self._broken = 0   # failures in a row following its load (a bug): each waits longer
 
     def start(self) -> None:
         name = self.worker.address
@@ -124,11 +125,11 @@ class Follower:
     # ------------------------------------------------------------ events
 
     async def _follow_events(self) -> None:
-        w, wait_s, told_no_events = self.worker, 0.2, False
+        w, wait_s, told_no_events, told_broken = self.worker, 0.2, False, False
         while True:
             try:
                 if await self._subscribe():
-                    wait_s = 0.2   # it ran: resubscribe at once, the backoff starts over
+                    wait_s, told_broken = 0.2, False   # it ran: resubscribe at once, the backoff starts over
                     continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -141,8 +142,10 @@ class Follower:
                     continue
                 log.debug("worker %s: event stream ended: %s", w.address, exc.code().name)
             except Exception:   # a bug here must not leave the worker's entries standing, unfollowed
-                log.exception("worker %s: following its cache events failed; its entries are dropped and "
-                              "the stream asked for again", w.address)
+                (log.exception if not told_broken else log.debug)(   # its traceback once a streak
+                    "worker %s: following its cache events failed; its entries are dropped and the stream "
+                    "asked for again", w.address, exc_info=True)
+                told_broken = True
             self._forget()
             await asyncio.sleep(wait_s)
             wait_s = min(2 * wait_s, RESUBSCRIBE_MAX_S)
@@ -220,8 +223,13 @@ class Follower:
             except asyncio.TimeoutError:
                 self._down(f"its load stream sent nothing for {self._load_watch()[1]:g} s")
             except Exception as exc:   # a bug: the worker is down until it answers again, never left unwatched
-                log.exception("worker %s: following its load failed", w.address)
+                self._broken += 1   # (its traceback once a streak, and slower tries: not 20 a second)
+                (log.exception if self._broken == 1 else log.debug)("worker %s: following its load failed",
+                                                                      w.address, exc_info=True)
                 self._down(f"following its load failed: {exc}")
+                self.on_change()
+                await asyncio.sleep(min(self.poll_s * 2 ** self._broken, RESUBSCRIBE_MAX_S))
+                continue
             self.on_change()
             await asyncio.sleep(self.poll_s)
 
@@ -308,6 +316,7 @@ class Follower:
         w.state, w.not_serving = state, why
         w.loaded(Load(stats.running, stats.waiting, kv.free_pages, kv.cached_pages, kv.used_pages, kv.tree_pages,
                       asked, stats.prefill_tokens))
+        self._broken = 0
 
     def _refused_under_streams(self, exc: grpc.aio.AioRpcError) -> bool:
         """A poll's connection refused (its host answers, nothing listens on the port) while

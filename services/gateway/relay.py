@@ -53,7 +53,9 @@ MAX_RENAMES = 3   # a moved request's id taken at the worker: tries under a fres
 # prefill_done had not come) goes to no other: it may be what kills them (a query of death), and
 # --migration-limit moves would take down that many more. A worker failing mid-decode, the usual
 # way, refusing the request before taking it (draining, unreachable), or failing while the request
-# waited in its queue (its last `queued` said a place, not 0) counts nothing.
+# waited in its queue (its last `queued` said a place, not 0) counts nothing. (A worker sends its 0
+# before the forward that computes the request; one killed before its loop wrote it counts as
+# not computing it, and the request moves once more.)
 PREFILL_FAILURES_LIMIT = 2
 HEADERS_LOOK_S = 1.0   # a failed call's headers, asked for: there at once, or never
 # A worker's trailers that a status passed on to the client keeps: what a client (or a gateway in

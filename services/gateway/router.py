@@ -83,12 +83,13 @@ def has_room(w: Worker, policy: Policy, pages_needed: int, prompt_tokens: int = 
 
 def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], prompt_tokens: int, policy: Policy,
            key: bytes, sticky: Worker | None = None, mean_request_tokens: float = 0.0,
-           avoid: Worker | None = None, depths: Depths | None = None) -> Choice | None:
+           avoid: Worker | None = None, depths: Depths | None = None, widen: bool = True) -> Choice | None:
     """The worker for a request of `prompt_tokens` whose leading pages `matches` says workers
     hold (the index's deepest holders: PrefixIndex.holders); `depths` tells how many any other
     worker weighed holds (without it, those not in `matches` hold none). None when no worker
     has room. `key` names the request (its first page, or its session) for the last tie-break;
-    `avoid` (the worker it just failed on) is chosen only when no other worker has room."""
+    `avoid` (the worker it just failed on) is chosen only when no other worker has room.
+    `widen`: when none of the shortlist has room, look further down the board (further())."""
     ps = policy.page_size
     total_pages = -(-prompt_tokens // ps)
     board = _as_board(workers)
@@ -97,11 +98,13 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
     active = {w: w.active for w in weighed}   # (each a sum over its routings: once per choice)
     room = [w for w in weighed
             if has_room(w, policy, total_pages - matches.get(w.address, 0), prompt_tokens, active[w])]
-    if not room:   # the least busy few cannot take it (too short a model, no pages left): others may
+    if not room and widen:   # the least busy few cannot take it (too short a model, no pages left): others may
         room = further(board, weighed, policy, total_pages, prompt_tokens, avoid)
         matches = _with_depths(matches, room, depths)
         active = {w: w.active for w in room}
     if not room:
+        if avoid is not None:   # what it holds there, if the deepest holders left it out
+            matches = _with_depths(matches, [avoid], depths)
         return _avoided(board, avoid, policy, total_pages - matches.get(avoid.address, 0) if avoid else 0,
                         prompt_tokens, matches)
     if sticky is not None and sticky in room:   # before the balance: a session leaves only a full worker
@@ -131,6 +134,9 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
 
 
 SHORTLIST_LEAST_BUSY = 8
+# A walk further down the board that found no room is not walked again sooner: the queue's head
+# asks at each load report, and a fleet full by its pages would be walked whole each time.
+WIDEN_EVERY_S = 0.1
 SHORTLIST_HOLDERS = 16   # the deepest holders of a prompt's pages weighed (PrefixIndex.holders' `most`)
 
 # How many leading pages of the request each named worker holds: the index's answer for workers
@@ -151,8 +157,9 @@ def further(board: LoadBoard, weighed: list[Worker], policy: Policy, pages: int,
     them: when every one of the least busy few is one that cannot take this request (its model
     too short, its pages taken by a long context), the queue's head waited for ever while idle
     workers elsewhere could. Their cached pages are not counted here (conservative: room for the
-    whole prompt), and the scan stops at the first workers too busy for any batch, so a full
-    fleet costs no walk over it."""
+    whole prompt), and the scan stops at the first workers too busy for any batch, so a fleet
+    full by its batches costs no walk over it; one full by its pages does (Fleet.choose asks for
+    that walk at most every WIDEN_EVERY_S while it finds nothing)."""
     seen, out = set(weighed), []
     for w in board.least_busy(avoid, below=board.largest_batch + policy.worker_queue_depth):
         if w not in seen and has_room(w, policy, pages, prompt_tokens):

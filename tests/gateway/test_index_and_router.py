@@ -444,6 +444,8 @@ def test_when_the_least_busy_few_cannot_take_a_request_a_worker_further_down_tha
     board = LoadBoard(short + long_)
     choice = choose(board, {}, 8000, Policy(page_size=4, worker_queue_depth=2), b"k")
     assert choice is not None and choice.worker in long_
+    # the walk is the gateway's to ration (a fleet full by its pages would be walked at each report)
+    assert choose(board, {}, 8000, Policy(page_size=4, worker_queue_depth=2), b"k", widen=False) is None
     for w in long_:   # every worker busy past its batch and queue: no scan finds room, none is made up
         w.load.running = 3
         board.update(w)
