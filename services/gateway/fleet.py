@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
+from itertools import islice
 
 from kvserve.kvcache_service.contract.hashing import page_hashes, request_extra_key
 from kvserve.services.gateway.board import LoadBoard
@@ -170,7 +171,10 @@ class Fleet:
             w = self.workers.get(address)
             return w is not None and w.hashes_match and w.events_live and w.state == SERVING
 
-        matches = {a: n for a, n in self.index.holders(hashes, most=SHORTLIST_HOLDERS).items() if matchable(a)}
+        # twice as many named as weighed: holders it would not route to (draining, another page
+        # size's) must not take the places of those it would
+        named = self.index.holders(hashes, most=2 * SHORTLIST_HOLDERS)
+        matches = dict(islice(((a, n) for a, n in named.items() if matchable(a)), SHORTLIST_HOLDERS))
 
         def depths(addresses: list[str]) -> dict[str, int]:   # workers weighed beside the deepest holders
             return self.index.matches(hashes, [a for a in addresses if matchable(a)]) if hashes else {}

@@ -476,3 +476,33 @@ def test_a_prefix_every_worker_holds_weighs_its_deepest_holders_and_the_least_bu
     assert 0 < len(asked) <= 8 and all(index.matches(hashes, [a])[a] == 3 for a in asked)
     # the idle one (the conversation's worker has 190 requests queued), its 3 pages known
     assert choice.worker.address == "w199" and choice.matched_pages == 3
+
+
+def test_holders_the_gateway_would_not_route_to_do_not_take_the_deepest_places():
+    """The index names a bounded number of the deepest holders; draining workers that still
+    hold the prompt (a rolling restart) took those places, and the serving holder behind them
+    was weighed as holding nothing."""
+    from kvserve.services.gateway.fleet import Fleet
+    from kvserve.services.gateway.router import SHORTLIST_HOLDERS
+    from kvserve.services.gateway.waiting import WaitQueue
+
+    fleet = Fleet("", 1.0, 2, 10.0, WaitQueue(8))
+    ids = list(range(3, 27))   # 6 pages of 4
+    hashes = fleet.hashes(ids, "", 4)
+
+    def joined(name: str, state: str, running: int, held: int) -> None:
+        w = worker(name, state=state)
+        w.info.max_num_seqs, w.info.max_model_len, w.info.num_pages = 4, 1000, 100
+        w.load.running, w.events_live = running, True
+        fleet.workers[name] = w
+        fleet.board.add(w)
+        if held:
+            fleet.index.add(name, hashes[:held])
+
+    for i in range(SHORTLIST_HOLDERS + 4):   # the lowest slots: draining, holding all but the last page
+        joined(f"draining{i:02}", NOT_SERVING, 0, 5)
+    joined("home", SERVING, 2, 5)            # serving, busy, holding as much
+    for i in range(20):   # more than the board weighs whole: only the least busy 8 of them
+        joined(f"idle{i:02}", SERVING, 0, 0)
+    choice = fleet.choose(ids, hashes, "")
+    assert choice.worker.address == "home" and choice.matched_pages == 5
