@@ -733,11 +733,16 @@ def test_workers_that_fail_after_the_request_left_their_queue_count_it(tiny_dirs
 
 
 class TakenAndLostAtOnce(ScriptedWorker):
-    """Takes every request in and fails it at once: its headers and its status come together."""
+    """Takes every request in and fails it right after: its headers and its status come close
+    together, most often in one read. (Not in the same instant: under load a status sent at once
+    after the headers reached the gateway without them, in neither the call's headers nor its
+    trailers, and a worker whose headers never came has, as far as a gateway can tell, not taken
+    the request.)"""
 
     async def Generate(self, request, context):
         self.requests.append(request)
         await context.send_initial_metadata(((TAKEN_HEADER, "1"),))
+        await asyncio.sleep(0.02)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
 
 
