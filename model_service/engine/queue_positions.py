@@ -13,11 +13,11 @@ computing when it failed: only the second may be what made it fail (services/gat
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Collection
 
 from kvserve.model_service.engine.events import Queued
 from kvserve.model_service.engine.request import Request, Status
+from kvserve.services.plumbing.departure_rate import DepartureRate
 
 WINDOW_S = 60.0   # the rate requests leave the queue is measured over the last minute
 STEPS_BEFORE_TELLING = 2
@@ -30,7 +30,7 @@ ALWAYS_TOLD = 3
 class QueuePositions:
     def __init__(self) -> None:
         self._told: set[Request] = set()        # told a place, not yet told they left
-        self._left: deque[float] = deque()      # when requests last left the queue (first admissions)
+        self._left = DepartureRate(WINDOW_S)    # when requests left the queue (first admissions)
 
     def tell(self, waiting: Collection[Request], step: int, left: int) -> bool:
         """After a step's plan is applied: `waiting` is the queue in order, `step` the engine's
@@ -39,7 +39,7 @@ class QueuePositions:
         forward that computes it, so that a worker dying in that forward has said so."""
         now = time.monotonic()
         if left:
-            self._left.extend([now] * left)
+            self._left.note(now, left)
         if not waiting and not self._told:
             return False
         started = False
@@ -61,16 +61,5 @@ class QueuePositions:
                 continue   # every admission moves everyone behind it: told again in a while, not each time
             r.told_position, r.told_at = position, now
             self._told.add(r)
-            r.sink(Queued(position, self._eta_ms(position, now)))
+            r.sink(Queued(position, self._left.eta_ms(position, now)))
         return started
-
-    def _eta_ms(self, position: int, now: float) -> int:
-        """At the rate requests left the queue over the last minute; 0 when fewer than two did
-        (no estimate), as a gateway's queue says it (services/gateway/waiting.py)."""
-        left = self._left
-        while left and left[0] < now - WINDOW_S:
-            left.popleft()
-        if len(left) < 2:
-            return 0
-        rate = (len(left) - 1) / max(now - left[0], 1e-3)
-        return int(1000 * position / rate)

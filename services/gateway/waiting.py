@@ -18,6 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from kvserve.services.plumbing.departure_rate import DepartureRate
+
 
 class QueueFull(Exception):
     pass
@@ -43,7 +45,7 @@ class WaitQueue:
         self._waiters: deque[Waiter] = deque()
         self._renumber = False     # positions moved since they were last numbered
         self._telling: asyncio.TimerHandle | None = None   # everyone looks when it fires
-        self._ends: deque[float] = deque()   # when streams ended, within WINDOW_S
+        self._ends = DepartureRate(self.WINDOW_S)   # when streams ended: room freed
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -128,20 +130,10 @@ class WaitQueue:
     # ------------------------------------------------------------ estimates
 
     def stream_ended(self) -> None:
-        now = time.monotonic()
-        self._ends.append(now)
-        while self._ends and self._ends[0] < now - self.WINDOW_S:
-            self._ends.popleft()
+        self._ends.note(time.monotonic())
         self.wake()
 
     def eta_ms(self, position: int) -> int:
         """Milliseconds until the waiter at `position` gets a worker, at the rate streams ended
-        over the last minute (up to now: a burst of ends long ago, then none, is a slow rate, not
-        the burst's); 0 when fewer than two ended in it (no estimate)."""
-        ends, now = self._ends, time.monotonic()
-        while ends and ends[0] < now - self.WINDOW_S:
-            ends.popleft()
-        if len(ends) < 2:
-            return 0
-        rate = (len(ends) - 1) / max(now - ends[0], 1e-3)
-        return int(1000 * position / rate)
+        over the last minute; 0 when fewer than two did (no estimate)."""
+        return self._ends.eta_ms(position, time.monotonic())
