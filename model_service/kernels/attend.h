@@ -144,13 +144,29 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
     attend_end(out, first_q, heads, head_dim, q16, acc, denom);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+/* The vector attend below (attend_simd) is written once over a small vector layer: 16 floats
+ * a vector with AVX-512, 8 with AVX2 (the x86-64-v3 build, where most AMD EPYC and older Xeon
+ * servers land). A chunk of a page is one vector's worth of tokens. */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+enum { VL = 16 };
+#define vf_load _mm512_loadu_ps
+#define vf_load_aligned _mm512_load_ps
+#define vf_store_aligned _mm512_store_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_mul _mm512_mul_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_zero _mm512_setzero_ps
 
 /* Lane t of the result: the sum of the 16 lanes of v[t]. A tree of unpacks and shuffles that
  * shares its steps between the 16 sums: ~3 instructions a sum, where reducing each vector on
  * its own takes ~8 (a decode step's scores are 16 such sums a page per query head). */
-static inline __m512 sum16x16(const __m512 v[16])
+static inline vf vf_sum_each(const vf v[16])
 {
     __m512 w[8], x[4];
     for (int i = 0; i < 8; i++)   /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums */
@@ -165,8 +181,22 @@ static inline __m512 sum16x16(const __m512 v[16])
     return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
 }
 
-/* 16 elements at p (float32, or bfloat16 widened) */
-static inline __m512 load16(const void *p, int bf16)
+/* The largest of the first m lanes of v (1 <= m <= VL). */
+static inline float vf_max_first(vf v, int64_t m)
+{
+    return _mm512_mask_reduce_max_ps((__mmask16)((1u << m) - 1), v);
+}
+
+/* The first m floats at p (64-byte aligned), 0 in the lanes past them. */
+static inline vf vf_load_first(const float *p, int64_t m)
+{
+    return _mm512_maskz_load_ps((__mmask16)((1u << m) - 1), p);
+}
+
+#define vf_sum _mm512_reduce_add_ps
+
+/* VL elements at p (float32, or bfloat16 widened) */
+static inline vf vf_load_widened(const void *p, int bf16)
 {
     if (bf16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -174,47 +204,116 @@ static inline __m512 load16(const void *p, int bf16)
     return _mm512_loadu_ps(p);
 }
 
-/* Query heads whose value sums one pass of add_values takes: R x NV accumulators, 16 registers
- * (head_dim 64: four heads, 128: two), so that each value vector is loaded once for R heads and
- * R x NV independent sums hide the FMA's latency, which one head's NV sums alone wait on. */
-#define VALUE_HEADS(NV) ((NV) <= 4 ? 4 : (NV) <= 8 ? 2 : 1)
+enum { VALUE_ACCUMULATORS = 16 };   /* of 32 registers */
+#else
+typedef __m256 vf;
+enum { VL = 8 };
+#define vf_load _mm256_loadu_ps
+#define vf_load_aligned _mm256_load_ps
+#define vf_store_aligned _mm256_store_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_mul _mm256_mul_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_zero _mm256_setzero_ps
+
+/* Lane t of the result: the sum of the 8 lanes of v[t], by horizontal adds shared between the
+ * 8 sums (~1.5 instructions a sum). */
+static inline vf vf_sum_each(const vf v[8])
+{
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a: [v0..v3 low halves' sums | v0..v3 high halves'], b the same for v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline __m256i first_lanes(int64_t m)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float vf_max_first(vf v, int64_t m)
+{
+    float lanes[8] __attribute__((aligned(32)));
+    _mm256_store_ps(lanes, v);
+    float top = lanes[0];
+    for (int64_t t = 1; t < m; t++)
+        top = lanes[t] > top ? lanes[t] : top;
+    return top;
+}
+
+static inline vf vf_load_first(const float *p, int64_t m)
+{
+    return _mm256_maskload_ps(p, first_lanes(m));
+}
+
+static inline float vf_sum(vf v)
+{
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+static inline vf vf_load_widened(const void *p, int bf16)
+{
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps(p);
+}
+
+enum { VALUE_ACCUMULATORS = 8 };    /* of 16 registers */
+#endif
+
+enum { ATTEND_CHUNK = 16 };   /* tokens of a page attend_simd takes at once */
+
+/* Query heads whose value sums one pass of add_values takes: R x NV accumulators, at most
+ * VALUE_ACCUMULATORS (AVX-512, head_dim 64: four heads, 128: two), so that each value vector is
+ * loaded once for R heads and R x NV independent sums hide the FMA's latency, which one head's NV
+ * sums alone wait on. */
+#define VALUE_HEADS(NV) ((NV) <= VALUE_ACCUMULATORS / 4 ? 4 : (NV) <= VALUE_ACCUMULATORS / 2 ? 2 : 1)
 
 /* R query heads' accumulators (rows of acc, head_dim apart) += the chunk's m values (rows of vr,
- * stride apart) weighted by their probabilities (rows of probs, 16 apart). Each sum takes the
- * values in token order, as a head at a time did: the results are the same to the bit. */
+ * stride apart) weighted by their probabilities (rows of probs, ATTEND_CHUNK apart), in passes of as many
+ * columns as VALUE_ACCUMULATORS registers hold. Each sum takes the values in token order, as a
+ * head at a time did: the results are the same to the bit. */
 static inline __attribute__((always_inline)) void
 add_values(const float *vr, int64_t stride, int64_t m, const int64_t NV, const int64_t R,
            const float *probs, float *acc, int64_t head_dim)
 {
-    __m512 a[16];
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t j = 0; j < NV; j++)
-            a[r * NV + j] = _mm512_load_ps(acc + r * head_dim + 16 * j);
-    for (int64_t t = 0; t < m; t++)
-        for (int64_t j = 0; j < NV; j++) {
-            const __m512 value = _mm512_loadu_ps(vr + t * stride + 16 * j);
-            for (int64_t r = 0; r < R; r++)
-                a[r * NV + j] = _mm512_fmadd_ps(_mm512_set1_ps(probs[16 * r + t]), value, a[r * NV + j]);
-        }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t j = 0; j < NV; j++)
-            _mm512_store_ps(acc + r * head_dim + 16 * j, a[r * NV + j]);
+    const int64_t JB = NV < VALUE_ACCUMULATORS / R ? NV : VALUE_ACCUMULATORS / R;   /* vectors a pass */
+    for (int64_t j0 = 0; j0 < NV; j0 += JB) {
+        vf a[VALUE_ACCUMULATORS];
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < JB; j++)
+                a[r * JB + j] = vf_load_aligned(acc + r * head_dim + VL * (j0 + j));
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t j = 0; j < JB; j++) {
+                const vf value = vf_load(vr + t * stride + VL * (j0 + j));
+                for (int64_t r = 0; r < R; r++)
+                    a[r * JB + j] = vf_fmadd(vf_set1(probs[ATTEND_CHUNK * r + t]), value, a[r * JB + j]);
+            }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < JB; j++)
+                vf_store_aligned(acc + r * head_dim + VL * (j0 + j), a[r * JB + j]);
+    }
 }
 
-/* attend() for head_dim a multiple of 32 (a constant in each inlined copy), in chunks of up to
- * 16 tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
+/* attend() for head_dim a multiple of 2 x VL (a constant in each inlined copy), in chunks of up
+ * to VL tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
  * widened once into a buffer (bfloat16; copying float32 ones too was measurably slower,
- * docs/benchmarks.md, "The native GEMM by rows"), each of its query heads takes the 16 scores as one
- * vector (sum16x16), the softmax runs on that vector, and the values, read the same way, are
+ * docs/benchmarks.md, "The native GEMM by rows"), each of its query heads takes the VL scores as one
+ * vector (vf_sum_each), the softmax runs on that vector, and the values, read the same way, are
  * summed into accumulators held in registers for the chunk. The same sums as attend(), in
  * another order: results differ from it by rounding. */
 static inline __attribute__((always_inline)) void
-attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-              int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-              int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int q16, int kv16)
+attend_simd(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+            int64_t len, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+            int64_t page_size, float scale, int64_t kv_first, int64_t kv_count, int q16, int kv16)
 {
-    enum { CHUNK = 16 };
-    const int64_t NV = head_dim / 16;                /* vectors per head */
+    enum { CHUNK = ATTEND_CHUNK, SV = CHUNK / VL };   /* vectors of a chunk's scores */
+    const int64_t NV = head_dim / VL;                /* vectors per head */
     const int64_t elem = kv16 ? 2 : 4;   /* a cache element's bytes */
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = kv_count * group;
@@ -237,7 +336,6 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
         int64_t prefetched = 0;   /* tokens of the next page whose records are on their way */
         for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
             const int64_t m = n - c0 < CHUNK ? n - c0 : CHUNK;
-            const __mmask16 live = (__mmask16)((1u << m) - 1);
             for (int64_t kh = 0; kh < kv_count; kh++) {
                 const int64_t base = page + c0 * token_stride + (kv_first + kh) * head_dim;
                 const float *kr = kv16 ? &kf[0][0] : (const float *)k_cache + base;
@@ -245,8 +343,8 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                 if (kv16)
                     for (int64_t t = 0; t < m; t++)
                         for (int64_t j = 0; j < NV; j++)
-                            _mm512_store_ps(&kf[t][16 * j],
-                                            load16((const char *)k_cache + (base + t * token_stride + 16 * j) * elem, kv16));
+                            vf_store_aligned(&kf[t][VL * j],
+                                             vf_load_widened((const char *)k_cache + (base + t * token_stride + VL * j) * elem, kv16));
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
                     if (has_next)   /* the next page's records for this chunk, spread over its heads */
@@ -255,44 +353,56 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
                             prefetch((const char *)k_cache + at, kv_count * head_dim * elem);
                             prefetch((const char *)v_cache + at, kv_count * head_dim * elem);
                         }
-                    __m512 dots[CHUNK], qv[NV];
+                    vf dots[CHUNK], qv[NV], scores[SV];
                     for (int64_t j = 0; j < NV; j++)
-                        qv[j] = _mm512_load_ps(&qs[h][16 * j]);
+                        qv[j] = vf_load_aligned(&qs[h][VL * j]);
                     for (int64_t t = 0; t < m; t++) {
                         const float *key = kr + t * kr_stride;
-                        __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-                        __m512 odd = _mm512_mul_ps(qv[1], _mm512_loadu_ps(key + 16));
+                        vf even = vf_mul(qv[0], vf_load(key));
+                        vf odd = vf_mul(qv[1], vf_load(key + VL));
                         for (int64_t j = 2; j < NV; j += 2) {   /* two chains: half the latency */
-                            even = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), even);
-                            odd = _mm512_fmadd_ps(qv[j + 1], _mm512_loadu_ps(key + 16 * j + 16), odd);
+                            even = vf_fmadd(qv[j], vf_load(key + VL * j), even);
+                            odd = vf_fmadd(qv[j + 1], vf_load(key + VL * j + VL), odd);
                         }
-                        dots[t] = _mm512_add_ps(even, odd);
+                        dots[t] = vf_add(even, odd);
                     }
                     for (int64_t t = m; t < CHUNK; t++)
-                        dots[t] = _mm512_setzero_ps();
-                    const __m512 scores = sum16x16(dots);
-                    const float top = _mm512_mask_reduce_max_ps(live, scores);
+                        dots[t] = vf_zero();
+                    float top = -FLT_MAX;
+                    for (int64_t i = 0; i < SV; i++) {
+                        scores[i] = vf_sum_each(dots + VL * i);
+                        if (m > VL * i) {
+                            const float ti = vf_max_first(scores[i], m - VL * i < VL ? m - VL * i : VL);
+                            top = ti > top ? ti : top;
+                        }
+                    }
                     const float m_new = top > running_max[h] ? top : running_max[h];
                     const float correction = expf(running_max[h] - m_new);
                     running_max[h] = m_new;
-                    _mm512_store_ps(probs[g], _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
+                    for (int64_t i = 0; i < SV; i++)
+                        vf_store_aligned(probs[g] + VL * i, vf_sub(scores[i], vf_set1(m_new)));
 #pragma omp simd
                     for (int64_t t = 0; t < CHUNK; t++)
                         probs[g][t] = expf(probs[g][t]);
-                    const __m512 e = _mm512_maskz_load_ps(live, probs[g]);   /* 0 past the chunk */
-                    _mm512_store_ps(probs[g], e);
-                    denom[h] = denom[h] * correction + _mm512_reduce_add_ps(e);
+                    vf sum = vf_zero();
+                    for (int64_t i = 0; i < SV; i++) {   /* 0 past the chunk */
+                        const int64_t live = m - VL * i < 0 ? 0 : m - VL * i < VL ? m - VL * i : VL;
+                        const vf e = vf_load_first(probs[g] + VL * i, live);
+                        vf_store_aligned(probs[g] + VL * i, e);
+                        sum = vf_add(sum, e);
+                    }
+                    denom[h] = denom[h] * correction + vf_sum(sum);
                     if (correction != 1.f)
                         for (int64_t j = 0; j < NV; j++)
-                            _mm512_store_ps(&acc[h][16 * j], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * j]),
-                                                                           _mm512_set1_ps(correction)));
+                            vf_store_aligned(&acc[h][VL * j], vf_mul(vf_load_aligned(&acc[h][VL * j]),
+                                                                     vf_set1(correction)));
                 }
                 const float *vr = kv16 ? &kf[0][0] : (const float *)v_cache + base;
                 if (kv16)   /* the values, widened once */
                     for (int64_t t = 0; t < m; t++)
                         for (int64_t j = 0; j < NV; j++)
-                            _mm512_store_ps(&kf[t][16 * j],
-                                            load16((const char *)v_cache + (base + t * token_stride + 16 * j) * elem, kv16));
+                            vf_store_aligned(&kf[t][VL * j],
+                                             vf_load_widened((const char *)v_cache + (base + t * token_stride + VL * j) * elem, kv16));
                 int64_t g = 0;
                 for (; g + VALUE_HEADS(NV) <= group; g += VALUE_HEADS(NV))
                     add_values(vr, kr_stride, m, NV, VALUE_HEADS(NV), probs[g], acc[kh * group + g], head_dim);
@@ -303,7 +413,7 @@ attend_avx512(const void *q, const void *k_cache, const void *v_cache, const int
     }
     attend_end(out, first_q, heads, head_dim, q16, acc, denom);
 }
-#define ATTEND_FIXED attend_avx512   /* head_dim 64 and 128 */
+#define ATTEND_FIXED attend_simd   /* head_dim 64 and 128 */
 #else
 #define ATTEND_FIXED attend
 #endif

@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_service.kernels import paged_decode
-from tests.model.native_kernels import load_or_skip, torch_threads
+from tests.model.native_kernels import load_at_level, runnable_levels, torch_threads
 
 
-@pytest.fixture(scope="module")
-def kernel() -> paged_decode.PagedDecodeKernel:
-    return load_or_skip(paged_decode.load, "the paged decode kernel")
+@pytest.fixture(scope="module", params=runnable_levels("paged_decode"))
+def kernel(request) -> paged_decode.PagedDecodeKernel:
+    return load_at_level(paged_decode._load, request.param, "the paged decode kernel")
 
 
 def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:

@@ -17,15 +17,15 @@ from kvserve.model_service.kv_cache import KVCache
 from kvserve.model_service.model.loader import load_model
 from tests.conftest import ARCH_PRESETS
 from tests.model.conftest import Loaded
-from tests.model.native_kernels import load_or_skip, torch_threads
+from tests.model.native_kernels import load_at_level, runnable_levels, torch_threads
 
 PAGE = 4
 PAGES = 160
 
 
-@pytest.fixture(scope="module")
-def kernel() -> decode_layer.DecodeLayerKernel:
-    return load_or_skip(decode_layer.load, "the fused decode layer")
+@pytest.fixture(scope="module", params=runnable_levels("decode_layer"))
+def kernel(request) -> decode_layer.DecodeLayerKernel:
+    return load_at_level(decode_layer._load, request.param, "the fused decode layer")
 
 
 def decode_batch(lens: list[int], vocab: int, seed: int) -> ForwardBatch:
