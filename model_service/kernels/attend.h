@@ -149,7 +149,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *t
 
 /* The vector attend below (attend_simd) is written once over a small vector layer: 16 floats
  * a vector with AVX-512, 8 with AVX2 (the x86-64-v3 build, where most AMD EPYC and older Xeon
- * servers land). A chunk of a page is one vector's worth of tokens. */
+ * servers land). A chunk of a page, 16 tokens, is one vector of scores or two. */
 #if defined(__AVX512F__)
 typedef __m512 vf;
 enum { VL = 16 };
@@ -187,7 +187,7 @@ static inline float vf_max_first(vf v, int64_t m)
     return _mm512_mask_reduce_max_ps((__mmask16)((1u << m) - 1), v);
 }
 
-/* The first m floats at p (64-byte aligned), 0 in the lanes past them. */
+/* The first m floats at p (VL x 4 bytes aligned), 0 in the lanes past them. */
 static inline vf vf_load_first(const float *p, int64_t m)
 {
     return _mm512_maskz_load_ps((__mmask16)((1u << m) - 1), p);
@@ -300,12 +300,13 @@ add_values(const float *vr, int64_t stride, int64_t m, const int64_t NV, const i
     }
 }
 
-/* attend() for head_dim a multiple of 2 x VL (a constant in each inlined copy), in chunks of up
- * to VL tokens of a page: per KV head, the chunk's keys are read where they lie (float32) or
- * widened once into a buffer (bfloat16; copying float32 ones too was measurably slower,
- * docs/benchmarks.md, "The native GEMM by rows"), each of its query heads takes the VL scores as one
- * vector (vf_sum_each), the softmax runs on that vector, and the values, read the same way, are
- * summed into accumulators held in registers for the chunk. The same sums as attend(), in
+/* attend() for head_dim 64 or 128 (a constant in each inlined copy; add_values' passes need a
+ * multiple of VALUE_ACCUMULATORS x VL where it exceeds that), in chunks of up to 16 tokens of a page:
+ * per KV head, the chunk's keys are read where they lie (float32) or widened once into a buffer
+ * (bfloat16; copying float32 ones too was measurably slower, docs/benchmarks.md, "The native GEMM
+ * by rows"), each of its query heads takes the 16 scores as one or two vectors (vf_sum_each), the
+ * softmax runs on them, and the values, read the same way, are summed into accumulators held in
+ * registers for the chunk. The same sums as attend(), in
  * another order: results differ from it by rounding. */
 static inline __attribute__((always_inline)) void
 attend_simd(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
