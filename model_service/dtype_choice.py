@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model_service.kernels.onednn import native_bfloat16
+
 
 def checkpoint_dtype(path: Path) -> str | None:
     """The dtype config.json names ("torch_dtype", or "dtype" as newer transformers write it)."""
@@ -35,18 +37,13 @@ def checkpoint_dtype(path: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU runs bfloat16 matmuls natively (oneDNN's own check: AVX512-BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def pick_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
     """--dtype NAME -> the dtype; `checkpoint`: what checkpoint_dtype() read, for auto on CPU."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    if checkpoint == "bfloat16" and native_bf16_cpu():
+    if checkpoint == "bfloat16" and native_bfloat16():
         return torch.bfloat16
     return torch.float32
 

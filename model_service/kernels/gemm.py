@@ -24,7 +24,7 @@ import torch
 from kvserve.model_service import choices
 from kvserve.model_service.kernels import cpu_gemm
 from kvserve.model_service.kernels.library import KernelUnavailable, NotForThisCpu
-from kvserve.model_service.kernels.onednn import onednn_available
+from kvserve.model_service.kernels.onednn import native_bfloat16, onednn_available
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ def choose_gemm(name: str, dtype: torch.dtype, device: torch.device, plain_kept:
         if gemm == "native" and dtype == torch.float32:
             _warn_if_missing()
     return "torch"
+
+
+def widens_bfloat16(gemm: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the linears run their prefill-sized bfloat16 calls widened to float32
+    (model/linear.py, Linear.widen_bfloat16): on F.linear, on a CPU without bfloat16 matmuls."""
+    return gemm == "torch" and dtype == torch.bfloat16 and device.type == "cpu" and not native_bfloat16()
 
 
 def _warn_if_missing() -> None:

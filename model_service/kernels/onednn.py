@@ -62,12 +62,18 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX, as oneDNN sees it);
+    elsewhere torch emulates bfloat16 matmuls, several times slower than float32 ones."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def onednn_available(dtype: torch.dtype) -> bool:
     """Whether the ops above run here in `dtype` (CPU) and agree with torch. The fused
     epilogues are probed in float32 only: the model fuses them in float32 only (model/linear.py)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not native_bfloat16():
         return False   # no native bf16 on this CPU: oneDNN would emulate it slowly
     try:
         g = torch.Generator().manual_seed(0)

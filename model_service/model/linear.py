@@ -15,6 +15,13 @@ never read back for the op:
   matmul on the hot path); kernels/onednn.py packs the weights and probes the ops.
 Results differ from F.linear's only in summation order (~1e-6 relative in float32).
 
+`Linear.widen_bfloat16()` is for bfloat16 weights left to F.linear on a CPU without bfloat16
+matmul instructions (no AVX512-BF16 or AMX), where torch emulates them several times slower
+than float32: calls of at least WIDEN_MIN_ROWS rows (prefill) widen the weight, a block of it
+at a time, and run in float32, the output rounded once to bfloat16, as a bfloat16 matmul with
+float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there
+(docs/benchmarks.md, "bfloat16 on a CPU without bfloat16 matmuls").
+
 `Linear.use_small(kernel)` adds a path for calls with at most SMALL_ROWS rows (a decode step of
 a few sequences): kernels/small_linear.c reads the plain weight (float32 or bfloat16) as one
 stream per thread, which at one row runs near the memory bandwidth where the packed GEMMs reach
@@ -39,6 +46,8 @@ from kvserve.model_service.kernels import cpu_gemm, onednn
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, SmallLinear
 
 NATIVE_MAX_ROWS = 128   # a native linear's calls with more rows run on its plain weight (above)
+WIDEN_MIN_ROWS = 16     # widen_bfloat16: calls from this many rows run widened to float32 (above)
+WIDEN_BLOCK_FLOATS = 4 << 20   # the float32 copy of a weight block a widened call holds at once (16 MB)
 
 
 class Linear(nn.Linear):
@@ -50,6 +59,7 @@ class Linear(nn.Linear):
     small: SmallLinear | None = None     # the small-batch kernel, once use_small() gave it
     plain: BoundWeight | None = None     # the weight as loaded (and the bias in float32), bound to it
     _plain_on_onednn = False             # native: calls of many rows on the plain weight via oneDNN (else F.linear)
+    widen_min_rows: int | None = None    # widen_bfloat16: bfloat16 calls of this many rows run in float32
 
     def use_small(self, kernel: SmallLinear, place=None) -> None:
         """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights).
@@ -89,6 +99,30 @@ class Linear(nn.Linear):
         # bfloat16: the matmul rounds once, the op runs after it in bfloat16, as transformers does
         return _op_after(self.plain(x.float()).to(x.dtype), op, other)
 
+    def widen_bfloat16(self) -> None:
+        """bfloat16 calls of at least WIDEN_MIN_ROWS rows run widened to float32 (the module
+        docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
+        if self.gemm != "torch" or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
+            raise ValueError("only a bfloat16 weight on F.linear, on CPU, runs widened")
+        self.widen_min_rows = WIDEN_MIN_ROWS
+
+    def _widens(self, x: torch.Tensor) -> bool:
+        return self.widen_min_rows is not None and x.dim() == 2 and x.shape[0] >= self.widen_min_rows
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ + b in float32 over the weight widened block by block, rounded once to x's dtype."""
+        weight, n_out = self.weight.detach(), self.out_features
+        x32 = x.float()
+        bias = None if self.bias is None else self.bias.detach().float()
+        block = max(1, WIDEN_BLOCK_FLOATS // weight.shape[1])
+        if block >= n_out:
+            return F.linear(x32, weight.float(), bias).to(x.dtype)
+        out = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+        for first in range(0, n_out, block):
+            part = slice(first, min(first + block, n_out))
+            out[:, part] = F.linear(x32, weight[part].float(), None if bias is None else bias[part])
+        return out
+
     def pack(self, gemm: str = "onednn") -> None:
         """Repacks the weight for `gemm` ("native" or "onednn") and drops the plain copy (a
         tied weight's other user keeps its own reference).
@@ -118,6 +152,8 @@ class Linear(nn.Linear):
             return self._native_call(x)
         if self.gemm == "onednn":   # the ops kernels/onednn.py probes (onednn_available)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self._widens(x):   # silu, mul and add come here too, their op after the rounding
+            return self._widened(x)
         return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:

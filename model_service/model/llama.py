@@ -147,6 +147,11 @@ class CausalLM(nn.Module):
         for linear in self.linears():
             linear.use_small(kernel, place)
 
+    def widen_bfloat16(self) -> None:
+        """Prefill-sized bfloat16 matmuls in float32 on a CPU without bfloat16 ones (Linear.widen_bfloat16)."""
+        for linear in self.linears():
+            linear.widen_bfloat16()
+
     def use_cpu_kernels(self, norm=None, rope=None) -> None:
         """Every RMSNorm and RoPE in one native call each where it can (kernels/rms_norm.py, rope.py)."""
         for module in self.modules():

@@ -30,7 +30,7 @@ from kvserve.model_service.kernels import rms_norm as rms_norm_kernel
 from kvserve.model_service.kernels import rope as rope_kernel
 from kvserve.model_service.kernels import decode_layer as decode_layer_kernel
 from kvserve.model_service.kernels import small_linear as small_linear_kernel
-from kvserve.model_service.kernels.gemm import choose_gemm
+from kvserve.model_service.kernels.gemm import choose_gemm, widens_bfloat16
 from kvserve.model_service.kernels.library import KernelUnavailable
 from kvserve.model_service.model.llama import CausalLM
 
@@ -82,6 +82,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
         model.use_cpu_kernels(_kernel_or_none(rms_norm_kernel.load, "RMSNorm"), _kernel_or_none(rope_kernel.load, "RoPE"))
     if gemm != "torch":
         model.pack(gemm)
+    elif widens_bfloat16(gemm, dtype, device):
+        model.widen_bfloat16()
     if small is not None:   # reads the plain weights use_small() kept
         model.use_decode_kernel(_kernel_or_none(decode_layer_kernel.load, "fused decode layer"))
     return model.eval(), config

@@ -159,3 +159,47 @@ def test_auto_takes_native_then_onednn_then_torch(monkeypatch) -> None:
     assert choose_gemm("auto", torch.float32, cpu) == "torch"
     with pytest.raises(ValueError, match="native CPU GEMM cannot run here: the cpu_gemm kernel was not built"):
         choose_gemm("native", torch.float32, cpu)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 15, 16, 40])
+def test_widened_bfloat16_is_the_float32_matmul_rounded_once(monkeypatch, bias: bool, rows: int) -> None:
+    """From WIDEN_MIN_ROWS rows a widened linear is the float32 matmul of the bfloat16 values,
+    rounded once (block by block, as here with blocks of 7 outputs, or whole); fewer rows stay on
+    F.linear; the fused forms take their op after the rounding, as unwidened ones do."""
+    from kvserve.model_service.model import linear as linear_module
+
+    linear = random_linear(64, 96, bias, dtype=torch.bfloat16)
+    x, other = torch.randn(rows, 64).bfloat16(), torch.randn(rows, 96).bfloat16()
+    eager = all_forms(linear, x, other)
+    linear.widen_bfloat16()
+    assert linear.widen_min_rows == linear_module.WIDEN_MIN_ROWS == 16
+    exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+    for block_floats in (7 * 64, linear_module.WIDEN_BLOCK_FLOATS):
+        monkeypatch.setattr(linear_module, "WIDEN_BLOCK_FLOATS", block_floats)
+        got = all_forms(linear, x, other)
+        if rows < 16:
+            for g, want in zip(got, eager, strict=True):
+                assert torch.equal(g, want)
+            continue
+        y = exact.bfloat16()
+        torch.testing.assert_close(got[0], y, rtol=0, atol=0)
+        for g, want in zip(got[1:], [F.silu(y), y * other, y + other], strict=True):
+            assert torch.equal(g, want)
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-2, atol=1e-2)   # torch's emulation: its own rounding
+
+
+def test_only_a_bfloat16_weight_on_f_linear_widens() -> None:
+    with pytest.raises(ValueError, match="only a bfloat16 weight on F.linear"):
+        random_linear(8, 8, False).widen_bfloat16()
+
+
+def test_bfloat16_loads_widened_where_the_cpu_has_no_bfloat16_matmuls(tiny_dirs, monkeypatch) -> None:
+    """On F.linear, a CPU without bfloat16 matmuls widens every linear's prefill; one with them,
+    or float32, does not."""
+    from kvserve.model_service.kernels import gemm as gemm_module
+
+    for native, dtype, widened in ((False, "bfloat16", True), (True, "bfloat16", False), (False, "float32", False)):
+        monkeypatch.setattr(gemm_module, "native_bfloat16", lambda native=native: native)
+        model, _ = load_model(tiny_dirs["tiny"], dtype, gemm="torch")
+        assert {linear.widen_min_rows is not None for linear in model.linears()} == {widened}

@@ -17,7 +17,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(monkeypatch, native) -> None:
-    monkeypatch.setattr(dtype_choice, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(dtype_choice, "native_bfloat16", lambda: native)
     assert pick_dtype("auto", CPU, "bfloat16") == (torch.bfloat16 if native else torch.float32)
     for checkpoint in ("float32", "float16", None):
         assert pick_dtype("auto", CPU, checkpoint) == torch.float32
@@ -48,7 +48,7 @@ def test_a_built_stack_takes_the_checkpoint_dtype_this_cpu_computes(tiny_dirs, t
     shutil.copytree(tiny_dirs["tiny"], marked)
     config = json.loads((marked / "config.json").read_text())
     (marked / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    want = torch.bfloat16 if dtype_choice.native_bf16_cpu() else torch.float32
+    want = torch.bfloat16 if dtype_choice.native_bfloat16() else torch.float32
     for path, expected in ((marked, want), (tiny_dirs["tiny"], torch.float32)):
         stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(path), kvcache="inprocess", device="cpu"))
         assert stack.dtype == expected
