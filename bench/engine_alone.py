@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--attention-backend", default="auto", help="auto | torch | cpu (as the model service)")
     ap.add_argument("--cpu-gemm", default="auto", help="auto | native | onednn | torch (as the model service)")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (as the model service)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | ... (as the model service)")
     ap.add_argument("--burn", metavar="BUSY:PERIOD", default=None,
                     help="beside the run, keep one core busy BUSY ms of every PERIOD ms")
@@ -153,7 +154,7 @@ def main() -> None:
     path = Path(args.model) if args.model else default_tiny_path("bench")
     burst = StepBurst(args.step_burst, args.burst_in)
     stack = build_on_a_thread_that_ends(ModelServiceConfig(
-        model=str(path), kvcache="inprocess", device="cpu", max_num_seqs=args.max_num_seqs,
+        model=str(path), kvcache="inprocess", device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, kv_cache_dtype=args.kv_cache_dtype),
         on_step_end=burst.tick)
     engine = stack.engine

@@ -6,8 +6,11 @@
   or AMX, where oneDNN's bfloat16 GEMMs run on the CPU's own instructions; there it measured
   faster than float32 in both phases (half the bytes per decode step, and prefill on native
   bf16 dot products; docs/benchmarks.md, "Single stream"). Without them oneDNN refuses
-  bfloat16 and torch converts on the fly, which measured 4-5x slower prefill than float32, so
-  such CPUs upcast. A float32 checkpoint stays float32 everywhere on CPU: that is the exact
+  bfloat16, and its matmuls run on F.linear, widened to float32 from a few rows up
+  (model/linear.py): there bfloat16 decodes one request faster than float32 (half the bytes)
+  but 32 at once slower (each step widens every weight, where float32 runs oneDNN's packed
+  GEMMs; docs/benchmarks.md, "bfloat16 on a CPU without bfloat16 matmuls"), so such CPUs
+  upcast: the serving workload, and the exact path. A float32 checkpoint stays float32 everywhere on CPU: that is the exact
   path, the one the equality tests against transformers use. float16 has no fast CPU path here
   and upcasts to float32.
 
