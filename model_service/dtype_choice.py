@@ -9,7 +9,7 @@
   bfloat16, and its matmuls run on F.linear, widened to float32 from a few rows up
   (model/linear.py): there bfloat16 decodes one request faster than float32 (half the bytes)
   but 32 at once slower (each step widens every weight, where float32 runs oneDNN's packed
-  GEMMs; docs/benchmarks.md, "bfloat16 on a CPU without bfloat16 matmuls"), so such CPUs
+  GEMMs; docs/benchmarks.md, "AVX2: ... bfloat16 without bfloat16 matmuls"), so such CPUs
   upcast: the serving workload, and the exact path. A float32 checkpoint stays float32 everywhere on CPU: that is the exact
   path, the one the equality tests against transformers use. float16 has no fast CPU path here
   and upcasts to float32.

@@ -20,7 +20,7 @@ matmul instructions (no AVX512-BF16 or AMX), where torch emulates them several t
 than float32: calls of at least WIDEN_MIN_ROWS rows (prefill) widen the weight, a block of it
 at a time, and run in float32, the output rounded once to bfloat16, as a bfloat16 matmul with
 float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there
-(docs/benchmarks.md, "bfloat16 on a CPU without bfloat16 matmuls").
+(docs/benchmarks.md, "AVX2: ... bfloat16 without bfloat16 matmuls").
 
 `Linear.use_small(kernel)` adds a path for calls with at most SMALL_ROWS rows (a decode step of
 a few sequences): kernels/small_linear.c reads the plain weight (float32 or bfloat16) as one
