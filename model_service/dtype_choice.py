@@ -10,9 +10,9 @@
   (model/linear.py): there bfloat16 decodes one request faster than float32 (half the bytes)
   but 32 at once slower (each step widens every weight, where float32 runs oneDNN's packed
   GEMMs; docs/benchmarks.md, "AVX2: ... bfloat16 without bfloat16 matmuls"), so such CPUs
-  upcast: the serving workload, and the exact path. A float32 checkpoint stays float32 everywhere on CPU: that is the exact
-  path, the one the equality tests against transformers use. float16 has no fast CPU path here
-  and upcasts to float32.
+  upcast, for the serving workload. A float32 checkpoint stays float32 everywhere on CPU: that
+  is the exact path, the one the equality tests against transformers use. float16 has no fast
+  CPU path here and upcasts to float32.
 
 The KV pages take the weights' dtype unless `--kv-cache-dtype bfloat16` narrows a float32 model's
 on CPU: half the bytes a decode step's attention reads and twice the tokens in the same memory,

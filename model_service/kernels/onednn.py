@@ -68,6 +68,7 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@functools.cache
 def onednn_available(dtype: torch.dtype) -> bool:
     """Whether the ops above run here in `dtype` (CPU) and agree with torch. The fused
     epilogues are probed in float32 only: the model fuses them in float32 only (model/linear.py)."""

@@ -46,7 +46,7 @@ from kvserve.model_service.kernels import cpu_gemm, onednn
 from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, SmallLinear
 
 NATIVE_MAX_ROWS = 128   # a native linear's calls with more rows run on its plain weight (above)
-WIDEN_MIN_ROWS = 16     # widen_bfloat16: calls from this many rows run widened to float32 (above)
+WIDEN_MIN_ROWS = 8      # widen_bfloat16: calls from this many rows run widened to float32 (above)
 WIDEN_BLOCK_FLOATS = 4 << 20   # the float32 copy of a weight block a widened call holds at once (16 MB)
 
 

@@ -162,31 +162,44 @@ def test_auto_takes_native_then_onednn_then_torch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 15, 16, 40])
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
 def test_widened_bfloat16_is_the_float32_matmul_rounded_once(monkeypatch, bias: bool, rows: int) -> None:
     """From WIDEN_MIN_ROWS rows a widened linear is the float32 matmul of the bfloat16 values,
-    rounded once (block by block, as here with blocks of 7 outputs, or whole); fewer rows stay on
-    F.linear; the fused forms take their op after the rounding, as unwidened ones do."""
+    rounded once (whole, or block by block, as here with blocks of 7 outputs, where the float32
+    sums may take another order: within one bfloat16 rounding); fewer rows stay on F.linear; the
+    fused forms take their op after the rounding, as unwidened ones do."""
     from kvserve.model_service.model import linear as linear_module
 
     linear = random_linear(64, 96, bias, dtype=torch.bfloat16)
-    x, other = torch.randn(rows, 64).bfloat16(), torch.randn(rows, 96).bfloat16()
+    gen = torch.Generator().manual_seed(rows)
+    x, other = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 96, generator=gen).bfloat16()
     eager = all_forms(linear, x, other)
     linear.widen_bfloat16()
-    assert linear.widen_min_rows == linear_module.WIDEN_MIN_ROWS == 16
+    assert linear.widen_min_rows == linear_module.WIDEN_MIN_ROWS == 8
     exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
-    for block_floats in (7 * 64, linear_module.WIDEN_BLOCK_FLOATS):
+    for block_floats, rtol in ((linear_module.WIDEN_BLOCK_FLOATS, 0.0), (7 * 64, 2 ** -7)):
         monkeypatch.setattr(linear_module, "WIDEN_BLOCK_FLOATS", block_floats)
         got = all_forms(linear, x, other)
-        if rows < 16:
+        if rows < 8:
             for g, want in zip(got, eager, strict=True):
                 assert torch.equal(g, want)
             continue
-        y = exact.bfloat16()
-        torch.testing.assert_close(got[0], y, rtol=0, atol=0)
+        y = got[0]
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), exact.bfloat16().float(), rtol=rtol, atol=0)
         for g, want in zip(got[1:], [F.silu(y), y * other, y + other], strict=True):
             assert torch.equal(g, want)
-        torch.testing.assert_close(got[0], eager[0], rtol=1e-2, atol=1e-2)   # torch's emulation: its own rounding
+        torch.testing.assert_close(y, eager[0], rtol=1e-2, atol=1e-2)   # torch's emulation: its own rounding
+
+
+def test_the_onednn_probe_runs_once_per_dtype() -> None:
+    """It packs and runs a matmul: the attention asks it every step (attention/chunks.py)."""
+    from kvserve.model_service.kernels import onednn
+
+    onednn.onednn_available(torch.float32)
+    before = onednn.onednn_available.cache_info()
+    onednn.onednn_available(torch.float32)
+    assert onednn.onednn_available.cache_info().hits == before.hits + 1
 
 
 def test_only_a_bfloat16_weight_on_f_linear_widens() -> None:
