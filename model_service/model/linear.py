@@ -19,7 +19,9 @@ Results differ from F.linear's only in summation order (~1e-6 relative in float3
 matmul instructions (no AVX512-BF16 or AMX), where torch emulates them several times slower
 than float32: calls of at least WIDEN_MIN_ROWS rows (prefill) widen the weight, a block of it
 at a time, and run in float32, the output rounded once to bfloat16, as a bfloat16 matmul with
-float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there
+float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there.
+And the small-batch kernel, which widens the weight in registers as it streams it, takes such
+calls up to WIDEN_SMALL_ROWS rows (a decode step of many sequences), where it beats both
 (docs/benchmarks.md, "AVX2: ... bfloat16 without bfloat16 matmuls").
 
 `Linear.use_small(kernel)` adds a path for calls with at most SMALL_ROWS rows (a decode step of
@@ -47,6 +49,7 @@ from kvserve.model_service.kernels.small_linear import SMALL_ROWS, BoundWeight, 
 
 NATIVE_MAX_ROWS = 128   # a native linear's calls with more rows run on its plain weight (above)
 WIDEN_MIN_ROWS = 8      # widen_bfloat16: calls from this many rows run widened to float32 (above)
+WIDEN_SMALL_ROWS = 32   # widen_bfloat16: the small-batch kernel takes calls up to this many rows (above)
 WIDEN_BLOCK_FLOATS = 4 << 20   # the float32 copy of a weight block a widened call holds at once (16 MB)
 
 
@@ -60,6 +63,7 @@ class Linear(nn.Linear):
     plain: BoundWeight | None = None     # the weight as loaded (and the bias in float32), bound to it
     _plain_on_onednn = False             # native: calls of many rows on the plain weight via oneDNN (else F.linear)
     widen_min_rows: int | None = None    # widen_bfloat16: bfloat16 calls of this many rows run in float32
+    small_rows = SMALL_ROWS              # calls of at most this many rows go to the small-batch kernel
 
     def use_small(self, kernel: SmallLinear, place=None) -> None:
         """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights).
@@ -76,7 +80,7 @@ class Linear(nn.Linear):
         self.small, self.plain = kernel, kernel.bind(weight.contiguous(), bias)
 
     def _few_rows(self, x: torch.Tensor) -> bool:
-        return self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS
+        return self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows
 
     def _many_rows(self, x: torch.Tensor) -> bool:
         """A native linear's call better run on the plain weight (the module docstring)."""
@@ -104,7 +108,7 @@ class Linear(nn.Linear):
         docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
         if self.gemm != "torch" or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
             raise ValueError("only a bfloat16 weight on F.linear, on CPU, runs widened")
-        self.widen_min_rows = WIDEN_MIN_ROWS
+        self.widen_min_rows, self.small_rows = WIDEN_MIN_ROWS, WIDEN_SMALL_ROWS
 
     def _widens(self, x: torch.Tensor) -> bool:
         return self.widen_min_rows is not None and x.dim() == 2 and x.shape[0] >= self.widen_min_rows

@@ -192,6 +192,33 @@ def test_widened_bfloat16_is_the_float32_matmul_rounded_once(monkeypatch, bias: 
         torch.testing.assert_close(y, eager[0], rtol=1e-2, atol=1e-2)   # torch's emulation: its own rounding
 
 
+@pytest.mark.parametrize("rows", [4, 5, 32, 33])
+def test_widened_bfloat16_sends_up_to_32_rows_to_the_small_batch_kernel(rows: int) -> None:
+    """With the small-batch kernel bound, a widened linear's calls of up to WIDEN_SMALL_ROWS rows
+    run there (the weight widened in registers, float32 sums, one rounding), more rows widened."""
+    from kvserve.model_service.kernels import small_linear
+    from kvserve.model_service.model import linear as linear_module
+    from tests.model.native_kernels import load_or_skip
+
+    kernel = load_or_skip(small_linear.load, "the small-batch linear")
+    linear = random_linear(64, 96, True, dtype=torch.bfloat16)
+    linear.use_small(kernel)
+    linear.widen_bfloat16()
+    assert linear.small_rows == linear_module.WIDEN_SMALL_ROWS == 32
+    gen = torch.Generator().manual_seed(rows)
+    x, other = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 96, generator=gen).bfloat16()
+    got = all_forms(linear, x, other)
+    y = got[0]
+    if rows <= 32:
+        assert torch.equal(y, linear.plain(x.float()).bfloat16())
+    else:
+        assert torch.equal(y, linear._widened(x))
+    for g, want in zip(got[1:], [F.silu(y), y * other, y + other], strict=True):
+        assert torch.equal(g, want)
+    exact = F.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16().float()
+    torch.testing.assert_close(y.float(), exact, rtol=2 ** -7, atol=1e-6)
+
+
 def test_the_onednn_probe_runs_once_per_dtype() -> None:
     """It packs and runs a matmul: the attention asks it every step (attention/chunks.py)."""
     from kvserve.model_service.kernels import onednn
