@@ -19,13 +19,11 @@ shows the compiler's error), the model service warns at start, and it runs on on
 torch's own ops instead.
 """
 
-import os
 import platform
 import runpy
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
-from setuptools.command.build_ext import build_ext
 
 FOLDERS = {
     "kvserve": "protos/kvserve",
@@ -63,18 +61,7 @@ def kernel_extensions() -> list[Extension]:
     return out
 
 
-class BuildKernelsInParallel(build_ext):
-    """The kernels' libraries (one per kernel and level, about twenty) compiled one per core:
-    one at a time they were the longest part of an install after torch's."""
-
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        if not self.parallel:
-            self.parallel = os.cpu_count() or 1
-
-
 setup(
-    cmdclass={"build_ext": BuildKernelsInParallel},
     package_dir=FOLDERS,
     packages=packages(),
     package_data={"": ["*.proto", "*.pyi"]},

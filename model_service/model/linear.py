@@ -17,7 +17,7 @@ Results differ from F.linear's only in summation order (~1e-6 relative in float3
 
 `Linear.widen_bfloat16()` is for bfloat16 weights left to F.linear on a CPU without bfloat16
 matmul instructions (no AVX512-BF16 or AMX), where torch emulates them several times slower
-than float32: calls of at least WIDEN_MIN_ROWS rows (a prefill) widen the weight, a block of it
+than float32: calls of at least WIDEN_MIN_ROWS rows (prefill) widen the weight, a block of it
 at a time, and run in float32, the output rounded once to bfloat16, as a bfloat16 matmul with
 float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there.
 And the small-batch kernel, which widens the weight in registers as it streams it, takes such
@@ -104,9 +104,8 @@ class Linear(nn.Linear):
         return _op_after(self.plain(x.float()).to(x.dtype), op, other)
 
     def widen_bfloat16(self) -> None:
-        """bfloat16 calls of up to WIDEN_SMALL_ROWS rows run on the small-batch kernel where
-        use_small() bound it, more (or from WIDEN_MIN_ROWS without it) widened to float32 (the
-        module docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
+        """bfloat16 calls of at least WIDEN_MIN_ROWS rows run widened to float32 (the module
+        docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
         if self.gemm != "torch" or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
             raise ValueError("only a bfloat16 weight on F.linear, on CPU, runs widened")
         self.widen_min_rows, self.small_rows = WIDEN_MIN_ROWS, WIDEN_SMALL_ROWS
