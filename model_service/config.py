@@ -57,7 +57,8 @@ class ModelServiceConfig:
     cpu_gemm: str = option("auto", "what runs the matmuls on CPU; auto takes the first that runs here in "
                                    "kvserve's measured order", choices=CPU_GEMMS)
     cpu_small_linear: str = option("auto", "CPU: matmuls of at most 4 rows (decode steps of a few "
-                                           "sequences) on kvserve's small-batch kernel, near the memory "
+                                           "sequences; 32 for bfloat16 weights on a CPU without bfloat16 "
+                                           "matmuls) on kvserve's small-batch kernel, near the memory "
                                            "bandwidth, such decode steps one native call per layer; with a "
                                            "packed GEMM it keeps the float32 weights twice. "
                                            "off: every matmul on --cpu-gemm", choices=("auto", "off"))

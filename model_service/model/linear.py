@@ -17,7 +17,7 @@ Results differ from F.linear's only in summation order (~1e-6 relative in float3
 
 `Linear.widen_bfloat16()` is for bfloat16 weights left to F.linear on a CPU without bfloat16
 matmul instructions (no AVX512-BF16 or AMX), where torch emulates them several times slower
-than float32: calls of at least WIDEN_MIN_ROWS rows (prefill) widen the weight, a block of it
+than float32: calls of at least WIDEN_MIN_ROWS rows (a prefill) widen the weight, a block of it
 at a time, and run in float32, the output rounded once to bfloat16, as a bfloat16 matmul with
 float32 sums does; fewer rows stay on F.linear, the widening costing more than it saves there.
 And the small-batch kernel, which widens the weight in registers as it streams it, takes such
@@ -25,7 +25,7 @@ calls up to WIDEN_SMALL_ROWS rows (a decode step of many sequences), where it be
 (docs/benchmarks.md, "AVX2: ... bfloat16 without bfloat16 matmuls").
 
 `Linear.use_small(kernel)` adds a path for calls with at most SMALL_ROWS rows (a decode step of
-a few sequences): kernels/small_linear.c reads the plain weight (float32 or bfloat16) as one
+a few sequences; WIDEN_SMALL_ROWS under widen_bfloat16): kernels/small_linear.c reads the plain weight (float32 or bfloat16) as one
 stream per thread, which at one row runs near the memory bandwidth where the packed GEMMs reach
 about half of it (docs/benchmarks.md, "Single stream"). A packed linear keeps its plain weight
 beside the packed one for it.
@@ -66,7 +66,7 @@ class Linear(nn.Linear):
     small_rows = SMALL_ROWS              # calls of at most this many rows go to the small-batch kernel
 
     def use_small(self, kernel: SmallLinear, place=None) -> None:
-        """Calls with at most SMALL_ROWS rows run on `kernel` (float32 and bfloat16 weights).
+        """Calls with at most `small_rows` rows run on `kernel` (float32 and bfloat16 weights).
         place: where the weight moves first (a copy function, e.g. host_memory.on_huge_pages);
         the layer's own weight is then that copy too, so nothing is kept twice."""
         weight = self.weight.detach()
@@ -104,8 +104,9 @@ class Linear(nn.Linear):
         return _op_after(self.plain(x.float()).to(x.dtype), op, other)
 
     def widen_bfloat16(self) -> None:
-        """bfloat16 calls of at least WIDEN_MIN_ROWS rows run widened to float32 (the module
-        docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
+        """bfloat16 calls of up to WIDEN_SMALL_ROWS rows run on the small-batch kernel where
+        use_small() bound it, more (or from WIDEN_MIN_ROWS without it) widened to float32 (the
+        module docstring): for a bfloat16 weight on F.linear, on a CPU without bfloat16 matmuls."""
         if self.gemm != "torch" or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
             raise ValueError("only a bfloat16 weight on F.linear, on CPU, runs widened")
         self.widen_min_rows, self.small_rows = WIDEN_MIN_ROWS, WIDEN_SMALL_ROWS

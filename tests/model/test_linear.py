@@ -207,12 +207,20 @@ def test_widened_bfloat16_sends_up_to_32_rows_to_the_small_batch_kernel(rows: in
     assert linear.small_rows == linear_module.WIDEN_SMALL_ROWS == 32
     gen = torch.Generator().manual_seed(rows)
     x, other = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 96, generator=gen).bfloat16()
+    calls = {"small": 0, "widened": 0}
+    plain, widened = linear.plain, linear._widened
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    linear.plain, linear._widened = counted("small", plain), counted("widened", widened)
     got = all_forms(linear, x, other)
+    assert calls == ({"small": 4, "widened": 0} if rows <= 32 else {"small": 0, "widened": 4})
     y = got[0]
-    if rows <= 32:
-        assert torch.equal(y, linear.plain(x.float()).bfloat16())
-    else:
-        assert torch.equal(y, linear._widened(x))
+    assert torch.equal(y, plain(x.float()).bfloat16() if rows <= 32 else widened(x))
     for g, want in zip(got[1:], [F.silu(y), y * other, y + other], strict=True):
         assert torch.equal(g, want)
     exact = F.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16().float()

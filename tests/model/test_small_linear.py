@@ -31,7 +31,7 @@ def reference(x, weight, bias, op, other) -> torch.Tensor:
        bf16=st.booleans(), threads=st.integers(1, 2), seed=st.integers(0, 2**16))
 def test_matches_a_float64_reference(kernel, rows, n, k, op, bias, bf16, threads, seed) -> None:
     """Ragged K (tails of the 32-, 16- and 8-wide loops), one row and 2-8 rows at once (and more,
-    in groups of 8: the kernel takes any number, the model sends it at most SMALL_ROWS), float32
+    in groups of 8: the kernel takes any number, the model sends it at most SMALL_ROWS, or 32 bfloat16 ones), float32
     and bfloat16 weights (widened exactly: the reference multiplies the same bfloat16 values)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
