@@ -19,11 +19,13 @@ shows the compiler's error), the model service warns at start, and it runs on on
 torch's own ops instead.
 """
 
+import os
 import platform
 import runpy
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 FOLDERS = {
     "kvserve": "protos/kvserve",
@@ -33,6 +35,7 @@ FOLDERS = {
     "kvserve.clients": "clients",
 }
 KERNELS_DIR = Path("model_service/kernels")
+LEVEL_SOURCES = Path("build/kernel_levels")
 
 
 def packages() -> list[str]:
@@ -49,10 +52,18 @@ def kernel_extensions() -> list[Extension]:
     for kernel, name, march in levels["builds_for"](platform.machine()):
         source = KERNELS_DIR / f"{kernel}.c"
         digest = levels["source_digest"](KERNELS_DIR, kernel)   # library.py checks it on load
+        # Each level compiles a one-line file of its own that includes the kernel: an object is
+        # named after its source, and the levels of one kernel, built at once
+        # (BuildKernelsInParallel), would otherwise write and link the same object.
+        wrapper = LEVEL_SOURCES / name / f"{kernel}.c"
+        wrapper.parent.mkdir(parents=True, exist_ok=True)
+        text = f'#include "{source.resolve()}"\n'
+        if not wrapper.is_file() or wrapper.read_text() != text:   # rewritten, it would rebuild
+            wrapper.write_text(text)
         out.append(Extension(
             f"kvserve.model_service.kernels._{kernel}_{name}",
-            sources=[str(source)],
-            depends=[str(header) for header in sorted(KERNELS_DIR.glob("*.h"))],
+            sources=[str(wrapper)],
+            depends=[str(source), *(str(header) for header in sorted(KERNELS_DIR.glob("*.h")))],
             extra_compile_args=[*levels["COMPILE_FLAGS"], *([f"-march={march}"] if march else [])],
             define_macros=[("KVSERVE_SOURCE_SHA256", f'"{digest}"')],
             libraries=["m"],   # expf; glibc's libm.so brings libmvec, the vectorised one
@@ -61,7 +72,18 @@ def kernel_extensions() -> list[Extension]:
     return out
 
 
+class BuildKernelsInParallel(build_ext):
+    """The kernels' libraries (one per kernel and level, about twenty) compiled one per core:
+    one at a time they were the longest part of an install after torch's."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 setup(
+    cmdclass={"build_ext": BuildKernelsInParallel},
     package_dir=FOLDERS,
     packages=packages(),
     package_data={"": ["*.proto", "*.pyi"]},
