@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 from collections.abc import Callable, Iterator
 from typing import TypeVar
-
-import platform
 
 import pytest
 import torch
