@@ -3,8 +3,9 @@
 Most requests are taken in by the step after the one that found them in the queue, and hear
 nothing of it. One still waiting two steps after the engine took it in (no sequence slot or no
 pages for it) is told its place (`Queued`, 1 = next) and told again when it changes (at once
-within ALWAYS_TOLD of the head, further back at most once a RETELL_S); once it leaves the queue, `Queued` with position 0: its prompt is being computed. Only a request that has
-had no token yet is told (one preempted back into the queue after its first token is not).
+within ALWAYS_TOLD of the head, further back at most once a RETELL_S); once it leaves the queue,
+`Queued` with position 0: its prompt is being computed. Only a request that has had no token yet
+is told (one preempted back into the queue after its first token is not).
 
 A gateway reads these to tell a request that waited in a worker's queue from one the worker was
 computing when it failed: only the second may be what made it fail (services/gateway/relay.py).
