@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from kvserve.clients.cli_options import add_connection_flags, make_client
+from kvserve.clients.ctrl_c import CtrlCCancels
 
 if TYPE_CHECKING:
     from kvserve.clients.inference_client import Finished, GenerateStream, InferenceClient, PrefillDone
@@ -156,33 +157,35 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     out = _Output(sys.stdout)
     stream = None
-    with client:
+    with client, CtrlCCancels() as ctrl_c:
         try:
-            stream = client.generate(
+            stream = ctrl_c.watch(client.generate(
                 **inputs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, n=args.n)
+                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, n=args.n))
             if (args.n or 1) > 1:
                 finished = _print_sequences(stream, out)
             else:
                 _, finished = _stream_text(stream, out)
         except KVServeError as exc:
+            if ctrl_c.pressed:  # the CANCELLED that Ctrl-C asked for
+                return _cancelled(out, "[cancelled]")
             out.end_line()
             print(f"kvserve generate: {exc.code}: {exc.message}", file=sys.stderr)
             return 1
         except ValueError as exc:   # a value the request cannot carry: said before anything is sent
             print(f"kvserve generate: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:   # pressed before the call existed, or twice
             if stream is not None:
                 stream.cancel()
-            out.end_line()
-            print("[cancelled]", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return _cancelled(out, "[cancelled]")
         except BrokenPipeError:  # `kvserve generate ... | head`: stop generating, quietly
             if stream is not None:
                 stream.cancel()
             _silence_stdout()
             return 1
+        if ctrl_c.pressed:  # the stream ended before the cancel reached it; the user still pressed
+            return _cancelled(out, "[cancelled]")
     out.end_line()
     print(_generate_summary(finished), file=sys.stderr)
     return 0
@@ -235,34 +238,40 @@ def run_chat(args: argparse.Namespace) -> int:
             turn += 1
             history.append({"role": "user", "content": line})
             stream = None
-            try:
-                stream = client.generate(messages=history, max_tokens=args.max_tokens,
-                                         temperature=args.temperature, seed=args.seed)
-                reply: list[str] = []
-                _, finished = _stream_text(stream, out, collect=reply)
-            except (KVServeError, ValueError) as exc:
-                out.end_line()
-                why = f"{exc.code}: {exc.message}" if isinstance(exc, KVServeError) else str(exc)
-                print(f"kvserve chat: {why}", file=sys.stderr)
-                history.pop()  # the turn did not happen; the user may send it again
-                turn -= 1
-                failed = True
-                continue
-            except KeyboardInterrupt:  # Ctrl-C during a reply cancels that reply only
-                if stream is not None:
-                    stream.cancel()
-                out.end_line(force=True)
-                print("[reply cancelled]", file=sys.stderr)
+            interrupted = False
+            with CtrlCCancels() as ctrl_c:
+                try:
+                    stream = ctrl_c.watch(client.generate(messages=history, max_tokens=args.max_tokens,
+                                                          temperature=args.temperature, seed=args.seed))
+                    reply: list[str] = []
+                    _, finished = _stream_text(stream, out, collect=reply)
+                    interrupted = ctrl_c.pressed  # ended before the cancel reached it
+                except (KVServeError, ValueError) as exc:
+                    interrupted = ctrl_c.pressed  # the CANCELLED that Ctrl-C asked for
+                    if not interrupted:
+                        out.end_line()
+                        why = f"{exc.code}: {exc.message}" if isinstance(exc, KVServeError) else str(exc)
+                        print(f"kvserve chat: {why}", file=sys.stderr)
+                        history.pop()  # the turn did not happen; the user may send it again
+                        turn -= 1
+                        failed = True
+                        continue
+                except KeyboardInterrupt:  # pressed before the call existed, or twice
+                    if stream is not None:
+                        stream.cancel()
+                    interrupted = True
+                except BrokenPipeError:
+                    if stream is not None:
+                        stream.cancel()
+                    _silence_stdout()
+                    return 1
+            if interrupted:  # Ctrl-C during a reply cancels that reply only
+                _cancelled(out, "[reply cancelled]", force=True)
                 history.pop()
                 turn -= 1
                 if not interactive:
                     return EXIT_INTERRUPTED
                 continue
-            except BrokenPipeError:
-                if stream is not None:
-                    stream.cancel()
-                _silence_stdout()
-                return 1
             out.end_line(force=True)  # every reply ends with a newline of its own
             history.append({"role": "assistant", "content": "".join(reply)})
             print(_chat_summary(turn, finished), file=sys.stderr, flush=True)
@@ -344,6 +353,13 @@ def _print_sequences(stream: GenerateStream, out: _Output) -> Finished:
         out.write(f"--- sequence {choice.finished.index} ({choice.finished.reason}, "
                   f"{choice.finished.completion_tokens} tokens) ---\n{choice.text}\n")
     return max(collected.finished.values(), key=lambda f: f.total_ms)
+
+
+def _cancelled(out: _Output, note: str, force: bool = False) -> int:
+    """Say on stderr that Ctrl-C cancelled the stream; -> the exit status a shell expects."""
+    out.end_line(force=force)
+    print(note, file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _tolerant_stdout() -> None:

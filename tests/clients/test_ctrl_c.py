@@ -1,0 +1,65 @@
+"""CtrlCCancels: SIGINT while a stream runs cancels the call and raises nothing in the main thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvserve.clients.ctrl_c import CtrlCCancels
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.cancel_thread: str | None = None
+
+    def cancel(self) -> None:
+        self.cancel_thread = threading.current_thread().name
+        self.cancelled.set()
+
+
+def _press() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # the handler runs at the next bytecode boundary of the main thread
+
+
+def test_sigint_cancels_the_watched_stream_from_another_thread() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    stream = FakeStream()
+    with CtrlCCancels() as ctrl_c:
+        ctrl_c.watch(stream)
+        _press()  # no KeyboardInterrupt here
+        assert stream.cancelled.wait(5)
+        assert ctrl_c.pressed
+    assert stream.cancel_thread == "ctrl-c-cancel"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_sigint_before_a_stream_or_twice_interrupts_as_usual() -> None:
+    with CtrlCCancels() as ctrl_c, pytest.raises(KeyboardInterrupt):
+        _press()
+    assert not ctrl_c.pressed
+    stream = FakeStream()
+    with CtrlCCancels() as ctrl_c:
+        ctrl_c.watch(stream)
+        _press()
+        with pytest.raises(KeyboardInterrupt):
+            _press()
+
+
+def test_outside_the_main_thread_signals_are_left_alone() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    seen: list[object] = []
+
+    def body() -> None:
+        with CtrlCCancels():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    assert seen == [before]
