@@ -63,8 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN
     except KeyboardInterrupt:   # Ctrl-C where a command has nothing of its own to clean up
-        print(f"kvserve {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return _interrupted(args.command)
+    except RuntimeError as exc:
+        # Ctrl-C that landed inside a lock's wait (grpc's, say) between its release and the code
+        # that takes it back: the `with` then fails to release it, and this is what surfaces.
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            return _interrupted(args.command)
+        raise
+
+
+def _interrupted(command: str) -> int:
+    print(f"kvserve {command}: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,20 @@ import argparse
 def register(subparsers) -> None:
     sub = subparsers.add_parser("demo", help="a test command")
     sub.add_argument("--code", type=int, default=0)
-    sub.set_defaults(func=lambda args: args.code)
+    sub.add_argument("--fail", choices=["ctrl-c", "ctrl-c-in-a-wait", "runtime"])
+    sub.set_defaults(func=run)
+
+def run(args):
+    if args.fail == "ctrl-c":
+        raise KeyboardInterrupt
+    if args.fail == "ctrl-c-in-a-wait":   # what a Ctrl-C inside threading.Condition.wait can become
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("cannot release un-acquired lock")
+    if args.fail == "runtime":
+        raise RuntimeError("a real bug")
+    return args.code
 '''
 
 
@@ -37,6 +50,17 @@ def test_subcommand_exit_code_is_returned(demo_module: str, monkeypatch: pytest.
     monkeypatch.setattr(cli, "COMMANDS", {"demo": demo_module})
     assert cli.main(["demo"]) == 0
     assert cli.main(["demo", "--code", "3"]) == 3
+
+
+def test_ctrl_c_is_one_line_wherever_it_lands(
+    demo_module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "COMMANDS", {"demo": demo_module})
+    for where in ("ctrl-c", "ctrl-c-in-a-wait"):
+        assert cli.main(["demo", "--fail", where]) == 130
+        assert capsys.readouterr().err == "kvserve demo: interrupted\n"
+    with pytest.raises(RuntimeError, match="a real bug"):  # other RuntimeErrors are not hidden
+        cli.main(["demo", "--fail", "runtime"])
 
 
 def test_log_level_before_or_after_the_subcommand(demo_module: str, monkeypatch: pytest.MonkeyPatch) -> None:
