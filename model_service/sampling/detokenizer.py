@@ -16,8 +16,12 @@ The window starts a few prompt tokens back so the first output token decodes in 
 leading space survives). Offsets only move to points where the text decoded cleanly, so a window
 never starts inside a character that the output completes.
 
-Holding a tail that ends in U+FFFD is unbounded in principle (a model emitting invalid bytes is
-held until a valid character follows); `flush()` at the end of a request releases it.
+A tail that ends in U+FFFD is held until a token completes it, but not without bound: a model
+made to emit invalid bytes (a logit bias on a lone continuation byte will do it) would otherwise
+re-decode an ever longer window every token, quadratic time on the engine thread. Past _MAX_HELD
+held tokens, what can no longer change is written out (U+FFFD for each invalid sequence, as a
+decode of the whole output shows it), and tokens that write nothing (skipped special tokens) are
+dropped. `flush()` at the end of a request releases the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from typing import Protocol
 # How many prompt tokens precede the first output token in the decode window (vLLM uses 5).
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+# Output tokens held back before what of them can no longer change is written anyway: a character
+# is at most 4 bytes, so only invalid bytes or tokens that write nothing are held this long.
+_MAX_HELD = 16
+_LONGEST_CHARACTER = 4   # UTF-8 bytes: tokens this far back from the end may still join a character
 
 
 class Tokenizer(Protocol):
@@ -119,25 +127,42 @@ class IncrementalDetokenizer:
         """Append output tokens; return the text they complete (may be empty)."""
         self._ids.extend(token_ids)
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""  # nothing yet (a skipped special token) or an incomplete character
-        delta = new_text[len(self._prefix_text):]
-        self._advance()
-        self._chunks.append(delta)
-        return delta
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith(_REPLACEMENT):
+            return self._emit(new_text, len(self._ids))
+        # nothing yet (a skipped special token) or an incomplete character
+        return self._release_held(new_text) if len(self._ids) - self._read_offset > _MAX_HELD else ""
 
     def flush(self) -> str:
         """Release a held incomplete tail as U+FFFD, as decoding all output at once would."""
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = new_text[len(self._prefix_text):]
-        if delta:
-            self._advance()
-            self._chunks.append(delta)
+        return self._emit(new_text, len(self._ids)) if len(new_text) > len(self._prefix_text) else ""
+
+    def _release_held(self, whole: str) -> str:
+        """Too many tokens held (`whole`: the window's text now). Tokens that wrote nothing are
+        dropped; otherwise the text up to the last token boundary that is safe to write out: one
+        where the text ends cleanly, or, among invalid bytes, one far enough back from the end
+        that no later token can change the text before it."""
+        if whole == self._prefix_text:   # nothing but tokens that write nothing
+            del self._ids[self._read_offset:]
+            return ""
+        settled = len(self._ids) - _LONGEST_CHARACTER
+        for end in range(len(self._ids) - 1, self._read_offset, -1):
+            text = self._decode(self._prefix_offset, end)
+            if len(text) > len(self._prefix_text) and (
+                    not text.endswith(_REPLACEMENT) or (end <= settled and whole.startswith(text))):
+                return self._emit(text, end)
+        return ""
+
+    def _emit(self, window_text: str, end: int) -> str:
+        """Write the window's text up to token `end` beyond what was written, and move on to it."""
+        delta = window_text[len(self._prefix_text):]
+        self._advance(end)
+        self._chunks.append(delta)
         return delta
 
-    def _advance(self) -> None:
+    def _advance(self, end: int) -> None:
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = end
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         # Drop ids that no window will read again so `_ids` stays small.
         del self._ids[: self._prefix_offset]

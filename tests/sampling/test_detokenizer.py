@@ -1,7 +1,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.model_service.sampling.detokenizer import IncrementalDetokenizer, decoder_of
+from kvserve.model_service.sampling.detokenizer import _MAX_HELD, IncrementalDetokenizer, decoder_of
 from tests.sampling.conftest import CORPUS
 
 FFFD = "\ufffd"
@@ -54,12 +54,57 @@ def test_random_text_streams_exactly(tokenizer, text, chunk):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=st.lists(st.integers(2, 299), max_size=30))
+@given(ids=st.lists(st.integers(2, 299), max_size=60))
 def test_random_token_ids_match_decode_after_flush(tokenizer, ids):
     # Arbitrary ids may form invalid UTF-8; flush() releases what decode(all) shows as U+FFFD.
     detok, chunks = _stream(tokenizer, ids)
     assert "".join(chunks) + detok.flush() == tokenizer.decode(ids)
-    assert not any(c.endswith(FFFD) for c in chunks)
+    if len(ids) <= _MAX_HELD:   # held until flush; past _MAX_HELD invalid bytes are written as they settle
+        assert not any(c.endswith(FFFD) for c in chunks)
+
+
+def _byte_token(tokenizer, byte: int) -> int:
+    """The id of the token that is the one byte `byte`, in byte-level BPE's alphabet: GPT-2's table,
+    printable bytes as themselves, the others as characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    char = chr(byte) if byte in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(byte))
+    token = tokenizer.convert_tokens_to_ids(char)
+    assert tokenizer.decode([token]).encode("utf-8", "surrogateescape") != b"" and token != tokenizer.unk_token_id
+    return token
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pattern=st.lists(st.sampled_from(["cont", "lead2", "lead3", "lead4", "a", "eos", "word"]), min_size=1,
+                        max_size=12),
+       length=st.integers(20, 200), chunk=st.integers(1, 3))
+def test_a_stream_of_invalid_bytes_keeps_a_small_window_and_the_exact_text(tokenizer, pattern, length, chunk):
+    # A model pushed to emit lone continuation bytes (a logit bias will do it) never completes a
+    # character: the window must not grow with the output, and the text must still be decode(all)'s.
+    pieces = {"cont": [_byte_token(tokenizer, 0x80)], "lead2": [_byte_token(tokenizer, 0xC3)],
+              "lead3": [_byte_token(tokenizer, 0xE4)], "lead4": [_byte_token(tokenizer, 0xF0)],
+              "a": tokenizer.encode("a", add_special_tokens=False), "eos": [tokenizer.eos_token_id],
+              "word": tokenizer.encode(" 世界", add_special_tokens=False)}
+    ids: list[int] = []
+    while len(ids) < length:
+        for name in pattern:
+            ids += pieces[name]
+    detok = IncrementalDetokenizer(tokenizer, [], True)
+    widest = 0
+    chunks = []
+    for i in range(0, len(ids), chunk):
+        chunks.append(detok.add(ids[i:i + chunk]))
+        widest = max(widest, len(detok._ids))
+    assert "".join(chunks) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert widest <= 2 * _MAX_HELD + 2 * chunk + 5   # what was written last, as context, and what is held
+
+
+def test_skipped_special_tokens_by_the_thousand_are_dropped_from_the_window(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Hello", add_special_tokens=False) + [eos] * 1000
+    ids += tokenizer.encode(" world 世界", add_special_tokens=False)
+    detok, chunks = _stream(tokenizer, ids)
+    assert "".join(chunks) == "Hello world 世界"
+    assert len(detok._ids) <= _MAX_HELD + 8
 
 
 def test_output_after_a_prompt(tokenizer):
