@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvserve.kvcache_service.contract.hashing import check_cache_salt, request_extra_key
 from kvserve.inference.v1 import inference_pb2 as pb
@@ -118,16 +118,14 @@ class RequestBuilder:
         if msg.continuation.ids:
             if params.n > 1:
                 raise RequestError("a continuation goes on one sequence; it cannot be given with n > 1")
-            await self._continue(request, list(msg.continuation.ids))
+            await self._continue(request, msg.continuation.ids)
         return request
 
-    async def _continue(self, request: Request, tokens: list[int]) -> None:
-        """The request goes on from `tokens` it generated elsewhere: they join its output, and its
-        output processor reads them first (detokenizer and stop checks in the state they would
-        be in), so that what it streams next follows on without a gap or a repeat."""
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"continuation token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+    async def _continue(self, request: Request, ids: Sequence[int]) -> None:
+        """The request goes on from the tokens `ids` it generated elsewhere: they join its output,
+        and its output processor reads them first (detokenizer and stop checks in the state they
+        would be in), so that what it streams next follows on without a gap or a repeat."""
+        tokens = await self.lanes.run(len(ids), self._continuation_tokens, ids)   # millions, with sinks
         if len(tokens) >= request.max_tokens:
             if request.params.max_tokens is None:   # the bound is the model length, not a value sent
                 raise NothingToGenerate(f"the prompt ({len(request.prompt_ids)} tokens) and the continuation "
@@ -146,6 +144,13 @@ class RequestBuilder:
             if request.matcher.is_stopped():
                 raise NothingToGenerate("the continuation already completes the structured output's format: "
                                         "there is nothing left to generate", "FINISH_REASON_STOP")
+
+    def _continuation_tokens(self, ids: Sequence[int]) -> list[int]:
+        tokens = list(ids)
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"continuation token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return tokens
 
     def _primed_output(self, request: Request, tokens: list[int]) -> OutputProcessor:
         output = OutputProcessor(request, self.tokenizer, self.stack.eos_token_ids)
@@ -197,6 +202,12 @@ class RequestBuilder:
                                f"{self.stack.max_model_len}, which leaves no room for output")
         # counted before they are copied and checked one by one on the event loop (a message of
         # 8 MB holds millions of one-byte ids)
+        continued = len(msg.continuation.ids)
+        most, what = ((STREAM_LIMIT, "the longest stream with attention sinks") if cfg.attention_sink
+                      else (self.stack.max_model_len, "the model length"))
+        if continued >= most:
+            raise RequestError(f"the continuation has {continued:,} tokens; {what} is {most:,}, which leaves "
+                               "no room for more")
         if len(msg.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"{len(msg.sampling.stop_token_ids):,} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} "
                                "are allowed")

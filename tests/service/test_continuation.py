@@ -64,6 +64,13 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub):
     assert err.details() == ("the prompt (2040 tokens) and the continuation (8) fill the model length (2048): "
                              "nothing is left to generate")
     assert ended(err) == "FINISH_REASON_LENGTH"
+    # more than any stream of this model holds: refused from its size, before it is read
+    msg = request(prompt=PROMPT, **greedy(8))
+    msg.continuation.ids.extend([5] * 2_000_000)
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and ended(err) is None
+    assert err.details() == ("the continuation has 2,000,000 tokens; the model length is 2,048, which leaves no "
+                             "room for more")
 
 
 def ended(err: grpc.RpcError) -> str | None:

@@ -33,7 +33,8 @@ def _builder(max_prompt_chars: int):
 
     from kvserve.model_service.request_builder import RequestBuilder
     builder = RequestBuilder.__new__(RequestBuilder)
-    builder.config = SimpleNamespace(max_prompt_chars=max_prompt_chars, max_chat_messages=64, max_stop_strings=16)
+    builder.config = SimpleNamespace(max_prompt_chars=max_prompt_chars, max_chat_messages=64, max_stop_strings=16,
+                                     attention_sink=False)
     builder.stack = SimpleNamespace(max_model_len=1 << 20)
     builder.bytes_per_token, builder.chat_keeps_text = None, True
     return builder
