@@ -173,6 +173,10 @@ class RequestBuilder:
             return await self._chat(msg.messages, fit=False)
         raise RequestError("set one input: prompt or messages")
 
+    async def token_strings(self, ids: list[int]) -> list[str]:
+        """The ids as the tokenizer's token strings, off the event loop (a long prompt's are millions)."""
+        return await self.lanes.run(len(ids), self.tokenizer.convert_ids_to_tokens, ids)
+
     async def detokenize(self, msg: pb.DetokenizeRequest) -> str:
         try:
             check_detokenize_count(len(msg.token_ids))

@@ -172,9 +172,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         try:
             ids = await self.builder.tokenize(request)
+            tokens = await self.builder.token_strings(ids)
         except Exception as exc:
             await abort(context, as_request_failed(exc, "tokenizing failed"))
-        tokens = self.stack.tokenizer.convert_ids_to_tokens(ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def Detokenize(self, request, context):

@@ -180,11 +180,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
             ids = await self.inputs.ids(request, add_special)
+            tokens = await self.inputs.tokens(ids)   # on the long lane for a long prompt, which may be full
         except InputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        return pb.TokenizeResponse(token_ids=ids, tokens=await self.inputs.tokens(ids))
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def Detokenize(self, request, context):
         try:

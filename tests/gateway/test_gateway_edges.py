@@ -1152,3 +1152,33 @@ def test_a_request_whose_worker_is_removed_between_its_choice_and_its_send_goes_
         assert events[-1].HasField("finished")
         served = [len(w.requests) for w in workers]
         assert served[addresses.index(removed[0])] == 0 and sum(served) == 1
+
+
+def test_tokenize_with_the_long_lane_full_is_resource_exhausted():
+    """The token strings of a long prompt's ids are written on the long lane too; a full lane is
+    RESOURCE_EXHAUSTED with the lane's sentence, never UNKNOWN with the exception's class."""
+    from types import SimpleNamespace
+
+    from kvserve.model_service.engine.errors import QueueFull
+    from kvserve.services.gateway.servicer import GatewayServicer
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            self.code, self.details = code, details
+            raise Aborted
+
+    async def ids(request, add_special):
+        return [1] * 40_000
+
+    async def tokens(ids):
+        raise QueueFull("9 long prompts (over 32,768 characters) are already being tokenized; try again shortly")
+
+    context = Context()
+    servicer = SimpleNamespace(inputs=SimpleNamespace(ids=ids, tokens=tokens))
+    with pytest.raises(Aborted):
+        asyncio.run(GatewayServicer.Tokenize(servicer, pb.TokenizeRequest(prompt="x"), context))
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert context.details.startswith("9 long prompts")
