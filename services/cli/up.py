@@ -279,7 +279,7 @@ def front_flags(model_config: ModelServiceConfig) -> list[str]:
     flags = [f"--{name.replace('_', '-')}={getattr(model_config, name)}"
              for name in ("tls_cert", "tls_key", "tls_client_ca", "api_keys", "http_listen", "http_allowed_origins",
                           "health_listen",
-                          "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads")
+                          "max_request_bytes", "max_prompt_chars", "max_chat_messages", "tokenizer_threads", "max_n")
              if getattr(model_config, name)]
     return flags + [f"--max-queued={model_config.max_waiting}", f"--grace-period={model_config.grace_s}"]
 

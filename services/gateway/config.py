@@ -53,6 +53,7 @@ class GatewayConfig:
     max_request_bytes: int = option(8 << 20, "largest request message, e.g. 8MiB", parse=parse_bytes)
     max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
     max_chat_messages: int = option(1024, "most messages in one chat request")
+    max_n: int = option(16, "most sequences one request may sample in parallel (its n)")   # a worker's default
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     lane: str = option("auto", "auto: send each request over its worker's lane where the worker offers one "
                                "(its --lane-listen), a hop cheaper than gRPC; off: gRPC always", choices=("auto", "off"))
@@ -96,7 +97,7 @@ class GatewayConfig:
             raise ValueError(f"--max-request-bytes must be at most {MAX_REQUEST_BYTES} (gRPC's limit), "
                              f"got {self.max_request_bytes}")
         for name in ("worker_queue_depth", "max_queued", "tokenizer_threads", "max_request_bytes", "max_prompt_chars",
-                     "max_chat_messages"):
+                     "max_chat_messages", "max_n"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.balance_slack, int) or self.balance_slack < 0:

@@ -336,9 +336,10 @@ class Follower:
         elif now - self._refused[1] > REFUSED_SILENCE_S:
             self._down(f"it refuses new connections and its streams there said nothing for {REFUSED_SILENCE_S:g} s")
             return
-        why = f"it refuses new connections (draining, or stopped): {exc.details()}"
-        if w.state != NOT_SERVING or not w.not_serving.startswith("it refuses new connections"):
-            log.info("worker %s: %s; its %d streams run on", w.address, why, len(w.relays))
+        # grpc's details name the worker's address: the log's, never in what a client may read
+        why = "it refuses new connections (draining, or stopped)"
+        if w.state != NOT_SERVING or w.not_serving != why:
+            log.info("worker %s: %s (%s); its %d streams run on", w.address, why, exc.details(), len(w.relays))
         w.state, w.not_serving = NOT_SERVING, why
         w.changed()
 

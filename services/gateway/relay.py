@@ -267,6 +267,9 @@ class Relay:
                 for response in aborted():
                     yield response
                 return
+            if self.cancelled or self.ended is not None:   # while its client was told it reached the head
+                choice.worker.ended(choice.mark)   # never sent: the top of the loop ends it
+                continue
             worker = choice.worker
             if worker.closed:   # removed (and its channel closed) while this request was on its way
                 worker.ended(choice.mark)   # there, as it told its client its place: it goes elsewhere
@@ -323,6 +326,10 @@ class Relay:
                             return
                 return
             except grpc.aio.AioRpcError as exc:
+                if self.cancelled:   # Cancel was answered; the worker failing after it changes nothing
+                    for response in aborted():
+                        yield response
+                    return
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS and (moves or self._resumed) and renames < MAX_RENAMES:
                     # the id is this gateway's doing (a split's part, or a move) and another request
                     # holds it there: the same request under an id of its own, not a move

@@ -66,7 +66,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                   lanes=config.lane == "auto")
     inputs = Inputs(tokenizer, config.tokenizer_threads, config.max_prompt_chars, config.max_chat_messages)
     servicer = GatewayServicer(fleet, inputs, config.migration_limit,
-                               config.no_worker_timeout_s, keys)
+                               config.no_worker_timeout_s, keys, config.max_n)
     gateway = Gateway(None, servicer, fleet, [])
     try:   # what started is stopped again if a later part cannot start
         for address in config.worker:

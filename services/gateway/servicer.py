@@ -18,6 +18,7 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.model_service.engine.errors import QueueFull
+from kvserve.model_service.sampling.params import MAX_N
 from kvserve.kvcache_service.contract.hashing import check_cache_salt
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S, id_problem
 from kvserve.model_service.status import status_message
@@ -42,8 +43,9 @@ FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.
 
 class GatewayServicer(pb_grpc.InferenceServicer):
     def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int, no_worker_timeout_s: float = 30.0,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, max_n: int = MAX_N) -> None:
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.max_n = max_n   # the workers' --max-n: a request's n is its sequences' count here too
         self.keys = keys   # --api-keys: each key's tenant has its own prefix cache at the workers
         self.fleet = fleet
         self.inputs = inputs
@@ -61,6 +63,9 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is draining: it takes no new requests")
             if (problem := id_problem(request_id, request.session_id)) is not None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)   # what its worker would refuse
+            if request.sampling.n > self.max_n:   # before it waits, or is counted n times on a worker's load
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n must be an integer in [1, {self.max_n}] "
+                                                                f"(--max-n), got {request.sampling.n}")
             try:
                 check_cache_salt(request.cache_salt)
             except ValueError as exc:

@@ -391,6 +391,23 @@ def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):
         assert not worker.requests
 
 
+def test_an_n_past_max_n_is_refused_before_it_waits_or_is_routed(tiny_dirs):
+    """As its worker would refuse it; a request waiting here with n in the billions would end with
+    as many ABORT events on a Cancel, and count as that many sequences on its worker's load."""
+    from kvserve.model_service.config import ModelServiceConfig
+    from kvserve.model_service.sampling.params import MAX_N
+    from kvserve.services.gateway.config import GatewayConfig
+
+    assert GatewayConfig.max_n == ModelServiceConfig.max_n == MAX_N   # the gateway's default is the workers'
+    worker = ScriptedWorker()
+    with scripted_fleet(tiny_dirs, worker, max_n=4) as (_, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], n=2**32 - 1, **greedy(4)),
+                                                    timeout=10)))
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                               "n must be an integer in [1, 4] (--max-n), got 4294967295")
+        assert not worker.requests
+
+
 def test_a_removed_workers_streams_stay_watched_until_they_end(tiny_dirs):
     slow, other = ScriptedWorker(tokens=range(10, 50), delay_s=0.05), ScriptedWorker(running=3)
     with scripted_fleet(tiny_dirs, slow, other) as (gateway, stub, (slow_address, _)):
@@ -1085,6 +1102,90 @@ def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_be
         assert worker.pending == [] and len(queue) == 0
 
     asyncio.run(main())
+
+
+def test_a_cancel_while_the_client_is_told_it_reached_the_head_ends_it_abort_unsent():
+    """The worker is chosen before the client is told it reached the head; a Cancel answered while
+    that message was being written found no worker to tell, and the request went to the worker
+    afterwards, streaming in full to a client told it was cancelled."""
+    from kvserve.services.gateway.relay import Relay
+    from kvserve.services.gateway.router import Choice
+
+    class OneWorker:
+        def __init__(self) -> None:
+            self.pending: list[object] = []
+            self.called = False
+
+        def ended(self, mark) -> None:
+            self.pending.remove(mark)
+
+        def generate(self, *args, **kwargs):
+            self.called = True
+            raise AssertionError("a cancelled request was sent to a worker")
+
+    worker = OneWorker()
+    room = {"free": False}
+
+    def choose(*args, **kwargs):
+        if not room["free"]:
+            return None
+        mark = object()
+        worker.pending.append(mark)
+        return Choice(worker, 0, mark)
+
+    async def main():
+        queue = WaitQueue(max_queued=8)
+        fleet = types.SimpleNamespace(queue=queue, board=[object()], page_size=None, never_fits=lambda *a: None,
+                                      choose=choose, hashes=lambda *a, **k: [])
+        relay = Relay(fleet=fleet, request=pb.GenerateRequest(request_id="r"), request_id="r", ids=[1, 2],
+                      migration_limit=3)
+        ahead = queue.enter("ahead")
+        events = relay.run(lambda: 30.0)
+        assert (await events.__anext__()).queued.position == 2
+        room["free"] = True
+        queue.leave(ahead)
+        told = await asyncio.wait_for(events.__anext__(), 5)
+        assert told.queued.position == 1 and worker.pending
+        await relay.cancel()   # answered while the client reads its place: no worker to tell yet
+        rest = [event async for event in events]
+        assert [e.finished.finish_reason for e in rest] == [pb.FINISH_REASON_ABORT]
+        assert not worker.called and worker.pending == [] and len(queue) == 0
+
+    asyncio.run(main())
+
+
+class FailingAfterCancel(ScriptedWorker):
+    """Answers Cancel OK, then fails the stream UNAVAILABLE instead of ending it ABORT."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens=range(10, 20))
+        self.cancelled = asyncio.Event()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[10]))
+        await self.cancelled.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+
+    async def Cancel(self, request, context):
+        self.cancels.append(request.request_id)
+        self.cancelled.set()
+        return pb.CancelResponse()
+
+
+def test_a_worker_failing_after_an_answered_cancel_ends_the_stream_abort(tiny_dirs):
+    """Not UNAVAILABLE for a request out of moves (--migration-limit 0): its client was told its
+    Cancel took."""
+    worker, other = FailingAfterCancel(), ScriptedWorker(running=3)
+    with scripted_fleet(tiny_dirs, worker, other, migration_limit=0) as (_, stub, _):
+        events = stub.Generate(request(request_id="c1", token_ids=[1, 2, 3], max_tokens=8), timeout=30)
+        assert next(events).HasField("prefill_done") and list(next(events).chunk.token_ids) == [10]
+        stub.Cancel(pb.CancelRequest(request_id="c1"), timeout=10)
+        rest = list(events)
+        assert [e.finished.finish_reason for e in rest] == [pb.FINISH_REASON_ABORT]
+        assert rest[0].finished.usage.completion_tokens == 1
+        assert worker.cancels == ["c1"] and not other.requests
 
 
 class LaneOffering(ScriptedWorker):

@@ -102,6 +102,8 @@ def test_a_polled_worker_that_drains_keeps_its_streams(tiny_dirs, monkeypatch, c
         [w] = fleet.gateway.fleet.workers.values()
         wait_until(lambda: "refuses new connections" in w.not_serving, what="a poll refused by the drained port")
         assert w.state == "not serving"
+        assert w.not_serving == "it refuses new connections (draining, or stopped)"   # no address: clients read it
+        assert worker_address_of(w) not in fleet.gateway.fleet.why_none_serving(addresses=False)
         out = Stream(events=list(call))
         assert len(out.tokens) == 1500 and out.finished is not None
         draining.result(timeout=60)
@@ -231,3 +233,8 @@ def test_a_workers_report_carries_the_prefill_ahead_and_the_gateway_shows_it(tin
                    what="a report of no prefill left")
         stats = fleet.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
         assert stats.prefill_tokens == 0 and stats.workers[0].prefill_tokens == 0
+
+
+def worker_address_of(w) -> str:
+    """The host:port grpc's own error details name (the worker's address without its scheme)."""
+    return w.address.split("://")[-1]
