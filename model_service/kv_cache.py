@@ -98,11 +98,13 @@ class KVCache:
     def copy(self, pairs: PagePairs) -> None:
         """Device page -> device page (copy-on-write), in list order as the manager plans them.
 
-        One batched copy when no page is written and then read (the usual case);
-        a chain such as (a -> b), (b -> c) is copied pair by pair, so c gets a."""
+        One batched copy when no page is written and then read, nor written twice (the usual
+        case; index_copy_ leaves a page written twice undefined); otherwise pair by pair, so that
+        in a chain such as (a -> b), (b -> c) c gets a, and a page written twice keeps the last."""
         if not pairs:
             return
-        if {d for _, d in pairs}.isdisjoint(s for s, _ in pairs):
+        written = {d for _, d in pairs}
+        if len(written) == len(pairs) and written.isdisjoint(s for s, _ in pairs):
             src, dst = self._indices(pairs, self.device, self.device)
             self.pool.index_copy_(_PAGE_DIM, dst, self.pool.index_select(_PAGE_DIM, src))
             return

@@ -59,6 +59,7 @@ class _Step:
         self.plan = StepPlan()
         self.preempted: set[int] = set()
         self.fresh: set[int] = set()                  # got pages or copies this step: RECOMPUTE if preempted
+        self.copies_of: dict[int, list[tuple[int, int]]] = {}   # seq id -> its copy-on-write copies in the plan
         self.resumed: dict[int, tuple[list, list[int]]] = {}  # seq id -> (swap-in copies, pages to re-publish)
         self.granted: dict[int, int] = {}             # seq id -> index of its granted result
         self.queue_closed: str | None = None          # why admissions and resumes are refused now
@@ -70,8 +71,7 @@ class _Step:
         for t in req.truncations:
             _, copies = release.truncate(state, state.seqs[t.seq_id], t.num_tokens)
             if copies:
-                plan.copies.extend(copies)
-                self.fresh.add(t.seq_id)
+                self._copy(t.seq_id, copies)
         # A sequence that began with a prefix hit slides before it commits in the step of its
         # first slide, and so stores none of that commit: stored, the chunk after the hit made the
         # cached chain a chunk longer at each reuse, every page blocked by the sequence's own,
@@ -187,9 +187,14 @@ class _Step:
         if not state.fits(cost):
             return NeedResult(False, reason=state.shortage(cost))
         result, copies = allocation.fork(state, state.seqs[parent], need.request_id, need.num_tokens)
-        self.plan.copies.extend(copies)
+        self._copy(result.seq_id, copies)
         self.fresh.add(result.seq_id)
         return result
+
+    def _copy(self, seq_id: int, copies: list[tuple[int, int]]) -> None:
+        self.plan.copies.extend(copies)
+        self.copies_of.setdefault(seq_id, []).extend(copies)
+        self.fresh.add(seq_id)
 
     def _preempt(self, seq_id: int) -> None:
         """Preempts a running sequence: SWAP when asked and the CPU pool has room, else RECOMPUTE
@@ -198,6 +203,9 @@ class _Step:
         seq = state.seqs[seq_id]
         mode = PreemptionMode.RECOMPUTE if seq_id in self.fresh else self.req.preemption_mode
         self.resumed.pop(seq_id, None)  # its swap-in copies would land in freed pages
+        stale = set(self.copies_of.pop(seq_id, ()))
+        if stale:   # so would its copy-on-write copies, on pages a later need of the step may be given
+            plan.copies[:] = [pair for pair in plan.copies if pair not in stale]
         # A swap that moves nothing (every page shared, or no CPU pool) frees no device page: the
         # pages it shares stay held by it. Recomputing lets go of them.
         if mode is PreemptionMode.SWAP and 0 < swap.swap_out_cost(state, seq) <= len(state.cpu.free):

@@ -133,6 +133,8 @@ class ShadowEngine:
         """Runs a plan's copies in the proto's order."""
         assert len({d for _, d in swap_out}) == len(swap_out), f"two swap-outs share a CPU page: {swap_out}"
         assert len({d for _, d in swap_in}) == len(swap_in), f"two swap-ins share a device page: {swap_in}"
+        # (a batched copy leaves a page written twice undefined; a preempted fork's copy did once)
+        assert len({d for _, d in copies}) == len(copies), f"two copies write one device page: {copies}"
         for src, dst in swap_out:
             self.cpu[dst] = list(self.dev[src])
         for src, dst in copies:

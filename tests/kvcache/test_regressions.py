@@ -191,3 +191,24 @@ def test_a_commit_of_more_tokens_than_its_slots_and_the_pool_could_hold_is_refus
     assert snapshot(m.state) == before
     m.commit(Commit(sid, 4, [7] * 32))   # as far as the pool could still take it
     check_invariants(m.state)
+
+
+def test_a_fork_preempted_in_its_step_leaves_no_copy_behind():
+    """A fork's copy-on-write copy stayed in the plan after a Grow later in the step preempted the
+    fork: its destination page, freed, went to the next fork's copy, and a page written twice
+    in one batched copy holds either (found reading the core)."""
+    m = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8))
+
+    def admitted(tokens):
+        sid = m.step(StepRequest(needs=[Admit(f"r{tokens[0]}", tokens)])).results[0].seq_id
+        m.commit(Commit(sid, len(tokens)))
+        return sid
+
+    a, b, g = admitted([1, 2, 3, 4, 5]), admitted([9, 9, 9, 9, 8, 8]), admitted([7, 7, 7])
+    plan = m.step(StepRequest(needs=[Fork(a, "c1", num_tokens=24), Grow(g, 20), Fork(b, "c2")]))
+    c1, grown, c2 = plan.results
+    assert [p.request_id for p in plan.preempted] == ["c1"] and not c1.granted and grown.granted and c2.granted
+    assert len(plan.copies) == 1   # c2's only
+    src, dst = plan.copies[0]
+    assert src == m.state.seqs[b].pages[-1] and dst == m.state.seqs[c2.seq_id].pages[-1]
+    check_invariants(m.state)

@@ -95,3 +95,14 @@ def test_chained_copies_run_in_list_order(config: ModelConfig) -> None:
     cache.copy([(2, 5), (5, 8)])
     torch.testing.assert_close(cache.pool[:, :, 8], original[:, :, 2], rtol=0, atol=0)
     torch.testing.assert_close(cache.pool[:, :, 5], original[:, :, 2], rtol=0, atol=0)
+
+
+def test_a_page_written_twice_keeps_the_last_copy(config: ModelConfig) -> None:
+    """index_copy_ leaves a page written twice in one batched copy undefined: such a list runs
+    pair by pair, in order."""
+    cache = KVCache(config, num_pages=10, page_size=4)
+    fill_random(cache)
+    original = cache.pool.clone()
+    cache.copy([(1, 7), (2, 7), (3, 4)])
+    torch.testing.assert_close(cache.pool[:, :, 7], original[:, :, 2], rtol=0, atol=0)
+    torch.testing.assert_close(cache.pool[:, :, 4], original[:, :, 3], rtol=0, atol=0)
