@@ -86,7 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request_id = request.request_id or uuid.uuid4().hex
                 req = await self.builder.build(request, request_id, tenant)
                 events = StreamBacklog(self.stack.config.max_unread_tokens, 1 + (req.params.logprobs or 0),
-                                       lambda: self.engine.cancel(req.request_id))
+                                       lambda: self.engine.cancel(req.request_id, req))
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
                 await abort(context, as_request_failed(exc, "building the request failed"))
@@ -119,7 +119,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # cancelled, deadline, client gone: free the pages now (an overflow cancelled it
                 # already, and its id may be another request's by now)
                 if not finished and events.overflowed is None:
-                    self.engine.cancel(req.request_id)
+                    self.engine.cancel(req.request_id, req)   # this call's, not one reusing its id
                 if not finished and not failed:
                     clock.abandoned()
         finally:

@@ -185,17 +185,22 @@ class Engine:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already in flight")
             if self.num_queued() >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting; try again later")
+            # its sink before it is live: a fail-everything pass between the two found no sink to
+            # tell, and the stream waited for its deadline
+            request.sink = sink
+            request.order = next(self._arrivals)
             self._live[request.request_id] = request
-        request.sink = sink
-        request.order = next(self._arrivals)
         self._inbox.put(("submit", request))
 
-    def cancel(self, request_id: str) -> bool:
-        """Aborts a live request (its pages go within one step). False if unknown."""
+    def cancel(self, request_id: str, request: Request | None = None) -> bool:
+        """Aborts a live request (its pages go within one step). False if unknown, or, with
+        `request`, if the id is live as another request: its own call's late cancel (the client
+        gone, it ended meanwhile) must not abort one sent again under the same id."""
         with self._lock:
-            request = self._live.get(request_id)
-            if request is None:
+            live = self._live.get(request_id)
+            if live is None or (request is not None and live is not request):
                 return False
+            request = live
             self._cancelled.add(request_id)
         # the request itself, not its id: a cancel still in the inbox when its request ends must
         # not abort a request sent again under the same id after it
@@ -634,8 +639,7 @@ class Engine:
             for member in _members(r):
                 if member.status is not Status.FINISHED:
                     self.scheduler.finish(member)
-            if r.sink is not None:
-                r.sink(Failed(error))
+            r.sink(Failed(error))
         self.counters.failed += len(live)
         self._count()
 
