@@ -27,8 +27,8 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import (HttpError, Reply, echo_only, prompt_top_of, prompts_of, request_of, shown,
-                                             detokenize_request, stream_usage, tokenize_request)
+from kvserve.services.http.translate import (HttpError, Reply, batch_requests, echo_only, prompt_top_of, prompts_of,
+                                             request_of, shown, detokenize_request, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.retry_hints import says_no_retry
 from kvserve.services.plumbing.version import kvserve_version
@@ -226,7 +226,7 @@ class Front:
         try:
             metadata, body = await self.keyed_body(request)
             prompts = prompts_of(body) if kind == "completion" else None
-            msgs = [request_of(kind, body, prompt) for prompt in prompts] if prompts else [request_of(kind, body)]
+            msgs = batch_requests(body, prompts) if prompts else [request_of(kind, body)]
             info = await self._model_asked(body, metadata)
             model = info.name
             stream = body.get("stream") is True
@@ -421,23 +421,25 @@ async def _merged(parts: list[Part], continuous: bool) -> AsyncIterator[list[dic
         async for chunks in _chunks(parts[0], continuous):
             yield chunks
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that does not read holds the pumps, so that each call's server sees it
+    # (its --max-unread-tokens) instead of this front keeping every token of every part.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parts))
 
     async def pump(part: Part) -> None:
         try:
             async for chunks in _chunks(part, continuous):
-                queue.put_nowait(chunks)
-            queue.put_nowait(None)
+                await queue.put(chunks)
+            await queue.put(None)
         except Exception as exc:   # any: a pump that ended without a word would hold the stream open forever
-            queue.put_nowait(exc)
+            await queue.put(exc)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # the merge itself stopped it
                 raise
             # its call was cancelled from elsewhere (a real channel closed under it; the server's
             # local channel cancels nothing at its close)
-            queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                                  "the call was cancelled before the request finished"))
+            await queue.put(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                                 "the call was cancelled before the request finished"))
     tasks = [asyncio.ensure_future(pump(part)) for part in parts]
     try:
         running = len(parts)
@@ -536,7 +538,7 @@ def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: Api
     Authorization header allowed (a key is a header, not a cookie: no credentials mode)."""
     front = Front(channel, max_body_bytes, keys)
     middleware = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
-                             allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms"],
+                             allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms", "x-should-retry"],
                              max_age=600)] if allowed_origins else []
     return Starlette(middleware=middleware, routes=[
         Route("/v1/completions", _guarded(front.completions), methods=["POST"]),

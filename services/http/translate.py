@@ -47,6 +47,10 @@ UNSUPPORTED = {
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 MAX_PROMPTS = 256   # a completion's batch of prompts: each is a call of its own
+MAX_LOGIT_BIAS = 1024   # the server's (model_service/sampling/params.py), counted before they are read
+# What a batch's prompts may repeat of the request's sampling fields (stop strings, logit_bias, a
+# schema) in their calls, in all: each prompt's call carries its own copy.
+MAX_BATCH_SAMPLING_BYTES = 32 << 20
 COMPLETION_MAX_TOKENS = 16   # a completion without max_tokens, as OpenAI's and vLLM's (a chat's runs to the model length)
 
 
@@ -101,7 +105,8 @@ def stream_usage(options, stream: bool) -> tuple[bool, bool]:
         raise HttpError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     for name, value in options.items():
         if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
-            raise HttpError(400, f"'stream_options.{name}' is not an option of a stream", param="stream_options")
+            raise HttpError(400, f"'stream_options.{shown(name)}' is not an option of a stream",
+                            param="stream_options")
         if value is not None and not isinstance(value, bool):
             raise HttpError(400, f"'stream_options.{name}' must be true or false", param="stream_options")
     return options.get("include_usage") is True, options.get("continuous_usage_stats") is True
@@ -162,6 +167,9 @@ def sampling(body: dict) -> pb.SamplingParams:
     if bias is not None:
         if not isinstance(bias, dict):
             raise HttpError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise HttpError(400, f"'logit_bias' has {len(bias):,} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                            param="logit_bias")
         for key in bias:
             if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
                     and int(key) <= INT32):
@@ -262,6 +270,19 @@ def prompts_of(body: dict) -> list | None:
     if len(prompt) > MAX_PROMPTS:
         raise HttpError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", param="prompt")
     return prompt
+
+
+def batch_requests(body: dict, prompts: list) -> list[pb.GenerateRequest]:
+    """One Generate message a prompt of a completion's batch; refused (400) before the second is
+    built when their copies of the sampling fields would pass MAX_BATCH_SAMPLING_BYTES."""
+    first = request_of("completion", body, prompts[0])
+    shared = first.sampling.ByteSize()
+    if len(prompts) * shared > MAX_BATCH_SAMPLING_BYTES:
+        raise HttpError(400, f"each of the {len(prompts)} prompts' calls carries the request's sampling fields "
+                             f"(stop strings, logit_bias, a schema: {shared:,} bytes); at most "
+                             f"{MAX_BATCH_SAMPLING_BYTES:,} bytes of them in all: send fewer prompts at once",
+                        param="prompt")
+    return [first] + [request_of("completion", body, prompt) for prompt in prompts[1:]]
 
 
 def prompt_top_of(body: dict) -> int | None:

@@ -73,3 +73,27 @@ def test_a_call_cancelled_from_elsewhere_ends_the_merge_as_cancelled(monkeypatch
     got, raised, cancelled = run({"a": asyncio.CancelledError(), "b": None}, monkeypatch)
     assert isinstance(raised, grpc.aio.AioRpcError) and raised.code() == grpc.StatusCode.CANCELLED
     assert cancelled == ["b"]
+
+
+def test_a_client_that_does_not_read_holds_the_parts_back(monkeypatch):
+    """The merge's queue is bounded: parts stop pulling from their calls while the client reads
+    nothing, so each call's server sees the backlog (--max-unread-tokens) instead of the front
+    keeping every token of every part (it pulled 200,000 chunks for one read)."""
+    pulled = {"a": 0, "b": 0}
+
+    async def chunks(part, continuous):
+        while True:
+            pulled[part] += 1
+            yield [{"part": part}]
+            await asyncio.sleep(0)
+
+    monkeypatch.setattr(app, "_chunks", chunks)
+
+    async def read_one_then_stall() -> None:
+        merged = app._merged(["a", "b"], False)
+        await anext(merged)
+        await asyncio.sleep(0.2)   # the client reads nothing more meanwhile
+        await merged.aclose()
+
+    asyncio.run(asyncio.wait_for(read_one_then_stall(), 30))
+    assert sum(pulled.values()) <= 2 * 2 + 2 + 1, pulled   # the queue's room, one held by each pump, the one read

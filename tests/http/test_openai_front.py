@@ -229,6 +229,12 @@ def test_the_gateway_serves_the_same_http_api(tiny_dirs):
     ('{"prompt": "x", "logprobs": -1}', "logprobs"),
     ('{"prompt": "x", "top_logprobs": 2}', "chat field"),
     ('{"prompt": "x", "logit_bias": {"' + "1" * 5000 + '": 1}}', "is not a token id"),   # past int()'s digits
+    ('{"prompt": "x", "logit_bias": {' + ", ".join(f'"{i}": 1' for i in range(1025)) + '}}',
+     "'logit_bias' has 1,025 entries; at most 1024 are allowed"),   # counted before the entries are read
+    ('{"prompt": "x", "stream": true, "stream_options": {"\\ud800": true}}',
+     "'stream_options.\\ud800' is not an option of a stream"),   # a lone surrogate: shown escaped, not a 500
+    ('{"prompt": [' + ", ".join(['"a"'] * 256) + '], "stop": [' + ", ".join(['"' + "s" * 1000 + '"'] * 200) + ']}',
+     "send fewer prompts at once"),   # each prompt's call would copy the 200 kB of stop strings
     ('{"prompt": "x", "seed": -9223372036854775809}', "seed"),
     ('{"prompt": "x", "stream_options": {"include_usage": true}}', "only allowed when 'stream' is true"),
     ('{"prompt": "x", "model": 5}', "'model' must be a string"),
@@ -1068,6 +1074,8 @@ def test_browser_origins_are_answered_only_where_allowed(front, tiny_dirs, monke
                             headers={"Origin": "http://localhost:3000"}, timeout=60)
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
         assert failed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # readable there: without it an SDK in the browser retries what the server said not to
+        assert "x-should-retry" in failed.headers["access-control-expose-headers"]
         monkeypatch.undo()
         other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"},
                               timeout=10)
@@ -1301,3 +1309,10 @@ def test_the_fronts_stop_cancels_requests_left_past_its_bound(tiny_dirs, monkeyp
     finally:
         server.servicer.http_front = None   # stopped already
         server.stop()
+
+
+def test_the_http_fronts_logit_bias_bound_is_the_servers():
+    from kvserve.model_service.sampling.params import MAX_LOGIT_BIAS
+    from kvserve.services.http.translate import MAX_LOGIT_BIAS as FRONTS
+
+    assert FRONTS == MAX_LOGIT_BIAS
