@@ -169,6 +169,7 @@ class KVCacheManager:
         """Read-only: (leading tokens cached, hashes of the matched pages)."""
         if not token_ids:
             raise InvalidArgument("match_prefix: token_ids must not be empty")
+        validation.check_extra_key(extra_key, "match_prefix")
         bad = validation.out_of_range(token_ids)
         if bad is not None:   # as an admission would refuse it: no page could hold it
             raise InvalidArgument(f"match_prefix: token id {bad} is not in [0, 2^31)")

@@ -76,8 +76,9 @@ class ManagerState:
 
     def seq_id_of(self, request_id: str) -> int:
         seq_id = self.by_request.get(request_id)
-        if seq_id is None:
-            raise NotFound(f"unknown request id {request_id!r}")
+        if seq_id is None:   # (quoted in part: a header holds the message)
+            shown = request_id if len(request_id) <= 64 else request_id[:64] + "..."
+            raise NotFound(f"unknown request id {shown!r}")
         return seq_id
 
     def running_seq(self, seq_id: int) -> Sequence:

@@ -30,6 +30,27 @@ from kvserve.kvcache_service.core.state import ManagerState
 _INT32_MAX = 2**31 - 1
 
 MAX_NEEDS = 1 << 16   # a Step's needs, unless twice the seq-id pool is more: answers stay a few MB
+# A worker's ids are its tenant's and its client's (256 characters each) together: well inside.
+# Longer, an id quoted in an error's message passed what gRPC's headers hold, and the error
+# reached the client as RESOURCE_EXHAUSTED "Stream removed".
+MAX_REQUEST_ID_CHARS = 1024
+# Hashed into every page of the sequence: a key of megabytes made each commit take seconds, the
+# server's one event loop stalled meanwhile. A worker's (its salt, a tenant, a request's
+# cache_salt of 256 bytes) fits well inside.
+MAX_EXTRA_KEY_BYTES = 4096
+
+
+def check_request_id(request_id: str, what: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"{what}: the request id has {len(request_id):,} characters; at most "
+                              f"{MAX_REQUEST_ID_CHARS} are allowed")
+
+
+def check_extra_key(extra_key: str, what: str) -> None:
+    if len(extra_key) * 4 > MAX_EXTRA_KEY_BYTES:   # (a character is at most 4 bytes of UTF-8)
+        size = len(extra_key.encode("utf-8", "surrogatepass"))
+        if size > MAX_EXTRA_KEY_BYTES:
+            raise InvalidArgument(f"{what}: extra_key has {size:,} bytes; at most {MAX_EXTRA_KEY_BYTES} are allowed")
 
 
 def out_of_range(token_ids: Seq[int]) -> int | None:
@@ -45,6 +66,7 @@ def check_new_request_id(state: ManagerState, request_id: str, what: str, pendin
     same Step releases first, free again by the time its needs are served."""
     if not request_id:
         raise InvalidArgument(f"{what}: request_id must not be empty")
+    check_request_id(request_id, what)
     if (request_id in state.by_request and request_id not in released) or (pending and request_id in pending):
         raise AlreadyExists(f"request id {request_id!r} is already live")
 
@@ -52,6 +74,7 @@ def check_new_request_id(state: ManagerState, request_id: str, what: str, pendin
 def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = None,
                 released: frozenset[str] = frozenset()) -> None:
     check_new_request_id(state, need.request_id, "admit", pending, released)
+    check_extra_key(need.extra_key, "admit")
     if not need.token_ids:
         raise InvalidArgument(f"admit {need.request_id!r}: token_ids must not be empty")
     if need.max_tokens is not None and need.max_tokens <= 0:

@@ -136,18 +136,18 @@ class StepDriver(ShadowEngine):
             trunc_len[t.seq_id] = self._truncated(s, t.num_tokens)
             if t.seq_id in spec:
                 s.tokens.append(spec[t.seq_id])
-        # plan.copies = truncation copies, then one copy per fork of a parent with a
-        # partial page -- also for a child granted and then preempted (its request
-        # id is in plan.preempted). That is how the engine tells them apart.
-        preempted_rids = {pre.request_id for pre in plan.preempted}
-        forks = [(need, res) for need, res in zip(needs, plan.results) if isinstance(need, Fork)
-                 and (res.granted or need.request_id in preempted_rids)]
+        # plan.copies = truncation copies, then one copy per granted fork of a parent with a
+        # partial page. A sequence preempted in the step has none: its pages, freed, may be a
+        # later need's by the time the copies run.
+        preempted_ids = {pre.seq_id for pre in plan.preempted}
+        forks = [(need, res) for need, res in zip(needs, plan.results) if isinstance(need, Fork) and res.granted]
         fork_copies = [need for need, _ in forks if self.seqs[need.parent_seq_id].computed % ps]
         limit = len(plan.copies) - len(fork_copies)
         assert limit >= 0, f"plan has {len(plan.copies)} copies for {len(fork_copies)} forks"
         ci = 0
         for t in truncs:
-            ci = self._claim_copy(self.seqs[t.seq_id], trunc_len[t.seq_id], plan.copies, ci, limit)
+            if t.seq_id not in preempted_ids:
+                ci = self._claim_copy(self.seqs[t.seq_id], trunc_len[t.seq_id], plan.copies, ci, limit)
         assert ci == limit, f"copies {plan.copies[ci:limit]} belong to no truncation or fork"
         for need, (src, dst) in zip(fork_copies, plan.copies[limit:]):
             parent = self.seqs[need.parent_seq_id]

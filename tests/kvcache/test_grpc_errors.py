@@ -95,6 +95,15 @@ CASES: list[tuple[str, Callable[[KV], object], grpc.StatusCode, tuple[str, ...]]
     ("match-prefix-negative-id", call("MatchPrefix", pb.MatchPrefixRequest(token_ids=[1, -5, 2])), INVALID,
      ("token id -5",)),
     ("release-without-ref", call("Release", pb.ReleaseRequest()), INVALID, ("seq_id or request_id",)),
+    # ids and keys past what any worker sends: an id quoted in a message passed gRPC's header limit
+    # (RESOURCE_EXHAUSTED "Stream removed"), and a key of megabytes is hashed into every page
+    ("step-admit-long-request-id", step([admit("r" * 1025, [1])]), INVALID, ("1,025 characters", "at most 1024")),
+    ("fork-long-request-id", call("Fork", pb.ForkRequest(parent=ref(0), request_id="c" * 20_000)), INVALID,
+     ("20,000 characters",)),
+    ("step-admit-long-extra-key", step([admit("new", [1], extra_key="k" * 4097)]), INVALID,
+     ("extra_key has 4,097 bytes", "at most 4096")),
+    ("match-prefix-long-extra-key", call("MatchPrefix", pb.MatchPrefixRequest(token_ids=[1], extra_key="é" * 2049)),
+     INVALID, ("extra_key has 4,098 bytes",)),
     ("commit-unset", call("Commit", pb.CommitRequest()), INVALID, ("commit: set it",)),   # not sequence 0's
     ("fork-without-parent", call("Fork", pb.ForkRequest(request_id="c")), INVALID, ("parent",)),
     ("fork-empty-request-id", call("Fork", pb.ForkRequest(parent=ref(0))), INVALID, ("request_id",)),
@@ -102,6 +111,8 @@ CASES: list[tuple[str, Callable[[KV], object], grpc.StatusCode, tuple[str, ...]]
     ("get-sequence-seq-id", call("GetSequence", pb.GetSequenceRequest(seq=ref(42))), NOT_FOUND, ("42",)),
     ("get-sequence-request-id", call("GetSequence", pb.GetSequenceRequest(seq=ref(request_id="nope"))),
      NOT_FOUND, ("'nope'",)),
+    ("get-sequence-long-request-id", call("GetSequence", pb.GetSequenceRequest(seq=ref(request_id="x" * 20_000))),
+     NOT_FOUND, ("'" + "x" * 64 + "...'",)),
     ("release-seq-id", call("Release", pb.ReleaseRequest(seq=ref(42))), NOT_FOUND, ("42",)),
     ("release-request-id", call("Release", pb.ReleaseRequest(seq=ref(request_id="nope"))), NOT_FOUND,
      ("'nope'",)),
