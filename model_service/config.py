@@ -12,6 +12,7 @@ import re
 
 from dataclasses import dataclass
 
+from kvserve.kvcache_service.contract.hashing import check_deployment_salt
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.model_service import choices
 from kvserve.services.plumbing.address import check_dial, check_tcp_listen, is_private, parse_flag
@@ -142,6 +143,8 @@ class ModelServiceConfig:
     sizing_file: str | None = option(None, "where to write {num_pages, page_size} once sized", hidden=True)
 
     def __post_init__(self) -> None:
+        check_deployment_salt(self.cache_salt)
+
         def positive(name: str, allow_none: bool = True) -> None:
             value = getattr(self, name)
             if value is None and allow_none:

@@ -126,6 +126,18 @@ def request_extra_key(salt: str, tenant: str, cache_salt: str = "") -> str:
     return f"{key}\x00salt:{cache_salt}" if cache_salt else key
 
 
+# A deployment's --cache-salt: with a tenant (256 characters) and a request's cache_salt, inside
+# the 4,096 bytes of extra_key the manager takes (core/validation.py).
+MAX_DEPLOYMENT_SALT_BYTES = 1024
+
+
+def check_deployment_salt(salt: str) -> None:
+    """ValueError for a --cache-salt longer than MAX_DEPLOYMENT_SALT_BYTES."""
+    size = len(salt.encode("utf-8", "surrogatepass"))
+    if size > MAX_DEPLOYMENT_SALT_BYTES:
+        raise ValueError(f"--cache-salt has {size:,} bytes of UTF-8; at most {MAX_DEPLOYMENT_SALT_BYTES:,} are allowed")
+
+
 def check_cache_salt(cache_salt: str) -> None:
     """ValueError for a cache_salt no request may carry (a NUL is what parts an extra_key)."""
     size = len(cache_salt.encode("utf-8", "surrogatepass"))

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from kvserve.kvcache_service.contract.hashing import check_deployment_salt
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.address import check_dial, check_tcp_listen, parse_flag
 from kvserve.services.plumbing.config_flags import MAX_REQUEST_BYTES, option, parse_bytes
@@ -76,6 +77,7 @@ class GatewayConfig:
                                              "system's roots", metavar="NAME")
 
     def __post_init__(self) -> None:
+        check_deployment_salt(self.cache_salt)
         if self.workers_dns and ":" not in self.workers_dns:
             raise ValueError(f"--workers-dns must be NAME:PORT, got {self.workers_dns!r}")
         parse_flag("--listen", self.listen)   # empty too: refused before the tokenizer loads
