@@ -45,6 +45,21 @@ def test_a_reader_past_the_capacity_sees_a_gap():
     assert [e.number for e in log.read(reader)] == [3, 4, 5]
 
 
+def test_a_reader_past_the_hashes_kept_sees_a_gap_and_one_large_event_is_still_kept():
+    """Bounded in page hashes too: one event may carry a hash per page of the pool, so a reader
+    that reads nothing could otherwise pin 65,536 events of thousands of hashes each."""
+    log = EventLog(capacity=1000, max_hashes=10)
+    reader = log.open()
+    for i in range(4):
+        log.stored(0, [10 * i + k for k in range(4)])   # 16 hashes in all
+    assert [e.number for e in log.read(reader)] == [3, 4]
+    log.evicted(list(range(25)))   # larger than the bound alone: kept, and only it
+    log.stored(0, [1])
+    assert [e.number for e in log.read(reader)] == [6]
+    log.evicted(list(range(25)))
+    assert [e.number for e in log.read(reader)] == [7]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["event", "read", "open", "close"]), st.integers(0, 3)), max_size=80))
 def test_every_reader_reads_every_kept_event_once_in_order(ops):
