@@ -125,9 +125,11 @@ class ManagerLink:
             if since is None or self.clock() - since <= self.wait_limit_s:
                 return False
             self._waiting_since, self._overdue_since = None, since
+            # Ended under the lock: an answer that comes meanwhile cannot let the engine send its
+            # next Step on this stream first (ended after, it took that Step down: a false loss).
+            self.kv.interrupt()
         log.warning("the KV-cache manager at %s has not answered a Step for %.1f s; treating it as lost",
                     self.kv.address, self.clock() - since)
-        self.kv.interrupt()
         return True
 
     def probe(self) -> None:

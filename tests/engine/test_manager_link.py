@@ -49,3 +49,29 @@ def test_a_wait_the_watchdog_ended_dates_the_loss():
     except ConnectionError:
         link.lose()
     assert link.lost_since == 100.0   # when the unanswered wait began
+
+
+def test_an_answer_that_comes_as_the_watchdog_ends_the_wait_waits_for_the_end():
+    """The engine, its answer in, must not send its next Step on the stream the watchdog is about
+    to end: that Step would be taken down with it, and the loss would be a false one."""
+    import threading
+    import time
+
+    clock = Clock()
+    started, ended = threading.Event(), threading.Event()
+
+    class SlowInterrupt(QuietKV):
+        def interrupt(self) -> None:
+            started.set()
+            time.sleep(0.2)   # the stream being ended
+            ended.set()
+
+    link = ManagerLink(SlowInterrupt(), page_size=4, num_pages=8, timeout_s=5.0, clock=clock)
+
+    def answered_as_the_watchdog_acts():
+        clock.now += 6.0
+        threading.Thread(target=link.interrupt_if_overdue, daemon=True).start()
+        assert started.wait(10)
+        return "plan"   # here as the interrupt runs
+    assert link.wait_for_plan(answered_as_the_watchdog_acts) == "plan"
+    assert ended.is_set()   # the next Step goes on a stream opened after it
