@@ -20,8 +20,8 @@ A tail that ends in U+FFFD is held until a token completes it, but not without b
 made to emit invalid bytes (a logit bias on a lone continuation byte will do it) would otherwise
 re-decode an ever longer window every token, quadratic time on the engine thread. Past _MAX_HELD
 held tokens, what can no longer change is written out (U+FFFD for each invalid sequence, as a
-decode of the whole output shows it), and tokens that write nothing (skipped special tokens) are
-dropped. `flush()` at the end of a request releases the rest.
+byte-level decode of the whole output shows it), and tokens that write nothing (skipped special
+tokens) are dropped. `flush()` at the end of a request releases the rest.
 """
 
 from __future__ import annotations
@@ -145,13 +145,30 @@ class IncrementalDetokenizer:
         if whole == self._prefix_text:   # nothing but tokens that write nothing
             del self._ids[self._read_offset:]
             return ""
-        settled = len(self._ids) - _LONGEST_CHARACTER
+        settled = self._settled()
         for end in range(len(self._ids) - 1, self._read_offset, -1):
             text = self._decode(self._prefix_offset, end)
             if len(text) > len(self._prefix_text) and (
                     not text.endswith(_REPLACEMENT) or (end <= settled and whole.startswith(text))):
                 return self._emit(text, end)
         return ""
+
+    def _settled(self) -> int:
+        """The last token boundary with a character's worth of tokens that write something after
+        it: no later token can join the bytes before it into a character. (Tokens that write
+        nothing, skipped special ones, may sit between a character's bytes: counted, they let a
+        lead byte go out as U+FFFD just before the bytes that complete it.) Past 4 x _MAX_HELD held
+        tokens, a character's worth of any tokens: a character split by dozens of special tokens
+        is no model's output, and the window must stay bounded."""
+        writing = 0
+        for i in range(len(self._ids) - 1, self._read_offset, -1):
+            if self._decode(i, i + 1):
+                writing += 1
+                if writing == _LONGEST_CHARACTER:
+                    return i
+        if len(self._ids) - self._read_offset > 4 * _MAX_HELD:
+            return len(self._ids) - _LONGEST_CHARACTER
+        return self._read_offset
 
     def _emit(self, window_text: str, end: int) -> str:
         """Write the window's text up to token `end` beyond what was written, and move on to it."""

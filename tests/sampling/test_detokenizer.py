@@ -98,6 +98,18 @@ def test_a_stream_of_invalid_bytes_keeps_a_small_window_and_the_exact_text(token
     assert widest <= 2 * _MAX_HELD + 2 * chunk + 5   # what was written last, as context, and what is held
 
 
+def test_a_character_split_by_skipped_special_tokens_past_the_hold_comes_whole(tokenizer):
+    """Tokens that write nothing between a character's bytes: its lead byte was written as U+FFFD
+    once four tokens followed it, and the character never came (found by review)."""
+    lead, cont = _byte_token(tokenizer, 0xE4), _byte_token(tokenizer, 0x80)
+    rest = [_byte_token(tokenizer, 0xB8), _byte_token(tokenizer, 0xAD)] + tokenizer.encode("a", add_special_tokens=False)
+    for k in range(17):
+        ids = [cont] * k + [lead] + [tokenizer.eos_token_id] * (16 - k) + rest   # 中 split by 16 - k <eos>
+        detok, chunks = _stream(tokenizer, ids)
+        assert "".join(chunks) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True), k
+        assert tokenizer.decode(ids, skip_special_tokens=True).endswith("中a")
+
+
 def test_skipped_special_tokens_by_the_thousand_are_dropped_from_the_window(tokenizer):
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("Hello", add_special_tokens=False) + [eos] * 1000
