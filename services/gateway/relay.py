@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
@@ -111,6 +112,15 @@ class Refused(Exception):
         message = status_message(message)   # a header: past 16 KiB gRPC ends the call otherwise
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, trailers
+
+
+# What grpc's own error details name a peer by ("ipv4:10.0.0.7:50051: Connection refused"): a
+# worker's address is the log's (each log line names it), never what a client reads.
+_PEER_ADDRESS = re.compile(r"(?:ipv4:[0-9.]+|ipv6:\[[0-9a-fA-F:.%]*\]|unix(?:-abstract)?:[^\s:;,]+)(?::\d+)?")
+
+
+def without_addresses(details: str) -> str:
+    return _PEER_ADDRESS.sub("the worker", details)
 
 
 def unfit(fleet: Fleet, why: str, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
@@ -348,7 +358,7 @@ class Relay:
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
                     kept = tuple((key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)
                     raise Refused(exc.code(), exc.details(), kept) from None
-                why = f"{exc.code().name}: {exc.details()}"
+                why = f"{exc.code().name}: {without_addresses(exc.details() or '')}"   # clients read it
                 full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
                 task = asyncio.current_task()

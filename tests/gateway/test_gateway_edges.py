@@ -1154,6 +1154,24 @@ def test_a_cancel_while_the_client_is_told_it_reached_the_head_ends_it_abort_uns
     asyncio.run(main())
 
 
+class FailingNamingItsAddress(ScriptedWorker):
+    """Fails mid-stream as grpc words a lost connection: naming the peer's address."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[5]))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
+                                                         "ipv4:10.1.2.3:50051: Connection refused")
+
+
+def test_a_workers_address_in_grpcs_words_never_reaches_the_client(tiny_dirs):
+    with scripted_fleet(tiny_dirs, FailingNamingItsAddress(), migration_limit=0) as (_, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=8), timeout=30)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "--migration-limit" in err.details()
+    assert "10.1.2.3" not in err.details() and "UNKNOWN: the worker: Connection refused" in err.details()
+
+
 class FailingAfterCancel(ScriptedWorker):
     """Answers Cancel OK, then fails the stream UNAVAILABLE instead of ending it ABORT."""
 
