@@ -39,7 +39,7 @@ def test_sigint_cancels_the_watched_stream_from_another_thread() -> None:
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_sigint_before_a_stream_or_twice_interrupts_as_usual() -> None:
+def test_sigint_before_a_stream_interrupts_as_usual_and_a_second_press_changes_nothing() -> None:
     with CtrlCCancels() as ctrl_c, pytest.raises(KeyboardInterrupt):
         _press()
     assert not ctrl_c.pressed
@@ -47,8 +47,20 @@ def test_sigint_before_a_stream_or_twice_interrupts_as_usual() -> None:
     with CtrlCCancels() as ctrl_c:
         ctrl_c.watch(stream)
         _press()
-        with pytest.raises(KeyboardInterrupt):
-            _press()
+        _press()   # raised, it could land inside grpc's wait as the first one would have
+        assert stream.cancelled.wait(5) and ctrl_c.pressed
+
+
+def test_a_stream_left_unpressed_is_not_cancelled_and_its_thread_ends() -> None:
+    stream = FakeStream()
+    before = {t.ident for t in threading.enumerate()}
+    with CtrlCCancels() as ctrl_c:
+        ctrl_c.watch(stream)
+    deadline = time.monotonic() + 5
+    while any(t.name == "ctrl-c-cancel" and t.ident not in before for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the cancelling thread outlived its block"
+        time.sleep(0.01)
+    assert not stream.cancelled.is_set()
 
 
 def test_outside_the_main_thread_signals_are_left_alone() -> None:
