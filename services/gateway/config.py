@@ -54,7 +54,8 @@ class GatewayConfig:
     max_request_bytes: int = option(8 << 20, "largest request message, e.g. 8MiB", parse=parse_bytes)
     max_prompt_chars: int = option(1_000_000, "longest prompt, or chat messages' text together, in characters")
     max_chat_messages: int = option(1024, "most messages in one chat request")
-    max_n: int = option(16, "most sequences one request may sample in parallel (its n)")   # a worker's default
+    max_n: int = option(256, "most sequences one request may sample in parallel (its n); a worker refuses "
+                             "more than its own --max-n (kvserve up passes it)")
     grace_s: float = option(5.0, "seconds in-flight streams get on SIGTERM", flag="--grace-period")
     lane: str = option("auto", "auto: send each request over its worker's lane where the worker offers one "
                                "(its --lane-listen), a hop cheaper than gRPC; off: gRPC always", choices=("auto", "off"))

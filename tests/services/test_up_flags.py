@@ -67,6 +67,10 @@ def test_max_waiting_bounds_the_gateways_queue_in_front_of_workers():
     assert "--max-queued=1" in up.front_flags(ModelServiceConfig(max_waiting=1))
 
 
+def test_the_gateway_in_front_of_workers_bounds_n_as_they_do():
+    assert "--max-n=4" in up.front_flags(ModelServiceConfig(max_n=4))
+
+
 def test_the_http_apis_browser_origins_go_to_the_gateway_in_front():
     flags = up.front_flags(ModelServiceConfig(http_listen="0.0.0.0:8000", http_allowed_origins="*"))
     assert "--http-allowed-origins=*" in flags
