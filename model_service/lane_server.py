@@ -169,7 +169,7 @@ class LaneServer:
             if idle_timer is not None:
                 idle_timer.reschedule(loop.time() + IDLE_S)
 
-        wire.keep_alive(writer)
+        wire.keep_alive(writer, user_timeout=False)   # a gateway that stops reading is not gone
         try:
             async with asyncio.timeout(OPENING_S):
                 if await reader.readexactly(len(wire.MAGIC)) != wire.MAGIC:

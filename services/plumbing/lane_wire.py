@@ -39,15 +39,20 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 5, 2
 USER_TIMEOUT_MS = 40_000
 
 
-def keep_alive(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive and a user timeout on a lane connection (a Unix socket needs neither)."""
+def keep_alive(writer: asyncio.StreamWriter, user_timeout: bool = True) -> None:
+    """TCP keepalive on a lane connection (a Unix socket needs none), and the user timeout unless
+    told not to. The worker's side goes without it: Linux applies it to a peer's zero window too,
+    so a gateway whose client stopped reading for 40 s had its live stream reset, and moved, where
+    gRPC holds the stream and the worker's --max-unread-tokens decides."""
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
-                        ("TCP_NODELAY", 1)):
+    options = [("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+               ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_NODELAY", 1)]
+    if user_timeout:
+        options.append(("TCP_USER_TIMEOUT", USER_TIMEOUT_MS))
+    for name, value in options:
         if hasattr(socket, name):   # Linux has them all; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

@@ -586,3 +586,32 @@ async def burst(lane: LaneChannel, n: int) -> None:
     async def one():
         return [r async for r in lane.generate(request(token_ids=PROMPT, **greedy(3)), 30)]
     await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_the_workers_side_of_a_lane_has_no_user_timeout():
+    """Linux applies TCP_USER_TIMEOUT to a peer's zero window: a worker whose gateway stopped
+    reading (its client paused) reset the live stream after 40 s. The gateway's side keeps it."""
+    import socket
+
+    from kvserve.services.plumbing import lane_wire as wire
+
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("no TCP_USER_TIMEOUT here")
+
+    async def main():
+        accepted = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(lambda r, w: accepted.set_result(w), "127.0.0.1", 0)
+        _, gateway_side = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        worker_side = await accepted
+        wire.keep_alive(gateway_side)
+        wire.keep_alive(worker_side, user_timeout=False)
+        got = [w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+               for w in (gateway_side, worker_side)]
+        keepalive = worker_side.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        for w in (gateway_side, worker_side):
+            w.close()
+        server.close()
+        return got, keepalive
+
+    (gateway_timeout, worker_timeout), keepalive = asyncio.run(main())
+    assert gateway_timeout == wire.USER_TIMEOUT_MS and worker_timeout == 0 and keepalive
