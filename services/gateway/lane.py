@@ -71,6 +71,9 @@ class LaneChannel:
         self._prune_timer: asyncio.TimerHandle | None = None
         self._down_until = 0.0
         self.failing = False   # its last connect failed: calls go over gRPC (`up` says when it is tried again)
+        # Once a connect failed, one call at a time tries the lane again (the others go over
+        # gRPC): against a port that drops packets each would wait CONNECT_TIMEOUT_S.
+        self._probing = False
         self._tasks: set[asyncio.Task] = set()   # held: the loop keeps only weak references to tasks
         self.closed = False
         self.calls = self.fallbacks = 0
@@ -123,6 +126,10 @@ class LaneChannel:
             conn.close()
         if not self.up:
             return None
+        probe = self.failing
+        if probe and self._probing:
+            return None
+        self._probing = probe
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 if isinstance(self.target, str):
@@ -140,6 +147,9 @@ class LaneChannel:
             self.failing = True
             self._down_until = time.monotonic() + RETRY_LANE_S
             return None
+        finally:
+            if probe:
+                self._probing = False
         if self.failing:
             log.warning("the lane at %s is reached again", self.where)
             self.failing = False
