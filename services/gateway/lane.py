@@ -139,13 +139,7 @@ class LaneChannel:
                     reader, writer = await asyncio.open_connection(
                         host, port, ssl=self._ssl, server_hostname=(self._server_name or host) if self._ssl else None)
         except (OSError, TimeoutError) as exc:
-            if not self.failing:   # said once per outage, not by every call or retry that finds it down
-                log.warning("the lane at %s cannot be reached (%s); calls go over gRPC, the lane tried again "
-                            "every %g s", self.where,
-                            exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__,
-                            RETRY_LANE_S)
-            self.failing = True
-            self._down_until = time.monotonic() + RETRY_LANE_S
+            self.unreachable(exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__)
             return None
         finally:
             if probe:
@@ -156,6 +150,14 @@ class LaneChannel:
         wire.keep_alive(writer)
         writer.write(wire.MAGIC)
         return _Connection(reader, writer), False
+
+    def unreachable(self, why: str) -> None:
+        """Calls go over gRPC for RETRY_LANE_S."""
+        if not self.failing:   # said once per outage, not by every call or retry that finds it down
+            log.warning("the lane at %s cannot be reached (%s); calls go over gRPC, the lane tried again "
+                        "every %g s", self.where, why, RETRY_LANE_S)
+        self.failing = True
+        self._down_until = time.monotonic() + RETRY_LANE_S
 
     def give_back(self, conn: _Connection) -> None:
         """A connection whose call ended with its status: kept for the next call."""
@@ -316,6 +318,12 @@ class LaneCall:
                             continue
                         conn, reused = taken
                         self._send(conn)
+                        continue
+                    if not heard and isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+                        # a new connection closed before a word (a proxy in front that finds no worker
+                        # behind it): nothing was taken there; the call, and the next ones, go over gRPC
+                        channel.unreachable("it closed a new connection before answering")
+                        over_grpc = True
                         continue
                     why = "closed the connection" if isinstance(exc, asyncio.IncompleteReadError) else \
                         f"failed ({type(exc).__name__}: {exc})"

@@ -434,12 +434,13 @@ class ScriptedLane:
     def __init__(self, thread: LoopThread, answer) -> None:
         self.answer = answer   # async (reader, writer) -> None, after the call's frame is read
         self.writers: list[asyncio.StreamWriter] = []
+        read_frame = wire.read_frame   # the real one: a test may patch the gateway's reads
 
         async def serve(reader, writer):
             self.writers.append(writer)
             try:
                 await reader.readexactly(len(wire.MAGIC))
-                await wire.read_frame(reader, 1 << 20)
+                await read_frame(reader, 1 << 20)
                 await self.answer(reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError):
                 pass
@@ -643,3 +644,38 @@ def test_while_a_lane_is_down_one_call_at_a_time_waits_on_its_connect(monkeypatc
     answers, failing = asyncio.run(main())
     assert answers == [None] * 5 and failing
     assert len(connects) == 1   # the others did not wait on a connect of their own
+
+
+def test_a_lane_port_that_closes_new_connections_unanswered_leaves_the_call_to_grpc(served):
+    """A proxy in front of the lane that finds no worker behind it accepts and closes: the call
+    ended UNAVAILABLE and moved from worker to worker, where gRPC would have served it."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def accept_and_close():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.recv(1 << 16)   # the opening and the call: read, never answered
+            conn.close()
+    thread = threading.Thread(target=accept_and_close, daemon=True)
+    thread.start()
+    c = LaneClient(served.address, f"127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        msg = request(token_ids=PROMPT, **greedy(5))
+        assert tokens(c.generate(msg)) == over_grpc(served.address, msg).tokens
+        assert c.lane.failing   # and the next calls go over gRPC without trying it
+        c.generate(msg)
+        assert c.lane.fallbacks == 2
+    finally:
+        c.close()
+        stop.set()
+        thread.join()
+        listener.close()
