@@ -27,6 +27,7 @@ from kvserve.inference.v1 import lane_pb2 as lane_pb
 from kvserve.model_service.engine.errors import InternalError
 from kvserve.services.plumbing import lane_wire as wire
 from kvserve.services.plumbing.address import CannotListen, parse_address, remove_stale_socket
+from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
 from kvserve.services.plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -130,16 +131,24 @@ class LaneServer:
 
     async def close(self) -> None:
         """No new connections; the calls still running are cancelled and their connections cut
-        (a drain has waited for them)."""
+        (a drain has waited for them). Each is closed after what it still has to send (a gateway
+        reading slowly: a call's last messages, its status and trailers), within LAST_MESSAGES_S
+        where bytes wait, as gRPC's stop lets a call's last messages go. (Cut at once, a reset
+        also threw away what the gateway's kernel had received and it had not read yet.)"""
         if self._server is None:
             return
         self._server.close()
+        flushing = False
         for writer in list(self._connections.values()):
-            writer.transport.abort()   # nothing left to flush to a gateway that stopped reading; its call ends
+            flushing = flushing or bool(writer.transport.get_write_buffer_size())
+            writer.close()
         tasks = list(self._connections)
         if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            _, stuck = await asyncio.wait(tasks, timeout=LAST_MESSAGES_S if flushing else CLOSE_WAIT_S)
             for task in stuck:
+                writer = self._connections.get(task)
+                if writer is not None:
+                    writer.transport.abort()   # a gateway that stopped reading altogether
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         try:
