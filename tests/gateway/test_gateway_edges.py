@@ -1066,24 +1066,8 @@ def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_be
     such leavings under load the gateway saw its idle workers as full, and every new request
     waited at the head of its queue until its deadline."""
     from kvserve.services.gateway.relay import Relay
-    from kvserve.services.gateway.router import Choice
 
-    class OneWorker:
-        def __init__(self) -> None:
-            self.pending: list[object] = []
-
-        def ended(self, mark) -> None:
-            self.pending.remove(mark)
-
-    worker = OneWorker()
-    room = {"free": False}
-
-    def route():
-        if not room["free"]:
-            return None
-        mark = object()
-        worker.pending.append(mark)
-        return Choice(worker, 0, mark)
+    worker = RoomLater()
 
     async def main():
         queue = WaitQueue(max_queued=8)
@@ -1091,10 +1075,10 @@ def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_be
         relay = Relay(fleet=fleet, request=pb.GenerateRequest(request_id="r"), request_id="r", ids=[1, 2],
                       migration_limit=3)
         ahead = queue.enter("ahead")
-        acquired = relay._acquire(route)
+        acquired = relay._acquire(worker.choose)
         first = await acquired.__anext__()
         assert first.queued.position == 2
-        room["free"] = True
+        worker.free = True
         queue.leave(ahead)   # the head: a worker has room, and the client is told position 1 first
         told = await asyncio.wait_for(acquired.__anext__(), 5)
         assert told.queued.position == 1 and worker.pending
@@ -1104,45 +1088,50 @@ def test_a_client_that_leaves_as_it_reaches_the_queues_head_leaves_no_routing_be
     asyncio.run(main())
 
 
+class RoomLater:
+    """A worker with no room until `free`: chosen then, its routing marks counted as the router
+    counts them; nothing may be sent to it."""
+
+    def __init__(self) -> None:
+        self.free = False
+        self.pending: list[object] = []
+        self.called = False
+
+    def choose(self, *args, **kwargs):
+        from kvserve.services.gateway.router import Choice
+
+        if not self.free:
+            return None
+        mark = object()
+        self.pending.append(mark)
+        return Choice(self, 0, mark)
+
+    def ended(self, mark) -> None:
+        self.pending.remove(mark)
+
+    def generate(self, *args, **kwargs):
+        self.called = True
+        raise AssertionError("a cancelled request was sent to a worker")
+
+
 def test_a_cancel_while_the_client_is_told_it_reached_the_head_ends_it_abort_unsent():
     """The worker is chosen before the client is told it reached the head; a Cancel answered while
     that message was being written found no worker to tell, and the request went to the worker
     afterwards, streaming in full to a client told it was cancelled."""
     from kvserve.services.gateway.relay import Relay
-    from kvserve.services.gateway.router import Choice
 
-    class OneWorker:
-        def __init__(self) -> None:
-            self.pending: list[object] = []
-            self.called = False
-
-        def ended(self, mark) -> None:
-            self.pending.remove(mark)
-
-        def generate(self, *args, **kwargs):
-            self.called = True
-            raise AssertionError("a cancelled request was sent to a worker")
-
-    worker = OneWorker()
-    room = {"free": False}
-
-    def choose(*args, **kwargs):
-        if not room["free"]:
-            return None
-        mark = object()
-        worker.pending.append(mark)
-        return Choice(worker, 0, mark)
+    worker = RoomLater()
 
     async def main():
         queue = WaitQueue(max_queued=8)
         fleet = types.SimpleNamespace(queue=queue, board=[object()], page_size=None, never_fits=lambda *a: None,
-                                      choose=choose, hashes=lambda *a, **k: [])
+                                      choose=worker.choose, hashes=lambda *a, **k: [])
         relay = Relay(fleet=fleet, request=pb.GenerateRequest(request_id="r"), request_id="r", ids=[1, 2],
                       migration_limit=3)
         ahead = queue.enter("ahead")
         events = relay.run(lambda: 30.0)
         assert (await events.__anext__()).queued.position == 2
-        room["free"] = True
+        worker.free = True
         queue.leave(ahead)
         told = await asyncio.wait_for(events.__anext__(), 5)
         assert told.queued.position == 1 and worker.pending
