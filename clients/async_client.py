@@ -182,3 +182,7 @@ class AsyncInferenceClient:
             return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise KVServeError.from_rpc_error(exc) from exc
+        except asyncio.CancelledError:   # as a stream's: the client closed under the call, not the task
+            if not _task_cancelled():
+                raise KVServeError("CANCELLED", "the call was cancelled (its client was closed)") from None
+            raise

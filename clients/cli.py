@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from kvserve.clients.cli_options import add_connection_flags, make_client
+from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdout
 from kvserve.clients.ctrl_c import CtrlCCancels
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _client(args: argparse.Namespace, command: str, timeout: float | None = None
 def run_generate(args: argparse.Namespace) -> int:
     from kvserve.clients.inference_client import KVServeError
 
-    _tolerant_stdout()
+    tolerant_stdout()
     text = sys.stdin.read() if args.text == "-" else args.text
     inputs: dict[str, object] = {"prompt": text}
     if args.token_ids:
@@ -205,7 +205,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from kvserve.clients.convert import generate_request
     from kvserve.clients.inference_client import KVServeError
 
-    _tolerant_stdout()
+    tolerant_stdout()
     try:   # a value no turn's request can carry: said before the first turn, as generate says it
         generate_request(messages=[{"role": "user", "content": ""}], max_tokens=args.max_tokens,
                          temperature=args.temperature, seed=args.seed)
@@ -360,13 +360,6 @@ def _cancelled(out: _Output, note: str, force: bool = False) -> int:
     out.end_line(force=force)
     print(note, file=sys.stderr)
     return EXIT_INTERRUPTED
-
-
-def _tolerant_stdout() -> None:
-    """Model output may hold characters the terminal's encoding lacks: replace, never crash."""
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
-        reconfigure(errors="replace")
 
 
 def _silence_stdout() -> None:

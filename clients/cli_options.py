@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,3 +44,10 @@ def make_client(args: argparse.Namespace, timeout: float | None = None) -> Infer
     from kvserve.clients.inference_client import InferenceClient
 
     return InferenceClient(args.address, timeout=timeout, **connection(args))
+
+
+def tolerant_stdout() -> None:
+    """Model output may hold characters the terminal's encoding lacks: replace, never crash."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="replace")

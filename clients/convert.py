@@ -196,12 +196,18 @@ def generate_request(
     (the server's default)."""
     if isinstance(stop, str):
         stop = (stop,)
-    if n is not None and not (isinstance(n, int) and n >= 1):   # 0 would read as unset: one sequence
-        raise ValueError(f"n is the number of sequences to sample, at least 1; got {n!r}")
+    if n is not None:
+        try:
+            count = operator.index(n)   # an int, or numpy's
+        except TypeError:
+            count = 0
+        if count < 1 or isinstance(n, bool):   # 0 would read as unset: one sequence
+            raise ValueError(f"n is the number of sequences to sample, at least 1; got {n!r}")
+        n = count
     with _field("penalties, stop, stop_token_ids, logit_bias or min_tokens", None):
         sampling = pb.SamplingParams(presence_penalty=presence_penalty,
-                                     frequency_penalty=frequency_penalty, stop=list(stop),
-                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                     frequency_penalty=frequency_penalty, stop=list(stop or ()),
+                                     stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos,
                                      logit_bias=dict(logit_bias or {}), min_tokens=min_tokens)
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens,
                     logprobs=logprobs, repetition_penalty=repetition_penalty,

@@ -179,7 +179,8 @@ class InferenceClient:
         (Queued first while it waits in a queue). Give exactly one of prompt, token_ids, messages.
         Unset (None) parameters take the server's defaults. With n > 1 the server samples n
         sequences from the prompt: each Chunk and Finished says which (`index`). prompt_logprobs
-        (the top-n, 0 for none) asks for the prompt's own logprobs, in PrefillDone. logit_bias
+        asks for the prompt's own logprobs, in PrefillDone: the top-n of each token besides its
+        own (0: its own only; None: none). Asked, the prompt is computed whole, past any cache hit. logit_bias
         adds to tokens' logits (token id -> [-100, 100]); min_tokens holds EOS and stop_token_ids
         back until that many tokens. structured holds the output to a format: {"json_schema": a
         schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]} or {"lark_grammar": ...}.

@@ -32,7 +32,9 @@ class KVServeError(Exception):
         if code == grpc.StatusCode.UNAVAILABLE and details and "ping timeout" in details:
             details = ("the server stopped answering: a keepalive ping got no reply (the server is "
                        "frozen, or the network to it is gone)")
-        return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
+        name = code.name if code is not None else "UNKNOWN"
+        # (a status without details: a sentence, not the grpc error's multi-line repr)
+        return cls(name, details or f"the server ended the call {name} without saying why")
 
 
 # --------------------------------------------------------------------------- events

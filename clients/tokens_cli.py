@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.clients.cli_options import add_connection_flags, make_client
+from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdout
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -49,6 +49,7 @@ def _add_address(p: argparse.ArgumentParser) -> None:
 def run_tokenize(args: argparse.Namespace) -> int:
     from kvserve.clients.inference_client import KVServeError
 
+    tolerant_stdout()   # a token's text the terminal's encoding lacks
     text = sys.stdin.read() if args.text == "-" else args.text
     try:
         with make_client(args, args.timeout) as client:
@@ -69,6 +70,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 def run_detokenize(args: argparse.Namespace) -> int:
     from kvserve.clients.inference_client import KVServeError
 
+    tolerant_stdout()
     words = " ".join(args.ids) if args.ids else sys.stdin.read()
     try:
         ids = [int(word) for word in words.replace(",", " ").split()]

@@ -161,3 +161,18 @@ def test_tls_and_api_key(mtls_server, keyed_server, certs, client: InferenceClie
     over_tls, no_key, keyed = run(go())
     assert over_tls == keyed == want
     assert no_key.code == "UNAUTHENTICATED"
+
+
+def test_a_client_closed_under_a_single_answer_call_ends_it_with_a_kvserve_error(model_server) -> None:
+    """As a stream does: a bare CancelledError out of a task nobody cancelled reads, to gather,
+    TaskGroup or wait_for, as a cancellation of their own."""
+    async def go():
+        c = AsyncInferenceClient(model_server.address, timeout=RPC_TIMEOUT_S)
+        calls = [asyncio.ensure_future(c.tokenize(PROMPT * 2000)) for _ in range(4)]
+        await asyncio.sleep(0)   # each on its way
+        await c.close()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = run(go())
+    assert not any(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+    assert all(o.code == "CANCELLED" for o in outcomes if isinstance(o, KVServeError))

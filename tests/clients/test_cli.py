@@ -216,6 +216,11 @@ def test_tokenize_and_detokenize_from_the_shell(model_server, client: InferenceC
     assert [int(line.split("\t")[0]) for line in lines[1:]] == list(ids)
     r = kvserve("detokenize", ",".join(map(str, ids)), "--address", model_server.address)
     assert (r.returncode, r.stdout) == (0, prompt + "\n"), r.stderr
+    ascii_only = subprocess.run([sys.executable, "-m", "kvserve.services.cli.main", "detokenize",
+                                 ",".join(map(str, client.tokenize("café ok").token_ids)), "--address",
+                                 model_server.address], capture_output=True, cwd=REPO, timeout=TIMEOUT_S,
+                                env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert (ascii_only.returncode, ascii_only.stdout) == (0, b"caf? ok\n"), ascii_only.stderr   # no traceback
     r = kvserve("detokenize", "1", "x", "--address", model_server.address)
     assert r.returncode == 2 and "token ids are integers, got '1 x'" in r.stderr
     r = kvserve("detokenize", str(1 << 30), "--address", model_server.address)

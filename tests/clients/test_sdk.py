@@ -404,3 +404,33 @@ def test_a_finish_reason_newer_than_the_sdk_is_named_by_its_number() -> None:
     msg = pb.GenerateResponse(finished=pb.Finished(finish_reason=9))
     assert convert.event(msg).reason == "reason_9"
     assert convert.event(pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_STOP))).reason == "stop"
+
+
+def test_none_for_stop_lists_and_an_index_for_n_are_taken_as_documented() -> None:
+    from kvserve.clients.convert import generate_request
+
+    class Two:   # numpy's integers are such: an __index__, no int subclass
+        def __index__(self) -> int:
+            return 2
+
+    msg = generate_request(prompt="hi", stop=None, stop_token_ids=None, n=Two())
+    assert list(msg.sampling.stop) == [] and list(msg.sampling.stop_token_ids) == [] and msg.sampling.n == 2
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="n is the number of sequences to sample"):
+            generate_request(prompt="hi", n=bad)
+
+
+def test_a_status_without_details_is_a_sentence_not_grpcs_repr() -> None:
+    class Bare(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self):
+            return ""
+
+        def __str__(self) -> str:
+            return "<_InactiveRpcError of RPC that terminated with:\n\tstatus = ...>"
+
+    err = KVServeError.from_rpc_error(Bare())
+    assert (err.code, err.message) == ("RESOURCE_EXHAUSTED",
+                                       "the server ended the call RESOURCE_EXHAUSTED without saying why")
