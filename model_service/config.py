@@ -141,6 +141,8 @@ class ModelServiceConfig:
                                        "event loop")
     # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
     sizing_file: str | None = option(None, "where to write {num_pages, page_size} once sized", hidden=True)
+    ready_file: str | None = option(None, "a file touched once serving (registered with its manager): a "
+                                          "launcher counts a run as steady from then", hidden=True)
 
     def __post_init__(self) -> None:
         check_deployment_salt(self.cache_salt)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
@@ -155,6 +156,8 @@ async def drain(running: RunningServer, servicer: InferenceServicer, grace_s: fl
 async def serve(config: ModelServiceConfig) -> None:
     running, servicer = await create_server(config)
     log.info("model service on %s%s", running.address, " (TLS)" if config.tls_cert else "")
+    if config.ready_file:
+        Path(config.ready_file).touch()
     if servicer.keys is not None:
         servicer.keys.reload_on_sighup()
     try:

@@ -50,6 +50,10 @@ class ManagerLink:
         """Registers a new epoch (newer than any before: the manager drops what an older one held).
         Raises the manager's KVCacheError; ManagerUnavailable when it did not answer in time."""
         epoch = max(time.time_ns(), self.epoch + 1)
+        if not self.epoch:   # a fresh process: newer than its predecessor's, even where the clock stepped back
+            live = self._live_epoch(PROBE_TIMEOUT_S)   # (None: no manager answering yet)
+            if live is not None:
+                epoch = max(epoch, live + 1)
         self.kv.register(epoch, self.page_size, self.num_pages, timeout_s, self.cpu_pages)
         self.epoch = epoch
 
@@ -154,8 +158,8 @@ class ManagerLink:
         manager answers well within it, and is not taken for lost)."""
         self.wait_limit_s = min(self.wait_limit_s, ENDING_WAIT_S)
 
-    def _live_epoch(self) -> int | None:
+    def _live_epoch(self, timeout_s: float | None = None) -> int | None:
         try:
-            return self.kv.stats().epoch
+            return self.kv.stats(timeout_s).epoch
         except KVCacheError:
             return None

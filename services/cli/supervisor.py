@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
 
@@ -54,7 +55,7 @@ def _before_exec(parent: int, hold_sighup: bool) -> Callable[[], None] | None:
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
-STEADY_S = 30.0     # a child that ran this long has recovered: its backoff starts over
+STEADY_S = 30.0     # a child that ran (served, where it says so) this long has recovered: its backoff starts over
 
 
 @dataclass
@@ -67,8 +68,14 @@ class Child:
     exits: deque = field(default_factory=deque)   # when it exited, within the last minute
     _terminated: subprocess.Popen | None = None   # the process already sent SIGTERM
     hold_sighup: bool = False           # it re-reads keys on SIGHUP: one sent while it starts waits for it
+    # A file the child touches once it serves (a model service's --ready-file): its run counts as
+    # steady only STEADY_S after that, not after STEADY_S of loading a checkpoint.
+    ready_path: Path | None = None
+    unsteady: int = 0                   # exits in a row without a steady run
 
     def start(self) -> None:
+        if self.ready_path is not None:
+            self.ready_path.unlink(missing_ok=True)   # the last run's
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
         self.proc = subprocess.Popen(self.argv, start_new_session=True,
                                      preexec_fn=_before_exec(os.getpid(), self.hold_sighup))
@@ -129,6 +136,17 @@ class RestartLimit(Exception):
         self.exit_code = exit_code
 
 
+def steady(child: Child, now: float) -> bool:
+    """Whether the run that just ended had recovered: served STEADY_S where the child says when it
+    serves, else ran that long."""
+    if child.ready_path is None:
+        return now - child.started_at > STEADY_S
+    try:
+        return time.time() - child.ready_path.stat().st_mtime > STEADY_S
+    except FileNotFoundError:   # never served
+        return False
+
+
 class Supervisor:
     def __init__(self, max_restarts_per_minute: int, stopping: Callable[[], bool]) -> None:
         self.max_restarts = max_restarts_per_minute
@@ -144,14 +162,20 @@ class Supervisor:
         if child.proc.returncode == EXIT_BAD_FLAGS:   # so would a command line it refused
             raise RestartLimit(f"{child.name} refused the flags it was given (its error is above); stopping the "
                                "stack", EXIT_BAD_FLAGS)
-        if now - child.started_at > STEADY_S:
-            child.backoff_s = FIRST_BACKOFF_S
+        if steady(child, now):
+            child.backoff_s, child.unsteady = FIRST_BACKOFF_S, 0
+        else:
+            child.unsteady += 1
         child.exits.append(now)
         while child.exits and now - child.exits[0] > 60:
             child.exits.popleft()
         if len(child.exits) > self.max_restarts:
             raise RestartLimit(f"{child.name} {reason}: {len(child.exits)} exits within a minute, more than "
                                f"--max-restarts {self.max_restarts} allows; stopping the stack")
+        if child.unsteady > self.max_restarts:   # each run slower to fail than the minute's window sees
+            raise RestartLimit(f"{child.name} {reason}: {child.unsteady} exits in a row without serving for "
+                               f"{STEADY_S:g} s, more than --max-restarts {self.max_restarts} allows; stopping "
+                               "the stack")
         log.warning("%s %s; starting it again in %.1f s (exit %d of at most %d a minute)",
                     child.name, reason, child.backoff_s, len(child.exits), self.max_restarts)
         self.sleep(child.backoff_s)

@@ -46,8 +46,8 @@ log = logging.getLogger("kvserve.up")
 
 
 # What up wires itself: the link to the manager is a private Unix socket (no TLS or token on it),
-# and the pool's size goes through a file of up's own.
-WIRED_BY_UP = ("kvcache", "sizing_file", "kvcache_tls_ca", "kvcache_tls_cert", "kvcache_tls_key",
+# and the pool's size (and a restarted model service's readiness) go through files of up's own.
+WIRED_BY_UP = ("kvcache", "sizing_file", "ready_file", "kvcache_tls_ca", "kvcache_tls_cert", "kvcache_tls_key",
                "kvcache_tls_server_name", "kvcache_token_file")
 
 
@@ -112,10 +112,11 @@ class Pair:
         # The engine reaches the manager over a private Unix socket; a --kvcache-listen TCP
         # address stays open beside it for everyone else (grpcurl).
         link = kv_listen if kv_listen and kv_listen.startswith("unix:") else f"unix://{tmp}/{name}-kv.sock"
-        config = replace(config, kvcache=link, sizing_file=str(sizing))
+        ready = tmp / f"{name}-ready"
+        config = replace(config, kvcache=link, sizing_file=str(sizing), ready_file=str(ready))
         listen = tuple(dict.fromkeys((kv_listen, link))) if kv_listen else (link,)
         suffix = f" of {name}" if name != "worker" else ""
-        return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)]),
+        return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)], ready_path=ready),
                    Child(f"the KV-cache manager{suffix}", []), config, sizing, listen, manager_metrics,
                    admin_token_file)
 

@@ -75,3 +75,37 @@ def test_an_answer_that_comes_as_the_watchdog_ends_the_wait_waits_for_the_end():
         return "plan"   # here as the interrupt runs
     assert link.wait_for_plan(answered_as_the_watchdog_acts) == "plan"
     assert ended.is_set()   # the next Step goes on a stream opened after it
+
+
+def test_a_fresh_process_registers_past_its_predecessors_epoch_even_after_the_clock_stepped_back():
+    """Epochs are wall-clock times: a model service restarted after the clock stepped back
+    registered an older epoch than its predecessor's, which the manager refuses, again at every
+    restart until the clock caught up."""
+    import time
+    from types import SimpleNamespace
+
+    from kvserve.kvcache_service.contract.errors import ManagerUnavailable
+
+    class KV(QuietKV):
+        def __init__(self, live):
+            self.live, self.registered = live, []
+
+        def stats(self, timeout_s=None):
+            if self.live is None:
+                raise ManagerUnavailable("no manager yet")
+            return SimpleNamespace(epoch=self.live)
+
+        def register(self, epoch, *args, **kwargs):
+            self.registered.append(epoch)
+
+    ahead = time.time_ns() + 3_600 * 10**9   # the predecessor's, an hour past this clock
+    kv = KV(ahead)
+    link = ManagerLink(kv, page_size=4, num_pages=8, timeout_s=5.0)
+    link.register()
+    assert kv.registered == [ahead + 1] and link.epoch == ahead + 1
+    link.register()   # again (a reconnect): newer than its own
+    assert kv.registered[-1] > ahead + 1
+    first = KV(None)   # nothing answers yet (a stack starting): the clock's
+    before = time.time_ns()
+    ManagerLink(first, page_size=4, num_pages=8, timeout_s=5.0).register()
+    assert first.registered[0] >= before

@@ -57,3 +57,45 @@ def test_a_child_whose_supervisor_died_before_it_was_armed_never_runs(monkeypatc
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert proc.returncode == 1 and out == b""
+
+
+def test_a_child_slow_to_fail_is_stopped_after_as_many_exits_in_a_row_without_serving(tmp_path, monkeypatch):
+    """A model service that loads for more than STEADY_S and then fails the same way: each run
+    looked steady (it ran 30 s) and each cycle was slower than the minute's window counts, so it
+    was started again for good. A run counts as steady once the child said it serves (its ready
+    file) and served STEADY_S."""
+    from kvserve.services.cli import supervisor as module
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock["now"])
+    ready = tmp_path / "ready"
+    child = Child("the model service", [sys.executable, "-c", "raise SystemExit(1)"], ready_path=ready)
+    supervisor = Supervisor(3, stopping=lambda: False)
+    supervisor.sleep = lambda seconds: None
+    child.start()
+    with pytest.raises(RestartLimit, match="4 exits in a row without serving for 30 s"):
+        for _ in range(10):
+            child.proc.wait(30)
+            clock["now"] += 120.0   # a slow load, then the failure: never two in a minute
+            supervisor.restart(child)
+    child.proc.wait(30)
+
+
+def test_a_child_that_served_long_enough_starts_its_count_again(tmp_path, monkeypatch):
+    from kvserve.services.cli import supervisor as module
+
+    ready = tmp_path / "ready"
+    child = Child("the model service", [sys.executable, "-c", "raise SystemExit(1)"], ready_path=ready)
+    supervisor = Supervisor(3, stopping=lambda: False)
+    supervisor.sleep = lambda seconds: None
+    for _ in range(10):
+        child.start()
+        assert not ready.exists()   # a run's ready file is its own
+        child.proc.wait(30)
+        ready.touch()
+        past = module.time.time() - module.STEADY_S - 1   # it served STEADY_S before it failed
+        os.utime(ready, (past, past))
+        child.exits.clear()
+        supervisor.restart(child)   # never RestartLimit: each run recovered
+        assert child.unsteady == 0
+        child.proc.wait(30)
