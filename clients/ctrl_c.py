@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Protocol
 
@@ -33,24 +34,40 @@ class Cancellable(Protocol):
     def cancel(self) -> None: ...
 
 
+# A second press this long after the first, the stream still not ended (its output blocked on a
+# pager that does not read, say), interrupts as Ctrl-C always did.
+INSIST_AFTER_S = 1.0
+
+
 class CtrlCCancels:
-    """Within the block, SIGINT cancels the watched stream (a second press changes nothing
-    more); before a stream is watched it interrupts as usual. Only the main thread can own
-    signals; elsewhere the block changes nothing."""
+    """Within the block, SIGINT cancels the watched stream; before a stream is watched, or
+    pressed again INSIST_AFTER_S later, it interrupts as usual. Only the main thread can own
+    signals; elsewhere the block changes nothing. One stream a block."""
 
     def __init__(self) -> None:
         self.pressed = False
+        self._pressed_at = 0.0
         self._watching = False
         self._wake: int | None = None   # the pipe's write end: the cancelling thread reads the other
         self._previous: Any = None
         self._installed = False
 
     def watch(self, stream: Cancellable) -> Any:
-        if self._installed and self._wake is None:
-            read_end, self._wake = os.pipe()
-            threading.Thread(target=_cancel_when_told, args=(read_end, stream), name="ctrl-c-cancel",
-                             daemon=True).start()
-        self._watching = True
+        if self._watching:
+            raise RuntimeError("CtrlCCancels watches one stream")
+        self._watching = True   # from here a press is marked, never raised
+        if self._installed:
+            read_end, wake = os.pipe()
+            try:
+                threading.Thread(target=_cancel_when_told, args=(read_end, stream), name="ctrl-c-cancel",
+                                 daemon=True).start()
+            except BaseException:
+                os.close(read_end)
+                os.close(wake)
+                raise
+            self._wake = wake
+            if self.pressed:   # pressed before the pipe was there
+                os.write(wake, _CANCEL)
         return stream
 
     def __enter__(self) -> CtrlCCancels:
@@ -60,21 +77,30 @@ class CtrlCCancels:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-        if self._wake is not None:
-            os.write(self._wake, _DONE)   # the thread ends, after a cancel written before it
-            os.close(self._wake)
-            self._wake = None
+        # The pipe first, while a press still only marks: restored, the old handler could raise
+        # between two lines here, leaving the thread and the pipe for good.
+        wake, self._wake = self._wake, None
+        try:
+            if wake is not None:
+                try:
+                    os.write(wake, _DONE)   # the thread ends, after a cancel written before it
+                finally:
+                    os.close(wake)
+        finally:
+            if self._installed:
+                signal.signal(signal.SIGINT, self._previous)
+                self._installed = False
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if not self._watching:
             raise KeyboardInterrupt   # nothing in grpc's hands yet
         if not self.pressed:
-            self.pressed = True
-            if self._wake is not None:
-                os.write(self._wake, _CANCEL)
+            self.pressed, self._pressed_at = True, time.monotonic()
+            wake = self._wake
+            if wake is not None:
+                os.write(wake, _CANCEL)
+        elif time.monotonic() - self._pressed_at > INSIST_AFTER_S:
+            raise KeyboardInterrupt   # the user insists: whatever holds the stream did not let go
 
 
 def _cancel_when_told(read_end: int, stream: Cancellable) -> None:

@@ -138,6 +138,7 @@ class LaneServer:
         if self._server is None:
             return
         self._server.close()
+        await asyncio.sleep(0)   # frames a call queued on its way out reach their socket first
         flushing = False
         for writer in list(self._connections.values()):
             flushing = flushing or bool(writer.transport.get_write_buffer_size())

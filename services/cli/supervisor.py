@@ -71,15 +71,22 @@ class Child:
     # A file the child touches once it serves (a model service's --ready-file): its run counts as
     # steady only STEADY_S after that, not after STEADY_S of loading a checkpoint.
     ready_path: Path | None = None
+    ready_at: float | None = None       # when it was first seen (monotonic: a file's time is the wall clock's)
     unsteady: int = 0                   # exits in a row without a steady run
 
     def start(self) -> None:
+        self.ready_at = None
         if self.ready_path is not None:
             self.ready_path.unlink(missing_ok=True)   # the last run's
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops the children in order.
         self.proc = subprocess.Popen(self.argv, start_new_session=True,
                                      preexec_fn=_before_exec(os.getpid(), self.hold_sighup))
         self.started_at = time.monotonic()
+
+    def look_for_ready(self) -> None:
+        """Notes when the child said it serves (up looks every 0.1 s)."""
+        if self.ready_path is not None and self.ready_at is None and self.ready_path.exists():
+            self.ready_at = time.monotonic()
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -141,10 +148,8 @@ def steady(child: Child, now: float) -> bool:
     serves, else ran that long."""
     if child.ready_path is None:
         return now - child.started_at > STEADY_S
-    try:
-        return time.time() - child.ready_path.stat().st_mtime > STEADY_S
-    except FileNotFoundError:   # never served
-        return False
+    child.look_for_ready()   # (one not seen yet counts from now: not steady)
+    return child.ready_at is not None and now - child.ready_at > STEADY_S
 
 
 class Supervisor:

@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
             while stop["signal"] is None:
                 time.sleep(0.1)
                 for child in children:
+                    child.look_for_ready()
                     if child.exited():
                         supervisor.restart(child)
             return 0

@@ -49,6 +49,23 @@ def test_sigint_before_a_stream_interrupts_as_usual_and_a_second_press_changes_n
         _press()
         _press()   # raised, it could land inside grpc's wait as the first one would have
         assert stream.cancelled.wait(5) and ctrl_c.pressed
+        with pytest.raises(RuntimeError, match="one stream"):
+            ctrl_c.watch(FakeStream())
+
+
+def test_a_press_well_after_the_first_interrupts_as_usual(monkeypatch) -> None:
+    """The stream cancelled but the command still held (its output blocked on a pager that does
+    not read): pressing again gets out, as Ctrl-C always did."""
+    from kvserve.clients import ctrl_c as module
+
+    monkeypatch.setattr(module, "INSIST_AFTER_S", 0.1)
+    stream = FakeStream()
+    with pytest.raises(KeyboardInterrupt), CtrlCCancels() as ctrl_c:
+        ctrl_c.watch(stream)
+        _press()
+        assert stream.cancelled.wait(5)
+        time.sleep(0.2)
+        _press()
 
 
 def test_a_stream_left_unpressed_is_not_cancelled_and_its_thread_ends() -> None:

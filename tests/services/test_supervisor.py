@@ -84,18 +84,20 @@ def test_a_child_slow_to_fail_is_stopped_after_as_many_exits_in_a_row_without_se
 def test_a_child_that_served_long_enough_starts_its_count_again(tmp_path, monkeypatch):
     from kvserve.services.cli import supervisor as module
 
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock["now"])
     ready = tmp_path / "ready"
     child = Child("the model service", [sys.executable, "-c", "raise SystemExit(1)"], ready_path=ready)
     supervisor = Supervisor(3, stopping=lambda: False)
     supervisor.sleep = lambda seconds: None
+    child.start()
     for _ in range(10):
-        child.start()
-        assert not ready.exists()   # a run's ready file is its own
+        assert not ready.exists() and child.ready_at is None   # a run's ready file is its own
         child.proc.wait(30)
         ready.touch()
-        past = module.time.time() - module.STEADY_S - 1   # it served STEADY_S before it failed
-        os.utime(ready, (past, past))
+        child.look_for_ready()   # as up's loop does
+        clock["now"] += module.STEADY_S + 1   # it served STEADY_S before it failed (whatever the wall clock did)
         child.exits.clear()
         supervisor.restart(child)   # never RestartLimit: each run recovered
         assert child.unsteady == 0
-        child.proc.wait(30)
+    child.proc.wait(30)
