@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvserve.services.cli.supervisor import EXIT_CANNOT_LISTEN, Child, RestartLimit, Supervisor
+from kvserve.services.cli.supervisor import EXIT_CANNOT_LISTEN, STEADY_S, Child, RestartLimit, Supervisor
 from kvserve.services.plumbing.config_flags import EXIT_BAD_FLAGS
 
 
@@ -64,15 +64,7 @@ def test_a_child_slow_to_fail_is_stopped_after_as_many_exits_in_a_row_without_se
     looked steady (it ran 30 s) and each cycle was slower than the minute's window counts, so it
     was started again for good. A run counts as steady once the child said it serves (its ready
     file) and served STEADY_S."""
-    from kvserve.services.cli import supervisor as module
-
-    clock = {"now": 1000.0}
-    monkeypatch.setattr(module.time, "monotonic", lambda: clock["now"])
-    ready = tmp_path / "ready"
-    child = Child("the model service", [sys.executable, "-c", "raise SystemExit(1)"], ready_path=ready)
-    supervisor = Supervisor(3, stopping=lambda: False)
-    supervisor.sleep = lambda seconds: None
-    child.start()
+    clock, _, child, supervisor = failing_model_service(tmp_path, monkeypatch)
     with pytest.raises(RestartLimit, match="4 exits in a row without serving for 30 s"):
         for _ in range(10):
             child.proc.wait(30)
@@ -82,6 +74,22 @@ def test_a_child_slow_to_fail_is_stopped_after_as_many_exits_in_a_row_without_se
 
 
 def test_a_child_that_served_long_enough_starts_its_count_again(tmp_path, monkeypatch):
+    clock, ready, child, supervisor = failing_model_service(tmp_path, monkeypatch)
+    for _ in range(10):
+        assert not ready.exists() and child.ready_at is None   # a run's ready file is its own
+        child.proc.wait(30)
+        ready.touch()
+        child.look_for_ready()   # as up's loop does
+        clock["now"] += STEADY_S + 1   # it served STEADY_S before it failed (whatever the wall clock did)
+        child.exits.clear()
+        supervisor.restart(child)   # never RestartLimit: each run recovered
+        assert child.unsteady == 0
+    child.proc.wait(30)
+
+
+def failing_model_service(tmp_path, monkeypatch):
+    """A child that fails at once, with a ready file, under a monotonic clock of the test's own;
+    started. -> (clock, its ready file, the child, a supervisor allowing 3 a minute)."""
     from kvserve.services.cli import supervisor as module
 
     clock = {"now": 1000.0}
@@ -91,13 +99,4 @@ def test_a_child_that_served_long_enough_starts_its_count_again(tmp_path, monkey
     supervisor = Supervisor(3, stopping=lambda: False)
     supervisor.sleep = lambda seconds: None
     child.start()
-    for _ in range(10):
-        assert not ready.exists() and child.ready_at is None   # a run's ready file is its own
-        child.proc.wait(30)
-        ready.touch()
-        child.look_for_ready()   # as up's loop does
-        clock["now"] += module.STEADY_S + 1   # it served STEADY_S before it failed (whatever the wall clock did)
-        child.exits.clear()
-        supervisor.restart(child)   # never RestartLimit: each run recovered
-        assert child.unsteady == 0
-    child.proc.wait(30)
+    return clock, ready, child, supervisor
