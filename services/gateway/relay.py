@@ -105,26 +105,27 @@ def renamed(request_id: str) -> str:
     return request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
 
 
+# What grpc's own error details name a peer by ("ipv4:10.0.0.7:50051: Connection refused",
+# "ipv6:%5B::1%5D:50051", "DNS resolution failed for worker-0.workers:50051: errors resolving
+# worker-0.workers:50051"): a worker's address is the log's (each log line names it), never what
+# a client reads.
+_PEER_ADDRESS = re.compile(r"(?:ipv4:[0-9.]+|ipv6:(?:\[|%5B)[0-9a-fA-F:.%]*?(?:\]|%5D)|unix(?:-abstract)?:[^\s:;,]+)"
+                           r"(?::\d+)?|(?:(?<=errors resolving )|(?<=resolution failed for ))[^\s:;,]+(?::\d+)?")
+
+
+def without_addresses(details: str) -> str:
+    """`details` with every peer address grpc writes in its errors taken out."""
+    return _PEER_ADDRESS.sub("the worker", details)
+
+
 class Refused(Exception):
-    """The call ends with this status (and trailing metadata)."""
+    """The call ends with this status (and trailing metadata). Its message is the client's: a
+    worker's grpc details quoted in it lose the addresses they name."""
 
     def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple = ()) -> None:
-        message = status_message(message)   # a header: past 16 KiB gRPC ends the call otherwise
+        message = status_message(without_addresses(message))   # a header: past 16 KiB gRPC ends the call
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, trailers
-
-
-# What grpc's own error details name a peer by ("ipv4:10.0.0.7:50051: Connection refused",
-# "ipv6:%5B::1%5D:50051", "errors resolving worker-0.workers:50051"): a worker's address is the
-# log's (each log line names it), never what a client reads.
-_PEER_ADDRESS = re.compile(r"(?:ipv4:[0-9.]+|ipv6:(?:\[|%5B)[0-9a-fA-F:.%]*?(?:\]|%5D)|unix(?:-abstract)?:[^\s:;,]+)"
-                           r"(?::\d+)?|(?<=errors resolving )[^\s:;,]+(?::\d+)?")
-
-
-def without_addresses(details: str, address: str = "") -> str:
-    """`details` with every peer address grpc writes, and the worker's own `address`, taken out."""
-    details = _PEER_ADDRESS.sub("the worker", details)
-    return details.replace(address.split("://")[-1].lstrip("/"), "the worker") if address else details
 
 
 def unfit(fleet: Fleet, why: str, prompt_tokens: int, length: int = 0, output: str = "max_tokens",
@@ -362,7 +363,7 @@ class Relay:
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
                     kept = tuple((key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)
                     raise Refused(exc.code(), exc.details(), kept) from None
-                why = f"{exc.code().name}: {without_addresses(exc.details() or '', worker.address)}"   # clients read it
+                why = f"{exc.code().name}: {exc.details()}"
                 full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
                 task = asyncio.current_task()
