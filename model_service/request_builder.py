@@ -90,9 +90,7 @@ class RequestBuilder:
             raise RequestError(f"prompt_logprobs {asked} for a {len(prompt):,}-token prompt is "
                                f"{(len(prompt) - 1) * (1 + asked):,} logprobs; at most {MAX_PROMPT_LOGPROBS:,} go "
                                "in one prefill_done (ask for fewer, or for a shorter prompt)")
-        what = "the model length"
-        if self.config.attention_sink:   # a stream with attention sinks may run past the model length
-            limit, what = STREAM_LIMIT, "the longest stream with attention sinks"
+        limit, what = self._stream_limit()
         # unset: up to the model length, sinks or not (a stream past it is asked for by its length)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.stack.max_model_len - len(prompt)
         if len(prompt) + max_tokens > limit:
@@ -207,8 +205,7 @@ class RequestBuilder:
         # counted before they are copied and checked one by one on the event loop (a message of
         # 8 MB holds millions of one-byte ids)
         continued = len(msg.continuation.ids)
-        most, what = ((STREAM_LIMIT, "the longest stream with attention sinks") if cfg.attention_sink
-                      else (self.stack.max_model_len, "the model length"))
+        most, what = self._stream_limit()
         if continued >= most:
             raise RequestError(f"the continuation has {continued:,} tokens; {what} is {most:,}, which leaves "
                                "no room for more")
@@ -227,6 +224,13 @@ class RequestBuilder:
             raise RequestError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed")
 
     # ------------------------------------------------------------ helpers
+
+    def _stream_limit(self) -> tuple[int, str]:
+        """The most tokens one request's prompt and output may reach, and its name in a message:
+        a stream with attention sinks may run past the model length."""
+        if self.config.attention_sink:
+            return STREAM_LIMIT, "the longest stream with attention sinks"
+        return self.stack.max_model_len, "the model length"
 
     def _check_text(self, nbytes: int, most_bytes: int, count_chars: Callable[[], int], what: str,
                     fit: bool = True) -> None:
