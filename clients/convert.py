@@ -138,19 +138,22 @@ def _chat(messages: Sequence[Message], add_generation_prompt: bool | None = None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"chat_template_kwargs must be JSON values ({exc})") from None
     for i, m in enumerate(messages):
+        name = None
         if isinstance(m, Mapping) and "role" in m and "content" in m:
-            role, content = m["role"], m["content"]
+            role, content, name = m["role"], m["content"], m.get("name")
         elif isinstance(m, tuple) and len(m) == 2:
             role, content = m
         elif hasattr(m, "role") and hasattr(m, "content"):
-            role, content = m.role, m.content
+            role, content, name = m.role, m.content, getattr(m, "name", None)
         else:
             raise ValueError(f"messages[{i}] must be a (role, content) pair, a mapping with 'role' and 'content', "
                              f"or a Message; got {m!r}")
         if not (isinstance(role, str) and isinstance(content, str)):
             raise ValueError(f"messages[{i}]: role and content must be strings")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"messages[{i}]: name must be a string")
         with _field(f"messages[{i}]", None):
-            out.messages.append(pb.ChatMessage(role=role, content=content))
+            out.messages.append(pb.ChatMessage(role=role, content=content, name=name))
     return out
 
 

@@ -208,6 +208,6 @@ class ServerStats:
     prefill_tokens: int = 0        # tokens its running sequences have yet to prefill (a gateway: its workers' sum)
 
 
-# A chat message: {"role": ..., "content": ...}, a (role, content) pair, or any
-# object with .role and .content.
+# A chat message: {"role": ..., "content": ...} (and an optional "name", the speaker's), a
+# (role, content) pair, or any object with .role and .content (and optionally .name).
 Message = Union[Mapping[str, str], tuple[str, str], Any]

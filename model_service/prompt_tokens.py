@@ -67,14 +67,24 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 MAX_ROLE_CHARS = 64   # "system", "user", "assistant", "tool", ... and a template's own
+MAX_NAME_CHARS = 64   # a speaker's name, as OpenAI bounds it
 
 
-def check_roles(roles) -> None:
-    """ValueError for a role no template names: past MAX_ROLE_CHARS it would be rendered and
-    tokenized whole, outside the prompt's limits."""
-    for i, role in enumerate(roles):
-        if len(role) > MAX_ROLE_CHARS:
-            raise ValueError(f"messages[{i}].role has {len(role):,} characters; at most {MAX_ROLE_CHARS} are allowed")
+def check_speakers(messages) -> None:
+    """ValueError for a role or a name past its bound (ChatMessage's role and name): either
+    would be rendered and tokenized whole, outside the prompt's limits."""
+    for i, m in enumerate(messages):
+        if len(m.role) > MAX_ROLE_CHARS:
+            raise ValueError(f"messages[{i}].role has {len(m.role):,} characters; at most {MAX_ROLE_CHARS} are allowed")
+        if len(m.name) > MAX_NAME_CHARS:
+            raise ValueError(f"messages[{i}].name has {len(m.name):,} characters; at most {MAX_NAME_CHARS} are allowed")
+
+
+def chat_turns(messages) -> list[dict]:
+    """ChatMessages' messages as the chat template takes them; a name only where one is set,
+    so that templates testing `message.name is defined` see what OpenAI's clients meant."""
+    return [{"role": m.role, "content": m.content, "name": m.name} if m.HasField("name")
+            else {"role": m.role, "content": m.content} for m in messages]
 
 
 MAX_TEMPLATE_KWARGS_CHARS = 64 << 10

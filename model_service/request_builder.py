@@ -252,11 +252,12 @@ class RequestBuilder:
             raise RequestError(f"{len(messages)} chat messages; at most {cfg.max_chat_messages} are allowed "
                                "(--max-chat-messages)")
         try:
-            prompt_tokens.check_roles(m.role for m in messages)
+            prompt_tokens.check_speakers(messages)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
-        # Each message's encoded size, less its role and at most 12 bytes of tags and lengths.
-        nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - 12) for m in messages)
+        # Each message's encoded size, less its role, its name and at most 12 bytes of tags and
+        # lengths (3 for the role, 6 for the content, 3 for the name).
+        nbytes = sum(max(0, m.ByteSize() - len(m.role.encode()) - len(m.name.encode()) - 12) for m in messages)
         self._check_text(nbytes, sum(m.ByteSize() for m in messages), lambda: sum(len(m.content) for m in messages),
                          "the chat messages have", fit and self.chat_keeps_text)
 
@@ -298,7 +299,7 @@ class RequestBuilder:
             options = prompt_tokens.chat_options(messages)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
-        chat = [{"role": m.role, "content": m.content} for m in messages.messages]
+        chat = prompt_tokens.chat_turns(messages.messages)
         size = sum(len(m["content"]) for m in chat)
         return await self.lanes.run(size, self._render_chat, chat, options)
 

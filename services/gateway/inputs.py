@@ -43,14 +43,14 @@ class Inputs:
                 raise InputError(f"{len(messages)} chat messages; at most {self.max_chat_messages} are allowed "
                                  "(--max-chat-messages)")
             try:
-                prompt_tokens.check_roles(m.role for m in messages)
+                prompt_tokens.check_speakers(messages)
             except ValueError as exc:
                 raise InputError(str(exc)) from None
             if msg.messages.ByteSize() > self.max_prompt_chars and \
                     (chars := sum(len(m.content) for m in messages)) > self.max_prompt_chars:
                 raise InputError(f"the chat messages have {chars:,} characters; at most "
                                  f"{self.max_prompt_chars:,} are allowed (--max-prompt-chars)")
-            chat = [{"role": m.role, "content": m.content} for m in messages]
+            chat = prompt_tokens.chat_turns(messages)
             if not chat:
                 raise InputError("messages is empty")
             try:

@@ -408,7 +408,10 @@ def chat_request(body: dict) -> pb.GenerateRequest:
             content = ""
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        msg.messages.messages.add(role=m["role"], content=content)
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise HttpError(400, f"messages[{i}].name must be a string", param="messages")
+        msg.messages.messages.add(role=m["role"], content=content, name=name)
     for name in ("add_generation_prompt", "continue_final_message"):   # vLLM's template options
         _flag(body, name)
     if body.get("add_generation_prompt") is not None:

@@ -146,6 +146,25 @@ def test_messages_input_uses_the_chat_template(client: InferenceClient) -> None:
     assert client.tokenize(messages=pairs).token_ids == rendered.token_ids
 
 
+def test_a_speakers_name_travels_with_its_message(client: InferenceClient) -> None:
+    """A mapping's "name" or an object's .name is sent as ChatMessage.name, and the server
+    bounds it as it bounds a role."""
+    from types import SimpleNamespace
+
+    from kvserve.clients.convert import tokenize_request
+    msg = tokenize_request(messages=[{"role": "user", "content": "hi", "name": "ann"},
+                                     SimpleNamespace(role="user", content="hi", name="bob"), ("user", "hi")])
+    assert [(m.name, m.HasField("name")) for m in msg.messages.messages] == [("ann", True), ("bob", True), ("", False)]
+    with pytest.raises(ValueError, match=r"messages\[0\]: name must be a string"):
+        tokenize_request(messages=[{"role": "user", "content": "hi", "name": 1}])
+    # the tiny template renders no names: the same prompt
+    assert client.tokenize(messages=[{"role": "user", "content": "hi", "name": "ann"}]).token_ids == \
+        client.tokenize(messages=[("user", "hi")]).token_ids
+    with pytest.raises(KVServeError) as err:
+        client.tokenize(messages=[{"role": "user", "content": "hi", "name": "n" * 65}])
+    assert err.value.code == "INVALID_ARGUMENT" and "messages[0].name has 65 characters; at most 64" in str(err.value)
+
+
 def test_the_chat_templates_options_shape_the_prompt(client: InferenceClient) -> None:
     """vLLM's three: no generation prompt, the last message continued (its end of turn left
     off), and the template's own variables; refusals are INVALID_ARGUMENT naming what is wrong."""

@@ -641,6 +641,18 @@ def test_text_content_parts_are_joined_by_newlines_as_vllm_joins_them():
     assert [m.content for m in msg.messages.messages] == ["Name a colour.\nOne word."]
 
 
+def test_a_messages_name_reaches_the_request_as_openai_sends_it():
+    """It was dropped: a template that renders speakers' names saw another conversation."""
+    from kvserve.services.http.translate import HttpError, request_of
+    msg = request_of("chat", {"messages": [{"role": "user", "content": "hi", "name": "ann"},
+                                           {"role": "user", "content": "hi"}]})
+    first, second = msg.messages.messages
+    assert first.name == "ann" and not second.HasField("name")
+    with pytest.raises(HttpError) as err:
+        request_of("chat", {"messages": [{"role": "user", "content": "hi", "name": 7}]})
+    assert err.value.status == 400 and err.value.message == "messages[0].name must be a string"
+
+
 def test_a_schema_nested_past_what_json_can_encode_again_is_a_400():
     """A body parses at a depth its schema cannot be re-encoded at (json.dumps recurses deeper):
     a 400, not a 500 that also closed the client's connection."""

@@ -85,3 +85,34 @@ def test_a_checkpoint_without_tokenizer_files_is_told_so(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"cannot load a tokenizer from .*: it has none of the usual tokenizer "
                                          r"files \(tokenizer.json, tokenizer.model, vocab.json"):
         prompt_tokens.load_tokenizer(tmp_path)
+
+
+NAMED_TEMPLATE = (   # a template that renders a speaker's name where one is given, as OpenAI's clients send it
+    "{% for message in messages %}<|{{ message['role'] }}|>{% if message.name is defined %}{{ message.name }}: "
+    "{% endif %}{{ message['content'] }}<|end|>{% endfor %}")
+
+
+def test_a_speakers_name_reaches_the_template_only_where_it_is_given(tiny_dirs, tmp_path):
+    """The HTTP front dropped OpenAI's message `name`: a template that renders it saw another
+    conversation than the client sent."""
+    shutil.copytree(tiny_dirs["tiny"], tmp_path / "tiny")
+    config = json.loads((tmp_path / "tiny" / "tokenizer_config.json").read_text())
+    config["chat_template"] = NAMED_TEMPLATE
+    (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = prompt_tokens.load_tokenizer(tmp_path / "tiny")
+    msg = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hello there", name="ann"),
+                                    pb.ChatMessage(role="user", content="hello there"),
+                                    pb.ChatMessage(role="user", content="hello there", name="")])
+    turns = prompt_tokens.chat_turns(msg.messages)
+    assert turns == [{"role": "user", "content": "hello there", "name": "ann"},
+                     {"role": "user", "content": "hello there"},
+                     {"role": "user", "content": "hello there", "name": ""}]
+    text = tok.decode(prompt_tokens.render_chat(tok, turns, prompt_tokens.chat_options(msg)))
+    assert "<|user|>ann: hello there<|end|><|user|>hello there<|end|><|user|>: hello there" in text
+
+
+def test_a_name_past_64_characters_is_refused_by_position():
+    ok = pb.ChatMessage(role="user", content="", name="n" * 64)
+    prompt_tokens.check_speakers([ok])
+    with pytest.raises(ValueError, match=r"^messages\[1\].name has 65 characters; at most 64 are allowed$"):
+        prompt_tokens.check_speakers([ok, pb.ChatMessage(role="user", content="", name="n" * 65)])

@@ -83,6 +83,21 @@ def test_a_role_past_64_characters_is_refused_before_any_rendering():
                                                                  pb.ChatMessage(role="r" * 7_000_000, content="")]))
     with pytest.raises(RequestError, match=r"messages\[1\].role has 7,000,000 characters; at most 64"):
         builder.check_limits(long, "id")
+    named = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi",
+                                                                                 name="n" * 100_000)]))
+    with pytest.raises(RequestError, match=r"messages\[0\].name has 100,000 characters; at most 64"):
+        builder.check_limits(named, "id")
+
+
+def test_a_speakers_name_is_not_counted_as_the_messages_text():
+    """The bytes read from encoded sizes are a bound below the text's: a name's bytes are not
+    the content's, and counted as such they refused a chat that fits the model."""
+    builder = _builder(1 << 30)
+    builder.stack.max_model_len = 8
+    builder.bytes_per_token = 4
+    named = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi",
+                                                                                 name="n" * 64)]))
+    builder.check_limits(named, "id")
 
 
 def test_a_prompt_too_long_for_the_model_is_told_its_bytes_as_the_bound_they_are():
