@@ -211,11 +211,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             for pair in pairs:
                 pair.model.start()
-            for pair in pairs:
-                size = _wait_for_sizing(pair.sizing, pair.model, up.startup_timeout_s, stop, supervisor)
-                if size is None:
-                    return 1 if stop["signal"] is None else 0
-                pair.start_manager(cli, size, up.max_seqs)
+            if not _start_managers(pairs, cli, up, stop, supervisor):
+                return 1 if stop["signal"] is None else 0
             if gateway is not None:
                 gateway.start()
             while stop["signal"] is None:
@@ -303,20 +300,26 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
                          "service and its manager need an address each")
 
 
-def _wait_for_sizing(path: Path, model: Child, timeout: float, stop: dict, supervisor: Supervisor) -> dict | None:
-    """The pool size the model service writes once loaded. One killed while loading (the OOM
+def _start_managers(pairs: list[Pair], cli: list[str], up: UpConfig, stop: dict, supervisor: Supervisor) -> bool:
+    """Each pair's manager, started as soon as its model service has sized its page pool (the
+    pool size it writes once loaded), in whatever order they load: a worker waiting on another's
+    load would wait past its --kvcache-timeout. A model service killed while loading (the OOM
     killer, kill -9) is started again within --max-restarts (RestartLimit); one that exits by
-    itself refused to start, its error above, and would again: None."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and stop["signal"] is None:
-        if path.exists():
-            return json.loads(path.read_text())
-        if model.exited():
-            if model.proc.returncode >= 0:
-                log.error("the model service %s while starting", model.exit_reason())
-                return None
-            supervisor.restart(model)
-        time.sleep(0.1)
-    if stop["signal"] is None:
-        log.error("the model service did not size its page pool within %g s", timeout)
-    return None
+    itself refused to start, its error above, and would again: False."""
+    deadline = time.monotonic() + up.startup_timeout_s
+    waiting = list(pairs)
+    while waiting and time.monotonic() < deadline and stop["signal"] is None:
+        for pair in list(waiting):
+            if pair.sizing.exists():
+                pair.start_manager(cli, json.loads(pair.sizing.read_text()), up.max_seqs)
+                waiting.remove(pair)
+            elif pair.model.exited():
+                if pair.model.proc.returncode >= 0:
+                    log.error("the model service %s while starting", pair.model.exit_reason())
+                    return False
+                supervisor.restart(pair.model)
+        if waiting:
+            time.sleep(0.1)
+    if waiting and stop["signal"] is None:
+        log.error("the model service did not size its page pool within %g s", up.startup_timeout_s)
+    return not waiting

@@ -231,3 +231,43 @@ def test_workers_on_one_machine_share_its_cores_unless_told():
     assert worker_threads(0, 2, cores=16) == 8
     assert worker_threads(0, 3, cores=16) == 5
     assert worker_threads(3, 4, cores=2) == 3   # --cpu-threads as given
+
+
+def test_each_workers_manager_starts_as_soon_as_its_model_service_is_sized(tmp_path):
+    """They started in the workers' order: a worker sized a minute before an earlier one waited
+    that minute for its manager, past its --kvcache-timeout, and exited."""
+    import json
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from kvserve.services.cli.supervisor import Supervisor
+    started: list[str] = []
+
+    def pair(name: str):
+        model = SimpleNamespace(exited=lambda: False)
+        return SimpleNamespace(sizing=tmp_path / f"{name}.json", model=model,
+                               start_manager=lambda cli, size, max_seqs: started.append((name, size["num_pages"])))
+    slow, fast = pair("worker-0"), pair("worker-1")
+    fast.sizing.write_text(json.dumps({"num_pages": 7}))
+
+    def size_slow_later() -> None:
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        slow.sizing.write_text(json.dumps({"num_pages": 3}))
+    threading.Thread(target=size_slow_later, daemon=True).start()
+    config = up.UpConfig(startup_timeout_s=30)
+    assert up._start_managers([slow, fast], [], config, {"signal": None}, Supervisor(3, stopping=lambda: False))
+    assert started == [("worker-1", 7), ("worker-0", 3)]
+
+
+def test_a_model_service_that_refuses_to_start_stops_the_others_wait(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from kvserve.services.cli.supervisor import Supervisor
+    gone = SimpleNamespace(exited=lambda: True, proc=SimpleNamespace(returncode=2), exit_reason=lambda: "exited with 2")
+    pairs = [SimpleNamespace(sizing=tmp_path / f"{i}.json", model=gone, start_manager=None) for i in range(2)]
+    assert not up._start_managers(pairs, [], up.UpConfig(startup_timeout_s=30), {"signal": None},
+                                  Supervisor(3, stopping=lambda: False))
+    assert "the model service exited with 2 while starting" in caplog.text
