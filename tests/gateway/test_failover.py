@@ -129,11 +129,12 @@ def test_kill_9_a_worker_and_its_seeded_n_3_streams_go_on_elsewhere_sequence_by_
     quiet = [Recorded(address, p, **s) for p, s in zip(PROMPTS[:4], sampling)]
     for r in quiet:
         assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
+    before = routed(address)
     hurt = [Recorded(address, p, **s) for p, s in zip(PROMPTS[:4], sampling)]
     wait_until(lambda: all(min(map(len, r.by_index().values()), default=0) >= 10 and len(r.by_index()) == 3
                            for r in hurt), timeout=60, what="every sequence under way")
     moved_before = migrated(address)
-    victim = busy_model_service(proc.pid, address)
+    victim = busy_model_service(proc.pid, address, before)
     os.kill(victim, signal.SIGKILL)
     for r in hurt:
         assert r.done.wait(120), "a stream hung"
@@ -159,22 +160,23 @@ def migrated(address: str) -> int:
     return sum(w.migrated_away for w in stats.workers)
 
 
-def busy_model_service(up_pid: int, address: str) -> int:
-    """The pid of a worker that runs some of the streams now, as the gateway sees it (its view
-    comes from the workers' load reports: a moment behind on a loaded machine)."""
-    seen: list = []
+def routed(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as ch:
+        stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+    return {w.address: w.requests_routed for w in stats.workers}
 
-    def reported() -> bool:
-        with grpc.insecure_channel(address) as ch:
-            stats = pb_grpc.InferenceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-        seen[:] = [w.address for w in stats.workers if w.running > 0]
-        return bool(seen)
-    wait_until(reported, timeout=30, what="a worker reporting running streams")
-    busy = seen
+
+def busy_model_service(up_pid: int, address: str, routed_before: dict[str, int]) -> int:
+    """The pid of the worker the gateway sent most of the streams started since `routed_before`
+    to. (Not one whose load report says it runs some: a report is a moment behind, and a worker
+    that had just finished the undisturbed run could still say so.)"""
+    now = routed(address)
+    busy = max(now, key=lambda a: now[a] - routed_before.get(a, 0))
+    assert now[busy] > routed_before.get(busy, 0), (routed_before, now)
     for pid in model_services(up_pid):
-        if busy[0].encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+        if busy.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
             return pid
-    raise AssertionError(f"no model service listens on {busy[0]}")
+    raise AssertionError(f"no model service listens on {busy}")
 
 
 def test_a_frozen_worker_is_left_and_its_streams_go_on_elsewhere_with_the_same_tokens(fleet):
@@ -186,10 +188,10 @@ def test_a_frozen_worker_is_left_and_its_streams_go_on_elsewhere_with_the_same_t
     quiet = [Recorded(address, p) for p in prompts]
     for r in quiet:
         assert r.done.wait(120) and r.code == grpc.StatusCode.OK, r.code
-    moved_before = migrated(address)
+    moved_before, before = migrated(address), routed(address)
     hurt = [Recorded(address, p) for p in prompts]
     wait_until(lambda: all(len(r.tokens) >= 20 for r in hurt), timeout=60, what="every stream under way")
-    victim = busy_model_service(proc.pid, address)
+    victim = busy_model_service(proc.pid, address, before)
     os.kill(victim, signal.SIGSTOP)
     try:
         for r in hurt:
