@@ -342,10 +342,16 @@ def exponential_noise(
             noise[unseeded] = torch.rand(unseeded.numel(), shape[1], device=device)
     for i in seeded:  # unavoidable per-row loop: one draw per generator
         noise[i].uniform_(generator=generators[i])
-    # U = 0 gives 0, which would turn a masked token's 0 probability into NaN (argmax picks NaN);
-    # U = 1 (CUDA's uniform_ may return it) gives inf, which would zero the likeliest token's
-    # ratio. Float32 uniforms otherwise give values in (0, 17), so the clamp changes nothing else.
-    return noise.neg_().log1p_().neg_().clamp_(torch.finfo(torch.float32).tiny, 64.0)
+    # Float32 uniforms are multiples of 2^-24: the smallest noise besides 0 is ~2^-24, and U = 0
+    # (once in 2^24 cells) stands for all of [0, 2^-24). It is taken as 2^-25, that interval's
+    # middle: clamped to float32's tiniest, any token of nonzero probability won there, however
+    # unlikely (a 150k vocabulary drew a wrong tail token about once in 110). 0 would also turn a
+    # masked token's 0 probability into NaN. U = 1 (CUDA's uniform_ may return it) gives inf,
+    # which would zero the likeliest token's ratio; otherwise noise is below 17.
+    return noise.neg_().log1p_().neg_().clamp_(_NOISE_FLOOR, 64.0)
+
+
+_NOISE_FLOOR = 2.0 ** -25
 
 
 def _logprobs(

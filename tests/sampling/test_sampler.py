@@ -169,6 +169,25 @@ def test_a_seeded_rows_noise_comes_from_its_generator_alone():
     assert bool((noise > 0).all() and (noise < 64).all())
 
 
+def test_a_uniform_draw_of_0_lets_no_unlikely_token_win():
+    """A float32 uniform is 0 once in 2^24 cells; its noise was clamped to float32's tiniest,
+    so a token of probability e^-40 won there: a wrong tail token about once in 110 draws on a
+    150k vocabulary."""
+    vocab = 1 << 20
+
+    def uniform(seed):
+        return torch.empty(vocab).uniform_(generator=make_generator(seed))
+    seed = next(s for s in range(1000) if bool((uniform(s) == 0).any()))
+    zero = int((uniform(seed) == 0).nonzero()[0])
+    likely = (zero + 1) % vocab
+    logits = torch.full((1, vocab), -40.0)
+    logits[0, likely] = 0.0
+    out = Sampler()(logits, [SamplingParams(temperature=1.0, seed=seed)], generators=[make_generator(seed)])
+    assert out.token_ids == [likely]
+    noise = exponential_noise(torch.Size((1, vocab)), [make_generator(seed)], torch.device("cpu"))
+    assert noise[0, zero] == 2.0 ** -25 == noise.min()
+
+
 def test_a_seeded_draw_depends_on_seed_and_position_alone():
     """What lets a recomputed or migrated request go on with the tokens it would have drawn:
     the draw for position p is the same whatever the generator drew before."""
