@@ -145,10 +145,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                              max_model_len, device) if use_graphs else None
     kv = _connect(cfg, num_pages, page_size)
     tokenizer = load_tokenizer(path)
-    eos = set(mcfg.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    eos_ids = frozenset(eos)
+    eos_ids = eos_ids_of(mcfg, tokenizer)
 
     mode = PreemptionMode.SWAP if cfg.preemption_mode == "swap" else PreemptionMode.RECOMPUTE
     engine = Engine(
@@ -231,6 +228,20 @@ def _connect(cfg: ModelServiceConfig, num_pages: int, page_size: int) -> KVClien
                             token=read_token(cfg.kvcache_token_file))
     client.wait_ready(cfg.kvcache_timeout_s)
     return client
+
+
+def eos_ids_of(mcfg, tokenizer) -> frozenset[int]:
+    """The model's end-of-sequence ids (its config's and its tokenizer's) that it can sample: one
+    past its vocabulary (a tokenizer's added token) is never drawn, and masking it for a request's
+    min_tokens indexed past the logits, failing the whole batch."""
+    eos = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    outside = sorted(t for t in eos if not 0 <= t < mcfg.vocab_size)
+    if outside:
+        log.warning("end-of-sequence ids %s are outside the model's vocabulary [0, %d): the model cannot "
+                    "sample them", outside, mcfg.vocab_size)
+    return frozenset(t for t in eos if 0 <= t < mcfg.vocab_size)
 
 
 def _write_atomically(path: str, data: dict) -> None:

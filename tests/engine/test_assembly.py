@@ -117,3 +117,23 @@ def test_the_default_pool_of_a_sliding_window_model_is_one_it_can_start_with(tin
         assert len(h.run([list(range(10, 90))], 10)[0].tokens) == 10
     finally:
         h.close()
+
+
+def test_an_end_of_sequence_id_past_the_vocabulary_is_left_out_and_said(caplog) -> None:
+    """A tokenizer's added EOS past the model's vocabulary was kept: a request's min_tokens
+    masked it by indexing past the logits, and the whole batch failed INTERNAL."""
+    from types import SimpleNamespace
+
+    from kvserve.model_service.assembly import eos_ids_of
+    from kvserve.model_service.sampling.params import SamplingParams
+    from kvserve.model_service.sampling.sampler import Sampler
+    mcfg = SimpleNamespace(eos_token_ids=[2, 1030], vocab_size=1024)
+    with caplog.at_level(logging.WARNING):
+        eos = eos_ids_of(mcfg, SimpleNamespace(eos_token_id=1029))
+    assert eos == {2}
+    assert "end-of-sequence ids [1029, 1030] are outside the model's vocabulary [0, 1024)" in caplog.text
+    assert eos_ids_of(mcfg, SimpleNamespace(eos_token_id=None)) == {2}
+    logits = torch.zeros(1, 1024)
+    logits[0, 2] = 10.0
+    out = Sampler(eos)(logits, [SamplingParams(temperature=0.0, min_tokens=3)], [[5]], [[]])
+    assert out.token_ids[0] != 2
