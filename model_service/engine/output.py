@@ -14,7 +14,8 @@ class OutputProcessor:
         p = request.params
         self.eos_token_ids = eos_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, p.skip_special_tokens)
-        self.stop = StopChecker(p.stop, p.stop_token_ids, eos_token_ids, p.ignore_eos, request.max_tokens)
+        self.stop = StopChecker(p.stop, p.stop_token_ids, eos_token_ids, p.ignore_eos, request.max_tokens,
+                                p.min_tokens)
 
     def add(self, token: int, format_done: bool = False) -> tuple[str, bool, str | None, str | int | None]:
         """(text to stream, finished, reason, the stop string or stop token id that ended it).

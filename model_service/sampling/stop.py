@@ -1,8 +1,10 @@
 """Decides when a request ends and which of its text may be streamed now.
 
 Per token, in this order:
-1. the token's text joins the held-back text; the earliest stop string in it (ties: the shortest)
-   → finished "stop"; the text before it is released, the string and everything after dropped;
+1. the token's text joins the held-back text; the earliest stop string in it that ends in the
+   token's text (ties: the shortest) → finished "stop"; the text before it is released, the string
+   and everything after dropped. Not within min_tokens (vLLM's rule): the first token whose text
+   may complete a stop string is the (min_tokens + 1)-th; one completed earlier is streamed;
 2. a stop token id, or EOS unless ignore_eos → finished "stop", all the text released. Such a
    token's own text is not output: its caller passes instead what earlier tokens' text the
    detokenizer still held (a character they left incomplete), which step 1 searched;
@@ -45,6 +47,7 @@ class StopChecker:
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         max_tokens: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self._stop_strings = tuple(stop_strings)
         if any(not s for s in self._stop_strings):
@@ -54,6 +57,7 @@ class StopChecker:
         self._stop_ids = frozenset(stop_token_ids)
         self._eos_ids = frozenset() if ignore_eos else frozenset(eos_token_ids)
         self._max_tokens = max_tokens
+        self._min_tokens = min_tokens
         self._held = ""
         self._num_tokens = 0
         self.finished = False
@@ -77,7 +81,7 @@ class StopChecker:
             raise RuntimeError("StopChecker.step called after the request finished")
         self._num_tokens += 1
         text = self._held + new_text
-        match = self._first_stop_string(text)
+        match = self._first_stop_string(text, len(self._held)) if self._num_tokens > self._min_tokens else None
         if match is not None:
             start, stop_string = match
             self._held = ""
@@ -107,10 +111,12 @@ class StopChecker:
         text, self._held = self._held, ""
         return text
 
-    def _first_stop_string(self, text: str) -> tuple[int, str] | None:
+    def _first_stop_string(self, text: str, held: int) -> tuple[int, str] | None:
+        """The earliest stop string in `text` that ends past its first `held` characters: held
+        text may hold a whole one only where it completed within min_tokens, and was let go."""
         best: tuple[int, int, str] | None = None
         for s in self._stop_strings:
-            start = text.find(s)
+            start = text.find(s, max(0, held - len(s) + 1))
             if start >= 0 and (best is None or (start, len(s)) < best[:2]):
                 best = (start, len(s), s)
         return None if best is None else (best[0], best[2])

@@ -94,15 +94,18 @@ def test_empty_stop_strings_are_rejected():
         StopChecker(stop_strings=["ok", ""])
 
 
-def _expected_stream(chunks, stops):
-    """What a client must see: generation ends at the first token whose text completes a stop
-    string; the output is then cut where the earliest stop string in it begins."""
+def _expected_stream(chunks, stops, min_tokens=0):
+    """What a client must see: generation ends at the first token past min_tokens whose text
+    completes a stop string; the output is then cut where the earliest stop string that ends in
+    that token's text begins (one completed within min_tokens is text like any other)."""
     text = ""
-    for chunk in chunks:
+    for k, chunk in enumerate(chunks, 1):
+        before = len(text)
         text += chunk
-        starts = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if starts:
-            return text[: min(starts)], True
+        if k > min_tokens:
+            starts = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
+            if starts:
+                return text[: min(starts)], True
     return text, False
 
 
@@ -111,13 +114,14 @@ def _expected_stream(chunks, stops):
     text=st.text(alphabet="abc ", max_size=30),
     stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=6), max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=12),
+    min_tokens=st.sampled_from([0, 0, 1, 2, 4]),
 )
-def test_streamed_text_is_the_text_up_to_the_first_stop_string(text, stops, cuts):
+def test_streamed_text_is_the_text_up_to_the_first_stop_string(text, stops, cuts, min_tokens):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
-    expected, stopped = _expected_stream(chunks, stops)
+    expected, stopped = _expected_stream(chunks, stops, min_tokens)
 
-    checker = StopChecker(stop_strings=stops, max_tokens=len(chunks))
+    checker = StopChecker(stop_strings=stops, max_tokens=len(chunks), min_tokens=min_tokens)
     streamed = ""
     for i, chunk in enumerate(chunks):
         result = checker.step(i + 1, chunk)
@@ -136,6 +140,16 @@ def test_streamed_text_is_the_text_up_to_the_first_stop_string(text, stops, cuts
         assert text.startswith(result.stop_reason, len(expected))
     else:
         assert result.finish_reason == "length"
+
+
+def test_within_min_tokens_a_stop_string_is_text_as_vllm_takes_it():
+    """vLLM checks stop strings only past min_tokens; kvserve ended the request at once."""
+    checker = StopChecker(stop_strings=["ab", "xaby"], min_tokens=2)
+    assert [r.text for r in _feed(checker, ["ab ", "xab"])] == ["ab ", ""]   # "xab" may begin "xaby"
+    assert checker.step(3, "z") == StopResult("xabz", False)   # "ab" completed within min_tokens: text
+    checker = StopChecker(stop_strings=["STOP"], min_tokens=1)
+    assert checker.step(1, "ST").text == ""                   # held across the boundary
+    assert checker.step(2, "OP!") == StopResult("", True, "stop", "STOP")
 
 
 def test_a_stop_string_completing_first_wins_over_one_starting_earlier():

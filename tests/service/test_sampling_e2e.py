@@ -332,6 +332,20 @@ def test_stop_string_across_tokens(stub, tokenizer, long_greedy, span):
     pytest.fail(f"no prompt's greedy text has a clean stop string across {span} tokens")
 
 
+def test_a_stop_string_completed_within_min_tokens_is_text_as_vllm_takes_it(stub, tokenizer, long_greedy):
+    """vLLM checks stop strings only past min_tokens; kvserve ended the request at once."""
+    prompt, full = PROMPTS[0], long_greedy[0]
+    s, start, done = _spanning_stop(tokenizer, full, 2)
+    out = generate(stub, request(token_ids=prompt, stop=[s], min_tokens=done, **greedy(60)))
+    assert out.tokens[:done] == full.tokens[:done] and out.text.startswith(full.text[:start + len(s)])
+    again = full.text.find(s, start + 1)   # the next one, which completes past min_tokens
+    if again < 0:
+        assert out.finished.finish_reason == pb.FINISH_REASON_LENGTH and out.tokens == full.tokens
+    else:
+        assert out.finished.finish_reason == pb.FINISH_REASON_STOP and out.text == full.text[:again]
+    assert "".join(c.text for c in out.chunks) == out.text
+
+
 def test_earliest_of_several_stop_strings_wins(stub, tokenizer, long_greedy):
     prompt, full = PROMPTS[0], long_greedy[0]
     early, start, done = _spanning_stop(tokenizer, full, 2)
