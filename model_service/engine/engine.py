@@ -481,8 +481,10 @@ class Engine:
             requests = [w.request for w in sampled]
             generators = [None if r.generator is None else seeded_for(r.generator, r.params.seed, r.num_output)
                           for r in requests]
-            out = self.sampler(logits, [r.params for r in requests], [r.prompt_ids for r in requests],
-                               [r.output_ids for r in requests], generators, [r.matcher for r in requests])
+            histories = [r.penalty_history() if r.params.has_penalties else ((), ()) for r in requests]
+            out = self.sampler(logits, [r.params for r in requests], [h[0] for h in histories],
+                               [h[1] for h in histories], generators, [r.matcher for r in requests],
+                               [r.num_output for r in requests])
         t6 = clock()
         progress.enter("streaming")
         row = 0
@@ -518,14 +520,18 @@ class Engine:
     def _sample_drafts(self, logits, sampled: list[Work]):
         """Samples every position of a draft as decoding without it would have: that position's
         own seeded draw, penalties over the tokens before it (speculation.py)."""
-        params, prompts, outputs, generators, matchers = [], [], [], [], []
+        params, prompts, outputs, counts, generators, matchers = [], [], [], [], [], []
         for w in sampled:
             r = w.request
-            history = r.output_ids
+            prompt, history = r.penalty_history() if r.params.has_penalties else ((), ())
             for j in range(1 + len(w.draft)):
                 params.append(r.params)
-                prompts.append(r.prompt_ids)
-                outputs.append(history if j == 0 else history + w.draft[:j])
+                prompts.append(prompt)
+                if not r.params.has_penalties:
+                    outputs.append(())
+                else:
+                    outputs.append(history if j == 0 else r.history.output_then(w.draft[:j]))
+                counts.append(r.num_output + j)
                 matchers.append(r.matcher)   # (a request with a format drafts nothing: j is 0)
                 if r.generator is None:
                     generators.append(None)
@@ -537,7 +543,7 @@ class Engine:
                         r.draft_generators.append(make_generator(r.params.seed, self.runner.device))
                     generator = r.draft_generators[j - 1]
                 generators.append(seeded_for(generator, r.params.seed, r.num_output + j))
-        return self.sampler(logits, params, prompts, outputs, generators, matchers)
+        return self.sampler(logits, params, prompts, outputs, generators, matchers, counts)
 
     def _verify(self, w: Work, tokens: list[int], logprobs: list) -> None:
         """Emits the draft's confirmed prefix and the target's token after it; the rest is

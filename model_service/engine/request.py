@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.model_service.sampling.history import TokenHistory
+
 
 class Status(enum.Enum):
     WAITING = "waiting"    # no pages (new, or preempted by recompute)
@@ -56,6 +58,7 @@ class Request:
     queued_at_step: int = 0          # the engine's step count when it took the request in
     told_position: int | None = None  # its place in the queue as its stream last heard it (queue_positions.py)
     told_at: float = 0.0             # when it heard it
+    history: TokenHistory | None = None   # a penalised request's tokens as a tensor, once sampled
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -79,6 +82,14 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
+
+    def penalty_history(self) -> tuple[Any, Any]:
+        """(prompt ids, output ids) as int64 tensors for its penalties, in time linear in the
+        tokens added since the last call, not in the whole history."""
+        if self.history is None:
+            self.history = TokenHistory(len(self.prompt_ids))
+        self.history.sync(self.tokens)
+        return self.history.prompt, self.history.output
 
     @property
     def num_tokens(self) -> int:

@@ -148,12 +148,13 @@ class Sampler:
         output_ids: Sequence[TokenIds] | None = None,       # S; read for penalised rows only
         generators: Sequence[torch.Generator | None] | None = None,  # S; None: unseeded
         matchers: Sequence | None = None,                   # S; a structured output's matcher, or None
+        num_outputs: Sequence[int] | None = None,           # S; output tokens so far; None: output_ids' lengths
     ) -> SamplerOutput:
         num_rows, vocab = logits.shape
         if len(params) != num_rows:
             raise ValueError(f"got {len(params)} SamplingParams for {num_rows} rows of logits")
-        shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens)
-                  for i, p in enumerate(params)]
+        done = [_outputs(output_ids, num_outputs, i) for i in range(num_rows)]   # for min_tokens
+        shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and done[i] < p.min_tokens) for i, p in enumerate(params)]
         formatted = [i for i, m in enumerate(matchers or ()) if m is not None]
         if not any(shaped) and not formatted and all(p.greedy and not p.has_penalties for p in params):
             tokens = row_argmax(logits)                                   # (S,)
@@ -164,7 +165,7 @@ class Sampler:
         if formatted:   # every token that would leave the format
             mask_rows(x, formatted, [matchers[i] for i in formatted])
         if any(shaped):
-            self._shape(x, params, output_ids, shaped)
+            self._shape(x, params, done, shaped)
         if any(batch.penalised):
             x = _penalise(x, batch, prompt_ids, output_ids)
 
@@ -187,7 +188,7 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), _logprobs(x, tokens, params))
 
 
-    def _shape(self, x: torch.Tensor, params: Sequence[SamplingParams], output_ids, shaped: list[bool]) -> None:
+    def _shape(self, x: torch.Tensor, params: Sequence[SamplingParams], done: list[int], shaped: list[bool]) -> None:
         """In place, before penalties: each row's logit_bias added; EOS (unless ignored) and
         stop_token_ids masked while the row has fewer output tokens than its min_tokens."""
         for i, p in enumerate(params):
@@ -196,7 +197,7 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=x.device)
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device))
-            if p.min_tokens > 0 and _outputs(output_ids, i) < p.min_tokens:
+            if p.min_tokens > 0 and done[i] < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
                     ids = torch.tensor(banned, dtype=torch.int64, device=x.device)
@@ -206,8 +207,10 @@ class Sampler:
                         x[i, ids] = kept
 
 
-def _outputs(output_ids, i: int) -> int:
+def _outputs(output_ids, num_outputs, i: int) -> int:
     """Output tokens row i has so far (none known: 0)."""
+    if num_outputs is not None:
+        return num_outputs[i]
     return 0 if output_ids is None else len(output_ids[i])
 
 
