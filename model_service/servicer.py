@@ -25,7 +25,7 @@ from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Q
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
-from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S
+from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S, id_problem
 from kvserve.model_service.status import abort, as_request_failed
 from kvserve.model_service.stream_backlog import StreamBacklog, Unread
 from kvserve.model_service.tiny_model import PRESETS
@@ -163,8 +163,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             tenant = self._tenant(context)
         except RequestFailed as exc:
             await abort(context, exc)
-        # another tenant's request is, to this caller, no request at all
-        if not self.engine.cancel(scoped_request_id(tenant, request.request_id)):
+        # another tenant's request is, to this caller, no request at all; nor is one under an id
+        # Generate refuses (a NUL in it could spell another tenant's scoped id)
+        if id_problem(request.request_id) is not None or \
+                not self.engine.cancel(scoped_request_id(tenant, request.request_id)):
             shown = request.request_id if len(request.request_id) <= 64 else request.request_id[:64] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()

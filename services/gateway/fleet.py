@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 MAX_SESSIONS = 100_000
 
 
+def session_key(tenant: str, session_id: str) -> str:
+    """A session as the gateway remembers it: each tenant's are its own (OpenAI's `user` becomes
+    a session id, and one tenant's "alice" must neither go to another's worker nor move it).
+    Tenants hold no NUL, so no two (tenant, session) pairs meet."""
+    return f"{tenant}\x00{session_id}" if session_id else ""
+
+
 class Fleet:
     def __init__(self, cache_salt: str, overlap_weight: float, worker_queue_depth: int, poll_s: float,
                  queue: WaitQueue, routing: str = "cache", balance_slack: int = 4,
@@ -163,7 +170,8 @@ class Fleet:
                length: int = 0, sequences: int = 1, salted: bool = False,
                output: str = "max_tokens", continued: int = 0) -> Choice | None:
         """The worker for a request of prompt `ids`, `length` tokens in all with its output, and
-        `sequences` (its n) to run; `continued`: tokens of its continuation, computed there too."""
+        `sequences` (its n) to run; `continued`: tokens of its continuation, computed there too.
+        `session_id`: its tenant's session (session_key), or empty."""
         ps = self.page_size
         if ps is None:
             return None

@@ -31,7 +31,7 @@ from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER, TA
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.model_service.status import status_message
-from kvserve.services.gateway.fleet import Fleet
+from kvserve.services.gateway.fleet import Fleet, session_key
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
 from kvserve.services.gateway.worker import Worker
@@ -254,7 +254,8 @@ class Relay:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
                 raise unfit(fleet, why, len(self.ids), length, output, salted)
-            return fleet.choose(self.ids, hashes_for(), self.request.session_id, avoid, length, n, salted, output,
+            session = session_key(self.tenant, self.request.session_id)
+            return fleet.choose(self.ids, hashes_for(), session, avoid, length, n, salted, output,
                                 continued=len(earlier) + len(streamed.get(0, [])))
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:

@@ -161,7 +161,9 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         if relay is not None:
             await relay.cancel()
             return pb.CancelResponse()
-        if not await self._cancel_at_workers(request.request_id, tenant):
+        # an id Generate refuses is in flight nowhere: not passed on to the workers
+        if id_problem(request.request_id) is not None or \
+                not await self._cancel_at_workers(request.request_id, tenant):
             shown = request.request_id[:64] + ("..." if len(request.request_id) > 64 else "")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} in flight")
         return pb.CancelResponse()

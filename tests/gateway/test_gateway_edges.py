@@ -391,6 +391,39 @@ def test_a_session_id_too_long_to_remember_is_refused(tiny_dirs):
         assert not worker.requests
 
 
+class TrustingWorker(ScriptedWorker):
+    """Takes each request's tenant from the gateway's metadata, as a worker behind a keyed gateway."""
+
+    async def GetModelInfo(self, request, context):
+        info = await super().GetModelInfo(request, context)
+        info.trusts_tenant_metadata = True
+        return info
+
+
+def test_each_tenants_sessions_are_its_own(tiny_dirs, tmp_path):
+    """The gateway remembered sessions by their bare ids: a tenant sending another's session id
+    (OpenAI's `user`, "alice") was sent to that tenant's worker, learning from the routed counts
+    that the id was in use, and moved it off its worker for the other."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a alpha\nkey-b beta\n")
+    with scripted_fleet(tiny_dirs, TrustingWorker(), TrustingWorker(), api_keys=str(keys)) as (gateway, stub, _):
+        for key in ("key-a", "key-b"):
+            msg = request(token_ids=[1, 2, 3], **greedy(4))
+            msg.session_id = "alice"
+            assert tokens_of(stub.Generate(msg, timeout=10, metadata=(("authorization", f"Bearer {key}"),))) == \
+                [5, 6, 7, 8]
+        assert sorted(gateway.fleet._sessions) == ["alpha\x00alice", "beta\x00alice"]
+
+
+def test_a_cancel_under_an_id_generate_refuses_is_not_found_and_reaches_no_worker(tiny_dirs):
+    """A NUL in it could spell another tenant's id at a worker that trusts its fronts' tenants."""
+    worker = ScriptedWorker()
+    with scripted_fleet(tiny_dirs, worker) as (_, stub, _):
+        err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="alpha\x00job-1"), timeout=10))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert not worker.cancels
+
+
 def test_an_n_past_max_n_is_refused_before_it_waits_or_is_routed(tiny_dirs):
     """As its worker would refuse it; a request waiting here with n in the billions would end with
     as many ABORT events on a Cancel, and count as that many sequences on its worker's load."""

@@ -360,3 +360,27 @@ def test_an_admin_token_that_metadata_cannot_carry_is_refused_when_read(tmp_path
         read_token(str(path))
     path.write_text("  s3cret\n")
     assert read_token(str(path)) == "s3cret"
+
+
+def test_a_caller_without_a_tenant_cannot_spell_a_tenants_request_id(tiny_dirs):
+    """A worker that trusts its front's tenant knows alpha's "job-1" as "alpha\\0job-1", and a
+    caller with no tenant (a second, keyless front) could Cancel it by that id: Generate refuses
+    ids with control characters, Cancel did not look."""
+    from tests.service.conftest import ModelServerThread
+    from kvserve.services.plumbing.api_keys import TENANT_METADATA
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu",
+                               page_size=4, num_pages=256, trust_tenant_metadata=True)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            call = stub.Generate(request(token_ids=[9] * 10, request_id="job-1", **greedy(1000)),
+                                 metadata=((TENANT_METADATA, "alpha"),), timeout=60)
+            next(call)
+            err = rpc_error(lambda: stub.Cancel(pb.CancelRequest(request_id="alpha\x00job-1"), timeout=10))
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            stub.Cancel(pb.CancelRequest(request_id="job-1"), metadata=((TENANT_METADATA, "alpha"),), timeout=10)
+            events = list(call)
+            assert events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
+            assert events[-1].finished.usage.completion_tokens < 1000
+    finally:
+        server.stop()
