@@ -41,8 +41,9 @@ def as_request_failed(exc: Exception, what: str) -> RequestFailed:
     """`exc` as the RequestFailed a client is told; an unexpected one is logged as a bug."""
     if isinstance(exc, RequestFailed):
         return exc
-    if isinstance(exc, ManagerUnavailable):
-        return Unavailable(str(exc))
+    if isinstance(exc, ManagerUnavailable):   # its words name the manager's address: the log's alone
+        log.warning("%s: %s", what, exc)
+        return Unavailable("its KV-cache manager did not answer; this worker cannot serve until it does")
     error = InternalError(what)
     log.error("%s (incident %s)", what, error.incident, exc_info=exc)
     return error

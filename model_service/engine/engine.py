@@ -240,7 +240,7 @@ class Engine:
             return self._why_unavailable()
         quiet = self.link.quiet_for()
         if quiet is not None and quiet >= self.link.timeout_s:   # idle: found by the watchdog's probes
-            return (f"the KV-cache manager at {self.link.kv.address} has not answered for {quiet:.0f} s; "
+            return (f"its KV-cache manager has not answered for {quiet:.0f} s; "
                     "this worker cannot serve until it does")
         return self._stall()
 
@@ -345,7 +345,8 @@ class Engine:
         held = self.scheduler.requeue_all()
         self._count()
         self.counters.manager_losses += 1
-        log.warning("lost the KV-cache manager (%s); %d requests wait for it to come back", error, held)
+        log.warning("lost the KV-cache manager at %s (%s); %d requests wait for it to come back", self.link.kv.address,
+                    error, held)
 
     def _diverged(self, error: Exception) -> None:
         """The manager refused a Step over state this engine does not hold. Every request is
@@ -375,15 +376,15 @@ class Engine:
         self.on_step_end()
 
     def _why_unavailable(self) -> str:
-        address = self.link.kv.address
+        """What clients and the health checks read: the manager's address is the log's alone
+        (a tenant reads this, and at a gateway its workers' words reach every client)."""
         if self.link.superseded_by is not None:
-            return (f"this model service no longer serves: another one registered with its KV-cache "
-                    f"manager at {address}")
+            return "this model service no longer serves: another one registered with its KV-cache manager"
         if self.link.refusal:   # (it names the manager and why)
             return f"{self.link.refusal}; this worker cannot serve until a manager that takes it is there"
         lost = self.link.lost_since
         for_how_long = f" for {time.monotonic() - lost:.0f} s" if lost is not None else ""
-        return (f"the KV-cache manager at {address} has been unreachable{for_how_long}; "
+        return (f"its KV-cache manager has been unreachable{for_how_long}; "
                 f"this worker cannot serve until it is back")
 
     def _internal_error(self, what: str) -> None:

@@ -16,6 +16,7 @@ from kvserve.services.gateway.board import LoadBoard
 from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
+from kvserve.services.gateway.peer_addresses import without_addresses
 from kvserve.services.gateway.router import SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import DOWN, SERVING, Worker
@@ -133,7 +134,7 @@ class Fleet:
         else:
             reasons = Counter("down" if w.state == DOWN else w.not_serving for w in self.workers.values()
                               if w.not_serving)
-            said = [f"{k} worker{'s' if k > 1 else ''}: {why}" for why, k in reasons.items()]
+            said = [f"{k} worker{'s' if k > 1 else ''}: {without_addresses(why)}" for why, k in reasons.items()]
         more = f"; and {len(said) - most} more" if len(said) > most else ""
         return "".join(f"; {s}" for s in said[:most]) + more
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
@@ -32,6 +31,7 @@ from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.model_service.status import status_message
 from kvserve.services.gateway.fleet import Fleet, session_key
+from kvserve.services.gateway.peer_addresses import without_addresses
 from kvserve.services.gateway.router import Choice
 from kvserve.services.gateway.waiting import QueueFull
 from kvserve.services.gateway.worker import Worker
@@ -103,19 +103,6 @@ def renamed(request_id: str) -> str:
     the length a worker allows."""
     suffix = "." + uuid.uuid4().hex[:8]
     return request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
-
-
-# What grpc's own error details name a peer by ("ipv4:10.0.0.7:50051: Connection refused",
-# "ipv6:%5B::1%5D:50051", "DNS resolution failed for worker-0.workers:50051: errors resolving
-# worker-0.workers:50051"): a worker's address is the log's (each log line names it), never what
-# a client reads.
-_PEER_ADDRESS = re.compile(r"(?:ipv4:[0-9.]+|ipv6:(?:\[|%5B)[0-9a-fA-F:.%]*?(?:\]|%5D)|unix(?:-abstract)?:[^\s:;,]+)"
-                           r"(?::\d+)?|(?:(?<=errors resolving )|(?<=resolution failed for ))[^\s:;,]+(?::\d+)?")
-
-
-def without_addresses(details: str) -> str:
-    """`details` with every peer address grpc writes in its errors taken out."""
-    return _PEER_ADDRESS.sub("the worker", details)
 
 
 class Refused(Exception):

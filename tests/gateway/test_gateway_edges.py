@@ -1204,13 +1204,29 @@ def test_a_workers_address_in_grpcs_words_never_reaches_the_client(tiny_dirs):
     "last error: UNKNOWN: ipv4:10.1.2.3:50051: Connection refused",
     "DNS resolution failed for worker-0.workers:50051: errors resolving worker-0.workers:50051: C-ares",
     "connect failed: unix:/run/kvserve/worker-0.sock: No such file",
+    # a worker's own words: its manager, by host and port
+    "its KV-cache manager at 10.1.2.3:50061 has been unreachable for 4 s",
+    "the KV-cache manager at worker-0.workers.ns.svc:50061 did not answer",
+    "the KV-cache manager at [::1]:50061 did not answer",
+    "the KV-cache manager at localhost:50061 did not answer",
 ])
 def test_grpcs_words_for_every_kind_of_worker_address_are_scrubbed(details):
     from kvserve.services.gateway.relay import Refused
 
     scrubbed = Refused(grpc.StatusCode.UNAVAILABLE, details).message   # every message a client reads
-    assert not any(name in scrubbed for name in ("::1", "10.1.2.3", "worker-0", "/run/kvserve")), scrubbed
+    assert not any(name in scrubbed for name in ("::1", "10.1.2.3", "worker-0", "/run/kvserve", "localhost")), \
+        scrubbed
     assert "the worker" in scrubbed
+
+
+@pytest.mark.parametrize("words", [
+    "prompt (10 tokens) + max_tokens (1500) = 1510 exceeds the model length 1024",
+    "min_tokens must be at most max_tokens (4), got 5", "no worker has been serving for 2.5 s",
+    "top_p must be in (0, 1], got 1.5", "the model is Qwen2.5-0.5B (v1.2)",
+])
+def test_words_that_name_no_address_are_left_alone(words):
+    from kvserve.services.gateway.peer_addresses import without_addresses
+    assert without_addresses(words) == words
 
 
 class FailingAfterCancel(ScriptedWorker):
