@@ -206,7 +206,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def WatchServerStats(self, request, context):
         async for stats in stats_watch.watch(request, context, self._shared_stats,
-                                             done=lambda: self.draining and not self.open_streams):
+                                             done=lambda: self.draining and not self.open_streams, keys=self.keys):
             yield stats   # (done: its last Generate returned)
 
     def _load(self) -> tuple:

@@ -222,7 +222,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
 
     async def WatchServerStats(self, request, context):
         async for out in stats_watch.watch(request, context, self._shared_stats,
-                                           done=lambda: self.draining and not self.relays):
+                                           done=lambda: self.draining and not self.relays, keys=self.keys):
             yield out
 
     def _load(self) -> tuple:

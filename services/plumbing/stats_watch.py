@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
+from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 
 DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
 MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
@@ -71,9 +72,11 @@ class SharedStats:
 
 
 async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerContext, stats: SharedStats,
-                done: Callable[[], bool]) -> AsyncIterator[pb.ServerStats]:
+                done: Callable[[], bool], keys: ApiKeys | None = None) -> AsyncIterator[pb.ServerStats]:
     """The stream: a message from `stats` whenever its load changed or a heartbeat is due;
-    `done()` ends the stream (after one last message)."""
+    `done()` ends the stream (after one last message). With `keys`, the caller's key is looked
+    at before each message: a stream that never ends on its own must not outlive a key taken
+    out of the file (SIGHUP)."""
     try:
         interval, heartbeat = periods(request)
     except ValueError as exc:
@@ -89,6 +92,8 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
         while True:
             key, now, last = stats.load(), loop.time(), done()
             if told is None or key != told or now - told_at >= heartbeat or last:
+                if keys is not None and keys.tenant(bearer_token(context.invocation_metadata())) is None:
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the API key was revoked")
                 yield await stats.get(key)
                 told, told_at = key, now
             if last:

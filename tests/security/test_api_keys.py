@@ -122,6 +122,24 @@ def test_another_tenants_request_cannot_be_cancelled(keyed):
         assert events[-1].finished.finish_reason == pb.FINISH_REASON_ABORT
 
 
+def test_a_revoked_keys_stats_stream_ends_at_its_next_message(keyed):
+    """A WatchServerStats stream never ends by itself: its key was looked at once, and a key taken
+    out of the file (SIGHUP) kept it open, reporting the server's load, for ever."""
+    server, path = keyed
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stream = pb_grpc.InferenceStub(ch).WatchServerStats(
+                pb.WatchServerStatsRequest(interval_ms=20, heartbeat_ms=100), metadata=bearer("key-b"), timeout=30)
+            next(stream)
+            path.write_text("key-a alpha\n")
+            server.servicer.keys.reload()
+            err = rpc_error(lambda: list(stream))
+            assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, "the API key was revoked")
+    finally:
+        path.write_text(KEYS)
+        server.servicer.keys.reload()
+
+
 def test_keys_are_read_again_and_a_broken_file_keeps_those_in_force(tmp_path):
     path = tmp_path / "keys"
     path.write_text(KEYS)
