@@ -267,10 +267,7 @@ def top_k_top_p_mask(
     k_on = top_k < vocab                                                  # (R,)
     drop = torch.zeros_like(logits, dtype=torch.bool)                     # (R, V)
     if bool(k_on.any()):
-        k_max = int(top_k[k_on].max())
-        largest = logits.topk(k_max, dim=-1).values                       # (R, k_max) descending
-        kth = largest.gather(1, top_k.clamp(max=k_max).unsqueeze(1) - 1)  # (R, 1)
-        drop = logits < kth.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
+        drop = logits < _kth_largest(logits, top_k, k_on)
     p_on = top_p < 1                                                      # (R,)
     if bool(p_on.all()):
         probs = torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)  # (R, V)
@@ -280,6 +277,38 @@ def top_k_top_p_mask(
         probs = torch.softmax(scaled[rows].masked_fill_(drop[rows], float("-inf")), dim=-1)
         drop[rows] |= probs < _top_p_cutoff(probs, top_p[rows])
     return drop
+
+
+# Rows are ranked for top-k in groups of like k: one row's k of 150,000 made every row of the
+# batch rank that many (several times the step's sampling time, for every request in it).
+_TOP_K_GROUPS = (64, 1024)
+
+
+def _kth_largest(
+    logits: torch.Tensor,  # (R, V)
+    top_k: torch.Tensor,   # (R,) int64
+    k_on: torch.Tensor,    # (R,) bool: top_k < V
+) -> torch.Tensor:         # (R, 1) each row's k-th largest logit; -inf where top-k is off
+    """Each group of rows ranks as many as its largest k asks; past half the vocabulary the k-th
+    largest is found as the (V - k + 1)-th smallest, so no row ranks more than half of it. The
+    values (not their order) decide, so a row's result does not depend on its group."""
+    num_rows, vocab = logits.shape
+    kth = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    bounds = (0, *(b for b in _TOP_K_GROUPS if b < vocab // 2), vocab // 2, vocab)
+    for low, high in zip(bounds, bounds[1:]):
+        rows = torch.nonzero(k_on & (top_k > low) & (top_k <= high)).squeeze(1)
+        if not rows.numel():
+            continue
+        ks = top_k[rows].unsqueeze(1)                                     # (G, 1)
+        of = logits if rows.numel() == num_rows else logits[rows]         # (G, V)
+        if high <= vocab // 2:
+            ranked = of.topk(int(ks.max()), dim=-1).values                # descending
+            kth[rows] = ranked.gather(1, ks - 1)
+        else:
+            from_below = vocab - ks + 1                                   # (G, 1) <= V / 2
+            ranked = of.topk(int(from_below.max()), dim=-1, largest=False).values   # ascending
+            kth[rows] = ranked.gather(1, from_below - 1)
+    return kth
 
 
 # Candidate-set sizes tried for top-p before sorting a whole row: the nucleus of a real model's

@@ -85,6 +85,26 @@ def test_greedy_ties_go_to_the_first_id_like_argmax():
     assert Sampler()(logits, greedy, [[]] * 2, [[]] * 2).token_ids == [3, 3]
 
 
+@settings(max_examples=60, deadline=None)
+@given(ks=st.lists(st.integers(1, 2000), min_size=1, max_size=6), seed=st.integers(0, 1000),
+       ties=st.booleans())
+def test_each_rows_kth_largest_is_the_sorted_rows_whatever_the_others_k(ks, seed, ties):
+    """Rows are ranked in groups of like k (one row's k of 150,000 made every row rank that
+    many); past half the vocabulary from below. Ties included: values decide, not order."""
+    vocab = 2000
+    logits = _logits(seed, len(ks), vocab)
+    if ties:
+        logits = logits.round()
+    top_k = torch.tensor(ks)
+    k_on = top_k < vocab
+    kth = sampler_module._kth_largest(logits, top_k, k_on)
+    for i, k in enumerate(ks):
+        expected = logits[i].sort(descending=True).values[k - 1] if k < vocab else float("-inf")
+        assert kth[i, 0] == expected
+        alone = sampler_module._kth_largest(logits[i:i + 1], top_k[i:i + 1], k_on[i:i + 1])
+        assert alone[0, 0] == kth[i, 0]
+
+
 def test_top_k_keeps_every_token_tied_with_the_kth():
     logits = torch.tensor([[1.0, 5.0, 3.0, 5.0, 3.0, 3.0]])
     mask = top_k_top_p_mask(logits, logits, torch.tensor([1]), torch.tensor([1.0]))
