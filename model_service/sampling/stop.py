@@ -13,10 +13,11 @@ Per token, in this order:
 4. the max_tokens-th token → finished "length" (unless 1–2 stopped it) with all text released.
    Its caller passes the detokenizer's last text with it (`is_last`), searched in step 1.
 
-So the streamed text never contains a stop string or any part of one. Generation ends with the
-first token whose text completes a stop string, and the streamed text is then exactly the output
-up to where the earliest stop string in it begins (a longer stop string that started earlier but
-had not completed does not count: the request ended before it could).
+So the streamed text never contains a stop string or any part of one (but those completed within
+min_tokens). Generation ends with the first token past min_tokens whose text completes a stop
+string, and the streamed text is then exactly the output up to where the earliest stop string
+ending in that token begins (a longer stop string that started earlier but had not completed does
+not count: the request ended before it could).
 A stop string can span any number of tokens: only text that might begin one is ever held, and
 the search runs over held + new text, where any occurrence must start.
 """
