@@ -3,20 +3,21 @@
 # (setup.py, for every instruction-set level they list, not for the build machine's CPU); the
 # serving image is the venv alone, with no compiler.
 #
-# CPU (default):
+# CPU (default): torch's CPU-only wheel, from PyTorch's CPU index (PyPI's Linux wheel of torch
+# brings several GB of CUDA libraries with it):
 #   docker build -t kvserve .
-# NVIDIA GPU: a CUDA runtime base, a CUDA torch wheel and flash-attn 4 (the fa4 extra; EXTRAS=gpu
-# is flash-attn 2, which builds from source: it needs a -devel base, with nvcc), e.g.
-#   docker build -t kvserve:cuda \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=fa4 .
-# (PyPI's Linux torch wheel already bundles CUDA libraries; TORCH_INDEX_URL
-#  picks a specific CUDA, or https://download.pytorch.org/whl/cpu for a small CPU-only image.)
+# NVIDIA GPU: PyPI's wheel (it bundles CUDA 13's libraries; the host's driver is all the node
+# needs) and flash-attn 4 (the fa4 extra, with its CUDA 13 build: the pairing the GPU runs of
+# docs/benchmarks.md used, there with torch 2.11.0+cu130), e.g.
+#   docker build -t kvserve:cuda --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+#     --build-arg EXTRAS='fa4' .
+# (EXTRAS=gpu is flash-attn 2, which builds from source: it needs a CUDA -devel BASE_IMAGE, with
+#  nvcc.) Another CUDA: TORCH_INDEX_URL=https://download.pytorch.org/whl/cuXXX.
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
-ARG TORCH_INDEX_URL=
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -3,8 +3,9 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# A plain `torch` requirement pulls the CUDA build (GBs); pin the wheel first.
-# GPU: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+# torch is installed first, pinned: a plain `torch` requirement may pull a CUDA build (GBs).
+# Where pip sees PyPI alone (its Linux wheel bundles CUDA 13's libraries), the CPU-only build:
+#   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
