@@ -20,8 +20,10 @@ def run_model(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
+    from kvserve.services.plumbing.first_process import exit_on_sigterm_while_starting
     from kvserve.services.plumbing.temp_dir import require_temp_dir
 
+    exit_on_sigterm_while_starting()   # a container's PID 1: the model may load for minutes
     config = from_args(ModelServiceConfig, args, "kvserve model")
     require_temp_dir("kvserve model")   # torch's caches: without one, the model "cannot load"
     if config.api_keys:   # before the imports and the model's load, which take seconds

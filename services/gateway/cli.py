@@ -20,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.services.plumbing.api_keys import keep_sighup_until_watched
+    from kvserve.services.plumbing.first_process import exit_on_sigterm_while_starting
 
+    exit_on_sigterm_while_starting()   # a container's PID 1: the tokenizer's load takes seconds
     config = from_args(GatewayConfig, args, "kvserve gateway")
     if not config.worker and not config.workers_dns:
         raise BadFlags("kvserve gateway: give --worker ADDR (repeat it) or --workers-dns NAME:PORT")
