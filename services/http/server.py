@@ -93,8 +93,10 @@ class HttpFront:
             raise CannotListen(f"cannot serve HTTP on {listen}: {exc.strerror or exc}") from None
         sock.listen(2048)
         sock.setblocking(False)
+        # log_config=None: uvicorn's records go through the process's logging (its format, and the
+        # filter that keeps what clients do out of the log: logging_setup.py), not its own handlers
         config = uvicorn.Config(make_app(channel, max_body_bytes, keys, allowed_origins), log_level="warning",
-                                lifespan="off",
+                                log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))
         server = _Server(config)

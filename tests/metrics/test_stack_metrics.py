@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 import http.client
 import time
 import urllib.error
@@ -125,12 +126,15 @@ def test_idle_connections_neither_pile_up_threads_nor_keep_scrapes_out(monkeypat
 
 
 @pytest.mark.slow
-def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
-    """...and puts the HTTP front on its front service."""
+def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs, tmp_path):
+    """...and puts the HTTP front on its front service, whose clients' bad bytes write nothing
+    to the log (uvicorn's WARNING for each, before any key is looked at, let any client fill it)."""
     address, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    log = open(tmp_path / "stderr", "w")
     proc = kvserve("up", "--model", str(tiny_dirs["tiny"]), "--listen", address, "--kvcache-listen",
                    f"127.0.0.1:{free_port()}", "--device", "cpu", "--page-size", "4", "--num-pages", "256",
-                   "--metrics-listen", metrics, "--http-listen", http, "--log-level", "warning")
+                   "--metrics-listen", metrics, "--http-listen", http, "--log-level", "warning", stderr=log)
+    log.close()
     try:
         wait_serving(address, proc)
         rng = random.Random(2)
@@ -150,6 +154,13 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
         assert value(samples, "kvserve:num_requests_running") == 0
         with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as response:
             assert json.loads(response.read())["data"][0]["max_model_len"] > 0
+        host, port = http.rsplit(":", 1)
+        for junk in (b"\x16\x03\x01 not http\r\n\r\n",
+                     b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"):
+            for _ in range(3):
+                with socket.create_connection((host, int(port)), timeout=10) as conn:
+                    conn.sendall(junk)
+                    conn.recv(4096)
         # a manager that hangs (stopped, not dead) costs its own series only: the model service's
         # stay, saying the manager does not answer (the model service waited on it as long as
         # the stack waited on the model service, and the scrape had nothing)
@@ -166,3 +177,5 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs):
             os.kill(manager, signal.SIGCONT)
     finally:
         terminate(proc)
+    said = (tmp_path / "stderr").read_text()
+    assert "Invalid HTTP request" not in said and "upgrade" not in said.lower(), said

@@ -1,5 +1,6 @@
-"""configure_logging: grpc.aio's ERROR and traceback for a message a departed client could not be
-sent becomes one DEBUG line (any client could fill the log with them); other errors pass."""
+"""configure_logging: what clients cause (grpc.aio's ERROR and traceback for a message a departed
+client could not be sent, uvicorn's WARNING for a malformed HTTP request) becomes one DEBUG line
+(any client could fill the log with them); other records pass."""
 
 from __future__ import annotations
 
@@ -29,5 +30,27 @@ def test_a_send_to_a_client_that_left_is_no_error(capsys):
         assert ("DEBUG grpc._cython.cygrpc: ExecuteBatchError raised in core by servicer method "
                 "[/kvserve.inference.v1.Inference/Generate]: the client went away while a message was being sent") in err
         assert "Traceback" not in err
+    finally:
+        configure_logging("info")
+
+
+def test_what_a_http_client_does_is_no_warning(capsys):
+    """uvicorn's WARNING (and traceback) for each malformed request or websocket upgrade, and
+    asyncio's for writes to a connection its client closed: any client could fill the log."""
+    try:
+        configure_logging("info")
+        try:
+            raise ValueError("bad bytes")
+        except ValueError as exc:
+            logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.", exc_info=exc)
+        logging.getLogger("uvicorn.error").warning("Unsupported upgrade request.")
+        logging.getLogger("asyncio").warning("socket.send() raised exception.")
+        logging.getLogger("uvicorn.error").warning("something else")   # still shown
+        err = capsys.readouterr().err
+        assert "Invalid HTTP" not in err and "upgrade" not in err and "socket.send" not in err and "Traceback" not in err
+        assert "WARNING uvicorn.error: something else" in err
+        configure_logging("debug")
+        logging.getLogger("uvicorn.error").warning("Unsupported upgrade request.")
+        assert "DEBUG uvicorn.error: Unsupported upgrade request.: a client's request" in capsys.readouterr().err
     finally:
         configure_logging("info")
