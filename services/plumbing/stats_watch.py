@@ -10,6 +10,7 @@ load (SharedStats)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
 import grpc
@@ -19,9 +20,15 @@ from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 
 DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
 MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
+# A heartbeat says the server is alive: a message every 10 ms with nothing changed cost an idle
+# worker most of a core at 64 streams.
+MIN_HEARTBEAT_MS = 100
 # Streams at once: each looks at the load every interval on the server's event loop, which every
 # request's tokens go through (gateways following a worker take one each; `kvserve top` one).
 MAX_STREAMS = 64
+# From one address: one client could otherwise take every place, and the gateways following
+# the worker would find none.
+MAX_STREAMS_PER_ADDRESS = 16
 
 
 def pages_key(available: int, total: int) -> tuple[bool, int]:
@@ -46,9 +53,9 @@ def periods(request: pb.WatchServerStatsRequest) -> tuple[float, float]:
     if not MIN_INTERVAL_MS <= interval <= MAX_PERIOD_MS:
         raise ValueError(f"interval_ms is {interval}; it must be 0 (for {DEFAULT_INTERVAL_MS}) or "
                          f"{MIN_INTERVAL_MS} to {MAX_PERIOD_MS}")
-    if not interval <= heartbeat <= MAX_PERIOD_MS:
+    if not max(interval, MIN_HEARTBEAT_MS) <= heartbeat <= MAX_PERIOD_MS:
         raise ValueError(f"heartbeat_ms is {heartbeat}; it must be 0 (for {DEFAULT_HEARTBEAT_MS}) or from "
-                         f"interval_ms ({interval}) to {MAX_PERIOD_MS}")
+                         f"interval_ms ({interval}) and {MIN_HEARTBEAT_MS} up to {MAX_PERIOD_MS}")
     return interval / 1e3, heartbeat / 1e3
 
 
@@ -60,6 +67,7 @@ class SharedStats:
     def __init__(self, build: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable]) -> None:
         self.build, self.load = build, load
         self.streams = 0   # open WatchServerStats streams
+        self.by_address: Counter[str] = Counter()   # of them, from each client address
         self._lock = asyncio.Lock()
         self._last: tuple[Hashable, float, pb.ServerStats] | None = None   # (load, built at, stats)
 
@@ -85,9 +93,15 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"{stats.streams} WatchServerStats streams are open, as many as this server keeps; "
                             "try again later, or poll GetServerStats")
+    address = client_address(context.peer())
+    if stats.by_address[address] >= MAX_STREAMS_PER_ADDRESS:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{MAX_STREAMS_PER_ADDRESS} WatchServerStats streams are open from this client's "
+                            "address, as many as one address may hold; close one, or poll GetServerStats")
     loop = asyncio.get_running_loop()
     told, told_at = None, 0.0
     stats.streams += 1
+    stats.by_address[address] += 1
     try:
         while True:
             key, now, last = stats.load(), loop.time(), done()
@@ -101,3 +115,14 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
             await asyncio.sleep(interval)
     finally:
         stats.streams -= 1
+        stats.by_address[address] -= 1
+        if not stats.by_address[address]:
+            del stats.by_address[address]
+
+
+def client_address(peer: str) -> str:
+    """The client's host in grpc's peer string, without its port ("ipv4:10.0.0.7:41234",
+    "ipv6:[::1]:41234", "unix:/path": a Unix socket's clients are one address)."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer

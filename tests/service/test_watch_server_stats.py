@@ -74,7 +74,7 @@ def test_a_report_at_once_then_one_per_change_of_load(small_server):
 
 def test_a_quiet_server_still_sends_heartbeats(model_server):
     with grpc.insecure_channel(model_server.address) as ch:
-        watch = Watch(pb_grpc.InferenceStub(ch), interval_ms=10, heartbeat_ms=50)
+        watch = Watch(pb_grpc.InferenceStub(ch), interval_ms=10, heartbeat_ms=100)
         reports = [watch.reports.get(timeout=10) for _ in range(4)]   # nothing changed between them
         assert len({(r.running, r.waiting, r.kvcache.free_pages) for r in reports}) == 1
         watch.call.cancel()
@@ -83,6 +83,8 @@ def test_a_quiet_server_still_sends_heartbeats(model_server):
 @pytest.mark.parametrize("periods, words", [
     (dict(interval_ms=5), "interval_ms is 5; it must be 0 (for 50) or 10 to 60000"),
     (dict(interval_ms=100, heartbeat_ms=50), "heartbeat_ms is 50; it must be 0 (for 1000) or from interval_ms (100)"),
+    (dict(interval_ms=10, heartbeat_ms=10), "heartbeat_ms is 10; it must be 0 (for 1000) or from interval_ms (10) "
+                                            "and 100 up to 60000"),
     (dict(interval_ms=70_000), "interval_ms is 70000"),
 ])
 def test_periods_out_of_range_are_invalid_argument(model_server, periods, words):
@@ -140,6 +142,26 @@ def test_streams_past_the_cap_are_refused_and_a_closed_one_makes_room(model_serv
         assert again.reports.get(timeout=10)
         for w in watches[1:] + [again]:
             w.call.cancel()
+
+
+def test_one_client_address_holds_a_few_of_the_places(model_server, monkeypatch):
+    """One client opening every place locked out the gateways that follow the worker."""
+    from kvserve.services.plumbing import stats_watch
+
+    monkeypatch.setattr(stats_watch, "MAX_STREAMS_PER_ADDRESS", 2)
+    with grpc.insecure_channel(model_server.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        watches = [Watch(stub, interval_ms=1000) for _ in range(2)]
+        for w in watches:
+            assert w.reports.get(timeout=10)
+        extra = Watch(stub, interval_ms=1000)
+        assert extra.ended.wait(10) and extra.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert model_server.servicer._shared_stats.by_address == {"ipv4:127.0.0.1": 2}
+        for w in watches:
+            w.call.cancel()
+        wait_until(lambda: not model_server.servicer._shared_stats.by_address, what="the streams counted out")
+    assert stats_watch.client_address("ipv6:[::1]:41234") == "ipv6:[::1]"
+    assert stats_watch.client_address("unix:/run/w.sock") == "unix:/run/w.sock"
 
 
 def test_streams_sending_at_the_same_load_share_one_build():
