@@ -13,8 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.model_service.engine.events import Finished
+from kvserve.model_service.status import STATUS_OF
 from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
                                                       TOKEN_LATENCY_BUCKETS)
+
+
+# The codes a refused Generate call ends with (status.py's table), as label values.
+REFUSAL_CODES = tuple(code.name for code in dict.fromkeys(STATUS_OF.values()))
 
 
 class ServiceMetrics:
@@ -39,6 +44,10 @@ class ServiceMetrics:
                                ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):   # each series there from the start, at 0
             self.success.labels(reason)
+        self.refused = Counter("kvserve:request_refused", "Generate calls refused before they ran (bad input, a "
+                               "full queue, a draining server, ...), by their gRPC status code", ["code"], registry=r)
+        for code in REFUSAL_CODES:
+            self.refused.labels(code)
         r.register(_EngineState(engine, kv_stats))
 
     def stream(self) -> StreamClock:

@@ -26,7 +26,7 @@ from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
 from kvserve.model_service.request_builder import RequestBuilder, scoped_request_id
 from kvserve.model_service.request_ids import CANCELLED_ID_WAIT_S, LEFT_CALL_WAIT_S, id_problem
-from kvserve.model_service.status import abort, as_request_failed
+from kvserve.model_service.status import abort, as_request_failed, status_code
 from kvserve.model_service.stream_backlog import StreamBacklog, Unread
 from kvserve.model_service.tiny_model import PRESETS
 from kvserve.model_service.tokenizing import TokenizerLanes
@@ -89,7 +89,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                        lambda: self.engine.cancel(req.request_id, req))
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
-                await abort(context, as_request_failed(exc, "building the request failed"))
+                failure = as_request_failed(exc, "building the request failed")
+                self.metrics.refused.labels(status_code(failure).name).inc()
+                await abort(context, failure)
             self.metrics.params_n.observe(req.params.n)
             left = clock.sequences = req.params.n   # sequences running: the call ends after the last one's finished
             finished = failed = False

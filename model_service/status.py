@@ -60,8 +60,12 @@ def status_message(error: Exception) -> str:
     return text if len(text) <= MAX_STATUS_CHARS else text[:MAX_STATUS_CHARS - 1] + "…"
 
 
+def status_code(error: RequestFailed) -> grpc.StatusCode:
+    return next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
+
+
 async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
-    code = next(code for cls, code in STATUS_OF.items() if isinstance(error, cls))
+    code = status_code(error)
     trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else \
         ((FINAL_TRAILER, "1"),) if isinstance(error, ClientTooSlow) else ()
     await context.abort(code, status_message(error), trailers)

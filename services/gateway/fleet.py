@@ -65,6 +65,7 @@ class Fleet:
         self.prompt_tokens = 0      # of its clients' requests, once each, however often a request moved
         self.cached_tokens = 0      # of those, found in the first worker's cache (what the client was told)
         self.ended = {"finished": 0, "aborted": 0, "failed": 0}   # this gateway's streams, by how they ended
+        self.refused: Counter[str] = Counter()   # calls refused before they ran, by gRPC status code name
         self._requests_seen = 0
 
     # ------------------------------------------------------------ membership

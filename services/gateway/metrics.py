@@ -14,6 +14,8 @@ from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, STARTING
 from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS, read_on_loop
 
 STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
+# the codes a refusal ends with, there from the start at 0 (others as they come)
+REFUSAL_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "ALREADY_EXISTS", "UNAVAILABLE", "UNAUTHENTICATED")
 
 
 class GatewayMetrics:
@@ -36,12 +38,13 @@ class _FleetState:
 
     def _snapshot(self):
         index = self.fleet.index
-        return len(self.fleet.queue), (self.fleet.migrations, self.fleet.generated_tokens), [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
+        outcomes = (dict(self.fleet.ended), dict(self.fleet.refused))
+        return len(self.fleet.queue), (self.fleet.migrations, self.fleet.generated_tokens, outcomes), [(w.address, w.state, w.load.running, w.load.waiting, w.requests_routed,
                                         w.prompt_tokens, w.hit_tokens, index.pages_of(w.address))
                                        for w in self.fleet.workers.values()]
 
     def collect(self):
-        queued, (migrations, generated), workers = read_on_loop(self.loop, self._snapshot)
+        queued, (migrations, generated, (ended, refused)), workers = read_on_loop(self.loop, self._snapshot)
         yield GaugeMetricFamily("kvserve:gateway_queue_length", "Requests waiting in the gateway's queue",
                                 value=queued)
         state = GaugeMetricFamily("kvserve:gateway_worker_state", "1 for each worker's state", labels=["worker", "state"])
@@ -71,3 +74,15 @@ class _FleetState:
                                   "failed mid-stream", value=migrations)
         yield CounterMetricFamily("kvserve:gateway_generation_tokens", "Tokens streamed to the gateway's clients",
                                   value=generated)
+        outcome = CounterMetricFamily("kvserve:gateway_requests", "The gateway's streams that ran, by how they "
+                                      "ended (finished, aborted: cancelled or its client gone, failed)",
+                                      labels=["outcome"])
+        for name, count in ended.items():
+            outcome.add_metric([name], count)
+        yield outcome
+        refusals = CounterMetricFamily("kvserve:gateway_requests_refused", "Generate calls refused before they ran "
+                                       "(bad input, a full queue, draining, ...), by their gRPC status code",
+                                       labels=["code"])
+        for code in sorted(set(REFUSAL_CODES) | set(refused)):
+            refusals.add_metric([code], refused.get(code, 0))
+        yield refusals

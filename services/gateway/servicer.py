@@ -85,6 +85,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             if (tenant, request_id) in self.relays:   # checked after the awaits, where another could have come
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         except Refused as exc:
+            self.fleet.refused[exc.code.name] += 1
             if exc.trailers:
                 context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)
@@ -113,6 +114,8 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                         return
             else:
                 ended = "failed" if exc.code in FAULTS else None
+                if ended is None:
+                    self.fleet.refused[exc.code.name] += 1
             if exc.trailers:
                 context.set_trailing_metadata(exc.trailers)
             await context.abort(exc.code, exc.message)

@@ -42,3 +42,11 @@ def test_routed_requests_and_hit_tokens_per_worker(tiny_dirs):
         after = scrape(address)
         assert sum(value(after, "kvserve:gateway_prompt_tokens_total", worker=w) for w in workers) == 3 * 48
         assert sum(value(after, "kvserve:gateway_routed_requests_total", worker=w) for w in workers) == 4
+        # the streams that ran, by how they ended; the calls refused before they ran, by code
+        assert value(after, "kvserve:gateway_requests_total", outcome="finished") == 3
+        assert value(after, "kvserve:gateway_requests_refused_total", code="INVALID_ARGUMENT") == 1   # the workers'
+        with pytest.raises(grpc.RpcError):   # the gateway's own refusal, before routing
+            generate(fleet.stub, request(token_ids=[1, 2], request_id="a\nb", **greedy(2)))
+        again = scrape(address)
+        assert value(again, "kvserve:gateway_requests_refused_total", code="INVALID_ARGUMENT") == 2
+        assert value(again, "kvserve:gateway_requests_refused_total", code="RESOURCE_EXHAUSTED") == 0

@@ -60,6 +60,22 @@ def test_series_move_with_requests_and_a_repeated_prompt_hits(served):
     assert 0 < sent < steps, (sent, steps)
 
 
+def test_refused_calls_are_counted_by_their_code(served):
+    """A refused call moved no series: an operator could not see load shed or bad input."""
+    address = served.servicer.metrics_endpoint.address
+    before = scrape(address)
+    assert value(before, "kvserve:request_refused_total", code="RESOURCE_EXHAUSTED") == 0   # there from the start
+    with grpc.insecure_channel(served.address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        for msg in (request(token_ids=[5000], **greedy(2)), request(token_ids=[5], request_id="a\nb", **greedy(2))):
+            with pytest.raises(grpc.RpcError) as err:
+                generate(stub, msg)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = scrape(address)
+    assert value(after, "kvserve:request_refused_total", code="INVALID_ARGUMENT") - \
+        value(before, "kvserve:request_refused_total", code="INVALID_ARGUMENT") == 2
+
+
 def test_inter_token_gaps_are_the_engines_whatever_batches_the_front_takes_them_in():
     """A stream whose front end fell behind takes several events at once: each token after the
     first still counts one gap, of the time between the engine's sends."""
