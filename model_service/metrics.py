@@ -122,11 +122,14 @@ class _EngineState:
 
     def collect(self):
         e, c = self.engine, self.engine.counters
-        yield GaugeMetricFamily("kvserve:num_requests_running", "Requests in the running batch", value=e.num_running)
+        # (running and swapped count sequences, as vLLM counts each of a request's n; waiting counts
+        # requests, as a request of n waits whole)
+        yield GaugeMetricFamily("kvserve:num_requests_running", "Sequences in the running batch (a request of n "
+                                "counts n)", value=e.num_running)
         yield GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting to run (submitted ones "
-                                "included), as GetServerStats counts them",
+                                "included; a request of n counts once), as GetServerStats counts them",
                                 value=e.num_waiting_requests())
-        yield GaugeMetricFamily("kvserve:num_requests_swapped", "Requests swapped to CPU pages", value=e.num_swapped)
+        yield GaugeMetricFamily("kvserve:num_requests_swapped", "Sequences swapped to CPU pages", value=e.num_swapped)
         reachable = GaugeMetricFamily("kvserve:manager_reachable", "1 while the KV-cache manager answers")
         try:
             if e.link.lost:
