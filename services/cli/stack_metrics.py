@@ -28,11 +28,15 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class StackMetrics:
     def __init__(self) -> None:
-        self.sources: list[tuple[dict[str, str], str]] = []   # (labels to add, the child's metrics URL)
+        # (labels to add, worker label values to rename, the child's metrics URL)
+        self.sources: list[tuple[dict[str, str], dict[str, str], str]] = []
         self._failing: set[str] = set()   # URLs whose last fetch failed: said once, at warning
 
-    def add(self, address: str, **labels: str) -> None:
-        self.sources.append((labels, f"http://{address}/metrics"))
+    def add(self, address: str, workers: dict[str, str] | None = None, **labels: str) -> None:
+        """`workers`: the child names workers in a `worker` label by these keys (the gateway, by
+        their private addresses, a temporary directory's); served as the values, the names the
+        workers' own series carry, so that the two join and stay across restarts."""
+        self.sources.append((labels, workers or {}, f"http://{address}/metrics"))
 
     def describe(self):
         return []
@@ -40,8 +44,8 @@ class StackMetrics:
     def collect(self):
         families: dict[str, Metric] = {}
         with ThreadPoolExecutor(max(1, len(self.sources)), thread_name_prefix="kvserve-metrics-fetch") as pool:
-            texts = list(pool.map(self._fetch, [url for _, url in self.sources]))
-        for (labels, _), text in zip(self.sources, texts):
+            texts = list(pool.map(self._fetch, [url for _, _, url in self.sources]))
+        for (labels, workers, _), text in zip(self.sources, texts):
             if text is None:
                 continue
             for family in text_string_to_metric_families(text):
@@ -49,8 +53,8 @@ class StackMetrics:
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type,
                                                             family.unit)
-                merged.samples.extend(Sample(s.name, {**labels, **s.labels}, s.value, s.timestamp, s.exemplar)
-                                      for s in family.samples)
+                merged.samples.extend(Sample(s.name, _renamed({**labels, **s.labels}, workers), s.value, s.timestamp,
+                                             s.exemplar) for s in family.samples)
         yield from families.values()
 
     def _fetch(self, url: str) -> str | None:
@@ -65,3 +69,9 @@ class StackMetrics:
             return None
         self._failing.discard(url)
         return text
+
+
+def _renamed(labels: dict[str, str], workers: dict[str, str]) -> dict[str, str]:
+    if workers and labels.get("worker") in workers:
+        return {**labels, "worker": workers[labels["worker"]]}
+    return labels

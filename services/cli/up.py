@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 port = free_local_port()
                 gateway_metrics = [f"--metrics-listen={port}"]
-                metrics.add(port)
+                metrics.add(port, workers={p.config.listen: f"worker-{i}" for i, p in enumerate(pairs)})
             gateway = Child("the gateway", cli + gateway_argv(model_config, [p.config.listen for p in pairs],
                                                               gateway_metrics))
         else:

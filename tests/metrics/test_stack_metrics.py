@@ -36,12 +36,20 @@ def test_children_series_are_served_together_with_their_worker_label():
             endpoints.append(serve_metrics("127.0.0.1:0", registry))
             stack.add(endpoints[-1].address, worker=name)
         stack.add(f"127.0.0.1:{free_port()}", worker="gone")   # a child restarting: left out, no error
+        # the gateway names workers by their private addresses (a temporary directory's): served
+        # under the names the workers' own series carry, so that the two join
+        registry = CollectorRegistry()
+        Counter("kvserve:gateway_routed_requests", "x", ["worker"], registry=registry).labels(
+            "unix:///tmp/kvserve-up-x/worker-1.sock").inc(3)
+        endpoints.append(serve_metrics("127.0.0.1:0", registry))
+        stack.add(endpoints[-1].address, workers={"unix:///tmp/kvserve-up-x/worker-1.sock": "worker-1"})
         registry = CollectorRegistry()
         registry.register(stack)
         endpoints.append(serve_metrics("127.0.0.1:0", registry))
         samples = scrape(endpoints[-1].address)
         assert value(samples, "kvserve:prompt_tokens_total", worker="worker-0") == 8
         assert value(samples, "kvserve:prompt_tokens_total", worker="worker-1") == 9
+        assert value(samples, "kvserve:gateway_routed_requests_total", worker="worker-1") == 3
         assert not any(dict(labels).get("worker") == "gone" for _, labels in samples)
     finally:
         for e in endpoints:
