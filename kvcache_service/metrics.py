@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.kvcache_service.core.manager import KVCacheManager
@@ -21,6 +21,11 @@ class ManagerMetrics:
         self.registry = CollectorRegistry()
         self.step_seconds = Histogram("kvserve:kv_step_seconds", "Time the manager takes to answer one Step",
                                       buckets=STEP_BUCKETS, registry=self.registry)
+        # A dead model service's sequences stay (a live one that reconnects keeps its epoch and
+        # needs them) until a new epoch registers: with this at 0, its pages are a dead one's.
+        self.step_streams = Gauge("kvserve:kv_step_streams", "StepStream calls open: the model service's "
+                                  "link (0: it is gone, or has sent no Step yet; its sequences are held until a "
+                                  "new epoch registers)", registry=self.registry)
         self.registry.register(_PoolState(manager, loop))
 
 

@@ -38,7 +38,7 @@ async def _create_with_servicer(address: str | list[str], config: ManagerConfig 
                                 ) -> tuple[RunningServer, KVCacheServicer, ManagerMetrics]:
     manager = KVCacheManager(config)
     metrics = ManagerMetrics(manager, asyncio.get_running_loop())
-    servicer = KVCacheServicer(manager, metrics.step_seconds)
+    servicer = KVCacheServicer(manager, metrics.step_seconds, metrics.step_streams)
     spec = ServiceSpec(pb_grpc.add_KVCacheManagerServicer_to_server, servicer, SERVICE_NAME)
     guard = LocalOrAdmin(SERVICE_NAME, OPEN, read_token(server.admin_token_file))
     running = await _create(address, [spec], tls=server.server_tls(), interceptors=[guard],

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 from kvserve.kvcache.v1 import kvcache_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
-    def __init__(self, manager: KVCacheManager, step_seconds: Histogram) -> None:
+    def __init__(self, manager: KVCacheManager, step_seconds: Histogram, step_streams: Gauge | None = None) -> None:
         self.m = manager
         self.step_seconds = step_seconds
+        self.step_streams = step_streams   # open StepStream calls, for the metrics
         self._events = manager.events
         self._wake = asyncio.Event()  # replaced after each set: a broadcast to event watchers
         self._last_event = self._events.last
@@ -99,8 +100,14 @@ class KVCacheServicer(pb_grpc.KVCacheManagerServicer):
         return await self._step(request, context)
 
     async def StepStream(self, request_iterator, context):
-        async for request in request_iterator:
-            yield await self._step(request, context)
+        if self.step_streams is not None:
+            self.step_streams.inc()
+        try:
+            async for request in request_iterator:
+                yield await self._step(request, context)
+        finally:
+            if self.step_streams is not None:
+                self.step_streams.dec()
 
     async def _step(self, request, context) -> pb.StepResponse:
         start = time.perf_counter()
