@@ -158,6 +158,12 @@ class _EngineState:
         yield CounterMetricFamily("kvserve:manager_losses", "Times the KV-cache manager went away and its "
                                   "requests were re-admitted", value=c.manager_losses)
         yield CounterMetricFamily("kvserve:engine_steps", "Engine iterations", value=c.steps)
+        phases = CounterMetricFamily("kvserve:engine_phase_seconds", "Engine thread time by phase of its "
+                                     "iterations (schedule, manager, copy, forward, sample, emit), as "
+                                     "GetServerStats gives it", labels=["phase"])
+        for phase in ("schedule", "manager", "copy", "forward", "sample", "emit"):
+            phases.add_metric([phase], getattr(c, f"{phase}_s"))
+        yield phases
         yield CounterMetricFamily("kvserve:engine_manager_steps", "Engine iterations that sent the KV-cache "
                                   "manager a Step (the others asked it nothing)", value=c.manager_steps)
         yield CounterMetricFamily("kvserve:spec_decode_num_drafts", "Steps in which a sequence verified a draft "

@@ -58,6 +58,7 @@ def test_series_move_with_requests_and_a_repeated_prompt_hits(served):
     # most steps of one decoding stream ask the manager nothing and are not sent
     steps, sent = moved("kvserve:engine_steps_total"), moved("kvserve:engine_manager_steps_total")
     assert 0 < sent < steps, (sent, steps)
+    assert moved("kvserve:engine_phase_seconds_total", phase="forward") > 0
 
 
 def test_refused_calls_are_counted_by_their_code(served):
