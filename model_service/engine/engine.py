@@ -380,7 +380,7 @@ class Engine:
         (a tenant reads this, and at a gateway its workers' words reach every client)."""
         if self.link.superseded_by is not None:
             return "this model service no longer serves: another one registered with its KV-cache manager"
-        if self.link.refusal:   # (it names the manager and why)
+        if self.link.refusal:   # (why its manager refused it)
             return f"{self.link.refusal}; this worker cannot serve until a manager that takes it is there"
         lost = self.link.lost_since
         for_how_long = f" for {time.monotonic() - lost:.0f} s" if lost is not None else ""

@@ -91,8 +91,10 @@ class ManagerLink:
                       "this one stops using it and serves nothing more", self.kv.address, self.superseded_by)
             return False
         except KVCacheError as exc:   # a manager that refuses this engine (another pool size): the loss
-            if str(exc) != self.refusal:   # goes on, and turns long; said once, not every attempt
-                self.refusal = str(exc)
+            # what clients and readiness read names no address (the log line does)
+            refusal = str(exc).replace(f"the KV-cache manager at {self.kv.address}", "its KV-cache manager")
+            if refusal != self.refusal:   # goes on, and turns long; said once, not every attempt
+                self.refusal = refusal
                 log.error("%s; waiting for a manager that takes it", exc)
             return False
         self.lost_since, self.long_loss, self.refusal, self.quiet_since = None, False, "", None

@@ -13,9 +13,10 @@ import re
 _PEER_ADDRESS = re.compile(
     r"(?:ipv4:[0-9.]+|ipv6:(?:\[|%5B)[0-9a-fA-F:.%]*?(?:\]|%5D)|unix(?:-abstract)?:[^\s:;,]+)(?::\d+)?"
     r"|(?:(?<=errors resolving )|(?<=resolution failed for ))[^\s:;,]+(?::\d+)?"
-    r"|(?<![\w.:/-])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?![\w.])"            # 10.0.0.7, 127.0.0.1:50061
-    r"|\[[0-9a-fA-F:.%]+\](?::\d+)?"                                        # [::1]:50051
-    r"|(?<![\w.:/-])(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d+(?![\w.])")   # a name and port
+    # (an address may end a sentence: a period after it, but no word)
+    r"|(?<![\w.:/-])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?!\w|\.\w)"          # 10.0.0.7, 127.0.0.1:50061
+    r"|\[[0-9a-fA-F.%]*:[0-9a-fA-F:.%]*\](?::\d+)?"                         # [::1]:50051, not logit_bias[50256]
+    r"|(?<![\w.:/-])(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d+(?!\w|\.\w)")   # a name and port
 
 
 def without_addresses(details: str, instead: str = "the worker") -> str:

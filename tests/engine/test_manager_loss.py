@@ -275,13 +275,17 @@ def test_a_manager_that_refuses_this_engine_ends_its_requests_and_the_engine_liv
     h = EngineHarness(tiny_dirs["tiny"], wrap_kv=wrap, manager_timeout_s=0.5, **CONFIG)
     try:
         kv = box["kv"]
-        kv.refuse_register = "num_pages 2048 does not match the manager's 1024"
+        # (worded as the real client words it, with the manager's address)
+        kv.refuse_register = (f"the KV-cache manager at {kv.address} refused to register this model service: "
+                              "num_pages 2048 does not match the manager's 1024")
         kv.kill()   # the Step in flight breaks; the manager that comes back refuses us
         outcomes = [h.submit(p, 200) for p in PROMPTS[:3]]
         for o in outcomes:
             assert o.done.wait(30), "a request hung on a manager that refuses the engine"
             assert "num_pages 2048 does not match" in o.failure
+            assert kv.address not in o.failure and "its KV-cache manager refused" in o.failure   # the log's alone
         assert "does not match" in h.engine.problem() and h.engine._thread.is_alive()
+        assert kv.address not in h.engine.problem()
         kv.refuse_register = ""
         wait_until(lambda: h.engine.problem() is None, what="the engine registered with a manager that takes it")
         again = h.submit(PROMPTS[0], 4)

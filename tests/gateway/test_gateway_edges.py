@@ -1209,6 +1209,7 @@ def test_a_workers_address_in_grpcs_words_never_reaches_the_client(tiny_dirs):
     "the KV-cache manager at worker-0.workers.ns.svc:50061 did not answer",
     "the KV-cache manager at [::1]:50061 did not answer",
     "the KV-cache manager at localhost:50061 did not answer",
+    "the KV-cache manager at 10.1.2.3.",   # an address that ends a sentence
 ])
 def test_grpcs_words_for_every_kind_of_worker_address_are_scrubbed(details):
     from kvserve.services.gateway.relay import Refused
@@ -1223,6 +1224,9 @@ def test_grpcs_words_for_every_kind_of_worker_address_are_scrubbed(details):
     "prompt (10 tokens) + max_tokens (1500) = 1510 exceeds the model length 1024",
     "min_tokens must be at most max_tokens (4), got 5", "no worker has been serving for 2.5 s",
     "top_p must be in (0, 1], got 1.5", "the model is Qwen2.5-0.5B (v1.2)",
+    # indexed fields and ids: brackets that hold no colon name no IPv6 address
+    "messages[0].role has 65 characters; at most 64 are allowed", "logit_bias[50256] must be in [-100, 100]",
+    "request id 'job[7]' is already in flight", "tokens [cafe] and [0]",
 ])
 def test_words_that_name_no_address_are_left_alone(words):
     from kvserve.services.gateway.peer_addresses import without_addresses
