@@ -374,16 +374,29 @@ def exponential_noise(
             noise[unseeded] = torch.rand(unseeded.numel(), shape[1], device=device)
     for i in seeded:  # unavoidable per-row loop: one draw per generator
         noise[i].uniform_(generator=generators[i])
-    # Float32 uniforms are multiples of 2^-24: the smallest noise besides 0 is ~2^-24, and U = 0
-    # (once in 2^24 cells) stands for all of [0, 2^-24). It is taken as 2^-25, that interval's
-    # middle: clamped to float32's tiniest, any token of nonzero probability won there, however
-    # unlikely (a 150k vocabulary drew a wrong tail token about once in 110). 0 would also turn a
-    # masked token's 0 probability into NaN. U = 1 (CUDA's uniform_ may return it) gives inf,
-    # which would zero the likeliest token's ratio; otherwise noise is below 17.
-    return noise.neg_().log1p_().neg_().clamp_(_NOISE_FLOOR, 64.0)
+    return exponential_from_uniform(noise, zero_is_top=device.type == "cuda")
 
 
 _NOISE_FLOOR = 2.0 ** -25
+_NOISE_CEILING = 64.0   # float32 uniforms below 1 give noise below 17
+
+
+def exponential_from_uniform(
+    u: torch.Tensor,    # uniforms in [0, 1), overwritten
+    zero_is_top: bool,  # 0 stands for 1 (CUDA's uniform_: it maps curand's (0, 1] to [0, 1) so)
+) -> torch.Tensor:      # -log(1 - U): Exp(1), in [2^-25, 64]
+    """Where U = 0 cannot stand for 0 alone:
+    - CPU float32 uniforms are multiples of 2^-24, so U = 0 (once in 2^24 cells) stands for all of
+      [0, 2^-24): its noise is taken as 2^-25, that interval's middle. Clamped to float32's
+      tiniest instead, any token of nonzero probability won at that cell, however unlikely (a
+      150k vocabulary drew a wrong tail token about once in 110 draws); 0 would also turn a
+      masked token's 0 probability into NaN.
+    - CUDA's U = 0 is curand's 1: the largest noise, which no token should win with.
+    """
+    noise = u.neg_().log1p_().neg_()
+    if zero_is_top:
+        return noise.masked_fill_(noise == 0, _NOISE_CEILING).clamp_(max=_NOISE_CEILING)
+    return noise.clamp_(_NOISE_FLOOR, _NOISE_CEILING)
 
 
 def _logprobs(

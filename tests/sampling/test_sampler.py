@@ -208,6 +208,18 @@ def test_a_uniform_draw_of_0_lets_no_unlikely_token_win():
     assert noise[0, zero] == 2.0 ** -25 == noise.min()
 
 
+def test_a_uniform_of_0_is_the_smallest_noise_on_a_cpu_and_the_largest_on_cuda():
+    """CUDA's uniform_ maps curand's (0, 1] to [0, 1) by turning 1 into 0: there, 0 is the top of
+    the range, and its noise must be the largest (no token should win with it), where the
+    CPU's 0 stands for the bottom."""
+    from kvserve.model_service.sampling.sampler import exponential_from_uniform
+    u = torch.tensor([0.0, 0.5, 1 - 2 ** -24])
+    cpu = exponential_from_uniform(u.clone(), zero_is_top=False)
+    cuda = exponential_from_uniform(u.clone(), zero_is_top=True)
+    assert cpu[0] == 2.0 ** -25 and cuda[0] == 64.0
+    assert torch.equal(cpu[1:], cuda[1:]) and cpu[1] == pytest.approx(math.log(2))
+
+
 def test_a_seeded_draw_depends_on_seed_and_position_alone():
     """What lets a recomputed or migrated request go on with the tokens it would have drawn:
     the draw for position p is the same whatever the generator drew before."""
