@@ -19,8 +19,8 @@ import grpc
 from kvserve.kvcache_service.contract import convert
 from kvserve.kvcache_service.contract.errors import KVCacheError
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import (TAKEN_HEADER, DuplicateRequest, InvalidRequest, RequestFailed,
-                                                 Unauthenticated, Unavailable)
+from kvserve.model_service.engine.errors import (TAKEN_HEADER, DuplicateRequest, InvalidRequest, NothingToGenerate,
+                                                 RequestFailed, Unauthenticated, Unavailable)
 from kvserve.model_service.engine.events import Failed, Finished, PrefillDone, Queued, Tokens
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.metrics import ServiceMetrics
@@ -90,7 +90,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
                 failure = as_request_failed(exc, "building the request failed")
-                self.metrics.refused.labels(status_code(failure).name).inc()
+                if not isinstance(failure, NothingToGenerate):   # (a moved stream already complete: no refusal)
+                    self.metrics.refused.labels(status_code(failure).name).inc()
                 await abort(context, failure)
             self.metrics.params_n.observe(req.params.n)
             left = clock.sequences = req.params.n   # sequences running: the call ends after the last one's finished

@@ -93,10 +93,12 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self.relays[tenant, request_id] = relay
         self._streams_over[tenant, request_id] = asyncio.Event()
         ended = "aborted"   # unless it runs to its end: the client went away
+        streamed = False   # a response went out: a refusal after it is a failure, not a refusal
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
             async with aclosing(relay.run(context.time_remaining)) as responses:
                 async for response in responses:
+                    streamed = True
                     yield response
             ended = "aborted" if relay.cancelled else "finished"
         except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed
@@ -113,7 +115,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                     if context.done():
                         return
             else:
-                ended = "failed" if exc.code in FAULTS else None
+                ended = "failed" if exc.code in FAULTS or streamed else None
                 if ended is None:
                     self.fleet.refused[exc.code.name] += 1
             if exc.trailers:

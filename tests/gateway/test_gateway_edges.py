@@ -415,6 +415,27 @@ def test_each_tenants_sessions_are_its_own(tiny_dirs, tmp_path):
         assert sorted(gateway.fleet._sessions) == ["alpha\x00alice", "beta\x00alice"]
 
 
+class CuttingASlowClient(ScriptedWorker):
+    """Streams two tokens, then ends the call as a worker ends a client too slow to read it:
+    RESOURCE_EXHAUSTED, the request's own status (passed on, not moved)."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[5, 6]))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the client did not read its stream",
+                            ((FINAL_TRAILER, "1"),))
+
+
+def test_a_stream_ended_by_an_error_after_it_ran_counts_as_failed_not_refused(tiny_dirs):
+    """The refused count is of calls refused before they ran (load shed, bad input)."""
+    with scripted_fleet(tiny_dirs, CuttingASlowClient()) as (gateway, stub, _):
+        err = rpc_error(lambda: list(stub.Generate(request(token_ids=[1, 2, 3], **greedy(8)), timeout=10)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        wait_until(lambda: gateway.fleet.ended["failed"] == 1, what="the stream counted as failed")
+        assert not gateway.fleet.refused
+
+
 def test_a_cancel_under_an_id_generate_refuses_is_not_found_and_reaches_no_worker(tiny_dirs):
     """A NUL in it could spell another tenant's id at a worker that trusts its fronts' tenants."""
     worker = ScriptedWorker()

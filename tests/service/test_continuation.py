@@ -40,17 +40,23 @@ def test_a_continued_request_streams_what_the_whole_one_would_have(stub, model_s
     assert_pages_free(model_server.servicer)
 
 
-def test_a_continuation_that_cannot_go_on_is_refused(stub):
+def test_a_continuation_that_cannot_go_on_is_refused(stub, model_server):
+    def refused() -> float:
+        return model_server.servicer.metrics.registry.get_sample_value("kvserve:request_refused_total",
+                                                                        {"code": "INVALID_ARGUMENT"})
+    counted = refused()
     msg = request(prompt=PROMPT, **greedy(4))
     msg.continuation.ids.extend([5, 6, 7, 8])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "leaves none to generate" in err.details()
     assert ended(err) == "FINISH_REASON_LENGTH"   # a gateway ends the stream by this, not the text
+    assert refused() == counted   # a moved stream already complete is no refused call
     msg = request(prompt=PROMPT, **greedy(8))
     msg.continuation.ids.extend([5, 99999])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.details()
     assert ended(err) is None   # a bad continuation: nothing ended
+    assert refused() == counted + 1
     msg = request(prompt=PROMPT, temperature=0.0, max_tokens=8, stop_token_ids=[6])
     msg.continuation.ids.extend([5, 6])
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
