@@ -108,8 +108,7 @@ class RequestBuilder:
             request.generator = make_generator(params.seed, self.stack.device)
         if params.format is not None:
             try:
-                request.matcher = await self.lanes.run(len(params.format.spec), self.stack.grammars.matcher,
-                                                       params.format, tenant)
+                request.matcher = await self.lanes.compile(self.stack.grammars.matcher, params.format, tenant)
             except ValueError as exc:
                 raise RequestError(str(exc)) from None
             request.forget_format = functools.partial(self.stack.grammars.forget, params.format, tenant)

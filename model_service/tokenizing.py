@@ -8,6 +8,9 @@ the tokenizer itself), so the loop goes on streaming and the engine on stepping.
 Lanes keep a long prompt from delaying a short one: texts up to `long_chars` go to a pool of
 `threads`; longer ones to a single thread of their own, with at most `long_waiting` queued
 behind it; past that a request is refused (RESOURCE_EXHAUSTED) rather than held in memory.
+Structured outputs' formats compile in a lane of their own, bounded the same way: a small
+hostile JSON Schema can take minutes to compile (llguidance weighs every pair of its
+patternProperties), and on the short lane it held every text prompt behind it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ T = TypeVar("T")
 
 LONG_CHARS = 32_768     # longer texts go to the long lane
 LONG_WAITING = 8
+FORMATS_WAITING = 8     # formats compiling or waiting to, past which a request is refused
 
 
 class TokenizerLanes:
@@ -32,8 +36,11 @@ class TokenizerLanes:
         self.long_waiting = long_waiting
         self._short = ThreadPoolExecutor(threads, thread_name_prefix="kvserve-tokenize")
         self._long = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize-long")
-        self._long_queued = 0   # in the long lane, running or waiting; counted down when the job
-        self._lock = threading.Lock()   # ends, not when its caller gives up (that frees no thread)
+        self._formats = ThreadPoolExecutor(1, thread_name_prefix="kvserve-formats")
+        # jobs in the long and the formats lanes, running or waiting; counted down when a job
+        # ends, not when its caller gives up (that frees no thread)
+        self._long_queued = self._formats_queued = 0
+        self._lock = threading.Lock()
 
     async def run(self, size: int, fn: Callable[..., T], *args) -> T:
         """fn(*args) on a lane picked by `size` (characters of input)."""
@@ -52,6 +59,22 @@ class TokenizerLanes:
         with self._lock:
             self._long_queued -= 1
 
+    async def compile(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) (a structured output's format) on the formats lane."""
+        with self._lock:
+            if self._formats_queued > FORMATS_WAITING:
+                raise QueueFull(f"{self._formats_queued} structured output formats are already being compiled; "
+                                "try again shortly")
+            self._formats_queued += 1
+        job = self._formats.submit(fn, *args)
+        job.add_done_callback(self._formats_done)
+        return await asyncio.wrap_future(job)
+
+    def _formats_done(self, _job) -> None:
+        with self._lock:
+            self._formats_queued -= 1
+
     def close(self) -> None:
         self._short.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
+        self._formats.shutdown(wait=False, cancel_futures=True)

@@ -129,9 +129,7 @@ class Grammars:
             grammar = _grammar(llguidance, fmt)
         except RecursionError:   # Python's json, reading or writing a schema thousands of levels deep
             raise ValueError(f"the {fmt.kind} nests too deeply") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(error)}")
+        # (LLMatcher says what validate_grammar would: a pass of that first took as long again)
         compiled = llguidance.LLMatcher(self._llg_tokenizer, grammar)
         if compiled.is_error():
             raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(compiled.get_error())}")

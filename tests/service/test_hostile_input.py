@@ -257,3 +257,34 @@ def test_a_storm_of_256_streams_leaves_no_error_and_no_page(served_with_manager)
         stub = pb_grpc.InferenceStub(ch)
         server = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
         assert server.requests_failed == 0 and server.running == 0 and server.waiting == 0
+
+
+def test_a_format_that_compiles_for_minutes_holds_no_text_prompt(tiny_dirs):
+    """A small hostile JSON Schema (hundreds of patternProperties) compiles for minutes; it ran on
+    the tokenizer lane every text prompt and chat takes, and held them all. Formats compile in a
+    lane of their own: here one held until the text prompt behind it has been answered."""
+    from tests.service.conftest import ModelServerThread
+
+    server = ModelServerThread(tiny_dirs["tiny"], listen="127.0.0.1:0", kvcache="inprocess", device="cpu",
+                               page_size=4, num_pages=128, tokenizer_threads=1)
+    grammars = server.servicer.stack.grammars
+    release, compiling = threading.Event(), threading.Event()
+    real = grammars.matcher
+
+    def slow_matcher(fmt, tenant=""):
+        compiling.set()
+        assert release.wait(60)
+        return real(fmt, tenant)
+    grammars.matcher = slow_matcher
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            formatted = ThreadPoolExecutor(1).submit(lambda: list(stub.Generate(
+                request(prompt="x", structured=pb.StructuredOutput(regex="ab"), **greedy(4)), timeout=60)))
+            assert compiling.wait(30)
+            assert stub.Tokenize(pb.TokenizeRequest(prompt="a text prompt"), timeout=10).token_ids
+            release.set()
+            assert formatted.result(60)[-1].finished.usage.completion_tokens <= 4
+    finally:
+        release.set()
+        server.stop()
