@@ -10,6 +10,7 @@ load (SharedStats)."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
@@ -121,8 +122,19 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
 
 
 def client_address(peer: str) -> str:
-    """The client's host in grpc's peer string, without its port ("ipv4:10.0.0.7:41234",
-    "ipv6:[::1]:41234", "unix:/path": a Unix socket's clients are one address)."""
-    if peer.startswith(("ipv4:", "ipv6:")):
+    """Who a client is for the per-address cap, from grpc's peer string: an IPv4 host; an IPv6
+    host's /64 (one host holds a whole one), an IPv4-mapped one as its IPv4 host; a Unix
+    socket's clients are one ("ipv4:10.0.0.7:41234", "ipv6:[2001:db8::7]:41234" or with %5B %5D,
+    "unix:/path")."""
+    if peer.startswith("ipv4:"):
         return peer.rsplit(":", 1)[0]
+    if peer.startswith("ipv6:"):
+        host = peer[5:].replace("%5B", "[").replace("%5D", "]").rsplit(":", 1)[0].strip("[]")
+        try:
+            address = ipaddress.IPv6Address(host.split("%")[0])   # (without a zone index)
+        except ValueError:
+            return peer
+        if address.ipv4_mapped is not None:
+            return f"ipv4:{address.ipv4_mapped}"
+        return f"ipv6:{ipaddress.IPv6Network((address, 64), strict=False)}"
     return peer

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.kvcache_service.metrics import ManagerMetrics
 from tests.gateway.conftest import make_fleet
@@ -16,29 +17,40 @@ from tests.gateway.conftest import make_fleet
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
-def documented() -> dict[str, dict[str, str]]:
-    """{server: {series: type}} from the table's rows."""
-    out: dict[str, dict[str, str]] = {}
+def documented() -> dict[str, dict[str, tuple[str, frozenset]]]:
+    """{server: {series: (type, label names)}} from the table's rows."""
+    out: dict[str, dict[str, tuple[str, frozenset]]] = {}
     server = None
     for line in DOC.read_text().splitlines():
         if m := re.match(r"\| \*\*(model service|manager|gateway)\*\* \|", line):
             server = m.group(1)
             out[server] = {}
-        elif server and (m := re.match(r"\| `(kvserve:[a-z0-9_]+)` \| (counter|gauge|histogram) \|", line)):
-            out[server][m.group(1)] = m.group(2)
+        elif server and (m := re.match(r"\| `(kvserve:[a-z0-9_]+)` \| (counter|gauge|histogram) \|([^|]*)\|", line)):
+            labels = frozenset(name.strip() for name in m.group(3).split(",") if name.strip())
+            out[server][m.group(1)] = (m.group(2), labels)
         elif server and not line.startswith("|"):
             break
     return out
 
 
-def series(text: str) -> dict[str, str]:
-    """{series: type} from an exposition's TYPE lines (a counter named as scraped, with _total)."""
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
-    return {name + ("_total" if kind == "counter" and not name.endswith("_total") else ""): kind
-            for name, kind in types.items()}
+def series(text: str) -> dict[str, tuple[str, frozenset]]:
+    """{series: (type, label names)} from an exposition (a counter named as scraped, with _total;
+    a histogram's `le` is its own)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = frozenset(label for sample in family.samples for label in sample.labels if label != "le")
+        out[name] = (family.type, labels if family.samples else None)   # (None: no sample to tell)
+    return out
 
 
-def scraped(address: str) -> dict[str, str]:
+def assert_as_documented(served: dict, table: dict) -> None:
+    assert {name: kind for name, (kind, _) in served.items()} == {name: kind for name, (kind, _) in table.items()}
+    for name, (_, labels) in served.items():
+        assert labels is None or labels == table[name][1], (name, sorted(labels), sorted(table[name][1]))
+
+
+def scraped(address: str) -> dict:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
         return series(response.read().decode())
 
@@ -53,7 +65,7 @@ def test_each_server_serves_the_series_the_table_names(tiny_dirs):
     for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config={"metrics_listen": "127.0.0.1:0"},
                             metrics_listen="127.0.0.1:0"):
         worker = fleet.workers[0]
-        assert scraped(worker.model.servicer.metrics_endpoint.address) == table["model service"]
-        assert scraped(fleet.gateway.gateway.metrics_endpoint.address) == table["gateway"]
+        assert_as_documented(scraped(worker.model.servicer.metrics_endpoint.address), table["model service"])
+        assert_as_documented(scraped(fleet.gateway.gateway.metrics_endpoint.address), table["gateway"])
         manager = ManagerMetrics(worker.manager.manager, worker.manager.loop)
-        assert series(generate_latest(manager.registry).decode()) == table["manager"]
+        assert_as_documented(series(generate_latest(manager.registry).decode()), table["manager"])

@@ -160,7 +160,10 @@ def test_one_client_address_holds_a_few_of_the_places(model_server, monkeypatch)
         for w in watches:
             w.call.cancel()
         wait_until(lambda: not model_server.servicer._shared_stats.by_address, what="the streams counted out")
-    assert stats_watch.client_address("ipv6:[::1]:41234") == "ipv6:[::1]"
+    # an IPv6 host holds a /64: its addresses are one client; an IPv4-mapped one is its IPv4 host
+    assert stats_watch.client_address("ipv6:[2001:db8::7]:41234") == \
+        stats_watch.client_address("ipv6:%5B2001:db8::8:9%5D:5") == "ipv6:2001:db8::/64"
+    assert stats_watch.client_address("ipv6:[::ffff:10.0.0.7]:41234") == "ipv4:10.0.0.7"
     assert stats_watch.client_address("unix:/run/w.sock") == "unix:/run/w.sock"
 
 
