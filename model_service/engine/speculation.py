@@ -32,6 +32,11 @@ from dataclasses import dataclass, field
 
 NGRAM_MIN = 2          # a single matching token predicts the next one poorly
 NGRAM_MAX = 4
+# The index covers a sequence's last NGRAM_WINDOW to 2 * NGRAM_WINDOW tokens: a stream that runs
+# for millions (attention sinks) grew it by ~350 MiB a million tokens, and one continued from
+# millions indexed them all at once, seconds on the engine thread. Rebuilt from the last window
+# once it covers two: linear time over the stream, as before.
+NGRAM_WINDOW = 65_536
 MAX_COOLDOWN = 16      # steps a sequence waits, at most, before it tries again
 GOOD_ENOUGH = 0.5      # accepted / drafted at or above this: the draft paid
 
@@ -42,6 +47,7 @@ class DraftState:
     index: list[dict[tuple[int, ...], int]] = field(
         default_factory=lambda: [{} for _ in range(NGRAM_MAX + 1)])   # n -> n-gram -> end of its first match
     indexed: int = 0       # n-grams ending before this position are in the index
+    start: int = 0         # ... and from this one on
     cooldown: int = 0      # steps left without drafting
     miss_streak: int = 0   # consecutive misses: the next cooldown is 2 ** miss_streak
 
@@ -94,8 +100,12 @@ class NgramDrafter:
 def _extend(state: DraftState, tokens: list[int]) -> None:
     """Indexes the n-grams ending at positions indexed .. len-2: every one but the suffix itself,
     which is what a lookup asks for."""
+    if len(tokens) - state.start > 2 * NGRAM_WINDOW:   # only the last window's n-grams from now on
+        state.start = len(tokens) - NGRAM_WINDOW
+        state.indexed = state.start
+        state.index = [{} for _ in range(NGRAM_MAX + 1)]
     index = state.index
-    for end in range(max(state.indexed, NGRAM_MIN - 1), len(tokens) - 1):
+    for end in range(max(state.indexed, state.start + NGRAM_MIN - 1), len(tokens) - 1):
         for n in range(NGRAM_MIN, min(NGRAM_MAX, end + 1) + 1):
             index[n].setdefault(tuple(tokens[end - n + 1:end + 1]), end)
     state.indexed = max(state.indexed, len(tokens) - 1)

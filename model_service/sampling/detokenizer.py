@@ -116,12 +116,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = self._decode(0, len(context))
-        self._chunks: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """All output text emitted so far (held-back bytes excluded until released)."""
-        return "".join(self._chunks)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append output tokens; return the text they complete (may be empty)."""
@@ -174,7 +168,6 @@ class IncrementalDetokenizer:
         """Write the window's text up to token `end` beyond what was written, and move on to it."""
         delta = window_text[len(self._prefix_text):]
         self._advance(end)
-        self._chunks.append(delta)
         return delta
 
     def _advance(self, end: int) -> None:

@@ -174,3 +174,21 @@ def test_an_id_sent_again_as_its_request_ends_in_a_step_it_could_draft_after(tin
         assert stats.used_pages == 0 and stats.num_sequences == 0
     finally:
         h.close()
+
+
+def test_the_ngram_index_covers_a_bounded_window_and_still_finds_recent_repeats(monkeypatch):
+    """A stream of millions of tokens (attention sinks) grew the index by ~350 MiB a million, and
+    one continued from millions indexed them all at one step."""
+    from kvserve.model_service.engine import speculation
+    from kvserve.model_service.engine.speculation import DraftState, NgramDrafter
+
+    monkeypatch.setattr(speculation, "NGRAM_WINDOW", 50)
+    drafter, state = NgramDrafter(3), DraftState()
+    rng = random.Random(3)
+    tokens = [rng.randrange(1000, 10_000) for _ in range(1000)]
+    tokens += [7, 8, 9, 10, 11] + [rng.randrange(1000, 10_000) for _ in range(20)] + [7, 8]
+    assert drafter.propose(state, tokens, room=10) == [9, 10, 11]   # a repeat within the window
+    assert sum(len(d) for d in state.index) <= 3 * 2 * 50
+    early = tokens[:2]   # an n-gram from before the window: no longer indexed
+    state.cooldown = 0
+    assert drafter.propose(state, tokens + early, room=10) == []

@@ -32,7 +32,6 @@ def test_one_token_at_a_time_equals_decoding_all(tokenizer):
         ids = tokenizer.encode(text, add_special_tokens=False)
         detok, chunks = _stream(tokenizer, ids)
         assert "".join(chunks) == tokenizer.decode(ids) == text
-        assert detok.text == text
         assert not any(FFFD in c for c in chunks)
         assert detok.flush() == ""
 
@@ -126,7 +125,6 @@ def test_output_after_a_prompt(tokenizer):
         assert tokenizer.decode(prompt_ids + output_ids) == prompt + output
         detok, chunks = _stream(tokenizer, output_ids, prompt_ids=prompt_ids)
         assert "".join(chunks) == output
-        assert detok.text == output
 
 
 def test_special_tokens_skipped_or_kept(tokenizer):
@@ -151,7 +149,7 @@ def test_a_truncated_character_is_held_and_flush_releases_it(tokenizer):
     assert "".join(chunks) == "ok"  # " 🌍" starts with one token holding the space
     tail = detok.flush()
     assert tail and tail.endswith(FFFD)
-    assert detok.text == tokenizer.decode(ids)
+    assert "".join(chunks) + tail == tokenizer.decode(ids)
 
 
 def test_works_with_a_bare_tokenizers_tokenizer(tokenizer):
