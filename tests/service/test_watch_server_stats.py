@@ -122,6 +122,16 @@ def test_a_drain_is_reported_not_serving_and_the_stream_ends_once_the_last_call_
         server.stop()
 
 
+def watches_up_to_a_refusal(stub, places: int) -> list[Watch]:
+    """`places` streams, each reporting; the next one refused RESOURCE_EXHAUSTED."""
+    watches = [Watch(stub, interval_ms=1000) for _ in range(places)]
+    for w in watches:
+        assert w.reports.get(timeout=10)
+    extra = Watch(stub, interval_ms=1000)
+    assert extra.ended.wait(10) and extra.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return watches
+
+
 def test_streams_past_the_cap_are_refused_and_a_closed_one_makes_room(model_server, monkeypatch):
     """Each stream looks at the load on the server's event loop: without a cap, hundreds of them
     slowed every other request there."""
@@ -130,11 +140,7 @@ def test_streams_past_the_cap_are_refused_and_a_closed_one_makes_room(model_serv
     monkeypatch.setattr(stats_watch, "MAX_STREAMS", 3)
     with grpc.insecure_channel(model_server.address) as ch:
         stub = pb_grpc.InferenceStub(ch)
-        watches = [Watch(stub, interval_ms=1000) for _ in range(3)]
-        for w in watches:
-            assert w.reports.get(timeout=10)
-        extra = Watch(stub, interval_ms=1000)
-        assert extra.ended.wait(10) and extra.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watches = watches_up_to_a_refusal(stub, 3)
         watches[0].call.cancel()
         assert watches[0].ended.wait(10)
         wait_until(lambda: model_server.servicer._shared_stats.streams == 2, what="the closed stream counted out")
@@ -151,11 +157,7 @@ def test_one_client_address_holds_a_few_of_the_places(model_server, monkeypatch)
     monkeypatch.setattr(stats_watch, "MAX_STREAMS_PER_ADDRESS", 2)
     with grpc.insecure_channel(model_server.address) as ch:
         stub = pb_grpc.InferenceStub(ch)
-        watches = [Watch(stub, interval_ms=1000) for _ in range(2)]
-        for w in watches:
-            assert w.reports.get(timeout=10)
-        extra = Watch(stub, interval_ms=1000)
-        assert extra.ended.wait(10) and extra.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watches = watches_up_to_a_refusal(stub, 2)
         assert model_server.servicer._shared_stats.by_address == {"ipv4:127.0.0.1": 2}
         for w in watches:
             w.call.cancel()
