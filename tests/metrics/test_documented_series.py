@@ -7,12 +7,10 @@ import re
 import urllib.request
 from pathlib import Path
 
-import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.kvcache_service.metrics import ManagerMetrics
-from tests.gateway.conftest import make_fleet
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -59,13 +57,12 @@ def test_the_table_has_each_server():
     assert set(documented()) == {"model service", "manager", "gateway"}
 
 
-@pytest.mark.slow
-def test_each_server_serves_the_series_the_table_names(tiny_dirs):
+def check_each_server(fleet) -> None:
+    """A fleet of one worker, all serving metrics: each server's series are the table's
+    (test_gateway_metrics.py runs it on its fleet, which costs its start once)."""
     table = documented()
-    for fleet in make_fleet(tiny_dirs["tiny"], 1, worker_config={"metrics_listen": "127.0.0.1:0"},
-                            metrics_listen="127.0.0.1:0"):
-        worker = fleet.workers[0]
-        assert_as_documented(scraped(worker.model.servicer.metrics_endpoint.address), table["model service"])
-        assert_as_documented(scraped(fleet.gateway.gateway.metrics_endpoint.address), table["gateway"])
-        manager = ManagerMetrics(worker.manager.manager, worker.manager.loop)
-        assert_as_documented(series(generate_latest(manager.registry).decode()), table["manager"])
+    worker = fleet.workers[0]
+    assert_as_documented(scraped(worker.model.servicer.metrics_endpoint.address), table["model service"])
+    assert_as_documented(scraped(fleet.gateway.gateway.metrics_endpoint.address), table["gateway"])
+    manager = ManagerMetrics(worker.manager.manager, worker.manager.loop)
+    assert_as_documented(series(generate_latest(manager.registry).decode()), table["manager"])

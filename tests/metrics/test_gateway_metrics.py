@@ -10,11 +10,14 @@ import pytest
 
 from tests.gateway.conftest import make_fleet
 from tests.metrics.scrape import scrape, value
+from tests.metrics.test_documented_series import check_each_server
 from tests.service.util import generate, greedy, request
 
 
 def test_routed_requests_and_hit_tokens_per_worker(tiny_dirs):
-    for fleet in make_fleet(tiny_dirs["tiny"], 2, metrics_listen="127.0.0.1:0"):
+    for fleet in make_fleet(tiny_dirs["tiny"], 2, worker_config={"metrics_listen": "127.0.0.1:0"},
+                            metrics_listen="127.0.0.1:0"):
+        check_each_server(fleet)   # the series docs/architecture.md lists, and only those
         address = fleet.gateway.gateway.metrics_endpoint.address
         rng = random.Random(8)
         prompt = [rng.randrange(3, 1024) for _ in range(48)]
