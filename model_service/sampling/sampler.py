@@ -153,8 +153,8 @@ class Sampler:
         num_rows, vocab = logits.shape
         if len(params) != num_rows:
             raise ValueError(f"got {len(params)} SamplingParams for {num_rows} rows of logits")
-        done = [_outputs(output_ids, num_outputs, i) for i in range(num_rows)]   # for min_tokens
-        shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and done[i] < p.min_tokens) for i, p in enumerate(params)]
+        shaped = [bool(p.logit_bias) or (p.min_tokens > 0 and _outputs(output_ids, num_outputs, i) < p.min_tokens)
+                  for i, p in enumerate(params)]
         formatted = [i for i, m in enumerate(matchers or ()) if m is not None]
         if not any(shaped) and not formatted and all(p.greedy and not p.has_penalties for p in params):
             tokens = row_argmax(logits)                                   # (S,)
@@ -165,7 +165,7 @@ class Sampler:
         if formatted:   # every token that would leave the format
             mask_rows(x, formatted, [matchers[i] for i in formatted])
         if any(shaped):
-            self._shape(x, params, done, shaped)
+            self._shape(x, params, output_ids, num_outputs, shaped)
         if any(batch.penalised):
             x = _penalise(x, batch, prompt_ids, output_ids)
 
@@ -188,7 +188,8 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), _logprobs(x, tokens, params))
 
 
-    def _shape(self, x: torch.Tensor, params: Sequence[SamplingParams], done: list[int], shaped: list[bool]) -> None:
+    def _shape(self, x: torch.Tensor, params: Sequence[SamplingParams], output_ids, num_outputs,
+               shaped: list[bool]) -> None:
         """In place, before penalties: each row's logit_bias added; EOS (unless ignored) and
         stop_token_ids masked while the row has fewer output tokens than its min_tokens."""
         for i, p in enumerate(params):
@@ -197,7 +198,7 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=x.device)
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device))
-            if p.min_tokens > 0 and done[i] < p.min_tokens:
+            if p.min_tokens > 0 and _outputs(output_ids, num_outputs, i) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
                     ids = torch.tensor(banned, dtype=torch.int64, device=x.device)
