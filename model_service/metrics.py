@@ -13,13 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.model_service.engine.events import Finished
-from kvserve.model_service.status import STATUS_OF
+from kvserve.model_service.status import REFUSAL_CODES
 from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
                                                       TOKEN_LATENCY_BUCKETS)
-
-
-# The codes a refused Generate call ends with (status.py's table), as label values.
-REFUSAL_CODES = tuple(code.name for code in dict.fromkeys(STATUS_OF.values()))
 
 
 class ServiceMetrics:

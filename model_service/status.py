@@ -37,6 +37,10 @@ STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
 }
 
 
+# The codes a refused Generate call ends with, as metrics' label values (a gateway's too).
+REFUSAL_CODES = tuple(code.name for code in dict.fromkeys(STATUS_OF.values()))
+
+
 def as_request_failed(exc: Exception, what: str) -> RequestFailed:
     """`exc` as the RequestFailed a client is told; an unexpected one is logged as a bug."""
     if isinstance(exc, RequestFailed):

@@ -9,13 +9,12 @@ import asyncio
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvserve.model_service.status import REFUSAL_CODES   # the workers' (each there from the start, at 0)
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, STARTING
 from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS, read_on_loop
 
 STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
-# the codes a refusal ends with, there from the start at 0 (others as they come)
-REFUSAL_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "ALREADY_EXISTS", "UNAVAILABLE", "UNAUTHENTICATED")
 
 
 class GatewayMetrics:
