@@ -30,51 +30,54 @@ LONG_WAITING = 8
 FORMATS_WAITING = 8     # formats compiling or waiting to, past which a request is refused
 
 
+class _BoundedLane:
+    """One thread and at most `waiting` jobs behind the running one; past that, QueueFull saying
+    `busy` (with the count). A job is counted out when it ends, not when its caller gives up
+    (that frees no thread)."""
+
+    def __init__(self, name: str, waiting: int, busy: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.waiting, self.busy = waiting, busy
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        with self._lock:
+            if self._queued > self.waiting:
+                raise QueueFull(f"{self._queued} {self.busy}; try again shortly")
+            self._queued += 1
+        job = self._pool.submit(fn, *args)
+        job.add_done_callback(self._done)
+        return await asyncio.wrap_future(job)   # a cancelled caller cancels a job not yet started
+
+    def _done(self, _job) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class TokenizerLanes:
     def __init__(self, threads: int, long_chars: int = LONG_CHARS, long_waiting: int = LONG_WAITING) -> None:
         self.long_chars = long_chars
-        self.long_waiting = long_waiting
         self._short = ThreadPoolExecutor(threads, thread_name_prefix="kvserve-tokenize")
-        self._long = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize-long")
-        self._formats = ThreadPoolExecutor(1, thread_name_prefix="kvserve-formats")
-        # jobs in the long and the formats lanes, running or waiting; counted down when a job
-        # ends, not when its caller gives up (that frees no thread)
-        self._long_queued = self._formats_queued = 0
-        self._lock = threading.Lock()
+        self._long = _BoundedLane("kvserve-tokenize-long", long_waiting,
+                                  f"long prompts (over {long_chars:,} characters) are already being tokenized")
+        self._formats = _BoundedLane("kvserve-formats", FORMATS_WAITING,
+                                     "structured output formats are already being compiled")
 
     async def run(self, size: int, fn: Callable[..., T], *args) -> T:
         """fn(*args) on a lane picked by `size` (characters of input)."""
         if size <= self.long_chars:
             return await asyncio.wrap_future(self._short.submit(fn, *args))
-        with self._lock:
-            if self._long_queued > self.long_waiting:
-                raise QueueFull(f"{self._long_queued} long prompts (over {self.long_chars:,} characters) are "
-                                "already being tokenized; try again shortly")
-            self._long_queued += 1
-        job = self._long.submit(fn, *args)
-        job.add_done_callback(self._long_done)
-        return await asyncio.wrap_future(job)   # a cancelled caller cancels a job not yet started
-
-    def _long_done(self, _job) -> None:
-        with self._lock:
-            self._long_queued -= 1
+        return await self._long.run(fn, *args)
 
     async def compile(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) (a structured output's format) on the formats lane."""
-        with self._lock:
-            if self._formats_queued > FORMATS_WAITING:
-                raise QueueFull(f"{self._formats_queued} structured output formats are already being compiled; "
-                                "try again shortly")
-            self._formats_queued += 1
-        job = self._formats.submit(fn, *args)
-        job.add_done_callback(self._formats_done)
-        return await asyncio.wrap_future(job)
-
-    def _formats_done(self, _job) -> None:
-        with self._lock:
-            self._formats_queued -= 1
+        return await self._formats.run(fn, *args)
 
     def close(self) -> None:
         self._short.shutdown(wait=False, cancel_futures=True)
-        self._long.shutdown(wait=False, cancel_futures=True)
-        self._formats.shutdown(wait=False, cancel_futures=True)
+        self._long.close()
+        self._formats.close()
