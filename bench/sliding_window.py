@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/sliding_window.py                     # bench weights, window 256, 2,000 tokens
     .venv/bin/python bench/sliding_window.py --window 512 --new-tokens 3000
+    .venv/bin/python bench/sliding_window.py --beside 60000     # one step's time beside a long stream
 
 The bench model's weights are served three ways, each on the engine alone (the model service's
 build, in-process manager), one request of a 64-token prompt and --new-tokens greedy tokens:
@@ -12,6 +13,11 @@ build, in-process manager), one request of a 64-token prompt and --new-tokens gr
 - window + sinks: the same with --attention-sink 4.
 Per run: time per output token over four spans of the stream, and the most KV pages the
 sequence held at once (read from the manager before every step).
+
+--beside N: what one long stream costs the short ones it is batched with. The window + sinks
+model's runner (no manager: the step's work is made up, the pages' contents do not matter to the
+time) runs decode steps of 48 rows of 200-700 tokens, alone and beside one row N tokens long
+whose page table names every page it ever had, as an attention-sink stream's does.
 """
 
 from __future__ import annotations
@@ -85,15 +91,50 @@ def run(path: Path, prompt: list[int], new_tokens: int, sinks: int) -> tuple[lis
     return spans, peak[0], stack.page_size
 
 
+class _Held:
+    """What the runner reads of a request: its tokens and page table."""
+
+    def __init__(self, length: int, pages: int, page_size: int, first: int) -> None:
+        self.tokens = [7] * length
+        self.page_table = [(first + i) % pages for i in range(-(-length // page_size))]
+
+
+def beside(path: Path, long_len: int, steps: int) -> None:
+    from kvserve.model_service.engine.scheduler import Work
+
+    stack = build_on_a_thread_that_ends(ModelServiceConfig(model=str(path), kvcache="inprocess", device="cpu",
+                                                           attention_sink=4))
+    runner, ps = stack.engine.runner, stack.page_size
+    pages = stack.num_pages
+    short = [_Held(200 + 10 * i, pages, ps, 50 * i) for i in range(48)]
+    rows = {"48 short rows": short, f"+ one of {long_len:,}": [_Held(long_len, pages, ps, 7)] + short}
+    for name, held in rows.items():
+        work = [Work(h, len(h.tokens) - 1, 1) for h in held]
+        runner.execute(work)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            runner.execute(work)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        print(f"{name:>22}: a step {times[len(times) // 2] * 1e3:8.2f} ms (median of {steps})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=2000)
+    ap.add_argument("--beside", type=int, default=0, metavar="N")
+    ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     base = default_tiny_path("bench")
     tmp = Path(tempfile.mkdtemp(prefix="kvserve-window-"))
     try:
         windowed = as_mistral(base, tmp / "window", args.window)
+        if args.beside:
+            print(f"bench weights, window {args.window}, 4 sinks, page size 16")
+            beside(windowed, args.beside, args.steps)
+            return
         prompt = list(range(100, 164))
         quarter = args.new_tokens // 4
         print(f"bench weights, page size 16, 64-token prompt, {args.new_tokens} greedy tokens, window {args.window}")

@@ -125,16 +125,20 @@ def _decode_group(batch: ForwardBatch, tables: torch.Tensor, rows: list[int], wi
 
 def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: int, length: int,
                     window: int, sinks: int, ps: int) -> DecodeGroup:
-    """A sliding window: only the pages some row's window (or the sinks) reaches are gathered,
-    so a step costs the window, not the whole context. A query at len - 1 sees keys
-    len - W .. len - 1 and the first `sinks`."""
+    """A sliding window: only the pages a row's window (or the sinks) reaches are gathered, so a
+    step costs the window, not the whole context. A query at len - 1 sees keys len - W .. len - 1
+    and the first `sinks`."""
     device = tables.device
     pages = -(-length // ps)
     if shortest == length and not sinks:   # rows of one length: exactly the window, no mask
         start = length - window
         return DecodeGroup(index, tables[:, start // ps:pages], window, None, start % ps)
-    first = max(0, shortest - window) // ps          # the first page any row's window reaches
     sink_pages = -(-sinks // ps)
+    first = max(0, shortest - window) // ps          # the first page any row's window reaches
+    shared = pages - first + (sink_pages if first > sink_pages else 0)
+    own = sink_pages + -(-(window - 1) // ps) + 1    # the most pages one row's sinks and window span
+    if own < shared:   # lengths far apart (a long stream beside short ones): each row its own pages
+        return _own_pages_group(index, tables, lens, window, sinks, sink_pages, own - sink_pages, ps)
     if first > sink_pages:
         columns = torch.cat([torch.arange(sink_pages, device=device), torch.arange(first, pages, device=device)])
         tables = tables.index_select(1, columns)                                  # (n, C)
@@ -142,9 +146,27 @@ def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: i
         columns = torch.arange(pages, device=device)
         tables = tables[:, :pages]
     key_pos = (columns[:, None] * ps + torch.arange(ps, device=device)[None, :]).reshape(-1)  # (C*ps,)
-    visible = key_pos[None, :] < lens[:, None]                                    # (n, C*ps)
-    visible &= (key_pos[None, :] >= lens[:, None] - window) | (key_pos[None, :] < sinks)
-    return DecodeGroup(index, tables, key_pos.numel(), visible[:, None, None, :])
+    return DecodeGroup(index, tables, key_pos.numel(), _visible(key_pos[None, :], lens, window, sinks))
+
+
+def _own_pages_group(index, tables: torch.Tensor, lens: torch.Tensor, window: int, sinks: int,
+                     sink_pages: int, window_pages: int, ps: int) -> DecodeGroup:
+    """Each row gathers its sink pages, then `window_pages` pages from its window's first (never
+    one of the sinks' again); columns past the table read its last column, masked."""
+    device = tables.device
+    first = ((lens.long() - window) // ps).clamp(min=sink_pages)                     # (n,)
+    columns = torch.cat([torch.arange(sink_pages, device=device).expand(len(first), sink_pages),
+                         first[:, None] + torch.arange(window_pages, device=device)], dim=1)  # (n, C)
+    own = tables.gather(1, columns.clamp(max=tables.shape[1] - 1))                  # (n, C)
+    key_pos = (columns[:, :, None] * ps + torch.arange(ps, device=device)).reshape(len(first), -1)  # (n, C*ps)
+    return DecodeGroup(index, own, key_pos.shape[1], _visible(key_pos, lens, window, sinks))
+
+
+def _visible(key_pos: torch.Tensor, lens: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """(n, 1, 1, K) bool: which keys each row's query sees, key_pos (1 or n, K) their positions."""
+    visible = key_pos < lens[:, None]
+    visible &= (key_pos >= lens[:, None] - window) | (key_pos < sinks)
+    return visible[:, None, None, :]
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.model_service.batch import ForwardBatch
 from kvserve.model_service.engine.decode_graphs import DecodeGraphs
-from kvserve.model_service.engine.decode_inputs import decode_inputs
+from kvserve.model_service.engine.decode_inputs import decode_inputs, page_tables
 from kvserve.model_service.engine.scheduler import Work
 
 
@@ -49,7 +49,7 @@ class ModelRunner:
             else:
                 ids.extend(w.request.tokens[w.start:w.start + w.count])
         width = max(-(-n // ps) for n in seq_lens)
-        tables = [w.request.page_table[:width] + [0] * (width - len(w.request.page_table[:width])) for w in work]
+        tables = [w.request.page_table[:-(-n // ps)] for w, n in zip(work, seq_lens)]
         num_decodes = 0
         while num_decodes < len(work) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -60,7 +60,7 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=cu[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(work)), q_lens)        # (T,)
         positions = torch.arange(len(ids)) - cu[:-1][seq_of_token] + starts[seq_of_token]  # (T,)
-        block_tables = torch.tensor(tables, dtype=torch.int32)                          # (B, width)
+        block_tables = page_tables(tables, width)                                       # (B, width)
         pages = block_tables[seq_of_token, positions // ps].to(torch.int64)             # (T,)
         slot_mapping = pages * ps + positions % ps                                      # (T,)
         if any(w.draft or w.prompt_rows for w in work):

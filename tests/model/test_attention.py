@@ -210,6 +210,50 @@ def test_decodes_in_length_order_are_sliced_not_indexed() -> None:
     assert all(isinstance(g.rows, torch.Tensor) for g in meta.decode)
 
 
+def windowed_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int,
+                       sinks: int) -> torch.Tensor:
+    """A decode row at position p attends keys p - window + 1 .. p and the first `sinks`."""
+    flat_k = k_cache.reshape(-1, HK, D).repeat_interleave(H // HK, dim=1)
+    flat_v = v_cache.reshape(-1, HK, D).repeat_interleave(H // HK, dim=1)
+    out = torch.empty_like(q)
+    for row, length in enumerate(batch.seq_lens_cpu):
+        keys = torch.tensor([k for k in range(length) if k > length - 1 - window or k < sinks])
+        slots = batch.block_tables[row].long()[keys // PAGE] * PAGE + keys % PAGE
+        scores = torch.einsum("hd,shd->hs", q[row], flat_k[slots]) * scale
+        out[row] = torch.einsum("hs,shd->hd", scores.softmax(-1), flat_v[slots])
+    return out
+
+
+WINDOW_CASES = {   # decode lengths
+    "one long stream beside short ones": [203, 5, 9, 14, 3, 31],
+    "lengths close together": [40, 38, 41, 39],
+    "a long stream in the first of two groups": [190] + [12 + (5 * i) % 17 for i in range(17)],
+}
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 6])
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_windowed_decodes_match_reference(case: str, sinks: int) -> None:
+    """The torch backend's decode under a sliding window (and sinks): a group of lengths far apart
+    gathers each row's own window instead of every page from the shortest window's on: no group
+    gathers more keys than one row's sinks and window span."""
+    lens = WINDOW_CASES[case]
+    pages = sum(-(-n // PAGE) for n in lens)
+    batch = make_batch([1] * len(lens), lens, len(lens), pages=pages)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(len(lens), h, D, generator=g) for h in (H, HK, HK))
+    k_cache, v_cache = (torch.randn(pages, PAGE, HK, D, generator=g) for _ in range(2))
+    backend = torch_attention()
+    window = 10
+    backend.set_window(window, sinks, PAGE)
+    meta = backend.prepare(batch)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=0.3)
+    own = -(-sinks // PAGE) + -(-(window - 1) // PAGE) + 1
+    assert max(group.length for group in meta.decode) <= own * PAGE
+    torch.testing.assert_close(out, windowed_reference(q, k_cache, v_cache, batch, 0.3, window, sinks),
+                               rtol=1e-5, atol=1e-5)
+
+
 def fake_flash_api(version: int, calls: list[str]) -> FlashApi:
     """flash-attn's documented contracts, computed by the reference (bottom-right causal)."""
     def varlen(q, k_cache, v_cache, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
