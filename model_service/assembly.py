@@ -174,7 +174,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                     "others is refused", len(tokenizer), mcfg.vocab_size)
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
-                      Grammars(tokenizer, mcfg.vocab_size, eos_ids), tokenizer_digest(tokenizer),
+                      Grammars(tokenizer, mcfg.vocab_size, eos_ids, cfg.format_compile_timeout_s), tokenizer_digest(tokenizer),
                       generation_defaults.load(path, cfg.generation_config))
 
 

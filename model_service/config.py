@@ -137,6 +137,10 @@ class ModelServiceConfig:
     max_unread_tokens: int = option(32768, "most tokens a stream's client may leave unread (each logprob asked "
                                            "counts one more) before its request is cancelled and the stream "
                                            "ends RESOURCE_EXHAUSTED")
+    format_compile_timeout_s: float = option(10.0, "seconds a new structured-output format may take to compile "
+                                                   "(checked in a child process, killed past it) before its "
+                                                   "request is refused; 0: no bound, no child",
+                                             flag="--format-compile-timeout")
     tokenizer_threads: int = option(2, "threads that tokenize and render chat templates, off the server's "
                                        "event loop")
     # `kvserve up` reads the pool size the model service chose here, to start the manager with it.
@@ -187,6 +191,9 @@ class ModelServiceConfig:
                                  f"got {getattr(self, name)}")
         if not isinstance(self.attention_sink, int) or self.attention_sink < 0:
             raise ValueError(f"--attention-sink must be an integer >= 0, got {self.attention_sink!r}")
+        if not (0 <= self.format_compile_timeout_s < 10**9):
+            raise ValueError(f"--format-compile-timeout must be a number of seconds, 0 or more, "
+                             f"got {self.format_compile_timeout_s}")
         if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
             raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:

@@ -71,6 +71,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def close(self) -> None:
         self.lanes.close()
+        self.stack.grammars.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
 

@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvserve.model_service.sampling.format_probe import FormatProbe, FormatTooSlow
+
 if TYPE_CHECKING:
     import torch
 
@@ -93,11 +95,13 @@ class Grammars:
     # a hostile regex): a format whose matcher failed is dropped (forget), and few are kept.
     MAX_KEPT = 64
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, compile_timeout_s: float = 0) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._lock = threading.Lock()   # requests are built on the tokenizer lanes' threads
         self._llg_tokenizer = None
         self._compiled: dict[tuple[str, Format], Any] = {}   # (tenant, format) -> its matcher at the start
+        self._probe = FormatProbe(compile_timeout_s) if compile_timeout_s else None
+        self._too_slow: dict[tuple[str, Format], None] = {}  # formats the probe stopped: refused at once
 
     def matcher(self, fmt: Format, tenant: str = "") -> Any:
         """A fresh matcher for the format; ValueError saying why the format cannot be used. Each
@@ -111,7 +115,16 @@ class Grammars:
             compiled = self._compiled.get((tenant, fmt))
             if compiled is not None:
                 return compiled.deep_copy()
-        compiled = _on_deep_stack(self._compile, llguidance, fmt)
+            if (tenant, fmt) in self._too_slow:
+                raise ValueError(f"the {fmt.kind} took too long to compile before; it is not tried again")
+        try:
+            compiled = _on_deep_stack(self._compile, llguidance, fmt)
+        except FormatTooSlow:
+            with self._lock:
+                if len(self._too_slow) >= self.MAX_KEPT:
+                    self._too_slow.pop(next(iter(self._too_slow)))
+                self._too_slow[(tenant, fmt)] = None
+            raise
         with self._lock:
             if len(self._compiled) >= self.MAX_KEPT:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -124,11 +137,25 @@ class Grammars:
         with self._lock:
             self._compiled.pop((tenant, fmt), None)
 
+    def close(self) -> None:
+        """Ends the probe's child, if one runs."""
+        if self._probe is not None:
+            self._probe.close()
+
     def _compile(self, llguidance, fmt: Format) -> Any:
         try:
             grammar = _grammar(llguidance, fmt)
         except RecursionError:   # Python's json, reading or writing a schema thousands of levels deep
             raise ValueError(f"the {fmt.kind} nests too deeply") from None
+        if self._probe is not None:   # the same compile first in a child that a deadline can stop
+            try:
+                error = self._probe.check(grammar)
+            except FormatTooSlow as exc:
+                raise FormatTooSlow(f"the {fmt.kind} {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"the {fmt.kind} {exc}") from None
+            if error:
+                raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(error)}")
         # (LLMatcher says what validate_grammar would: a pass of that first took as long again)
         compiled = llguidance.LLMatcher(self._llg_tokenizer, grammar)
         if compiled.is_error():

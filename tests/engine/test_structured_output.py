@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -184,3 +185,32 @@ def test_the_schema_true_is_any_value_as_compact_as_an_empty_schemas(harness):
     assert len(texts) == 8 and sum(map(_whitespace_outside_strings, texts)) == 0, texts
     with pytest.raises(ValueError, match="json_schema false admits no JSON value"):
         harness.stack.grammars.matcher(Format("json_schema", "false"))
+
+
+def slow_schema(patterns: int) -> Format:
+    """patternProperties llguidance weighs pair by pair: 400 compile for minutes."""
+    props = {f"^[a-z]{{1,8}}\\.{i}\\.[a-z]{{1,8}}$": {"type": "integer"} for i in range(patterns)}
+    return Format("json_schema", json.dumps({"type": "object", "patternProperties": props,
+                                             "additionalProperties": False}))
+
+
+def test_a_format_that_compiles_for_minutes_is_stopped_and_not_tried_again(harness):
+    """--format-compile-timeout: a new format compiles first in a child process, killed past it."""
+    from kvserve.model_service.sampling.structured import Grammars
+
+    stack = harness.stack
+    grammars = Grammars(stack.tokenizer, stack.model_config.vocab_size, stack.eos_token_ids, compile_timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"json_schema takes more than 1 s to compile"):
+            grammars.matcher(slow_schema(400), "alpha")
+        assert time.monotonic() - start < 30                  # not the minutes the compile would take
+        assert grammars._probe._child is None                 # the child that ran it was killed
+        with pytest.raises(ValueError, match="took too long to compile before"):
+            grammars.matcher(slow_schema(400), "alpha")
+        assert grammars.matcher(DIGITS, "alpha") is not None  # a new child for the next format
+        with pytest.raises(ValueError, match="cannot be used"):   # llguidance's own refusal, from the child
+            grammars.matcher(Format("json_schema", json.dumps({"type": "object", "patternProperties": {
+                "^a": {}, "^ab": {}}, "additionalProperties": False})), "alpha")
+    finally:
+        grammars.close()
