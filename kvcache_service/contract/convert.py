@@ -259,8 +259,8 @@ def event_to_pb(e: Event) -> pb.Event:
     if isinstance(e, CacheReset):
         return pb.Event(number=e.number, epoch=e.epoch, reset=pb.CacheReset())
     if isinstance(e, Snapshot):
-        pages = [pb.StoredPage(hash=h, parent_hash=p) for h, p in e.pages]
-        return pb.Event(number=e.number, epoch=e.epoch, snapshot=pb.Snapshot(pages=pages))
+        snapshot = pb.Snapshot(hashes=[h for h, _ in e.pages], parent_hashes=[p for _, p in e.pages])
+        return pb.Event(number=e.number, epoch=e.epoch, snapshot=snapshot)
     raise TypeError(f"not an event: {e!r}")
 
 
@@ -273,5 +273,9 @@ def event_from_pb(msg: pb.Event) -> Event:
     if kind == "reset":
         return CacheReset(msg.number, msg.epoch)
     if kind == "snapshot":
-        return Snapshot(msg.number, tuple((p.hash, p.parent_hash) for p in msg.snapshot.pages), msg.epoch)
+        snap = msg.snapshot
+        if len(snap.hashes) != len(snap.parent_hashes):
+            raise ValueError(f"a snapshot of {len(snap.hashes)} hashes and {len(snap.parent_hashes)} parents")
+        pages = tuple(zip(snap.hashes, snap.parent_hashes)) or tuple((p.hash, p.parent_hash) for p in snap.pages)
+        return Snapshot(msg.number, pages, msg.epoch)
     raise ValueError(f"an event with no kind (number {msg.number})")

@@ -51,6 +51,11 @@ async def _cancel(task: asyncio.Task | None) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+def snapshot_hashes(snapshot: kv_pb.Snapshot):
+    """A snapshot's page hashes: its packed array, or a message per page from an older manager."""
+    return snapshot.hashes if len(snapshot.hashes) else [p.hash for p in snapshot.pages]
+
+
 class EventCursor:
     """Where one subscription to a worker's events stands (its epoch, the last number): applies
     each event to the index, or says why the subscription must start over."""
@@ -66,7 +71,7 @@ class EventCursor:
         index, w = self.index, self.worker
         kind = event.WhichOneof("kind")
         if kind == "snapshot":
-            index.replace(w, [p.hash for p in event.snapshot.pages])
+            index.replace(w, snapshot_hashes(event.snapshot))
             self.epoch, self.last, self.began = event.epoch, event.number, True
             return None
         if not self.began or event.epoch != self.epoch or event.number != self.last + 1:

@@ -48,7 +48,7 @@ def tree_hashes(worker) -> set[int]:
         events = kv_pb_grpc.KVCacheManagerStub(ch).WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=10)
         snapshot = next(events)
         events.cancel()
-    return {p.hash for p in snapshot.snapshot.pages}
+    return set(snapshot.snapshot.hashes)
 
 
 def test_a_conversation_stays_on_the_worker_that_holds_it(two_workers):

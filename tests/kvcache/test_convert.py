@@ -149,3 +149,14 @@ def test_a_need_with_nothing_set_is_refused_with_a_message() -> None:
 def test_an_unknown_preemption_mode_is_refused_with_a_message() -> None:
     with pytest.raises(InvalidArgument, match="unknown preemption_mode 9"):
         convert.step_request_from_pb(pb.StepRequest(preemption_mode=9))
+
+
+def test_a_snapshot_of_a_message_per_page_from_an_older_manager_is_read() -> None:
+    older = pb.Event(number=7, epoch=2, snapshot=pb.Snapshot(pages=[pb.StoredPage(hash=5, parent_hash=0),
+                                                                    pb.StoredPage(hash=6, parent_hash=5)]))
+    assert convert.event_from_pb(older) == Snapshot(7, ((5, 0), (6, 5)), 2)
+    now = convert.event_to_pb(Snapshot(7, ((5, 0), (6, 5)), 2))
+    assert list(now.snapshot.hashes) == [5, 6] and list(now.snapshot.parent_hashes) == [0, 5]
+    assert not now.snapshot.pages   # packed arrays only: a message per page cost seconds at a large cache
+    with pytest.raises(ValueError, match="2 hashes and 1 parents"):
+        convert.event_from_pb(pb.Event(snapshot=pb.Snapshot(hashes=[5, 6], parent_hashes=[0])))

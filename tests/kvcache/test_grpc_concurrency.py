@@ -80,7 +80,7 @@ def replay(events: list[pb.Event]) -> dict[int, int]:
     for e in events:
         kind = e.WhichOneof("kind")
         if kind == "snapshot":
-            nodes = {p.hash: p.parent_hash for p in e.snapshot.pages}
+            nodes = dict(zip(e.snapshot.hashes, e.snapshot.parent_hashes))
         elif kind == "stored":
             parent = e.stored.parent_hash
             assert parent == 0 or parent in nodes, f"event {e.number}: stored under an unknown parent"
@@ -134,8 +134,8 @@ def test_sixteen_clients_leave_nothing_behind(kv_factory) -> None:
         fresh = next(snap)
     finally:
         snap.cancel()
-    assert fresh.number == s.last_event and len(fresh.snapshot.pages) == s.tree_pages
-    assert replay(events) == {p.hash: p.parent_hash for p in fresh.snapshot.pages}
+    assert fresh.number == s.last_event and len(fresh.snapshot.hashes) == s.tree_pages
+    assert replay(events) == dict(zip(fresh.snapshot.hashes, fresh.snapshot.parent_hashes))
 
     check_invariants(kv.manager.state)  # every call has returned: the manager is idle
 

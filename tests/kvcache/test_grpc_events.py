@@ -91,7 +91,7 @@ def test_snapshot_holds_the_tree_parents_first_then_the_stream_goes_on(kv: KV) -
     try:
         first = watch.next()
         assert first.number == 2 and first.WhichOneof("kind") == "snapshot"
-        pages = [(p.hash, p.parent_hash) for p in first.snapshot.pages]
+        pages = list(zip(first.snapshot.hashes, first.snapshot.parent_hashes))
         assert sorted(pages) == sorted([(ha[0], 0), (ha[1], ha[0]), (ha[2], ha[1]), (hb[1], ha[0])])
         seen = {0}
         for h, parent in pages:  # parents before children
@@ -174,6 +174,6 @@ def test_a_subscriber_that_falls_behind_sees_a_gap_and_resyncs_with_a_snapshot(k
     try:
         snap = again.next()
         assert snap.number == 6
-        assert {p.hash for p in snap.snapshot.pages} == {page_hashes(p, 4)[0] for p in prompts}
+        assert set(snap.snapshot.hashes) == {page_hashes(p, 4)[0] for p in prompts}
     finally:
         again.close()

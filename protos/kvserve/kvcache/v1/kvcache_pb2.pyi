@@ -458,10 +458,14 @@ class CacheReset(_message.Message):
     def __init__(self) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("pages",)
+    __slots__ = ("hashes", "parent_hashes", "pages")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hashes: _containers.RepeatedScalarFieldContainer[int]
     pages: _containers.RepeatedCompositeFieldContainer[StoredPage]
-    def __init__(self, pages: _Optional[_Iterable[_Union[StoredPage, _Mapping]]] = ...) -> None: ...
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., parent_hashes: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[StoredPage, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("number", "epoch", "stored", "evicted", "reset", "snapshot")
