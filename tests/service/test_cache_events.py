@@ -54,6 +54,11 @@ def test_the_worker_relays_its_managers_events_with_the_epoch(worker):
                 pass
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "subscribe again" in ended.value.details()
+        # Asked while the manager is down: grpc's reason names its address, the log's, not a client's.
+        err = rpc_error(lambda: next(kv_pb_grpc.KVCacheEventsStub(ch).WatchEvents(
+            kv_pb.WatchEventsRequest(snapshot=True), timeout=30)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "subscribe again" in err.details()
+        assert manager.address.rsplit(":", 1)[1] not in err.details(), err.details()
 
 
 def test_a_worker_with_an_in_process_manager_has_no_events_to_relay(model_server):
@@ -97,3 +102,32 @@ def test_event_streams_past_the_limit_are_refused_resource_exhausted(worker):
         again = stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
         assert next(again) is not None
         again.cancel()
+
+
+def test_snapshots_past_an_addresss_burst_wait_and_its_streams_are_bounded(worker, monkeypatch):
+    """A snapshot walks the manager's whole tree on the loop its Steps wait on: one address may
+    ask a few at once, then one every SNAPSHOT_REFILL_S (RESOURCE_EXHAUSTED with retry-after-ms
+    meanwhile); streams without one are not counted, and one address holds at most
+    MAX_STREAMS_PER_ADDRESS."""
+    from kvserve.model_service import cache_events
+
+    manager, model = worker
+    monkeypatch.setattr(cache_events, "SNAPSHOT_REFILL_S", 3600.0)
+    with grpc.insecure_channel(model.address) as ch:
+        stub = kv_pb_grpc.KVCacheEventsStub(ch)
+        for _ in range(cache_events.SNAPSHOT_BURST):
+            opened = stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
+            assert next(opened).HasField("snapshot")
+            opened.cancel()
+        refused = stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=60)
+        err = rpc_error(lambda: next(refused))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "snapshots were asked" in err.details()
+        assert int(dict(err.trailing_metadata())["retry-after-ms"]) > 0
+        wait_until(lambda: not model.servicer.cache_events._calls, what="the snapshot streams' end")
+        held = [stub.WatchEvents(kv_pb.WatchEventsRequest(), timeout=60)
+                for _ in range(cache_events.MAX_STREAMS_PER_ADDRESS)]
+        wait_until(lambda: len(model.servicer.cache_events._calls) == len(held), what="the streams open")
+        err = rpc_error(lambda: next(stub.WatchEvents(kv_pb.WatchEventsRequest(), timeout=60)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "from this client's address" in err.details()
+        for call in held:
+            call.cancel()
