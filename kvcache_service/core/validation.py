@@ -34,6 +34,7 @@ MAX_NEEDS = 1 << 16   # a Step's needs, unless twice the seq-id pool is more: an
 # Longer, an id quoted in an error's message passed what gRPC's headers hold, and the error
 # reached the client as RESOURCE_EXHAUSTED "Stream removed".
 MAX_REQUEST_ID_CHARS = 1024
+SHOWN_ID_CHARS = 200   # of an id quoted in a message (shown)
 # Hashed into every page of the sequence: a key of megabytes made each commit take seconds, the
 # server's one event loop stalled meanwhile. A worker's (its salt, a tenant, a request's
 # cache_salt of 256 bytes) fits well inside.
@@ -44,6 +45,13 @@ def check_request_id(request_id: str, what: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"{what}: the request id has {len(request_id):,} characters; at most "
                               f"{MAX_REQUEST_ID_CHARS} are allowed")
+
+
+def shown(request_id: str) -> str:
+    """A request id quoted for a message, at most SHOWN_ID_CHARS: repr spells a character that is
+    not printable in up to ten, and a status's message must fit in gRPC's headers."""
+    quoted = repr(request_id)
+    return quoted if len(quoted) <= SHOWN_ID_CHARS else quoted[:SHOWN_ID_CHARS - 2] + "…" + quoted[-1]
 
 
 def check_extra_key(extra_key: str, what: str) -> None:
@@ -68,7 +76,7 @@ def check_new_request_id(state: ManagerState, request_id: str, what: str, pendin
         raise InvalidArgument(f"{what}: request_id must not be empty")
     check_request_id(request_id, what)
     if (request_id in state.by_request and request_id not in released) or (pending and request_id in pending):
-        raise AlreadyExists(f"request id {request_id!r} is already live")
+        raise AlreadyExists(f"request id {shown(request_id)} is already live")
 
 
 def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = None,
@@ -76,12 +84,12 @@ def check_admit(state: ManagerState, need: Admit, pending: set[str] | None = Non
     check_new_request_id(state, need.request_id, "admit", pending, released)
     check_extra_key(need.extra_key, "admit")
     if not need.token_ids:
-        raise InvalidArgument(f"admit {need.request_id!r}: token_ids must not be empty")
+        raise InvalidArgument(f"admit {shown(need.request_id)}: token_ids must not be empty")
     if need.max_tokens is not None and need.max_tokens <= 0:
-        raise InvalidArgument(f"admit {need.request_id!r}: max_tokens must be positive, got {need.max_tokens}")
+        raise InvalidArgument(f"admit {shown(need.request_id)}: max_tokens must be positive, got {need.max_tokens}")
     bad = out_of_range(need.token_ids)
     if bad is not None:
-        raise InvalidArgument(f"admit {need.request_id!r}: token id {bad} is not in [0, 2^31)")
+        raise InvalidArgument(f"admit {shown(need.request_id)}: token id {bad} is not in [0, 2^31)")
 
 
 def check_need(state: ManagerState, need: Need, pending: set[str] | None = None,

@@ -135,6 +135,9 @@ CASES: list[tuple[str, Callable[[KV], object], grpc.StatusCode, tuple[str, ...]]
     ("step-admit-twice", step([admit("dup", [1]), admit("dup", [2])]), EXISTS, ("'dup'",)),
     ("step-fork-live", step([fork(0, "swapped")]), EXISTS, ("'swapped'",)),
     ("fork-live", call("Fork", pb.ForkRequest(parent=ref(0), request_id="run")), EXISTS, ("'run'",)),
+    # repr spells each of these in ten characters: quoted whole, the message passed gRPC's headers
+    ("step-admit-twice-unprintable", step([admit("\U000e0001" * 1024, [1]), admit("\U000e0001" * 1024, [2])]),
+     EXISTS, ("'\\U000e0001", "…' is already live")),
     # ---- RESOURCE_EXHAUSTED: the fine-grained calls run out of pages
     ("allocate-grow-too-big", allocate(grow(0, 100)), EXHAUSTED, ("22 pages", "13 available")),
     ("allocate-admit-too-big", allocate(admit("big", list(range(60)))), EXHAUSTED, ("15 pages", "13 available")),
