@@ -63,13 +63,14 @@ class ManagerLink:
             self._waiting_since = self.clock()
         try:
             plan = plan_of()
-            self.quiet_since = None
-            with self._lock:   # a watchdog that gave up on this wait as the answer came: no loss
-                self._overdue_since = None
-            return plan
-        finally:
+        except BaseException:
             with self._lock:
                 self._waiting_since = None
+            raise
+        self.quiet_since = None
+        with self._lock:   # in one block: a watchdog that gave up on this wait as the answer came
+            self._waiting_since = self._overdue_since = None   # leaves no loss behind
+        return plan
 
     def lose(self) -> None:
         """The manager did not answer: the loss dates from the wait the watchdog ended, if it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.model_service.engine.manager_link import ManagerLink
 
 
@@ -33,6 +35,39 @@ def test_a_watchdog_giving_up_as_the_answer_came_leaves_no_loss_behind():
     assert link.wait_for_plan(answered_late) == "plan"
     clock.now += 600.0
     link.lose()   # a loss of its own, later
+    assert link.lost_since == clock.now and not link.loss_is_long()
+
+
+class WatchdogAtLock:
+    """The link's lock, with the watchdog run just before its `at`-th acquisition: there the
+    watchdog would give up on the wait between two of the engine thread's steps."""
+
+    def __init__(self, link: ManagerLink, at: int) -> None:
+        self.link, self.at, self.count, self.inner = link, at, 0, link._lock
+
+    def __enter__(self):
+        self.count += 1
+        if self.count == self.at:
+            self.link.interrupt_if_overdue()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+@pytest.mark.parametrize("at", [2, 3])
+def test_no_moment_of_a_wait_answered_late_leaves_a_loss_behind(at: int):
+    clock = Clock()
+    link = ManagerLink(QuietKV(), page_size=4, num_pages=8, timeout_s=5.0, clock=clock)
+    link._lock = WatchdogAtLock(link, at)
+
+    def answered_late():
+        clock.now += 6.0   # past the timeout, and the answer is in
+        return "plan"
+    assert link.wait_for_plan(answered_late) == "plan"
+    link._lock = link._lock.inner
+    clock.now += 600.0
+    link.lose()
     assert link.lost_since == clock.now and not link.loss_is_long()
 
 
