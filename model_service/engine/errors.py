@@ -31,7 +31,10 @@ class NothingToGenerate(InvalidRequest):
 
 
 class QueueFull(RequestFailed):
-    """More requests wait than --max-waiting allows: try again later."""
+    """More requests wait than --max-waiting allows (or a tokenizer lane's): try again later,
+    in about retry_after_ms (sent as the retry-after-ms trailer, Retry-After over HTTP)."""
+
+    retry_after_ms = 1000
 
 
 # The response header a worker sends as it takes a Generate in (its engine has the request, queued

@@ -446,6 +446,7 @@ def test_full_waiting_queue_is_resource_exhausted(small_server):
                                               timeout=10))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
         assert "1 requests are already waiting" in err.details()
+        assert dict(err.trailing_metadata())["retry-after-ms"] == "1000"   # HTTP's Retry-After
         # A still streams, and once it is cancelled B runs to completion
         assert next(a).HasField("chunk")
         stub.Cancel(pb.CancelRequest(request_id="A"), timeout=10)
