@@ -17,7 +17,8 @@ sequence held at once (read from the manager before every step).
 --beside N: what one long stream costs the short ones it is batched with. The window + sinks
 model's runner (no manager: the step's work is made up, the pages' contents do not matter to the
 time) runs decode steps of 48 rows of 200-700 tokens, alone and beside one row N tokens long
-whose page table names every page it ever had, as an attention-sink stream's does.
+whose page table names every page it ever had, as an attention-sink stream's does; then that
+row's last 2,048 tokens as one prefill chunk (its recompute after a preemption).
 """
 
 from __future__ import annotations
@@ -118,6 +119,15 @@ def beside(path: Path, long_len: int, steps: int) -> None:
             times.append(time.perf_counter() - t)
         times.sort()
         print(f"{name:>22}: a step {times[len(times) // 2] * 1e3:8.2f} ms (median of {steps})")
+    # The long row's last 2,048 tokens as one prefill chunk: its recompute after a preemption.
+    work = [Work(rows[f"+ one of {long_len:,}"][0], long_len - 2048, 2048)]
+    times = []
+    for _ in range(max(3, steps // 4)):
+        t = time.perf_counter()
+        runner.execute(work)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    print(f"{'a chunk of 2,048 at its end':>22}: {times[len(times) // 2] * 1e3:8.2f} ms (median of {len(times)})")
 
 
 def main() -> None:

@@ -52,8 +52,15 @@ class PrefillChunk:
     matmul: bool = False       # attention as two matmuls and a softmax, not SDPA
     # Built by the backend when a path first needs them (PagedAttention.chunk_mask), then shared by
     # every layer: a native causal kernel needs neither.
-    mask: torch.Tensor | None = None  # (L, seq_len) bool, True = attend
+    mask: torch.Tensor | None = None  # (L, keys) bool, True = attend
     bias: torch.Tensor | None = None  # what the matmul path's softmax needs of the mask, if anything
+    # A window's chunk far into its sequence: `pages` are only those its queries' windows and the
+    # sinks reach, and these their keys' positions (keys = len); None: pages from 0, keys = seq_len.
+    key_positions: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> int:
+        return self.seq_len if self.key_positions is None else self.key_positions.numel()
 
 
 def in_window(device: torch.device, queries: int, keys: int) -> bool:

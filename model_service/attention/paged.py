@@ -104,8 +104,25 @@ class PagedAttention:
             slides = window if window is not None and seq_len > window else None
             masked = seq_len > q_len or slides is not None
             matmul = masked and self.chunks.uses_matmul(device, q_len, seq_len)
-            prefills.append(PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], masked, slides, matmul))
+            chunk = PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], masked, slides, matmul)
+            if slides is not None:
+                self._window_pages(chunk, q_len)
+            prefills.append(chunk)
         return prefills
+
+    def _window_pages(self, chunk: PrefillChunk, q_len: int) -> None:
+        """A windowed chunk gathers only the sinks' pages and those from its first query's window
+        on: a stream with attention sinks, recomputed after a preemption, would otherwise gather
+        and mask its whole history for every chunk."""
+        ps, sink_pages = self.page_size, -(-self.sinks // self.page_size)
+        first = max(0, chunk.seq_len - q_len - chunk.window + 1) // ps   # the first query's window's page
+        if first <= sink_pages:
+            return
+        device = chunk.pages.device
+        columns = torch.cat([torch.arange(sink_pages, device=device),
+                             torch.arange(first, -(-chunk.seq_len // ps), device=device)])
+        chunk.pages = chunk.pages.index_select(0, columns)
+        chunk.key_positions = (columns[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)
 
     def chunk_mask(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A masked chunk's (mask (L, S) bool, True = attend; the matmul path's bias or None), built
@@ -114,7 +131,8 @@ class PagedAttention:
         if chunk.mask is None:
             q_pos = torch.arange(chunk.seq_len - (chunk.end - chunk.start), chunk.seq_len,
                                  device=chunk.pages.device)[:, None]                 # (L, 1)
-            k_pos = torch.arange(chunk.seq_len, device=chunk.pages.device)[None, :]   # (1, S)
+            k_pos = (torch.arange(chunk.seq_len, device=chunk.pages.device) if chunk.key_positions is None
+                     else chunk.key_positions)[None, :]                                     # (1, S)
             mask = k_pos <= q_pos                                                     # (L, S)
             if chunk.window is not None:
                 mask &= (k_pos > q_pos - chunk.window) | (k_pos < self.sinks)
@@ -153,13 +171,14 @@ class PagedAttention:
         length, h, d = q.shape
         page_size, hk = k_cache.shape[1], k_cache.shape[2]
         g = h // hk
-        pages = chunk.pages[None, :-(-chunk.seq_len // page_size)]          # (1, P)
+        num_keys = chunk.keys
+        pages = chunk.pages[None, :-(-num_keys // page_size)]               # (1, P)
         # Queries grouped by KV head; K/V broadcast over the group (stride 0, no copy).
         # SDPA gets 4-D inputs: with 3-D ones torch's CPU SDPA takes its slow math path.
         grouped = q.view(length, hk, g, d).permute(1, 2, 0, 3)              # (Hk, G, L, D)
-        shape = (hk, g, chunk.seq_len, d)
-        rows_k = self.gather(0, k_cache, pages, chunk.seq_len)[0]                  # (S, Hk, D)
-        rows_v = self.gather(1, v_cache, pages, chunk.seq_len)[0]
+        shape = (hk, g, num_keys, d)
+        rows_k = self.gather(0, k_cache, pages, num_keys)[0]                # (S, Hk, D)
+        rows_v = self.gather(1, v_cache, pages, num_keys)[0]
         if chunk.window is None:   # the native causal kernel, where built
             out = self.chunks.causal(q, rows_k, rows_v, chunk.seq_len - length, scale)
             if out is not None:

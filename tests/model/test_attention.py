@@ -212,13 +212,15 @@ def test_decodes_in_length_order_are_sliced_not_indexed() -> None:
 
 def windowed_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int,
                        sinks: int) -> torch.Tensor:
-    """A decode row at position p attends keys p - window + 1 .. p and the first `sinks`."""
+    """A query row at position p attends keys p - window + 1 .. p and the first `sinks`."""
     flat_k = k_cache.reshape(-1, HK, D).repeat_interleave(H // HK, dim=1)
     flat_v = v_cache.reshape(-1, HK, D).repeat_interleave(H // HK, dim=1)
     out = torch.empty_like(q)
-    for row, length in enumerate(batch.seq_lens_cpu):
-        keys = torch.tensor([k for k in range(length) if k > length - 1 - window or k < sinks])
-        slots = batch.block_tables[row].long()[keys // PAGE] * PAGE + keys % PAGE
+    for row in range(q.shape[0]):
+        seq = int(torch.searchsorted(batch.cu_seqlens_q, row, right=True)) - 1
+        pos = int(batch.positions[row])
+        keys = torch.tensor([k for k in range(pos + 1) if k > pos - window or k < sinks])
+        slots = batch.block_tables[seq].long()[keys // PAGE] * PAGE + keys % PAGE
         scores = torch.einsum("hd,shd->hs", q[row], flat_k[slots]) * scale
         out[row] = torch.einsum("hs,shd->hd", scores.softmax(-1), flat_v[slots])
     return out
@@ -250,6 +252,28 @@ def test_windowed_decodes_match_reference(case: str, sinks: int) -> None:
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=0.3)
     own = -(-sinks // PAGE) + -(-(window - 1) // PAGE) + 1
     assert max(group.length for group in meta.decode) <= own * PAGE
+    torch.testing.assert_close(out, windowed_reference(q, k_cache, v_cache, batch, 0.3, window, sinks),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 6])
+def test_windowed_chunks_gather_only_their_windows_and_match_reference(sinks: int) -> None:
+    """A chunk far past the window (a long prompt's later chunk, a stream with sinks recomputed
+    after a preemption) gathers the sinks' pages and those from its first query's window on."""
+    query_lens, seq_lens = [1, 1, 6, 13, 70], [90, 7, 120, 40, 150]
+    pages = sum(-(-n // PAGE) for n in seq_lens)
+    batch = make_batch(query_lens, seq_lens, 2, pages=pages)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(query_lens), h, D, generator=g) for h in (H, HK, HK))
+    k_cache, v_cache = (torch.randn(pages, PAGE, HK, D, generator=g) for _ in range(2))
+    backend, window = torch_attention(), 10
+    backend.set_window(window, sinks, PAGE)
+    meta = backend.prepare(batch)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=0.3)
+    sink_keys = -(-sinks // PAGE) * PAGE
+    for chunk, q_len in zip(meta.prefills, query_lens[2:]):
+        assert chunk.keys <= sink_keys + q_len + window - 1 + 2 * PAGE
+    assert meta.prefills[0].key_positions is not None   # 114 keys cached before its 6 queries
     torch.testing.assert_close(out, windowed_reference(q, k_cache, v_cache, batch, 0.3, window, sinks),
                                rtol=1e-5, atol=1e-5)
 
