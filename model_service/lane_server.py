@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import ssl
+import time
 from contextlib import aclosing
 from typing import NoReturn
 
@@ -24,18 +25,33 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvserve.inference.v1 import lane_pb2 as lane_pb
-from kvserve.model_service.engine.errors import InternalError
 from kvserve.services.plumbing import lane_wire as wire
 from kvserve.services.plumbing.address import CannotListen, parse_address, remove_stale_socket
 from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
 from kvserve.services.plumbing.tls import ServerTLS
+from kvserve.services.plumbing.unexpected import told_as_incident
 
 log = logging.getLogger(__name__)
 
-OPENING_S = 10.0     # a connection must say it is the lane's within this long
+OPENING_S = 10.0     # a connection must say it is the lane's (its TLS handshake too) within this long
 IDLE_S = 120.0       # a connection idle between calls this long is closed (a gateway closes its own after 30 s)
+# A frame's bytes must all come within this long of its header: a gateway writes a call whole, at
+# once; a peer that stops one byte short would hold up to --max-request-bytes here.
+FRAME_S = 10.0
 DISCARD_S = 5.0      # the most time spent reading a refused frame's bytes
 CLOSE_WAIT_S = 1.0
+# Connections at once, far past what gateways hold: one per call the worker holds (at most
+# --max-num-seqs + --max-waiting) and at most 256 idle ones per gateway (gateway/lane.py's
+# MAX_IDLE). Past it a new connection is closed unanswered and the gateway sends its calls over
+# gRPC for a while: a bound too low slows calls, it fails none. (No bound per address: one
+# gateway alone may hold hundreds, and a host that takes every place only sends the others to gRPC.)
+MAX_CONNECTIONS = 8192
+REFUSALS_LOG_S = 60.0   # connections refused past the bound: said at most once this often
+GENERATE = "/kvserve.inference.v1.Inference/Generate"
+
+
+class _GatewayGone(Exception):
+    """The connection failed under a call's write (reset, or the kernel gave up): nobody to tell."""
 
 
 class _Abort(BaseException):
@@ -77,7 +93,10 @@ class Outbox:
         """Waits while the gateway does not read (gRPC's flow control does the same)."""
         if self._size >= self.FLUSH_BYTES:
             self.flush()
-        await self.writer.drain()
+        try:
+            await self.writer.drain()
+        except OSError as exc:   # ssl.SSLError and ETIMEDOUT's TimeoutError among them
+            raise _GatewayGone from exc
 
 
 class LaneContext:
@@ -101,8 +120,12 @@ class LaneContext:
 
 
 class LaneServer:
-    def __init__(self, servicer, tls: ServerTLS | None, max_request_bytes: int) -> None:
+    def __init__(self, servicer, tls: ServerTLS | None, max_request_bytes: int,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.servicer = servicer
+        self.max_connections = max_connections
+        self.refused = 0   # connections closed unanswered, past max_connections
+        self._refusals_said: float | None = None   # when the log last said so
         self._ssl = tls.ssl_context() if tls is not None else None
         self._call_frame_limit = max_request_bytes + wire.CALL_OVERHEAD
         self._max_request_bytes = max_request_bytes
@@ -114,6 +137,7 @@ class LaneServer:
     async def start(self, listen: str) -> None:
         """Listens on `listen` (host:port, port 0 for a free one, or unix:PATH)."""
         address = parse_address(listen)
+        tls = {"ssl": self._ssl, "ssl_handshake_timeout": OPENING_S} if self._ssl is not None else {}
         try:
             if address.is_unix:
                 remove_stale_socket(address.unix_path)
@@ -121,10 +145,10 @@ class LaneServer:
                 self._socket_inode = os.stat(address.unix_path).st_ino
                 self.address = address.with_port(0)
             elif address.host in ("::", ""):   # every address, IPv4 too, as gRPC binds it (asyncio's is IPv6 only)
-                self._server = await asyncio.start_server(self._serve, sock=_dual_stack(address.port), ssl=self._ssl)
+                self._server = await asyncio.start_server(self._serve, sock=_dual_stack(address.port), **tls)
                 self.address = address.with_port(self._server.sockets[0].getsockname()[1])
             else:
-                self._server = await asyncio.start_server(self._serve, address.host, address.port, ssl=self._ssl)
+                self._server = await asyncio.start_server(self._serve, address.host, address.port, **tls)
                 self.address = address.with_port(self._server.sockets[0].getsockname()[1])
         except OSError as exc:
             raise CannotListen(f"--lane-listen: cannot listen on {listen}: {exc.strerror or exc}") from None
@@ -169,6 +193,9 @@ class LaneServer:
         """One connection: its calls one after another. The gateway sends nothing while a call runs
         but closing the connection, which cancels the call; reading all the while, with one reader,
         sees it at once."""
+        if len(self._connections) >= self.max_connections:
+            self._refuse(writer)
+            return
         task = asyncio.current_task()
         self._connections[task] = writer
         loop = asyncio.get_running_loop()
@@ -189,7 +216,7 @@ class LaneServer:
                     calling = running is not None and not running.done()
                     try:
                         async with asyncio.timeout(None if calling else IDLE_S) as idle_timer:
-                            kind, payload = await wire.read_frame(reader, self._call_frame_limit)
+                            kind, payload = await wire.read_frame(reader, self._call_frame_limit, FRAME_S)
                     finally:
                         idle_timer = None
                 except wire.FramingError as exc:
@@ -205,7 +232,7 @@ class LaneServer:
                 running = asyncio.ensure_future(self._call(payload, writer))
                 running.add_done_callback(call_ended)
         except (asyncio.IncompleteReadError, OSError, ssl.SSLError):
-            pass   # the gateway closed the connection, went away, or left it idle: nothing to tell it
+            pass   # the gateway closed the connection, went away, left it idle or stopped mid-frame: nothing to tell it
         except asyncio.CancelledError:
             pass   # closing: asyncio's server callback reads a cancelled task's exception (and logs it)
         except Exception as exc:   # a bug: logged, the connection closed
@@ -217,6 +244,19 @@ class LaneServer:
                 await asyncio.gather(running, return_exceptions=True)
             self._connections.pop(task, None)
             writer.close()
+
+    def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        """A connection past max_connections, closed unanswered: a gateway takes that for a lane
+        it cannot reach and sends its calls over gRPC meanwhile."""
+        self.refused += 1
+        now = time.monotonic()
+        if self._refusals_said is None or now - self._refusals_said >= REFUSALS_LOG_S:
+            self._refusals_said = now
+            peer = writer.get_extra_info("peername")
+            log.warning("the lane refuses new connections: %d are open, as many as it takes; the calls go over "
+                        "gRPC meanwhile (%d refused so far, the latest from %s)", len(self._connections),
+                        self.refused, peer[0] if isinstance(peer, tuple) else "this host")
+        writer.transport.abort()
 
     def _too_large(self, size: int) -> bytes:
         return wire.status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, wire.too_large(size, self._max_request_bytes))
@@ -244,16 +284,13 @@ class LaneServer:
                         await outbox.drain()
         except _Abort as abort:
             code, details, trailers = abort.code, abort.details, abort.trailers
-        except TimeoutError:
-            if not deadline.expired():   # the kernel gave up on the gateway (ETIMEDOUT): nobody to tell
-                return
-            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        except (OSError, ssl.SSLError):
+        except _GatewayGone:
             return   # the gateway went away mid-stream
-        except Exception as exc:   # a bug: logged under an id, never shown as its repr
-            error = InternalError("the lane call failed")
-            log.error("lane call failed (incident %s)", error.incident, exc_info=exc)
-            code, details = grpc.StatusCode.INTERNAL, str(error)
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+            else:   # a bug, the servicer's own OSError too: told as on the gRPC port, never as its repr
+                code, details = grpc.StatusCode.INTERNAL, told_as_incident(GENERATE, exc)
         outbox.put(wire.status_frame(code, details, trailers))
 
 

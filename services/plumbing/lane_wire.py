@@ -61,13 +61,19 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, bytes]:
+async def read_frame(reader: asyncio.StreamReader, limit: int, body_s: float | None = None) -> tuple[int, bytes]:
     """The next frame's (kind, payload). IncompleteReadError at a clean or broken end of the
-    stream; FramingError for one longer than `limit`."""
+    stream; FramingError for one longer than `limit`; TimeoutError when its bytes take longer
+    than `body_s` once its header came (a peer that stops mid-frame would hold what it sent)."""
     length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
     if length > limit:
         raise FramingError(f"a frame of {length} bytes, over the {limit} taken", length)
-    return kind, await reader.readexactly(length) if length else b""
+    if not length:
+        return kind, b""
+    if body_s is None:   # (the gateway's reads, one a message: no timer each)
+        return kind, await reader.readexactly(length)
+    async with asyncio.timeout(body_s):
+        return kind, await reader.readexactly(length)
 
 
 def metadata_pb(pairs) -> list[lane_pb.LaneMetadata]:

@@ -24,13 +24,17 @@ log = logging.getLogger(__name__)
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 
+def told_as_incident(method: str, exc: Exception) -> str:
+    """Logs a bug with its traceback under a new incident id; the INTERNAL status's message."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("%s failed (incident %s)", method, incident, exc_info=exc)
+    return f"internal error in {method.rsplit('/', 1)[-1]}; the server log has the details under incident {incident}"
+
+
 async def _told(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     if getattr(context, "done", lambda: False)():   # ended already: nothing can be told
         raise exc
-    incident = uuid.uuid4().hex[:12]
-    log.error("%s failed (incident %s)", method, incident, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.rsplit('/', 1)[-1]}; the server "
-                                                  f"log has the details under incident {incident}")
+    await context.abort(grpc.StatusCode.INTERNAL, told_as_incident(method, exc))
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str):
