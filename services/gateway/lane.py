@@ -325,9 +325,14 @@ class LaneCall:
                         channel.unreachable("it closed a new connection before answering")
                         over_grpc = True
                         continue
-                    why = "closed the connection" if isinstance(exc, asyncio.IncompleteReadError) else \
-                        f"failed ({type(exc).__name__}: {exc})"
-                    log.info("the lane at %s %s", channel.where, why)
+                    # plain words for what a client may read: the exception's (errno text, a peer) is the log's
+                    if isinstance(exc, asyncio.IncompleteReadError):
+                        why, detail = "closed the connection", ""
+                    else:
+                        why = "lost the connection" if isinstance(exc, OSError) else \
+                            "sent a frame this gateway cannot read"
+                        detail = f" ({type(exc).__name__}: {exc})"
+                    log.info("the lane at %s %s%s", channel.where, why, detail)
                     raise _error(grpc.StatusCode.UNAVAILABLE, f"the worker's lane {why}") from None
                 finally:
                     self._reading = False

@@ -86,6 +86,14 @@ def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
     return pb.FINISH_REASON_STOP if "nothing left to generate" in details else None
 
 
+def _failure(exc: grpc.aio.AioRpcError) -> str:
+    """A worker's failure in the words its request's client may read. grpc's details (errno text,
+    the worker's address, a lane's exception) are the log's."""
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "it ran out of room for the request"
+    return "it became unavailable"
+
+
 def _final(exc: grpc.aio.AioRpcError) -> bool:
     """The worker says its status is the request's own (FINAL_TRAILER: its client did not read),
     though the code alone would send it to another worker."""
@@ -351,7 +359,8 @@ class Relay:
                 if (exc.code() not in RETRYABLE or _final(exc)) and not self._moved:
                     kept = tuple((key, value) for key, value in exc.trailing_metadata() or () if key in PASSED_TRAILERS)
                     raise Refused(exc.code(), exc.details(), kept) from None
-                why = f"{exc.code().name}: {exc.details()}"
+                why = f"{exc.code().name}: {exc.details()}"   # the log's; `told`, the client's
+                told = "it stopped answering" if self._moved else _failure(exc)
                 full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered and not self._moved
             except asyncio.CancelledError:
                 task = asyncio.current_task()
@@ -365,7 +374,7 @@ class Relay:
                     return
                 if not self._moved:
                     raise
-                why = "it stopped answering"
+                why = told = "it stopped answering"
             finally:
                 taken.cancel()
                 worker.stream_ended(self, here, choice.mark)
@@ -387,13 +396,13 @@ class Relay:
                                 "it goes to no other", self.request_id, worker.address, why, prefill_failures)
                     raise Refused(grpc.StatusCode.INTERNAL,
                                   f"{prefill_failures} workers failed while computing the request's prompt "
-                                  f"(the last: {why}); it is sent to no other, in case it is what makes them fail",
+                                  f"(the last: {told}); it is sent to no other, in case it is what makes them fail",
                                   ((NO_RETRY_TRAILER, "1"),))
             if moves >= self.migration_limit:   # (the workers' addresses are the log's, not the client's)
                 log.warning("request %s: worker %s failed (%s); it has moved %d times, as many as "
                             "--migration-limit allows", self.request_id, worker.address, why, moves)
                 raise Refused(grpc.StatusCode.UNAVAILABLE,
-                              f"a worker failed before the request finished ({why}); it has moved "
+                              f"a worker failed before the request finished ({told}); it has moved "
                               f"{moves} times, as many as --migration-limit allows")
             moves += 1
             worker.migrated_away += 1
