@@ -24,6 +24,7 @@ from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.auth import Refuse, RequireApiKey
 from kvserve.services.http.server import HttpFront
+from kvserve.services.http.translate import Limits
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.grpc_server import (LAST_MESSAGES_S, RunningServer, ServiceSpec, create_server as _create,
                                                    drain_wait, goaway_drain, stop_server, wait_for_signal)
@@ -74,7 +75,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         if config.http_listen:   # calls this server in-process, the caller's key as metadata
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
                                                         config.server_tls(), config.max_request_bytes, keys,
-                                                        server_flags.allowed_origins(config.http_allowed_origins))
+                                                        server_flags.allowed_origins(config.http_allowed_origins),
+                                                        Limits.of(config))
         return running, servicer
     except Exception:   # nothing half-started outlives the failure
         if running is not None:

@@ -20,6 +20,7 @@ from kvserve.services.gateway.metrics import GatewayMetrics
 from kvserve.services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.http.server import HttpFront
+from kvserve.services.http.translate import Limits
 from kvserve.services.plumbing import server_flags
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.auth import RequireApiKey
@@ -87,7 +88,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         if config.http_listen:
             gateway.http_front = await HttpFront.start(config.http_listen, gateway.running.local_channel(),
                                                        config.server_tls(), config.max_request_bytes, keys,
-                                                       server_flags.allowed_origins(config.http_allowed_origins))
+                                                       server_flags.allowed_origins(config.http_allowed_origins),
+                                                       Limits.of(config))
         return gateway
     except BaseException:
         if gateway.running is not None:

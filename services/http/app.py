@@ -27,8 +27,9 @@ from starlette.routing import Route
 
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
-from kvserve.services.http.translate import (HttpError, Reply, batch_requests, echo_only, prompt_top_of, prompts_of,
-                                             request_of, shown, detokenize_request, stream_usage, tokenize_request)
+from kvserve.services.http.translate import (HttpError, Limits, Reply, batch_requests, check_fields, client_param,
+                                             detokenize_request, echo_only, prompt_top_of, prompts_of, request_of,
+                                             shown, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.retry_hints import says_no_retry
 from kvserve.services.plumbing.version import kvserve_version
@@ -80,11 +81,13 @@ def sse(obj: dict | str) -> bytes:
 class Front:
     """What the routes share: the channel to the Inference service and the limits."""
 
-    def __init__(self, channel: grpc.aio.Channel, max_body_bytes: int, keys: ApiKeys | None = None) -> None:
+    def __init__(self, channel: grpc.aio.Channel, max_body_bytes: int, keys: ApiKeys | None = None,
+                 limits: Limits | None = None) -> None:
         self.keys = keys   # the server's own: a caller without a key is refused before its body is read
         self.stub = pb_grpc.InferenceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()   # the server's bounds on a request's lists, where told them
         self.info: pb.ModelInfo | None = None   # the served model's, once asked
 
     def metadata(self, request: Request) -> tuple:
@@ -159,7 +162,8 @@ class Front:
         or of chat messages rendered by the model's template."""
         try:
             metadata, body = await self.keyed_body(request)
-            msg, strings = tokenize_request(body)
+            check_fields("tokenize", body)
+            msg, strings = tokenize_request(body, self.limits)
             info = await self._model_asked(body, metadata)
             answer = await self.stub.Tokenize(msg, metadata=metadata, timeout=60)
         except HttpError as err:
@@ -175,6 +179,7 @@ class Front:
         serving answers the rest from its own tokenizer at once."""
         try:
             metadata, body = await self.keyed_body(request)
+            check_fields("detokenize", body)
             msg = detokenize_request(body)
             if body.get("model") is not None:
                 await self._model_asked(body, metadata)
@@ -223,10 +228,13 @@ class Front:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         parts: list[Part] = []
+        body = None
         try:
             metadata, body = await self.keyed_body(request)
+            check_fields(kind, body)
             prompts = prompts_of(body) if kind == "completion" else None
-            msgs = batch_requests(body, prompts) if prompts else [request_of(kind, body)]
+            limits = self.limits
+            msgs = batch_requests(body, prompts, limits) if prompts else [request_of(kind, body, limits=limits)]
             info = await self._model_asked(body, metadata)
             model = info.name
             stream = body.get("stream") is True
@@ -255,7 +263,10 @@ class Front:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:
             _cancel(parts)
-            return error_response(from_rpc(exc))
+            err = from_rpc(exc)
+            if err.status == 400 and body is not None:   # the client's name for the field the server names
+                err.param = client_param(kind, body, err.message)
+            return error_response(err)
         except BaseException:   # a failure of this front's, or the request's task cancelled: no call left running
             _cancel(parts)
             raise
@@ -533,10 +544,11 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
 
 
 def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: ApiKeys | None = None,
-             allowed_origins: list[str] | None = None) -> Starlette:
+             allowed_origins: list[str] | None = None, limits: Limits | None = None) -> Starlette:
     """`allowed_origins` (--http-allowed-origins): the browser origins answered under CORS, with the
-    Authorization header allowed (a key is a header, not a cookie: no credentials mode)."""
-    front = Front(channel, max_body_bytes, keys)
+    Authorization header allowed (a key is a header, not a cookie: no credentials mode). `limits`:
+    the server's bounds on a request's lists (Limits.of(config)), refused before they are read."""
+    front = Front(channel, max_body_bytes, keys, limits)
     middleware = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
                              allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms", "x-should-retry"],
                              max_age=600)] if allowed_origins else []

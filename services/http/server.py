@@ -18,6 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvserve.services.http.app import make_app
+from kvserve.services.http.translate import Limits
 from kvserve.services.plumbing.address import CannotListen, parse_address
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -72,10 +73,11 @@ class HttpFront:
 
     @classmethod
     async def start(cls, listen: str, channel, tls: ServerTLS | None = None,
-                    max_body_bytes: int = 8 << 20, keys=None, allowed_origins: list[str] | None = None) -> HttpFront:
+                    max_body_bytes: int = 8 << 20, keys=None, allowed_origins: list[str] | None = None,
+                    limits: Limits | None = None) -> HttpFront:
         """Serves on `listen` (host:port; 0 picks a port), calling the Inference service through
         `channel` (this process's server's local_channel(): its handlers behind its
-        interceptors, no socket); stop() ends it."""
+        interceptors, no socket); stop() ends it. `limits`: Limits.of(the server's config)."""
         address = parse_address(listen)
         if address.is_unix:
             raise ValueError(f"--http-listen must be host:port, got {listen!r}")
@@ -95,8 +97,8 @@ class HttpFront:
         sock.setblocking(False)
         # log_config=None: uvicorn's records go through the process's logging (its format, and the
         # filter that keeps what clients do out of the log: logging_setup.py), not its own handlers
-        config = uvicorn.Config(make_app(channel, max_body_bytes, keys, allowed_origins), log_level="warning",
-                                log_config=None, lifespan="off",
+        app = make_app(channel, max_body_bytes, keys, allowed_origins, limits)
+        config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))
         server = _Server(config)

@@ -4,11 +4,14 @@ client reads, in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.inference.v1 import inference_pb2 as pb
@@ -44,10 +47,56 @@ UNSUPPORTED = {
     "length_penalty": lambda v, body: v is None or v == 1,   # beam search's
     "spaces_between_special_tokens": lambda v, body: v is None or v is True,   # the tokenizer's own decoding
     **{name: (lambda v, body: v is None) for name in ("guided_decoding_backend", "guided_whitespace_pattern")},
+    # OpenAI's: no completion is stored, no client's prediction used, one service tier, the prefix
+    # cache automatic (no breakpoints, no retention asked), no tools to call in parallel
+    "store": lambda v, body: v is None or v is False,
+    "prediction": lambda v, body: v is None,
+    "service_tier": lambda v, body: v in (None, "auto", "default"),
+    "moderation": lambda v, body: v is None,
+    "verbosity": lambda v, body: v is None,
+    "prompt_cache_options": lambda v, body: v is None or v == {},
+    "prompt_cache_retention": lambda v, body: v in (None, "in_memory"),
+    "parallel_tool_calls": lambda v, body: v is None or isinstance(v, bool),
+}
+# Every field each endpoint reads, or refuses above by name: any other is refused as OpenAI
+# refuses it (a misspelt field, or another server's, did nothing where it was dropped).
+_GENERATE = frozenset({
+    "model", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+    "max_tokens", "max_completion_tokens", "seed", "stop", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+    "skip_special_tokens", "logit_bias", "min_tokens", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "stop_token_ids", "prompt_logprobs", "cache_salt",
+    "request_id", "user", "safety_identifier", "prompt_cache_key", "metadata", "add_special_tokens", "logprobs",
+    "top_logprobs", "echo", *UNSUPPORTED})   # (echo, top_logprobs: each endpoint refuses the other's, saying so)
+FIELDS = {
+    "completion": _GENERATE | {"prompt"},
+    "chat": _GENERATE | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
+    "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "continue_final_message", "chat_template_kwargs", "return_token_strs"}),
+    "detokenize": frozenset({"model", "tokens", "skip_special_tokens"}),
+}
+# What an unknown field is called here, for the other endpoint's and other servers' well-known
+# ones (TGI, SGLang, llama.cpp).
+HINTS = {
+    "messages": "a chat's field: POST it to /v1/chat/completions",
+    "prompt": "a completion's field: POST it to /v1/completions",
+    **dict.fromkeys(("max_new_tokens", "n_predict"), "this server's is 'max_tokens'"),
+    "stop_sequences": "this server's is 'stop'",
+    "repeat_penalty": "this server's is 'repetition_penalty'",
+    "regex": "this server's is 'guided_regex'",
+    "json_schema": "this server's is 'response_format' of type json_schema, or 'guided_json'",
+    "ebnf": "this server's is 'guided_grammar', in Lark's notation",
+    "grammar": "this server's are 'guided_grammar' (Lark), 'guided_regex' and 'response_format'",
+    "top_n_tokens": "this server's is 'logprobs', a chat's 'top_logprobs'",
+    "return_full_text": "this server's is a completion's 'echo'",
+    "do_sample": "this server samples unless 'temperature' is 0",
 }
 UINT32, INT32 = 2**32 - 1, 2**31 - 1
 MAX_PROMPTS = 256   # a completion's batch of prompts: each is a call of its own
 MAX_LOGIT_BIAS = 1024   # the server's (model_service/sampling/params.py), counted before they are read
+MAX_STOP_TOKEN_IDS = 1024   # the server's too (the same file; a test holds them equal)
+# A list whose server bound (a flag) the front is not told is refused past this, unread: far over
+# any sane setting, far under the ~600,000 items an 8 MB body holds.
+FRONT_MAX_ITEMS = 1 << 16
 # What a batch's prompts may repeat of the request's sampling fields (stop strings, logit_bias, a
 # schema) in their calls, in all: each prompt's call carries its own copy.
 MAX_BATCH_SAMPLING_BYTES = 32 << 20
@@ -63,6 +112,31 @@ class HttpError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's flags that bound a request's lists, as far as the front is told them (None:
+    not told, FRONT_MAX_ITEMS stands in): a list past one is refused by its length before any of
+    it is read. Translating is on the server's event loop: an 8 MB body of 600,000 messages took
+    it a second, every other client's stream frozen, before the server refused its count."""
+    max_chat_messages: int | None = None
+    max_stop_strings: int | None = None   # (a gateway's config has none: its workers check)
+
+    @classmethod
+    def of(cls, config) -> Limits:
+        """A model service's or a gateway's config's."""
+        return cls(getattr(config, "max_chat_messages", None), getattr(config, "max_stop_strings", None))
+
+
+def _count(items: list, told: int | None, what: str, flag: str, param: str) -> None:
+    """A 400 for more `items` than the server's `told` bound, or than the front's own where it
+    is not told; looks at the length only."""
+    if told is not None and len(items) > told:
+        raise HttpError(400, f"{len(items):,} {what}; at most {told:,} are allowed ({flag})", param=param)
+    if told is None and len(items) > FRONT_MAX_ITEMS:
+        raise HttpError(400, f"{len(items):,} {what}; this HTTP front takes at most {FRONT_MAX_ITEMS:,}",
+                        param=param)
 
 
 def _flag(body: dict, name: str) -> bool | None:
@@ -89,7 +163,9 @@ def _number(body: dict, name: str, kind: type, low: float | None = None, high: f
     if not finite:
         raise HttpError(400, f"'{name}' must be a finite number", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise HttpError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+        bound = (f"in [{low}, {high}]" if low is not None and high is not None
+                 else f"at least {low}" if low is not None else f"at most {high}")
+        raise HttpError(400, f"'{name}' must be {bound}, got {value}", param=name)
     return value
 
 
@@ -112,7 +188,37 @@ def stream_usage(options, stream: bool) -> tuple[bool, bool]:
     return options.get("include_usage") is True, options.get("continuous_usage_stats") is True
 
 
-def sampling(body: dict) -> pb.SamplingParams:
+def check_fields(endpoint: str, body: dict) -> None:
+    """A 400 naming the fields of the body that `endpoint` ("completion", "chat", "tokenize",
+    "detokenize") does not know, in OpenAI's words, with what this server calls a well-known one
+    of another server's. Counted over the known names, in C: a body of a million keys is no loop."""
+    known = FIELDS[endpoint]
+    unknown = len(body) - len(body.keys() & known)
+    if not unknown:
+        return
+    first = list(itertools.islice((k for k in body if k not in known), 5))   # in the body's order
+    said = ", ".join(shown(k[:100]) + (f" ({HINTS[k]})" if k in HINTS else "") for k in first)
+    if unknown > len(first):
+        said += f", and {unknown - len(first):,} more"
+    raise HttpError(400, f"Unrecognized request argument{'s' if unknown > 1 else ''} supplied: {said}",
+                    param=shown(first[0][:100]))
+
+
+def client_param(kind: str, body: dict, message: str) -> str | None:
+    """The client's field a server's refusal names, where the message opens with a field this
+    front set ("logprobs must be ...", from a chat's top_logprobs), for OpenAI's `param`."""
+    said = re.match(r"([a-z_]+)(?:\[\d+\])? (?:must|has) ", message)
+    if said is None:
+        return None
+    name = said.group(1)
+    field = {"logprobs": "top_logprobs" if kind == "chat" else "logprobs",
+             "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
+             "prompt_logprobs": "prompt_logprobs" if body.get("prompt_logprobs") is not None else "logprobs",
+             }.get(name, name)
+    return field if body.get(field) is not None else None
+
+
+def sampling(body: dict, limits: Limits = Limits()) -> pb.SamplingParams:
     for name, asks_nothing in UNSUPPORTED.items():
         if name in body and not asks_nothing(body[name], body):
             raise HttpError(400, f"'{name}' is not supported by this server", param=name)
@@ -142,6 +248,8 @@ def sampling(body: dict) -> pb.SamplingParams:
     if seed is not None:
         out.seed = seed % 2**64   # the server's seed is unsigned: a negative one as its two's complement
     stop = body.get("stop")
+    if isinstance(stop, list):
+        _count(stop, limits.max_stop_strings, "stop strings", "--max-stop-strings", "stop")
     if isinstance(stop, str):
         out.stop.append(stop)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
@@ -187,6 +295,9 @@ def sampling(body: dict) -> pb.SamplingParams:
         out.structured.CopyFrom(structured)
     stop_ids = body.get("stop_token_ids")   # the server checks them against its vocabulary
     if stop_ids is not None:
+        if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise HttpError(400, f"{len(stop_ids):,} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                            param="stop_token_ids")
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t <= INT32 for t in stop_ids):
             raise HttpError(400, "'stop_token_ids' must be a list of token ids (0 to 2^31-1)", param="stop_token_ids")
@@ -251,7 +362,8 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
         else:
             raise HttpError(400, f"'{field}' must be a JSON schema", param=param)
     elif kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        # (in C: a list of 8 MB holds two million choices, checked on the server's event loop)
+        if not isinstance(value, list) or not value or set(map(type, value)) != {str} or "" in value:
             raise HttpError(400, f"'{field}' must be a list of non-empty strings", param=param)
         out.choice.choices.extend(value)
     else:
@@ -265,24 +377,24 @@ def prompts_of(body: dict) -> list | None:
     """A completion's batch of prompts (OpenAI's list of strings, or of token-id lists, as
     LangChain and lm-evaluation-harness send them), or None for one prompt."""
     prompt = body.get("prompt")
-    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)):
-        return None
-    if len(prompt) > MAX_PROMPTS:
-        raise HttpError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", param="prompt")
-    return prompt
+    if not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))):
+        return None   # (a list of token ids)
+    if len(prompt) > MAX_PROMPTS:   # counted before any is looked at
+        raise HttpError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt):,}", param="prompt")
+    return prompt if all(isinstance(p, (str, list)) for p in prompt) else None   # (None: refused as one prompt)
 
 
-def batch_requests(body: dict, prompts: list) -> list[pb.GenerateRequest]:
+def batch_requests(body: dict, prompts: list, limits: Limits = Limits()) -> list[pb.GenerateRequest]:
     """One Generate message a prompt of a completion's batch; refused (400) before the second is
     built when their copies of the sampling fields would pass MAX_BATCH_SAMPLING_BYTES."""
-    first = request_of("completion", body, prompts[0])
+    first = request_of("completion", body, prompts[0], limits)
     shared = first.sampling.ByteSize()
     if len(prompts) * shared > MAX_BATCH_SAMPLING_BYTES:
         raise HttpError(400, f"each of the {len(prompts)} prompts' calls carries the request's sampling fields "
                              f"(stop strings, logit_bias, a schema: {shared:,} bytes); at most "
                              f"{MAX_BATCH_SAMPLING_BYTES:,} bytes of them in all: send fewer prompts at once",
                         param="prompt")
-    return [first] + [request_of("completion", body, prompt) for prompt in prompts[1:]]
+    return [first] + [request_of("completion", body, prompt, limits) for prompt in prompts[1:]]
 
 
 def prompt_top_of(body: dict) -> int | None:
@@ -291,17 +403,23 @@ def prompt_top_of(body: dict) -> int | None:
     return _number(body, "prompt_logprobs", int, 0, UINT32)
 
 
-def request_of(kind: str, body: dict, prompt=None) -> pb.GenerateRequest:
+def request_of(kind: str, body: dict, prompt=None, limits: Limits = Limits()) -> pb.GenerateRequest:
     """The Generate message of a completion or chat body (`prompt`: one of a completion's batch).
     A string holding a lone surrogate (JSON allows the escape "\\ud800"; no UTF-8 text holds one)
     is a 400, not protobuf's error."""
     try:
-        msg = completion_request(body, prompt) if kind == "completion" else chat_request(body)
+        msg = completion_request(body, prompt, limits) if kind == "completion" else chat_request(body, limits)
         prompt_top = prompt_top_of(body)
         if prompt_top is not None:   # an echo's logprobs may already ask for more of each top
             msg.sampling.prompt_logprobs = max(prompt_top, msg.sampling.prompt_logprobs)
-        if "user" in body and isinstance(body["user"], str):
-            msg.session_id = body["user"][:256]   # a conversation's user keeps it on one worker
+        for name in ("user", "prompt_cache_key", "safety_identifier"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise HttpError(400, f"'{name}' must be a string", param=name)
+        if body.get("metadata") is not None and not isinstance(body["metadata"], dict):   # a label: nothing stored
+            raise HttpError(400, "'metadata' must be an object", param="metadata")
+        session = body.get("prompt_cache_key") or body.get("user")   # OpenAI's newer name for the cache's key
+        if session:
+            msg.session_id = session[:256]   # a conversation's user keeps it on one worker
         salt = body.get("cache_salt")   # vLLM's: the request's prefix cache apart; the server checks its size
         if salt is not None:
             if not isinstance(salt, str) or not salt:
@@ -343,12 +461,12 @@ def echo_only(body: dict) -> bool:
             and body.get("max_completion_tokens") in (None, 0))
 
 
-def completion_request(body: dict, prompt=None) -> pb.GenerateRequest:
+def completion_request(body: dict, prompt=None, limits: Limits = Limits()) -> pb.GenerateRequest:
     prompt = body.get("prompt") if prompt is None else prompt
     _special_tokens(body, True)
     if echo_only(body):
         body = {**body, "max_tokens": 1, "max_completion_tokens": None}
-    msg = pb.GenerateRequest(sampling=sampling(body))
+    msg = pb.GenerateRequest(sampling=sampling(body, limits))
     if not msg.sampling.HasField("max_tokens"):
         msg.sampling.max_tokens = COMPLETION_MAX_TOKENS
     if "top_logprobs" in body and body["top_logprobs"] is not None:
@@ -361,15 +479,8 @@ def completion_request(body: dict, prompt=None) -> pb.GenerateRequest:
         prompt = prompt[0]   # one prompt in a list, as the openai client sends
     if isinstance(prompt, str):
         msg.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     and 0 <= t <= INT32 for t in prompt):
-        msg.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = next(t for t in prompt if not 0 <= t <= INT32)
-        raise HttpError(400, f"'prompt' token id {bad} is not in [0, 2^31-1]", param="prompt")
-    else:
-        raise HttpError(400, "'prompt' must be a string, a list of token ids (0 to 2^31-1), or a list of "
-                             "either", param="prompt")
+    elif not (isinstance(prompt, list) and prompt and _token_ids(prompt, msg.token_ids.ids)):
+        raise _bad_prompt(prompt)
     echo = _flag(body, "echo")
     if echo and (logprobs is not None or not msg.HasField("prompt")):
         # the prompt's own logprobs; for token ids, also the prompt's text (the server decodes it)
@@ -377,41 +488,46 @@ def completion_request(body: dict, prompt=None) -> pb.GenerateRequest:
     return msg
 
 
-def chat_request(body: dict) -> pb.GenerateRequest:
+def _token_ids(prompt: list, out) -> bool:
+    """Whether `prompt` is token ids, into `out`: in C, as a body of 8 MB holds two million
+    of them (protobuf's int32 refuses a bool, a float, a string and what is past 2^31-1)."""
+    try:
+        out.extend(prompt)
+    except (TypeError, ValueError):
+        return False
+    return min(prompt) >= 0
+
+
+def _bad_prompt(prompt) -> HttpError:
+    """Why a completion's prompt is refused: for a list of integers, one that is no token id
+    (found in C, as _token_ids looked)."""
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        low = min(prompt)
+        return HttpError(400, f"'prompt' token id {low if low < 0 else max(prompt)} is not in [0, 2^31-1]",
+                         param="prompt")
+    return HttpError(400, "'prompt' must be a string, a list of token ids (0 to 2^31-1), or a list of either",
+                     param="prompt")
+
+
+def chat_request(body: dict, limits: Limits = Limits()) -> pb.GenerateRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' must be a non-empty list", param="messages")
+    _count(messages, limits.max_chat_messages, "chat messages", "--max-chat-messages", "messages")
     if body.get("echo") not in (None, False):
         raise HttpError(400, "'echo' is a completion field: a chat does not echo its messages", param="echo")
     _special_tokens(body, False)
-    msg = pb.GenerateRequest(sampling=sampling(body))
+    msg = pb.GenerateRequest(sampling=sampling(body, limits))
     wanted = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", int, 0, UINT32)   # the server bounds it (--max-logprobs)
     if wanted is True:
         msg.sampling.logprobs = top or 0
     elif top is not None:
         raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    add = msg.messages.messages.add
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        if m.get("tool_calls") or m.get("function_call") or m.get("tool_call_id"):   # the template never sees them
-            raise HttpError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: only text
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)   # as vLLM joins them: the same prompt, the same answer
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise HttpError(400, f"messages[{i}].name must be a string", param="messages")
-        msg.messages.messages.add(role=m["role"], content=content, name=name)
+        role, content, name = _message(i, m)
+        add(role=role, content=content, name=name)
     for name in ("add_generation_prompt", "continue_final_message"):   # vLLM's template options
         _flag(body, name)
     if body.get("add_generation_prompt") is not None:
@@ -427,7 +543,31 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     return msg
 
 
-def tokenize_request(body: dict) -> tuple[pb.TokenizeRequest, bool]:
+def _message(i: int, m) -> tuple[str, str, str | None]:
+    """messages[i]'s role, text and name."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise HttpError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+    if m.get("tool_calls") or m.get("function_call") or m.get("tool_call_id"):   # the template never sees them
+        raise HttpError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
+    content = m.get("content")
+    if isinstance(content, list):   # content parts: only text
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)   # as vLLM joins them: the same prompt, the same answer
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise HttpError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise HttpError(400, f"messages[{i}].name must be a string", param="messages")
+    return m["role"], content, name
+
+
+def tokenize_request(body: dict, limits: Limits = Limits()) -> tuple[pb.TokenizeRequest, bool]:
     """vLLM's /tokenize body (a prompt, or chat messages with their template options) as a
     TokenizeRequest, and whether it asks for each token's string (return_token_strs)."""
     strings = _flag(body, "return_token_strs") is True
@@ -436,7 +576,7 @@ def tokenize_request(body: dict) -> tuple[pb.TokenizeRequest, bool]:
         if body.get("messages") is not None and body.get("prompt") is None:
             _special_tokens(body, False)
             chat = chat_request({k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
-                                                      "chat_template_kwargs") if k in body})
+                                                      "chat_template_kwargs") if k in body}, limits)
             out.messages.CopyFrom(chat.messages)
         else:
             prompt = body.get("prompt")
