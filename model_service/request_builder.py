@@ -134,13 +134,7 @@ class RequestBuilder:
         request.continued = len(tokens)
         request.output = await self.lanes.run(4 * len(tokens), self._primed_output, request, tokens)
         if request.matcher is not None:   # the format goes on from where the continuation left it
-            for i, token in enumerate(tokens):
-                if not request.matcher.consume_token(token):
-                    raise RequestError(f"continuation token {i} ({token}) does not fit the structured output's "
-                                       "format")
-            if request.matcher.is_stopped():
-                raise NothingToGenerate("the continuation already completes the structured output's format: "
-                                        "there is nothing left to generate", "FINISH_REASON_STOP")
+            await self.lanes.run(len(tokens), _feed_format, request.matcher, tokens)
 
     def _continuation_tokens(self, ids: Sequence[int]) -> list[int]:
         tokens = list(ids)
@@ -343,3 +337,14 @@ def _format(structured) -> Format:
     if kind == "choice":
         return Format(kind, json.dumps(list(structured.choice.choices)))
     return Format(kind, getattr(structured, kind))
+
+
+def _feed_format(matcher, tokens: Sequence[int]) -> None:
+    """The continuation's tokens into the format's matcher, on a tokenizer lane: a few
+    microseconds each, and a stream with attention sinks may continue from millions."""
+    for i, token in enumerate(tokens):
+        if not matcher.consume_token(token):
+            raise RequestError(f"continuation token {i} ({token}) does not fit the structured output's format")
+    if matcher.is_stopped():
+        raise NothingToGenerate("the continuation already completes the structured output's format: "
+                                "there is nothing left to generate", "FINISH_REASON_STOP")

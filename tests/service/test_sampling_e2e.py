@@ -313,6 +313,38 @@ def long_greedy(model_server):
         return [generate(stub, request(token_ids=p, **greedy(60))) for p in PROMPTS]
 
 
+def test_a_continuation_is_fed_to_its_format_off_the_event_loop(model_server, tokenizer):
+    """A continuation's tokens go into the format's matcher a few microseconds each, and a
+    stream with attention sinks may continue from millions: on the server's event loop that
+    froze every other stream. They are fed on a tokenizer lane."""
+    grammars = model_server.servicer.stack.grammars
+    fed_on: list[str] = []
+
+    class Watched:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def consume_token(self, token):
+            fed_on.append(threading.current_thread().name)
+            return self.inner.consume_token(token)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    real = grammars.matcher
+    grammars.matcher = lambda fmt, tenant="": Watched(real(fmt, tenant))
+    try:
+        with grpc.insecure_channel(model_server.address) as ch:
+            msg = request(token_ids=[5, 6, 7], temperature=0, max_tokens=8,
+                          structured=pb.StructuredOutput(regex="[0-9]+"))
+            msg.continuation.ids.extend(tokenizer.encode("12", add_special_tokens=False))
+            generate(pb_grpc.InferenceStub(ch), msg)
+    finally:
+        del grammars.matcher
+    continued = len(tokenizer.encode("12", add_special_tokens=False))
+    assert len(fed_on) >= continued and all(name.startswith("kvserve-tokenize") for name in fed_on[:continued])
+
+
 @pytest.mark.parametrize("span", [2, 3, 5])
 def test_stop_string_across_tokens(stub, tokenizer, long_greedy, span):
     for prompt, full in zip(PROMPTS, long_greedy):
