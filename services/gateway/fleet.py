@@ -17,7 +17,8 @@ from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.peer_addresses import without_addresses
-from kvserve.services.gateway.router import SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind
+from kvserve.services.gateway.router import (SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind,
+                                             rendezvous)
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import DOWN, SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
@@ -188,16 +189,18 @@ class Fleet:
 
         def depths(addresses: list[str]) -> dict[str, int]:   # workers weighed beside the deepest holders
             return self.index.matches(hashes, [a for a in addresses if matchable(a)]) if hashes else {}
-        sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
-        if session_id and sticky is None and matches:
-            # A session this replica has not routed (another gateway did): the worker holding most
-            # of its prompt is its worker, as every replica reads the same index (each stuck it to
-            # a worker of its own, and the turns went back and forth, each losing the last's cache).
-            sticky = self.workers.get(max(matches, key=lambda address: (matches[address], address)))
         if session_id:
             key = session_id.encode()
         else:
             key = hashes[0].to_bytes(8, "little") if hashes else repr(ids[:16]).encode()
+        sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
+        if session_id and sticky is None and matches:
+            # A session this replica has not routed (another gateway did, or it is new): the
+            # worker holding most of its prompt is its worker, as every replica reads the same
+            # index (each stuck it to a worker of its own, and the turns went back and forth, each
+            # losing the last's cache). Ties go by the session (a new one's prompt shares only a
+            # system prompt with the others: by address, every new session went to one worker).
+            sticky = self.workers.get(max(matches, key=lambda address: (matches[address], rendezvous(key, address))))
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted, output)
         if self.routing == "cache":

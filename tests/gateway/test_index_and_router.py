@@ -506,3 +506,29 @@ def test_holders_the_gateway_would_not_route_to_do_not_take_the_deepest_places()
         joined(f"idle{i:02}", SERVING, 0, 0)
     choice = fleet.choose(ids, hashes, "")
     assert choice.worker.address == "home" and choice.matched_pages == 5
+
+
+def test_new_sessions_sharing_a_system_prompt_spread_over_the_workers_holding_it():
+    """A session this replica has not routed sticks to the worker holding most of its prompt.
+    New sessions' prompts share only a system prompt every warm worker holds as deep: the tie
+    went by address, and every new user went to one worker (past the balance) while the
+    others idled. Ties go by the session now."""
+    from collections import Counter
+
+    from kvserve.services.gateway.fleet import Fleet, session_key
+    from kvserve.services.gateway.waiting import WaitQueue
+
+    fleet = Fleet("", 1.0, 2, 0.05, WaitQueue(100))
+    system = list(range(1000, 1040))   # 10 pages of 4, held by every worker
+    for name in ("w1", "w2", "w3", "w4"):
+        w = worker(name)
+        w.info.max_num_seqs, w.info.max_model_len, w.info.num_pages = 64, 4096, 4096
+        w.events_live = True
+        fleet.workers[name] = w
+        fleet.board.add(w)
+        fleet.index.add(name, fleet.hashes(system, "", 4))
+    chosen = Counter()
+    for s in range(40):
+        ids = system + [500 + s] * 12
+        chosen[fleet.choose(ids, fleet.hashes(ids, "", 4), session_key("", f"user-{s}")).worker.address] += 1
+    assert set(chosen) == {"w1", "w2", "w3", "w4"} and max(chosen.values()) - min(chosen.values()) <= 8, chosen
