@@ -44,3 +44,10 @@ class FleetModel:
             return (f"its tokenizer makes other ids of the same text than the gateway's --model (tokenizer "
                     f"digest {info.tokenizer_digest}, the gateway's {self.tokenizer_digest})")
         return None
+
+
+def unroutable(info: pb.ModelInfo) -> str | None:
+    """Why no request can be routed by what a worker says of itself (a bug, or something that
+    is not a kvserve worker): the board's page size and every fit are computed from these, and
+    one worker's page size of 0 made every routing divide by zero."""
+    return None if info.page_size else "it reports a page size of 0"

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.services.gateway.fleet_model import FleetModel
+from kvserve.services.gateway.fleet_model import FleetModel, unroutable
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, Load, Worker
 from kvserve.services.plumbing import stats_watch
@@ -96,7 +96,7 @@ class Follower:
         self.worker = worker
         self.tenants = tenants
         self.model = model   # the fleet's: a worker serving another is not routed to (None: not compared)
-        self.foreign: str | None = None   # why this worker serves another model than the fleet's
+        self.foreign: str | None = None   # why nothing is routed here: another model, a report of nonsense
         self.index = index
         self.digest = extra_key_digest(cache_salt)
         self.poll_s = poll_s
@@ -195,10 +195,10 @@ class Follower:
                         log.error("worker %s does not take the gateway's tenants (it runs without "
                                   "--trust-tenant-metadata): every tenant would share its cache, so nothing is "
                                   "routed to it", w.address)
-                    self.foreign = self.model.differs(w.info) if self.model is not None else None
+                    other = self.model.differs(w.info) if self.model is not None else None
+                    self.foreign = unroutable(w.info) or (f"another model: {other}" if other else None)
                     if self.foreign:
-                        log.error("worker %s serves another model than the gateway's, so nothing is routed to it: "
-                                  "%s", w.address, self.foreign)
+                        log.error("nothing is routed to worker %s: %s", w.address, self.foreign)
                 if self.pushed:
                     await self._watch_load()   # until the worker ends it: it drained
                 else:
@@ -305,7 +305,7 @@ class Follower:
     def _refusal(self) -> str:
         """Why the gateway routes nothing to a worker that serves ("": it routes there)."""
         if self.foreign:
-            return f"another model: {self.foreign}"
+            return self.foreign
         if self._shares_tenants():
             return ("it runs without --trust-tenant-metadata: the gateway's tenants would share its cache")
         return ""

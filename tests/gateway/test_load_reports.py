@@ -205,6 +205,43 @@ def test_a_worker_whose_stream_goes_silent_is_down(tiny_dirs, monkeypatch, caplo
         worker.close()
 
 
+class NonsenseWorker(HangingWorker):
+    """Says its pages hold 0 tokens each: what no kvserve worker says (a bug, another server)."""
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(page_size=0, max_model_len=64, max_num_seqs=4, extra_key_digest=extra_key_digest(""))
+
+
+def test_a_worker_reporting_a_page_size_of_0_is_routed_nothing(tiny_dirs):
+    """The board's page size is its workers' smallest: one worker's 0 made every routing divide by
+    zero, and every Generate through the gateway failed INTERNAL."""
+    worker = LoopThread("nonsense worker")
+    gateway = None
+    try:
+        async def start():
+            server = grpc.aio.server()
+            pb_grpc.add_InferenceServicer_to_server(NonsenseWorker(), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+        server, port = worker.call(start())
+        gateway = GatewayThread([f"127.0.0.1:{port}"], model=str(tiny_dirs["tiny"]), no_worker_timeout_s=0.5)
+        [w] = gateway.fleet.workers.values()
+        wait_until(lambda: "page size of 0" in w.not_serving, what="the worker refused a place")
+        assert gateway.fleet.page_size is None   # nothing on the board
+        with grpc.insecure_channel(gateway.address) as ch:
+            try:
+                generate(pb_grpc.InferenceStub(ch), request(token_ids=[5, 6, 7], **greedy(2)))
+                raise AssertionError("served by a worker that reports nonsense")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+        worker.call(server.stop(None))
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.close()
+
+
 def test_the_gateway_streams_its_fleets_stats(two_workers):
     fleet = two_workers
     reports = fleet.stub.WatchServerStats(pb.WatchServerStatsRequest(interval_ms=10), timeout=60)
