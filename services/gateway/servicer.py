@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from contextlib import aclosing
 
@@ -54,6 +55,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self._streams_over: dict[tuple[str, str], asyncio.Event] = {}   # set as its relay leaves `relays`
         self.draining = False
         self._shared_stats = stats_watch.SharedStats(self._built_stats, self._load)   # WatchServerStats' messages
+        self._load_key: tuple[float, tuple] | None = None   # (when, _load()'s key then)
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -231,12 +233,21 @@ class GatewayServicer(pb_grpc.InferenceServicer):
             yield out
 
     def _load(self) -> tuple:
-        """What a WatchServerStats message is sent for when it changes."""
+        """What a WatchServerStats message is sent for when it changes: each worker's pages in a
+        worker's own steps (pages_key), as exact counts changed with every report and every
+        stream rebuilt the whole fleet's stats at almost every look. Worked out once for the
+        streams that look within MIN_INTERVAL_MS (a look walks the whole fleet)."""
+        now = time.monotonic()
+        if self._load_key is not None and now - self._load_key[0] < stats_watch.MIN_INTERVAL_MS / 1e3:
+            return self._load_key[1]
         pages = self.fleet.page_size or 1   # (none before a worker's model is known: then nothing is ahead)
-        return (len(self.fleet.queue), self._not_serving() == "", *(
-            (w.address, w.state, w.load.running, w.load.waiting, w.load.free_pages + w.load.cached_pages,
+        key = (len(self.fleet.queue), self._not_serving() == "", *(
+            (w.address, w.state, w.load.running, w.load.waiting,
+             stats_watch.pages_key(w.load.free_pages + w.load.cached_pages, w.info.num_pages if w.info else 0),
              stats_watch.prefill_key(w.load.prefill_tokens, pages))
             for w in self.fleet.workers.values()))
+        self._load_key = (now, key)
+        return key
 
     async def _built_stats(self) -> pb.ServerStats:
         return self._stats()

@@ -275,3 +275,31 @@ def test_a_workers_report_carries_the_prefill_ahead_and_the_gateway_shows_it(tin
 def worker_address_of(w) -> str:
     """The host:port grpc's own error details name (the worker's address without its scheme)."""
     return w.address.split("://")[-1]
+
+
+def test_the_gateways_stats_stream_moves_with_each_workers_load_in_steps():
+    """A worker's report carries exact page counts, one at least every heartbeat: keyed on them,
+    the gateway's every stats stream rebuilt the whole fleet's stats at almost every look. Its
+    pages count in the worker's own steps (1/64 of its cache), and one look serves every stream
+    looking within MIN_INTERVAL_MS."""
+    from kvserve.services.gateway.fleet import Fleet
+    from kvserve.services.gateway.servicer import GatewayServicer
+    from kvserve.services.gateway.waiting import WaitQueue
+    from kvserve.services.gateway.worker import SERVING, Load, Worker
+
+    fleet = Fleet("", 1.0, 2, 0.05, WaitQueue(100))
+    for i in range(3):
+        w = Worker(f"10.0.0.{i}:50051", None)
+        w.set_info(pb.ModelInfo(page_size=16, max_model_len=4096, num_pages=8192, max_num_seqs=64))
+        w.state = SERVING
+        w.loaded(Load(running=3, free_pages=4000, asked_at=0))
+        fleet.workers[w.address] = w
+    servicer = GatewayServicer(fleet, None, 3)
+    first = servicer._load()
+    w.loaded(Load(running=3, free_pages=3999, asked_at=0))   # a page taken by a decode
+    assert servicer._load() is first                          # looked at within the interval: the same key
+    servicer._load_key = None
+    assert servicer._load() == first                          # within the worker's step: no message
+    w.loaded(Load(running=3, free_pages=4000 - 8192 // 64, asked_at=0))
+    servicer._load_key = None
+    assert servicer._load() != first
