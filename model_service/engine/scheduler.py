@@ -205,13 +205,24 @@ class Scheduler:
             asks.append(Ask(r, count, need, draft))
 
         drafted: dict[Request, list[int]] = {}
-        for r in self.running:  # decodes first ...
-            if r.is_decoding and r.fork_at is None and budget:
-                draft = self._draft(r, budget - 1)
-                if draft:
-                    drafted[r] = draft
-                budget -= 1 + len(draft)
-                ask_slots(r, 1 + len(draft), draft)
+        decoding = [r for r in self.running if r.is_decoding and r.fork_at is None]
+        # Drafts are extras: they take only what the step's running work leaves (a token per
+        # decode, each prefill's chunk, each family's forks), else the oldest sequences' drafts
+        # took the whole budget and younger ones went steps without a token. Nor do they take
+        # more pages between them than are free.
+        draft_budget = budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking) - sum(
+            min(r.compute_end - r.num_computed, chunk) for r in self.running if not r.is_decoding)
+        spare_pages = self.available_pages
+        for r in decoding:  # decodes first ...
+            if not budget:
+                break
+            draft = self._draft(r, min(budget - 1, draft_budget), spare_pages)
+            if draft:
+                drafted[r] = draft
+                draft_budget -= len(draft)
+                spare_pages -= max(0, -(-(r.num_tokens + len(draft)) // ps) - len(r.page_table))
+            budget -= 1 + len(draft)
+            ask_slots(r, 1 + len(draft), draft)
 
         slides = self._slides()
         commits = []
@@ -226,12 +237,6 @@ class Scheduler:
                 r.told_computed, r.told_tokens = r.num_computed, len(r.tokens)
                 r.drafts_told = len(draft or ())
 
-        for r in self.running:  # ... then the next chunk of each prefill
-            if not r.is_decoding and budget:
-                count = min(r.compute_end - r.num_computed, budget, chunk)
-                budget -= count
-                ask_slots(r, count)
-
         seqs = len(self.running)
         for parent in forking:  # each child computes the last prompt token in a slot of its own
             for child in list(parent.family.unforked):
@@ -244,6 +249,13 @@ class Scheduler:
             if budget:   # and the parent, which goes on once no child is left unforked
                 budget -= 1
                 ask_slots(parent, 1)
+        # ... then the next chunk of each prefill (after the forks: a family at its fork point is
+        # an older request's decode, and a long prompt's chunks behind it took every step's budget)
+        for r in self.running:
+            if not r.is_decoding and budget:
+                count = min(r.compute_end - r.num_computed, budget, chunk)
+                budget -= count
+                ask_slots(r, count)
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
@@ -298,7 +310,7 @@ class Scheduler:
         r.slid_to = end
         return Slide(seq_id, first, end)
 
-    def _draft(self, r: Request, budget: int) -> list[int]:
+    def _draft(self, r: Request, budget: int, spare_pages: int) -> list[int]:
         """A draft for a decoding sequence to verify in this step, or []: none with speculation off,
         while its last token is still being sampled (a proposal built ahead), while it backs off."""
         drafter = self.drafter
@@ -310,9 +322,10 @@ class Scheduler:
             drafter.wait(r.draft_state)
             return []
         # It emits up to 1 + len(draft) tokens; and a draft never preempts anybody: it takes at most
-        # the slots its pages have left and the pages free at the last plan.
+        # the slots its pages have left and the pages free at the last plan that the step's
+        # earlier drafts left (`spare_pages`).
         ps = self.config.page_size
-        spare = len(r.page_table) * ps - r.num_tokens + self.available_pages * ps
+        spare = len(r.page_table) * ps - r.num_tokens + max(0, spare_pages) * ps
         room = min(budget, r.max_tokens - r.num_output - 1, spare)
         return drafter.propose(r.draft_state, r.tokens, room)
 

@@ -207,3 +207,85 @@ def test_random_workloads(seed, page_size, num_pages, cpu_pages, mode, budget, c
     for r in requests:
         if r not in cancelled:
             assert sum(1 for d in done if d in members(r)) == len(members(r))
+
+
+class RightDrafter(WrongDrafter):
+    """Always drafts the true continuation, as prompt lookup does on an edit of code."""
+
+    def propose(self, state, tokens: list[int], room: int) -> list[int]:
+        draft, context = [], list(tokens)
+        for _ in range(min(self.k, room)):
+            draft.append(next_token(context))
+            context.append(draft[-1])
+        return draft
+
+
+class StepWatch:
+    """Wraps Scheduler.apply: the longest run of steps each running sequence went without a token."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.gaps: dict[str, int] = {}
+        self.longest: dict[str, int] = {}
+        apply = Scheduler.apply
+
+        def watched(sched, proposal, answer):
+            work = apply(sched, proposal, answer)
+            got = {w.request.request_id for w in work}
+            for r in sched.running:
+                gap = 0 if r.request_id in got else self.gaps.get(r.request_id, 0) + 1
+                self.gaps[r.request_id] = gap
+                self.longest[r.request_id] = max(self.longest.get(r.request_id, 0), gap)
+            return work
+        monkeypatch.setattr(Scheduler, "apply", watched)
+
+
+def test_drafts_take_only_what_the_running_sequences_leave(monkeypatch):
+    """Each decode's draft came out of the budget before the younger sequences' tokens: with
+    drafts that are always right, the oldest took a budget of 16 and a younger sequence went 12
+    steps without a token. Drafts are extras now."""
+    watch = StepWatch(monkeypatch)
+    requests = [Request(f"r{i}", [i + 1, i + 2, i + 3], 60, SamplingParams()) for i in range(8)]
+    done, _ = run(requests, num_pages=200, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
+                  budget=16, drafter=RightDrafter(random.Random(0)))
+    assert len(done) == 8
+    assert max(watch.longest.values()) == 0, watch.longest
+
+
+def test_a_family_at_its_fork_is_not_held_behind_a_younger_long_prefill(monkeypatch):
+    """Forks were scheduled after every running prefill: a long prompt admitted after an n = 4
+    request took each step's budget, and its children never forked (each was recomputed alone)."""
+    forks = []
+    build = Scheduler.build
+
+    def counted(sched):
+        proposal = build(sched)
+        forks.extend(n for n in proposal.step.needs if type(n).__name__ == "Fork")
+        return proposal
+    monkeypatch.setattr(Scheduler, "build", counted)
+    family = Request("family", [1, 2, 3, 4, 5, 6], 4, SamplingParams(n=4, temperature=1.0))
+    long = Request("long", [(i * 7) % 40 + 1 for i in range(600)], 2, SamplingParams())
+    done, _ = run([family, long], num_pages=400, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
+                  budget=32)
+    assert len(done) == 5 and len(forks) == 3
+
+
+def test_the_drafts_of_a_step_take_no_more_pages_between_them_than_are_free(monkeypatch):
+    """Each drafting sequence counted the same free pages: together their drafts asked for 6
+    new pages with 4 free, and the manager preempted a sequence for a guess."""
+    over = []
+    build = Scheduler.build
+
+    def checked(sched):
+        free, ps = sched.available_pages, sched.config.page_size
+        proposal = build(sched)
+        drafted = sum(max(0, -(-(a.request.num_computed + a.count) // ps)
+                          - max(len(a.request.page_table), -(-(a.request.num_computed + 1) // ps)))
+                      for a in proposal.asks if a.draft)
+        if drafted > free:
+            over.append((drafted, free))
+        return proposal
+    monkeypatch.setattr(Scheduler, "build", checked)
+    requests = [Request(f"r{i}", [i + 1, i + 2, i + 3], 40, SamplingParams()) for i in range(6)]
+    done, _ = run(requests, num_pages=40, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
+                  budget=64, drafter=RightDrafter(random.Random(0)))
+    assert len(done) == 6 and not over, over
