@@ -46,6 +46,12 @@ from kvserve.model_service.engine.speculation import DraftState, NgramDrafter
 log = logging.getLogger(__name__)
 
 
+# Prompt positions a step computes for a request that asked for its prompt's logprobs: each
+# keeps a row of logits, float32 and the vocabulary wide, so a chunk of thousands took gigabytes
+# beside a step's usual memory, which the GPU's sizing does not measure.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int
@@ -185,6 +191,9 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_chunk or budget
 
+        def chunk_of(r: Request) -> int:   # each prompt position's logits are kept (vocab floats each)
+            return min(chunk, PROMPT_LOGPROBS_CHUNK) if r.wants_prompt_logprobs else chunk
+
         # Parents at their fork point: their children fork in this step (family.py).
         forking = [r for r in self.running if r.fork_at is not None and r.num_computed == r.fork_at]
         # Drafts rejected last step leave the manager first (and every page past the new end).
@@ -211,7 +220,7 @@ class Scheduler:
         # took the whole budget and younger ones went steps without a token. Nor do they take
         # more pages between them than are free.
         draft_budget = budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking) - sum(
-            min(r.compute_end - r.num_computed, chunk) for r in self.running if not r.is_decoding)
+            min(r.compute_end - r.num_computed, chunk_of(r)) for r in self.running if not r.is_decoding)
         spare_pages = self.available_pages
         for r in decoding:  # decodes first ...
             if not budget:
@@ -253,13 +262,13 @@ class Scheduler:
         # an older request's decode, and a long prompt's chunks behind it took every step's budget)
         for r in self.running:
             if not r.is_decoding and budget:
-                count = min(r.compute_end - r.num_computed, budget, chunk)
+                count = min(r.compute_end - r.num_computed, budget, chunk_of(r))
                 budget -= count
                 ask_slots(r, count)
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
-            count = min(r.compute_end - r.num_computed, budget, chunk)
+            count = min(r.compute_end - r.num_computed, budget, chunk_of(r))
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Resume(r.seq_id, r.num_computed + count))
             asks.append(Ask(r, count, need))
@@ -267,7 +276,7 @@ class Scheduler:
         for r in self.waiting:
             if not budget or seqs >= cfg.max_num_seqs or r.request_id in ending:   # (an id sent again)
                 break
-            count = min(r.compute_end, budget, chunk)  # an upper bound: cached tokens cost nothing
+            count = min(r.compute_end, budget, chunk_of(r))  # an upper bound: cached tokens cost nothing
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count,
                                        skip_prefix_hits=r.wants_prompt_logprobs))

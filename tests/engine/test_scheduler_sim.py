@@ -289,3 +289,23 @@ def test_the_drafts_of_a_step_take_no_more_pages_between_them_than_are_free(monk
     done, _ = run(requests, num_pages=40, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
                   budget=64, drafter=RightDrafter(random.Random(0)))
     assert len(done) == 6 and not over, over
+
+
+def test_a_prompt_whose_logprobs_are_asked_is_computed_in_short_chunks(monkeypatch):
+    """Each prompt position computed for prompt logprobs keeps a row of logits the vocabulary
+    wide: a chunk of the whole budget took gigabytes at a large vocabulary."""
+    from kvserve.model_service.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    counts = []
+    build = Scheduler.build
+
+    def watched(sched):
+        proposal = build(sched)
+        counts.extend(a.count for a in proposal.asks if a.request.request_id == "asks")
+        return proposal
+    monkeypatch.setattr(Scheduler, "build", watched)
+    asks = Request("asks", [(i * 7) % 40 + 1 for i in range(1500)], 2, SamplingParams(prompt_logprobs=0))
+    plain = Request("plain", [(i * 11) % 40 + 1 for i in range(1500)], 2, SamplingParams())
+    done, _ = run([asks, plain], num_pages=1000, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
+                  budget=2048)
+    assert len(done) == 2 and max(counts) == PROMPT_LOGPROBS_CHUNK < 1500
