@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
@@ -150,11 +151,13 @@ class Relay:
         self.migration_limit = migration_limit
         self.worker: Worker | None = None     # the worker streaming it now
         self.routed = False                   # some worker has taken it (it holds or held room there)
+        self.arrived = time.monotonic()       # its order among streams moving back to the queue's front
         self.cancelled = False                # Cancel(request_id) while it waited
         self.ended: str | None = None         # the gateway is stopping: end with this, UNAVAILABLE
         self._call = None
         self._moved = False
         self._waiter = None   # its place in the gateway's queue while it waits there
+        self._told_place: int | None = None   # the last queue place its client was told
         self._resumed = resumed   # one sequence of a split request: its client has had prefill_done
         self._avoid = avoid       # the worker it left, chosen again only if no other can take it
         self._prefill_failures = prefill_failures   # a split's part: its request's, so far
@@ -310,6 +313,10 @@ class Relay:
                         waiting_here = response.queued.position > 0
                         if moved:   # to its client a moved stream only pauses
                             continue
+                        place = response.queued.position
+                        if place and self._told_place is not None and place > self._told_place:
+                            continue   # a place told only falls (the gateway's queue told it its head)
+                        self._told_place = place
                     elif kind == "prefill_done":
                         prefilled_here = True
                         worker.prefilled(choice.mark)
@@ -489,13 +496,14 @@ class Relay:
         """A worker now, or a place in the queue until one has room (queued events meanwhile).
         Yields nothing more when the request is cancelled while it waits."""
         queue = self.fleet.queue
-        if (front or not len(queue)) and (choice := route()) is not None:
+        # (a stream moving back goes ahead of the queue, but not of those moving back before it)
+        if (not len(queue) or (front and not queue.fronts_before(self.arrived))) and (choice := route()) is not None:
             if not front:
                 queue.passed()
             yield choice
             return
         try:
-            self._waiter = waiter = queue.enter(self.request_id, front)
+            self._waiter = waiter = queue.enter(self.request_id, front, self.arrived)
         except QueueFull as exc:
             eta = queue.eta_ms(len(queue) + 1)
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again later",
@@ -517,6 +525,7 @@ class Relay:
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)
                     if told not in (None, 1):   # a client told its place sees it reach the head
+                        self._told_place = 1
                         try:
                             yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=0))
                         except BaseException:   # it left there: the worker chosen was never sent it
@@ -525,7 +534,7 @@ class Relay:
                     yield choice
                     return
                 if position != told:
-                    told = position
+                    told = self._told_place = position
                     yield pb.GenerateResponse(queued=pb.QueueStatus(position=position,
                                                                     eta_ms=queue.eta_ms(position)))
                 await queue.changed(waiter, timeout_s=1.0)

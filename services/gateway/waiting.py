@@ -26,13 +26,14 @@ class QueueFull(Exception):
 
 
 class Waiter:
-    __slots__ = ("request_id", "since", "position", "woken")
+    __slots__ = ("request_id", "since", "position", "woken", "arrived")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, arrived: float | None = None) -> None:
         self.request_id = request_id
         self.since = time.monotonic()
         self.position = 0               # 1 = next; valid when the queue is not due a renumbering
         self.woken = asyncio.Event()    # something for this waiter to look at
+        self.arrived = arrived          # a stream moving back to the front: when it came to the gateway
 
 
 class WaitQueue:
@@ -50,19 +51,29 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def enter(self, request_id: str, front: bool = False) -> Waiter:
+    def enter(self, request_id: str, front: bool = False, arrived: float = 0.0) -> Waiter:
         """A new waiter at the back; at the front for a stream moving off a failed worker (it was
-        admitted before everyone waiting)."""
+        admitted before everyone waiting), behind those moving too that came to the gateway
+        before it (`arrived`): several streams of one failed worker keep their order."""
         if len(self._waiters) >= self.max_queued and not front:
             raise QueueFull(f"{self.max_queued} requests are already waiting for a worker (--max-queued)")
-        waiter = Waiter(request_id)
+        waiter = Waiter(request_id, arrived if front else None)
         if front:
-            self._waiters.appendleft(waiter)
-            self._moved()   # everyone moved down
+            self._waiters.insert(self.fronts_before(arrived), waiter)
+            self._moved()   # everyone behind moved down
         else:
             self._waiters.append(waiter)
             waiter.position = len(self._waiters)
         return waiter
+
+    def fronts_before(self, arrived: float) -> int:
+        """How many streams moving back wait at the front that came to the gateway before `arrived`."""
+        count = 0
+        for w in self._waiters:
+            if w.arrived is None or w.arrived > arrived:
+                break
+            count += 1
+        return count
 
     def leave(self, waiter: Waiter) -> None:
         head = bool(self._waiters) and self._waiters[0] is waiter

@@ -580,6 +580,21 @@ def test_a_message_over_max_request_bytes_is_resource_exhausted_at_the_gateway_t
         assert tokens_of(stub.Generate(request(token_ids=[5] * 8, **greedy(4)), timeout=10)) == [5, 6, 7, 8]
 
 
+def test_streams_moving_back_to_the_front_keep_the_order_they_came_in():
+    """Streams moved off a failed worker go ahead of the queue: each went to the very front, so
+    several moved together were served last in, first out."""
+    async def scenario():
+        queue = WaitQueue(8)
+        queue.enter("new-1"), queue.enter("new-2")
+        queue.enter("moved-b", front=True, arrived=5.0)
+        queue.enter("moved-a", front=True, arrived=3.0)   # came to the gateway before b
+        queue.enter("moved-c", front=True, arrived=9.0)
+        order = sorted(queue._waiters, key=queue.position)
+        assert [w.request_id for w in order] == ["moved-a", "moved-b", "moved-c", "new-1", "new-2"]
+        assert queue.fronts_before(4.0) == 1 and queue.fronts_before(10.0) == 3 and queue.fronts_before(1.0) == 0
+    asyncio.run(scenario())
+
+
 def test_room_wakes_only_the_head_and_a_move_wakes_everyone():
     async def scenario():
         queue = WaitQueue(8)
@@ -766,6 +781,29 @@ def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_thir
                                         "it became unavailable); it is sent to no other")
         assert sorted(len(w.requests) for w in workers) == [0, 1, 1] and gateway.fleet.migrations == 1
         assert (NO_RETRY_TRAILER, "1") in err.trailing_metadata()   # an HTTP front says: do not retry
+
+
+class QueuedDeep(ScriptedWorker):
+    """Tells each request it waits third in the worker's queue, then second, first, and off."""
+
+    async def Generate(self, request, context):
+        for place in (3, 2, 1, 0):
+            yield pb.GenerateResponse(queued=pb.QueueStatus(position=place, eta_ms=10 * place))
+        async for response in super().Generate(request, context):
+            yield response
+
+
+def test_a_place_told_to_a_client_only_falls(tiny_dirs):
+    """A request that waited at the head of the gateway's queue was told place 1; the worker it
+    went to then told it places 3 and 2 of its own queue, passed on as they came."""
+    worker = QueuedDeep(running=10)   # full: the request waits in the gateway's queue
+    with scripted_fleet(tiny_dirs, worker) as (gateway, stub, _):
+        stream = stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)
+        first = next(stream)
+        assert first.queued.position == 1
+        worker.running = 0   # room: its next load report lets the head go
+        places = [first.queued.position] + [e.queued.position for e in stream if e.HasField("queued")]
+    assert places == sorted(places, reverse=True) and places[-1] == 0, places
 
 
 class QueuedThenLost(ScriptedWorker):
