@@ -14,9 +14,15 @@ log = logging.getLogger(__name__)
 
 
 def _resolve(host: str, port: int) -> set[str]:
+    """The name's addresses of one family, the first the resolver gives (its preferred): a
+    dual-stack headless Service names each pod twice, once an IPv4 address and once an IPv6
+    one, and each would have been a worker of its own, sent twice its share."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    first = next((family for family, *_ in infos if family in (socket.AF_INET, socket.AF_INET6)), None)
     out = set()
     for family, _, _, _, addr in infos:
+        if family != first:
+            continue
         ip = addr[0]
         out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
     return out

@@ -101,3 +101,18 @@ def test_a_worker_that_cannot_be_added_now_is_tried_again_and_the_names_still_fo
 
     asyncio.run(run())
     assert fleet.log == ["+10.0.0.1:50051", "+10.0.0.2:50051"]   # the second the next time round
+
+
+def test_a_dual_stack_name_gives_each_pod_once(monkeypatch):
+    """A dual-stack headless Service answers an IPv4 and an IPv6 address for each pod: kept
+    both, each pod was two workers, sent twice its share. The resolver's first family is kept."""
+    import socket
+
+    answers = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::1:2:3", 50051, 0, 0)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.3", 50051)),
+               (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::1:2:4", 50051, 0, 0)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.4", 50051))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: answers)
+    assert discovery._resolve("workers", 50051) == {"[fd00::1:2:3]:50051", "[fd00::1:2:4]:50051"}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: answers[1:])
+    assert discovery._resolve("workers", 50051) == {"10.1.2.3:50051", "10.1.2.4:50051"}
