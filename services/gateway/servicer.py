@@ -267,8 +267,10 @@ class GatewayServicer(pb_grpc.InferenceServicer):
                              requests_aborted=ended["aborted"], requests_failed=ended["failed"],
                              serving=not not_serving, not_serving=not_serving, gateway=True)
         for w in workers:
-            out.workers.append(w.stats(self.fleet.index.pages_of(w.address)))
-            out.running += w.load.running
-            out.waiting += w.load.waiting
-            out.prefill_tokens += w.load.prefill_tokens
+            row = w.stats(self.fleet.index.pages_of(w.address))
+            out.workers.append(row)
+            if not w.excluded:   # the fleet's load: not that of workers it routes nothing to
+                out.running += row.running
+                out.waiting += row.waiting
+                out.prefill_tokens += row.prefill_tokens   # as each row says it (the gateway's backlog)
         return out

@@ -303,3 +303,23 @@ def test_the_gateways_stats_stream_moves_with_each_workers_load_in_steps():
     w.loaded(Load(running=3, free_pages=4000 - 8192 // 64, asked_at=0))
     servicer._load_key = None
     assert servicer._load() != first
+
+
+def test_the_fleets_totals_count_the_workers_it_routes_to_as_their_rows_say():
+    """The totals summed every worker, those serving another model too, and the prefill ahead
+    as the workers reported it while each row showed the gateway's own backlog."""
+    from kvserve.services.gateway.fleet import Fleet
+    from kvserve.services.gateway.servicer import GatewayServicer
+    from kvserve.services.gateway.waiting import WaitQueue
+    from kvserve.services.gateway.worker import SERVING, Load, Worker
+
+    fleet = Fleet("", 1.0, 2, 0.05, WaitQueue(100))
+    for i, excluded in enumerate((False, True)):
+        w = Worker(f"10.0.0.{i}:50051", None)
+        w.set_info(pb.ModelInfo(page_size=16, max_model_len=4096, num_pages=8192, max_num_seqs=64))
+        w.state, w.excluded = SERVING, excluded
+        w.loaded(Load(running=3, waiting=2, free_pages=4000, asked_at=0, prefill_tokens=100))
+        fleet.workers[w.address] = w
+    stats = GatewayServicer(fleet, None, 3)._stats()
+    assert (stats.running, stats.waiting) == (3, 2)
+    assert stats.prefill_tokens == stats.workers[0].prefill_tokens
