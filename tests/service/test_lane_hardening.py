@@ -107,6 +107,19 @@ async def status_of(reader: asyncio.StreamReader) -> lane_pb.LaneStatus:
                 return lane_pb.LaneStatus.FromString(payload)
 
 
+async def one_call(servicer, frame: bytes):
+    """The status of one call `frame` to a lane server over `servicer`."""
+    server = await started(servicer)
+    try:
+        reader, writer = await connect(server)
+        writer.write(wire.MAGIC + frame)
+        status = await status_of(reader)
+        writer.close()
+        return status
+    finally:
+        await server.close()
+
+
 def test_connections_past_the_bound_are_closed_unanswered_and_said_once(caplog):
     """Unbounded, each connection held a task, an fd and up to a frame's bytes: the process's fd
     limit, shared with its gRPC port and its manager link, was the only bound."""
@@ -175,18 +188,7 @@ def test_a_servicers_own_failure_is_internal_not_silence(monkeypatch, caplog, ex
     monkeypatch.setattr(lane_server, "IDLE_S", 0.2)   # a call that ended silently: the connection closes
     caplog.set_level(logging.ERROR, logger=lane_server.__name__)
 
-    async def main():
-        server = await started(Raising(exc))
-        try:
-            reader, writer = await connect(server)
-            writer.write(wire.MAGIC + call_frame())
-            status = await status_of(reader)
-            writer.close()
-            return status
-        finally:
-            await server.close()
-
-    status = asyncio.run(main())
+    status = asyncio.run(one_call(Raising(exc), call_frame()))
     assert status.code == grpc.StatusCode.INTERNAL.value[0]
     incident = re.fullmatch(r"internal error in Generate; the server log has the details under incident "
                             r"([0-9a-f]{12})", status.details)
@@ -196,18 +198,7 @@ def test_a_servicers_own_failure_is_internal_not_silence(monkeypatch, caplog, ex
 
 
 def test_the_deadline_is_still_deadline_exceeded():
-    async def main():
-        server = await started(Holding())
-        try:
-            reader, writer = await connect(server)
-            writer.write(wire.MAGIC + call_frame(timeout_ms=50))
-            status = await status_of(reader)
-            writer.close()
-            return status
-        finally:
-            await server.close()
-
-    status = asyncio.run(main())
+    status = asyncio.run(one_call(Holding(), call_frame(timeout_ms=50)))
     assert (status.code, status.details) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
 
 
