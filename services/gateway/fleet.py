@@ -17,8 +17,7 @@ from kvserve.services.gateway.fleet_model import FleetModel
 from kvserve.services.gateway.follow import Follower
 from kvserve.services.gateway.index import PrefixIndex
 from kvserve.services.gateway.peer_addresses import without_addresses
-from kvserve.services.gateway.router import (SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind,
-                                             rendezvous)
+from kvserve.services.gateway.router import SHORTLIST_HOLDERS, WIDEN_EVERY_S, Choice, Policy, choose, choose_blind
 from kvserve.services.gateway.waiting import WaitQueue
 from kvserve.services.gateway.worker import DOWN, SERVING, Worker
 from kvserve.services.plumbing.tls import ClientTLS
@@ -196,11 +195,14 @@ class Fleet:
         sticky = self.workers.get(self._sessions.get(session_id, "")) if session_id else None
         if session_id and sticky is None and matches:
             # A session this replica has not routed (another gateway did, or it is new): the
-            # worker holding most of its prompt is its worker, as every replica reads the same
-            # index (each stuck it to a worker of its own, and the turns went back and forth, each
-            # losing the last's cache). Ties go by the session (a new one's prompt shares only a
-            # system prompt with the others: by address, every new session went to one worker).
-            sticky = self.workers.get(max(matches, key=lambda address: (matches[address], rendezvous(key, address))))
+            # worker holding more of its prompt than any other is its worker, as every replica
+            # reads the same index (each stuck it to a worker of its own, and the turns went back
+            # and forth, each losing the last's cache). Workers holding as much are no sign of its
+            # home: a new session's prompt shares a system prompt every warm worker holds (taking
+            # the highest address, every new session went to one worker while the others idled).
+            held = sorted(matches.values(), reverse=True)
+            if len(held) == 1 or held[0] > held[1]:
+                sticky = self.workers.get(max(matches, key=matches.__getitem__))
         mean = self._prompt_tokens_seen / self._requests_seen if self._requests_seen else 0.0
         policy = Policy(ps, self.overlap_weight, self.worker_queue_depth, self.balance_slack, length, salted, output)
         if self.routing == "cache":

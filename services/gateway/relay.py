@@ -157,7 +157,6 @@ class Relay:
         self._call = None
         self._moved = False
         self._waiter = None   # its place in the gateway's queue while it waits there
-        self._told_place: int | None = None   # the last queue place its client was told
         self._resumed = resumed   # one sequence of a split request: its client has had prefill_done
         self._avoid = avoid       # the worker it left, chosen again only if no other can take it
         self._prefill_failures = prefill_failures   # a split's part: its request's, so far
@@ -313,10 +312,6 @@ class Relay:
                         waiting_here = response.queued.position > 0
                         if moved:   # to its client a moved stream only pauses
                             continue
-                        place = response.queued.position
-                        if place and self._told_place is not None and place > self._told_place:
-                            continue   # a place told only falls (the gateway's queue told it its head)
-                        self._told_place = place
                     elif kind == "prefill_done":
                         prefilled_here = True
                         worker.prefilled(choice.mark)
@@ -393,7 +388,7 @@ class Relay:
                 refusals += 1
                 if refusals > MAX_REFUSALS:
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the workers refused the request as full "
-                                  f"{refusals} times ({why}); try again later", (("retry-after-ms", "1000"),))
+                                  f"{refusals} times ({told}); try again later", (("retry-after-ms", "1000"),))
                 log.info("request %s: worker %s is full (%s); it waits for room", self.request_id, worker.address, why)
                 continue
             if not prefilled_here and not waiting_here and await _admitted(call):
@@ -450,6 +445,7 @@ class Relay:
             part_id = self.request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
             part = Relay(self.fleet, msg, part_id, self.ids, moves_left, self.no_worker_timeout_s, self.tenant,
                          resumed=True, avoid=failed, prefill_failures=prefill_failures)
+            part.arrived = self.arrived   # its request's place among streams moving back
             part.cancelled = self.cancelled   # a Cancel while it moved: each part ends ABORT at once
             part.ended = self.ended
             self._parts.append(part)
@@ -525,7 +521,6 @@ class Relay:
                 if position == 1 and (choice := route()) is not None:
                     queue.leave(waiter)
                     if told not in (None, 1):   # a client told its place sees it reach the head
-                        self._told_place = 1
                         try:
                             yield pb.GenerateResponse(queued=pb.QueueStatus(position=1, eta_ms=0))
                         except BaseException:   # it left there: the worker chosen was never sent it
@@ -534,7 +529,7 @@ class Relay:
                     yield choice
                     return
                 if position != told:
-                    told = self._told_place = position
+                    told = position
                     yield pb.GenerateResponse(queued=pb.QueueStatus(position=position,
                                                                     eta_ms=queue.eta_ms(position)))
                 await queue.changed(waiter, timeout_s=1.0)

@@ -127,7 +127,7 @@ def choose(workers: LoadBoard | Iterable[Worker], matches: Mapping[str, int], pr
 
     def preference(w: Worker) -> tuple:
         cold = w.load.tree_pages == 0
-        return (-matches.get(w.address, 0), not cold, w.last_routed, rendezvous(key, w.address))
+        return (-matches.get(w.address, 0), not cold, w.last_routed, _rendezvous(key, w.address))
 
     pick = min(near, key=preference)
     return Choice(pick, matches.get(pick.address, 0))
@@ -212,5 +212,5 @@ def _as_board(workers: LoadBoard | Iterable[Worker]) -> LoadBoard:
     return workers if isinstance(workers, LoadBoard) else LoadBoard(workers)
 
 
-def rendezvous(key: bytes, address: str) -> bytes:
+def _rendezvous(key: bytes, address: str) -> bytes:
     return hashlib.blake2b(key + address.encode(), digest_size=8).digest()

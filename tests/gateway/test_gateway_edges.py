@@ -783,29 +783,6 @@ def test_a_request_two_workers_failed_while_computing_its_prompt_goes_to_no_thir
         assert (NO_RETRY_TRAILER, "1") in err.trailing_metadata()   # an HTTP front says: do not retry
 
 
-class QueuedDeep(ScriptedWorker):
-    """Tells each request it waits third in the worker's queue, then second, first, and off."""
-
-    async def Generate(self, request, context):
-        for place in (3, 2, 1, 0):
-            yield pb.GenerateResponse(queued=pb.QueueStatus(position=place, eta_ms=10 * place))
-        async for response in super().Generate(request, context):
-            yield response
-
-
-def test_a_place_told_to_a_client_only_falls(tiny_dirs):
-    """A request that waited at the head of the gateway's queue was told place 1; the worker it
-    went to then told it places 3 and 2 of its own queue, passed on as they came."""
-    worker = QueuedDeep(running=10)   # full: the request waits in the gateway's queue
-    with scripted_fleet(tiny_dirs, worker) as (gateway, stub, _):
-        stream = stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4), timeout=30)
-        first = next(stream)
-        assert first.queued.position == 1
-        worker.running = 0   # room: its next load report lets the head go
-        places = [first.queued.position] + [e.queued.position for e in stream if e.HasField("queued")]
-    assert places == sorted(places, reverse=True) and places[-1] == 0, places
-
-
 class QueuedThenLost(ScriptedWorker):
     """Takes every request in and tells it its place in the worker's queue (then, with `leaves`,
     that it left the queue: its prompt computing), then fails it before its prefill_done."""

@@ -509,10 +509,10 @@ def test_holders_the_gateway_would_not_route_to_do_not_take_the_deepest_places()
 
 
 def test_new_sessions_sharing_a_system_prompt_spread_over_the_workers_holding_it():
-    """A session this replica has not routed sticks to the worker holding most of its prompt.
-    New sessions' prompts share only a system prompt every warm worker holds as deep: the tie
-    went by address, and every new user went to one worker (past the balance) while the
-    others idled. Ties go by the session now."""
+    """A session this replica has not routed sticks to the worker holding more of its prompt
+    than any other. New sessions' prompts share only a system prompt every warm worker holds as
+    deep: the tie went by address, and every new user went to one worker (past the balance)
+    while the others idled. Workers holding as much are no sign of a home: the cost decides."""
     from collections import Counter
 
     from kvserve.services.gateway.fleet import Fleet, session_key
@@ -520,7 +520,8 @@ def test_new_sessions_sharing_a_system_prompt_spread_over_the_workers_holding_it
 
     fleet = Fleet("", 1.0, 2, 0.05, WaitQueue(100))
     system = list(range(1000, 1040))   # 10 pages of 4, held by every worker
-    for name in ("w1", "w2", "w3", "w4"):
+    names = [f"w{i:02}" for i in range(32)]   # more than the index names as the deepest holders
+    for name in names:
         w = worker(name)
         w.info.max_num_seqs, w.info.max_model_len, w.info.num_pages = 64, 4096, 4096
         w.events_live = True
@@ -528,7 +529,11 @@ def test_new_sessions_sharing_a_system_prompt_spread_over_the_workers_holding_it
         fleet.board.add(w)
         fleet.index.add(name, fleet.hashes(system, "", 4))
     chosen = Counter()
-    for s in range(40):
+    for s in range(320):
         ids = system + [500 + s] * 12
         chosen[fleet.choose(ids, fleet.hashes(ids, "", 4), session_key("", f"user-{s}")).worker.address] += 1
-    assert set(chosen) == {"w1", "w2", "w3", "w4"} and max(chosen.values()) - min(chosen.values()) <= 8, chosen
+    assert set(chosen) == set(names) and max(chosen.values()) - min(chosen.values()) <= 8, chosen
+    # one worker holding more of a session's prompt than any other is its home
+    ids = system + [9] * 12
+    fleet.index.add("w20", fleet.hashes(ids, "", 4))
+    assert fleet.choose(ids, fleet.hashes(ids, "", 4), session_key("", "returning")).worker.address == "w20"
