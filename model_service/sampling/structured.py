@@ -15,6 +15,7 @@ import functools
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ MAX_SPEC_CHARS = 256 << 10   # a schema or grammar, as text
 # thread of its own (only the stack it touches takes memory, and only while it runs).
 COMPILE_STACK_BYTES = 256 << 20
 MAX_MESSAGE_CHARS = 500      # of llguidance's messages, which quote the grammar
+# A format the probe stopped is refused at once this long: a load spike may have made it slow.
+TOO_SLOW_FOR_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,7 @@ class Grammars:
         self._llg_tokenizer = None
         self._compiled: dict[tuple[str, Format], Any] = {}   # (tenant, format) -> its matcher at the start
         self._probe = FormatProbe(compile_timeout_s) if compile_timeout_s else None
-        self._too_slow: dict[tuple[str, Format], None] = {}  # formats the probe stopped: refused at once
+        self._too_slow: dict[tuple[str, Format], float] = {}  # formats the probe stopped, when: refused at once
 
     def matcher(self, fmt: Format, tenant: str = "") -> Any:
         """A fresh matcher for the format; ValueError saying why the format cannot be used. Each
@@ -115,15 +118,16 @@ class Grammars:
             compiled = self._compiled.get((tenant, fmt))
             if compiled is not None:
                 return compiled.deep_copy()
-            if (tenant, fmt) in self._too_slow:
-                raise ValueError(f"the {fmt.kind} took too long to compile before; it is not tried again")
+            stopped = self._too_slow.get((tenant, fmt))
+            if stopped is not None and time.monotonic() - stopped < TOO_SLOW_FOR_S:
+                raise ValueError(f"the {fmt.kind} took too long to compile before; it is not tried again for a while")
         try:
             compiled = _on_deep_stack(self._compile, llguidance, fmt)
         except FormatTooSlow:
             with self._lock:
                 if len(self._too_slow) >= self.MAX_KEPT:
                     self._too_slow.pop(next(iter(self._too_slow)))
-                self._too_slow[(tenant, fmt)] = None
+                self._too_slow[(tenant, fmt)] = time.monotonic()
             raise
         with self._lock:
             if len(self._compiled) >= self.MAX_KEPT:
@@ -148,6 +152,7 @@ class Grammars:
         except RecursionError:   # Python's json, reading or writing a schema thousands of levels deep
             raise ValueError(f"the {fmt.kind} nests too deeply") from None
         if self._probe is not None:   # the same compile first in a child that a deadline can stop
+            # (a format compiles twice then: once a tenant, the server's copy kept and copied after)
             try:
                 error = self._probe.check(grammar)
             except FormatTooSlow as exc:
@@ -156,7 +161,6 @@ class Grammars:
                 raise ValueError(f"the {fmt.kind} {exc}") from None
             if error:
                 raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(error)}")
-        # (LLMatcher says what validate_grammar would: a pass of that first took as long again)
         compiled = llguidance.LLMatcher(self._llg_tokenizer, grammar)
         if compiled.is_error():
             raise ValueError(f"the {fmt.kind} cannot be used: {first_lines(compiled.get_error())}")

@@ -214,3 +214,28 @@ def test_a_format_that_compiles_for_minutes_is_stopped_and_not_tried_again(harne
                 "^a": {}, "^ab": {}}, "additionalProperties": False})), "alpha")
     finally:
         grammars.close()
+
+
+def test_the_format_probe_works_past_selects_descriptor_limit(harness):
+    """select() refuses a descriptor numbered 1024 or more, and a server of thousands of
+    connections has them: the child's pipes got such numbers, and every new format was refused."""
+    import os
+    import resource
+
+    from kvserve.model_service.sampling.structured import Grammars
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    stack = harness.stack
+    grammars = Grammars(stack.tokenizer, stack.model_config.vocab_size, stack.eos_token_ids, compile_timeout_s=30)
+    try:
+        assert grammars.matcher(Format("regex", "[0-9]{2}"), "alpha") is not None
+        assert grammars._probe._child.stdout.fileno() >= 1024
+    finally:
+        grammars.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
