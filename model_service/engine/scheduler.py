@@ -191,8 +191,15 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_chunk or budget
 
+        prompt_rows = PROMPT_LOGPROBS_CHUNK   # the step's, for requests taking their prompt's logprobs
+
         def chunk_of(r: Request) -> int:   # each prompt position's logits are kept (vocab floats each)
-            return min(chunk, PROMPT_LOGPROBS_CHUNK) if r.wants_prompt_logprobs else chunk
+            return min(chunk, prompt_rows) if r.wants_prompt_logprobs else chunk
+
+        def took(r: Request, count: int) -> None:
+            nonlocal prompt_rows
+            if r.wants_prompt_logprobs:
+                prompt_rows -= count
 
         # Parents at their fork point: their children fork in this step (family.py).
         forking = [r for r in self.running if r.fork_at is not None and r.num_computed == r.fork_at]
@@ -219,9 +226,10 @@ class Scheduler:
         # decode, each prefill's chunk, each family's forks), else the oldest sequences' drafts
         # took the whole budget and younger ones went steps without a token. Nor do they take
         # more pages between them than are free.
-        draft_budget = budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking) - sum(
-            min(r.compute_end - r.num_computed, chunk_of(r)) for r in self.running if not r.is_decoding)
-        spare_pages = self.available_pages
+        prefills = {r: min(r.compute_end - r.num_computed, chunk_of(r)) for r in self.running if not r.is_decoding}
+        draft_budget = budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking) - sum(prefills.values())
+        spare_pages = self.available_pages - sum(_new_pages(r, r.num_tokens, ps) for r in decoding) - sum(
+            _new_pages(r, r.num_computed + count, ps) for r, count in prefills.items())
         for r in decoding:  # decodes first ...
             if not budget:
                 break
@@ -229,7 +237,7 @@ class Scheduler:
             if draft:
                 drafted[r] = draft
                 draft_budget -= len(draft)
-                spare_pages -= max(0, -(-(r.num_tokens + len(draft)) // ps) - len(r.page_table))
+                spare_pages -= _new_pages(r, r.num_tokens + len(draft), ps) - _new_pages(r, r.num_tokens, ps)
             budget -= 1 + len(draft)
             ask_slots(r, 1 + len(draft), draft)
 
@@ -262,13 +270,19 @@ class Scheduler:
         # an older request's decode, and a long prompt's chunks behind it took every step's budget)
         for r in self.running:
             if not r.is_decoding and budget:
+                if r.wants_prompt_logprobs and not prompt_rows:   # the step's rows for them are taken
+                    continue
                 count = min(r.compute_end - r.num_computed, budget, chunk_of(r))
                 budget -= count
+                took(r, count)
                 ask_slots(r, count)
         for r in self.swapped:  # resume before admitting anyone new
             if not budget or seqs >= cfg.max_num_seqs:
                 break
+            if r.wants_prompt_logprobs and not prompt_rows:
+                break
             count = min(r.compute_end - r.num_computed, budget, chunk_of(r))
+            took(r, count)
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Resume(r.seq_id, r.num_computed + count))
             asks.append(Ask(r, count, need))
@@ -276,7 +290,10 @@ class Scheduler:
         for r in self.waiting:
             if not budget or seqs >= cfg.max_num_seqs or r.request_id in ending:   # (an id sent again)
                 break
+            if r.wants_prompt_logprobs and not prompt_rows:
+                break
             count = min(r.compute_end, budget, chunk_of(r))  # an upper bound: cached tokens cost nothing
+            took(r, count)
             budget, seqs = budget - count, seqs + 1
             needs.append(need := Admit(r.request_id, r.tokens, r.extra_key, max_tokens=count,
                                        skip_prefix_hits=r.wants_prompt_logprobs))
@@ -321,7 +338,8 @@ class Scheduler:
 
     def _draft(self, r: Request, budget: int, spare_pages: int) -> list[int]:
         """A draft for a decoding sequence to verify in this step, or []: none with speculation off,
-        while its last token is still being sampled (a proposal built ahead), while it backs off."""
+        while its last token is still being sampled (a proposal built ahead), while it backs off.
+        `spare_pages`: the free pages the step's other work and earlier drafts leave."""
         drafter = self.drafter
         if drafter is None or r.matcher is not None:   # a format's mask is per position: no drafts to verify
             return []
@@ -331,10 +349,10 @@ class Scheduler:
             drafter.wait(r.draft_state)
             return []
         # It emits up to 1 + len(draft) tokens; and a draft never preempts anybody: it takes at most
-        # the slots its pages have left and the pages free at the last plan that the step's
-        # earlier drafts left (`spare_pages`).
+        # the slots its pages have left and `spare_pages`.
         ps = self.config.page_size
-        spare = len(r.page_table) * ps - r.num_tokens + max(0, spare_pages) * ps
+        own = max(len(r.page_table), -(-r.num_tokens // ps))   # with the page its decode token may need
+        spare = own * ps - r.num_tokens + max(0, spare_pages) * ps
         room = min(budget, r.max_tokens - r.num_output - 1, spare)
         return drafter.propose(r.draft_state, r.tokens, room)
 
@@ -513,3 +531,8 @@ class Scheduler:
                 r.forget_pages()
                 self.waiting.appendleft(r)
         return gone
+
+
+def _new_pages(r: Request, end: int, page_size: int) -> int:
+    """Pages `r` must be granted to hold tokens up to `end`."""
+    return max(0, -(-end // page_size) - len(r.page_table))

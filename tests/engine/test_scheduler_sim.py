@@ -269,43 +269,54 @@ def test_a_family_at_its_fork_is_not_held_behind_a_younger_long_prefill(monkeypa
     assert len(done) == 5 and len(forks) == 3
 
 
-def test_the_drafts_of_a_step_take_no_more_pages_between_them_than_are_free(monkeypatch):
-    """Each drafting sequence counted the same free pages: together their drafts asked for 6
-    new pages with 4 free, and the manager preempted a sequence for a guess."""
+@pytest.mark.parametrize("seed", range(6))
+def test_the_drafts_of_a_step_take_only_the_pages_its_other_work_leaves(monkeypatch, seed):
+    """Each drafting sequence counted the same free pages, and none counted the pages the step's
+    plain decodes and prefills needed: together drafts asked for 6 new pages with 4 free, and
+    the manager preempted a sequence for a guess."""
     over = []
     build = Scheduler.build
 
     def checked(sched):
         free, ps = sched.available_pages, sched.config.page_size
         proposal = build(sched)
+        running = [a for a in proposal.asks if a.request.seq_id is not None and a.need is None or
+                   type(a.need).__name__ == "Grow"]
+        plain = sum(max(0, -(-(a.request.num_computed + a.count - len(a.draft)) // ps) - len(a.request.page_table))
+                    for a in running)
         drafted = sum(max(0, -(-(a.request.num_computed + a.count) // ps)
-                          - max(len(a.request.page_table), -(-(a.request.num_computed + 1) // ps)))
-                      for a in proposal.asks if a.draft)
-        if drafted > free:
-            over.append((drafted, free))
+                          - max(len(a.request.page_table), -(-(a.request.num_computed + a.count - len(a.draft)) // ps)))
+                      for a in running if a.draft)
+        if drafted and plain + drafted > free:
+            over.append((drafted, plain, free))
         return proposal
     monkeypatch.setattr(Scheduler, "build", checked)
-    requests = [Request(f"r{i}", [i + 1, i + 2, i + 3], 40, SamplingParams()) for i in range(6)]
-    done, _ = run(requests, num_pages=40, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
-                  budget=64, drafter=RightDrafter(random.Random(0)))
-    assert len(done) == 6 and not over, over
+    rng = random.Random(seed)
+    requests = [Request(f"r{i}", [rng.randrange(1, 40) for _ in range(rng.randrange(3, 8))], 40, SamplingParams())
+                for i in range(8)]
+    done, _ = run(requests, num_pages=rng.randrange(36, 48), page_size=4, cpu_pages=0,
+                  mode=PreemptionMode.RECOMPUTE, budget=64, drafter=RightDrafter(random.Random(seed)))
+    assert len(done) == 8 and not over, over
 
 
 def test_a_prompt_whose_logprobs_are_asked_is_computed_in_short_chunks(monkeypatch):
     """Each prompt position computed for prompt logprobs keeps a row of logits the vocabulary
-    wide: a chunk of the whole budget took gigabytes at a large vocabulary."""
+    wide: a chunk of the whole budget took gigabytes at a large vocabulary. The bound is the
+    step's, over every request taking them."""
     from kvserve.model_service.engine.scheduler import PROMPT_LOGPROBS_CHUNK
 
-    counts = []
+    per_step = []
     build = Scheduler.build
 
     def watched(sched):
         proposal = build(sched)
-        counts.extend(a.count for a in proposal.asks if a.request.request_id == "asks")
+        per_step.append(sum(a.count for a in proposal.asks   # prompt positions: their logits are kept
+                            if a.request.request_id.startswith("asks") and a.request.num_computed < a.request.num_prompt))
         return proposal
     monkeypatch.setattr(Scheduler, "build", watched)
-    asks = Request("asks", [(i * 7) % 40 + 1 for i in range(1500)], 2, SamplingParams(prompt_logprobs=0))
+    asking = [Request(f"asks-{i}", [(i * 7 + j) % 40 + 1 for j in range(1500)], 2, SamplingParams(prompt_logprobs=0))
+              for i in range(3)]
     plain = Request("plain", [(i * 11) % 40 + 1 for i in range(1500)], 2, SamplingParams())
-    done, _ = run([asks, plain], num_pages=1000, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
-                  budget=2048)
-    assert len(done) == 2 and max(counts) == PROMPT_LOGPROBS_CHUNK < 1500
+    done, _ = run([*asking, plain], num_pages=2000, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
+                  budget=4096)
+    assert len(done) == 4 and max(per_step) == PROMPT_LOGPROBS_CHUNK   # the step's, all such requests together
