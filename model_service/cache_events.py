@@ -38,6 +38,7 @@ MAX_STREAMS_PER_ADDRESS = 8   # a gateway follows a worker once; a few replicas 
 # A gateway asks for a snapshot when it starts following and again only when it starts over (a
 # gap, a lost stream, a new epoch): rarely, and a refused one is asked again after a backoff.
 SNAPSHOT_BURST, SNAPSHOT_REFILL_S = 4, 5.0
+SNAPSHOT_WAIT_S = 30.0   # for the manager's snapshot, holding the one place upstream
 
 
 class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
@@ -85,6 +86,10 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"this worker's KV-cache manager stopped its event stream "
                                     f"({exc.code().name}); subscribe again with a snapshot")
+        except TimeoutError:
+            log.warning("the KV-cache manager sent no snapshot in %g s", SNAPSHOT_WAIT_S)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this worker's KV-cache manager sent no snapshot "
+                                                             f"in {SNAPSHOT_WAIT_S:g} s; subscribe again later")
         except asyncio.CancelledError:   # close() ended the upstream call; anything else goes on up
             if not self._closing or _being_cancelled():
                 raise
@@ -118,7 +123,7 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
         place until it has come."""
         events = aiter(call)
         if snapshot:
-            async with self._snapshots:
+            async with self._snapshots, asyncio.timeout(SNAPSHOT_WAIT_S):   # a wedged manager holds no place for ever
                 first = await anext(events, None)
             if first is None:
                 return

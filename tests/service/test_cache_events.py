@@ -4,6 +4,8 @@ and a worker with an in-process manager says it has none to relay."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -131,3 +133,42 @@ def test_snapshots_past_an_addresss_burst_wait_and_its_streams_are_bounded(worke
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "from this client's address" in err.details()
         for call in held:
             call.cancel()
+
+
+class WedgedManager(kv_pb_grpc.KVCacheManagerServicer):
+    """Takes WatchEvents and never sends its snapshot."""
+
+    async def WatchEvents(self, request, context):
+        await asyncio.sleep(3600)
+        yield kv_pb.Event()
+
+
+def test_a_manager_that_sends_no_snapshot_holds_the_relays_place_for_a_while_only(monkeypatch):
+    """Snapshots go upstream one at a time: a wedged manager held that place for ever, and every
+    other gateway's snapshot on the worker waited behind it in silence."""
+    from kvserve.model_service import cache_events
+    from kvserve.model_service.cache_events import CacheEventsServicer
+    from tests.server_thread import LoopThread
+
+    monkeypatch.setattr(cache_events, "SNAPSHOT_WAIT_S", 0.5)
+    loop = LoopThread("wedged manager")
+    try:
+        async def start():
+            manager, relay = grpc.aio.server(), grpc.aio.server()
+            kv_pb_grpc.add_KVCacheManagerServicer_to_server(WedgedManager(), manager)
+            port = manager.add_insecure_port("127.0.0.1:0")
+            await manager.start()
+            kv_pb_grpc.add_KVCacheEventsServicer_to_server(CacheEventsServicer(f"127.0.0.1:{port}"), relay)
+            relay_port = relay.add_insecure_port("127.0.0.1:0")
+            await relay.start()
+            return manager, relay, relay_port
+        manager, relay, port = loop.call(start())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = kv_pb_grpc.KVCacheEventsStub(ch)
+            for _ in range(2):   # the second finds the place free again
+                err = rpc_error(lambda: next(stub.WatchEvents(kv_pb.WatchEventsRequest(snapshot=True), timeout=30)))
+                assert err.code() == grpc.StatusCode.UNAVAILABLE and "sent no snapshot in 0.5 s" in err.details()
+        loop.call(relay.stop(None))
+        loop.call(manager.stop(None))
+    finally:
+        loop.close()
