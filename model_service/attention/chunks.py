@@ -46,7 +46,7 @@ class PrefillChunk:
     start: int                 # first query row in the batch
     end: int                   # one past the last query row
     seq_len: int               # keys to attend: cached + this chunk
-    pages: torch.Tensor        # (ceil(seq_len / page_size) or more,) int64 page ids
+    pages: torch.Tensor        # (ceil(keys / page_size) or more,) int64 page ids
     masked: bool               # keys cached before it or a window: SDPA needs a mask; else plain causal
     window: int | None = None  # a sliding window that masks its keys too (not plain causal), or None
     matmul: bool = False       # attention as two matmuls and a softmax, not SDPA

@@ -135,7 +135,7 @@ def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: i
         return DecodeGroup(index, tables[:, start // ps:pages], window, None, start % ps)
     sink_pages = -(-sinks // ps)
     first = max(0, shortest - window) // ps          # the first page any row's window reaches
-    shared = pages - first + (sink_pages if first > sink_pages else 0)
+    shared = pages - first + sink_pages if first > sink_pages else pages   # the columns gathered below
     own = sink_pages + -(-(window - 1) // ps) + 1    # the most pages one row's sinks and window span
     if own < shared:   # lengths far apart (a long stream beside short ones): each row its own pages
         return _own_pages_group(index, tables, lens, window, sinks, sink_pages, own - sink_pages, ps)

@@ -103,10 +103,10 @@ class PagedAttention:
             seq_len, q_len = batch.seq_lens_cpu[i], batch.query_lens_cpu[i]
             slides = window if window is not None and seq_len > window else None
             masked = seq_len > q_len or slides is not None
-            matmul = masked and self.chunks.uses_matmul(device, q_len, seq_len)
-            chunk = PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], masked, slides, matmul)
+            chunk = PrefillChunk(starts[i], starts[i + 1], seq_len, tables[i], masked, slides)
             if slides is not None:
                 self._window_pages(chunk, q_len)
+            chunk.matmul = masked and self.chunks.uses_matmul(device, q_len, chunk.keys)
             prefills.append(chunk)
         return prefills
 
