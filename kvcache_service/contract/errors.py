@@ -28,3 +28,13 @@ class FailedPrecondition(KVCacheError):
 class ManagerUnavailable(KVCacheError):
     """The client's view: the manager did not answer (no connection, a broken stream, a
     deadline). The manager itself never raises it."""
+
+
+SHOWN_ID_CHARS = 200   # of a request id quoted in a message (shown)
+
+
+def shown(request_id: str) -> str:
+    """A request id quoted for a message, at most SHOWN_ID_CHARS: repr spells a character that is
+    not printable in up to ten, and a status's message must fit in gRPC's headers."""
+    quoted = repr(request_id)
+    return quoted if len(quoted) <= SHOWN_ID_CHARS else quoted[:SHOWN_ID_CHARS - 2] + "…" + quoted[-1]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.kvcache_service.contract.errors import FailedPrecondition, NotFound
+from kvserve.kvcache_service.contract.errors import FailedPrecondition, NotFound, shown
 from kvserve.kvcache_service.contract.types import SeqState, Stats
 from kvserve.kvcache_service.core.config import ManagerConfig
 from kvserve.kvcache_service.core.events import EventLog
@@ -76,9 +76,8 @@ class ManagerState:
 
     def seq_id_of(self, request_id: str) -> int:
         seq_id = self.by_request.get(request_id)
-        if seq_id is None:   # (quoted in part: a header holds the message)
-            shown = request_id if len(request_id) <= 64 else request_id[:64] + "..."
-            raise NotFound(f"unknown request id {shown!r}")
+        if seq_id is None:
+            raise NotFound(f"unknown request id {shown(request_id)}")
         return seq_id
 
     def running_seq(self, seq_id: int) -> Sequence:

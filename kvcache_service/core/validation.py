@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from kvserve.kvcache_service.contract.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from kvserve.kvcache_service.contract.errors import AlreadyExists, InvalidArgument, ResourceExhausted, shown
 from kvserve.kvcache_service.contract.hashing import checked_token_bytes
 from kvserve.kvcache_service.contract.types import (
     Admit,
@@ -34,7 +34,6 @@ MAX_NEEDS = 1 << 16   # a Step's needs, unless twice the seq-id pool is more: an
 # Longer, an id quoted in an error's message passed what gRPC's headers hold, and the error
 # reached the client as RESOURCE_EXHAUSTED "Stream removed".
 MAX_REQUEST_ID_CHARS = 1024
-SHOWN_ID_CHARS = 200   # of an id quoted in a message (shown)
 # Hashed into every page of the sequence: a key of megabytes made each commit take seconds, the
 # server's one event loop stalled meanwhile. A worker's (its salt, a tenant, a request's
 # cache_salt of 256 bytes) fits well inside.
@@ -45,13 +44,6 @@ def check_request_id(request_id: str, what: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"{what}: the request id has {len(request_id):,} characters; at most "
                               f"{MAX_REQUEST_ID_CHARS} are allowed")
-
-
-def shown(request_id: str) -> str:
-    """A request id quoted for a message, at most SHOWN_ID_CHARS: repr spells a character that is
-    not printable in up to ten, and a status's message must fit in gRPC's headers."""
-    quoted = repr(request_id)
-    return quoted if len(quoted) <= SHOWN_ID_CHARS else quoted[:SHOWN_ID_CHARS - 2] + "…" + quoted[-1]
 
 
 def check_extra_key(extra_key: str, what: str) -> None:
