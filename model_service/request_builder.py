@@ -340,8 +340,8 @@ def _format(structured) -> Format:
 
 
 def _feed_format(matcher, tokens: Sequence[int]) -> None:
-    """The continuation's tokens into the format's matcher, on a tokenizer lane: a few
-    microseconds each, and a stream with attention sinks may continue from millions."""
+    """The continuation's tokens into the format's matcher, on a tokenizer lane: a step of the
+    matcher each, and a stream with attention sinks may continue from millions."""
     for i, token in enumerate(tokens):
         if not matcher.consume_token(token):
             raise RequestError(f"continuation token {i} ({token}) does not fit the structured output's format")

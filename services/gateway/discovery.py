@@ -19,13 +19,17 @@ def _resolve(host: str, port: int) -> set[str]:
     one, and each would have been a worker of its own, sent twice its share."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     first = next((family for family, *_ in infos if family in (socket.AF_INET, socket.AF_INET6)), None)
-    out = set()
+    out, left_out = set(), set()
     for family, _, _, _, addr in infos:
-        if family != first:
-            continue
         ip = addr[0]
-        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+        (out if family == first else left_out).add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    if left_out and left_out != _left_out.get(host):   # said when it changes, not at every lookup
+        log.info("%s names addresses of two families; taking %s, leaving out %s", host, sorted(out), sorted(left_out))
+    _left_out[host] = left_out
     return out
+
+
+_left_out: dict[str, set[str]] = {}   # the last lookup's addresses of the other family, by name
 
 
 async def follow_dns(fleet: Fleet, name_port: str, interval_s: float) -> None:

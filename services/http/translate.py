@@ -118,8 +118,9 @@ class HttpError(Exception):
 class Limits:
     """The server's flags that bound a request's lists, as far as the front is told them (None:
     not told, FRONT_MAX_ITEMS stands in): a list past one is refused by its length before any of
-    it is read. Translating is on the server's event loop: an 8 MB body of 600,000 messages took
-    it a second, every other client's stream frozen, before the server refused its count."""
+    it is read. Translating is on the server's event loop: a body of hundreds of thousands of
+    messages held it, every other client's stream frozen, before the server refused its count
+    (docs/benchmarks.md)."""
     max_chat_messages: int | None = None
     max_stop_strings: int | None = None   # (a gateway's config has none: its workers check)
 

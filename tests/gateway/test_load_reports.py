@@ -277,7 +277,7 @@ def worker_address_of(w) -> str:
     return w.address.split("://")[-1]
 
 
-def test_the_gateways_stats_stream_moves_with_each_workers_load_in_steps():
+def test_the_gateways_stats_stream_moves_with_each_workers_load_in_steps(monkeypatch):
     """A worker's report carries exact page counts, one at least every heartbeat: keyed on them,
     the gateway's every stats stream rebuilt the whole fleet's stats at almost every look. Its
     pages count in the worker's own steps (1/64 of its cache), and one look serves every stream
@@ -294,9 +294,14 @@ def test_the_gateways_stats_stream_moves_with_each_workers_load_in_steps():
         w.state = SERVING
         w.loaded(Load(running=3, free_pages=4000, asked_at=0))
         fleet.workers[w.address] = w
+    from kvserve.services.gateway import servicer as servicer_module
+
+    now = [100.0]
+    monkeypatch.setattr(servicer_module.time, "monotonic", lambda: now[0])
     servicer = GatewayServicer(fleet, None, 3)
     first = servicer._load()
     w.loaded(Load(running=3, free_pages=3999, asked_at=0))   # a page taken by a decode
+    now[0] += 0.005
     assert servicer._load() is first                          # looked at within the interval: the same key
     servicer._load_key = None
     assert servicer._load() == first                          # within the worker's step: no message

@@ -1,7 +1,7 @@
 """A body's lists past the server's bounds are refused by their length, before any element is
-read: the front translates on the server's event loop, where an 8 MB body of 600,000 chat
-messages took a second (every other client's stream frozen) before the server refused its
-count. The front here runs over a LocalChannel to a servicer that answers any request."""
+read: the front translates on the server's event loop, where a body of hundreds of thousands of
+chat messages held every other client's stream before the server refused its count. The front
+here runs over a LocalChannel to a servicer that answers any request."""
 
 from __future__ import annotations
 
