@@ -226,10 +226,13 @@ class Scheduler:
         # decode, each prefill's chunk, each family's forks), else the oldest sequences' drafts
         # took the whole budget and younger ones went steps without a token. Nor do they take
         # more pages between them than are free.
-        prefills = {r: min(r.compute_end - r.num_computed, chunk_of(r)) for r in self.running if not r.is_decoding}
-        draft_budget = budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking) - sum(prefills.values())
-        spare_pages = self.available_pages - sum(_new_pages(r, r.num_tokens, ps) for r in decoding) - sum(
-            _new_pages(r, r.num_computed + count, ps) for r, count in prefills.items())
+        draft_budget = spare_pages = 0
+        if self.drafter is not None:   # (a step without speculation pays nothing for it)
+            prefills = {r: min(r.compute_end - r.num_computed, chunk_of(r)) for r in self.running if not r.is_decoding}
+            draft_budget = (budget - len(decoding) - sum(len(p.family.unforked) + 1 for p in forking)
+                            - sum(prefills.values()))
+            spare_pages = self.available_pages - sum(_new_pages(r, r.num_tokens, ps) for r in decoding) - sum(
+                _new_pages(r, r.num_computed + count, ps) for r, count in prefills.items())
         for r in decoding:  # decodes first ...
             if not budget:
                 break
