@@ -19,14 +19,13 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
 
 import grpc
 
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.services.plumbing.grpc_server import MAX_MESSAGE_BYTES
-from kvserve.services.plumbing.stats_watch import client_address
+from kvserve.services.plumbing.stats_watch import AddressCounts, client_address
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
         self._calls: set = set()
         self._closing = False
         self.max_streams = MAX_STREAMS
-        self._by_address: Counter[str] = Counter()
+        self._by_address = AddressCounts()
         self._snapshot_credit: dict[str, tuple[float, float]] = {}   # client address -> (credit, at)
         self._snapshots = asyncio.Semaphore(1)        # in flight upstream
 
@@ -95,9 +94,7 @@ class CacheEventsServicer(kv_pb_grpc.KVCacheEventsServicer):
                 raise
         finally:
             self._calls.discard(call)
-            self._by_address[address] -= 1
-            if not self._by_address[address]:
-                del self._by_address[address]
+            self._by_address.leave(address)
             call.cancel()
         if self._closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)

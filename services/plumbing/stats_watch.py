@@ -68,7 +68,7 @@ class SharedStats:
     def __init__(self, build: Callable[[], Awaitable[pb.ServerStats]], load: Callable[[], Hashable]) -> None:
         self.build, self.load = build, load
         self.streams = 0   # open WatchServerStats streams
-        self.by_address: Counter[str] = Counter()   # of them, from each client address
+        self.by_address = AddressCounts()   # of them, from each client address
         self._lock = asyncio.Lock()
         self._last: tuple[Hashable, float, pb.ServerStats] | None = None   # (load, built at, stats)
 
@@ -116,9 +116,17 @@ async def watch(request: pb.WatchServerStatsRequest, context: grpc.aio.ServicerC
             await asyncio.sleep(interval)
     finally:
         stats.streams -= 1
-        stats.by_address[address] -= 1
-        if not stats.by_address[address]:
-            del stats.by_address[address]
+        stats.by_address.leave(address)
+
+
+class AddressCounts(Counter):
+    """Streams open from each client address (client_address), for a per-address cap: an address
+    leaves the map with its last stream."""
+
+    def leave(self, address: str) -> None:
+        self[address] -= 1
+        if not self[address]:
+            del self[address]
 
 
 def client_address(peer: str) -> str:
