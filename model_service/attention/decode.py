@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_service.attention.page_gather import PageGather
+from kvserve.model_service.attention.page_gather import PageGather, window_columns
 from kvserve.model_service.batch import ForwardBatch
 from kvserve.model_service.kernels.paged_decode import PagedDecodeKernel
 
@@ -140,12 +140,11 @@ def _windowed_group(index, tables: torch.Tensor, lens: torch.Tensor, shortest: i
     if own < shared:   # lengths far apart (a long stream beside short ones): each row its own pages
         return _own_pages_group(index, tables, lens, window, sinks, sink_pages, own - sink_pages, ps)
     if first > sink_pages:
-        columns = torch.cat([torch.arange(sink_pages, device=device), torch.arange(first, pages, device=device)])
+        columns, key_pos = window_columns(sink_pages, first, pages, ps, device)   # (C,), (C*ps,)
         tables = tables.index_select(1, columns)                                  # (n, C)
     else:
-        columns = torch.arange(pages, device=device)
+        _, key_pos = window_columns(0, 0, pages, ps, device)
         tables = tables[:, :pages]
-    key_pos = (columns[:, None] * ps + torch.arange(ps, device=device)[None, :]).reshape(-1)  # (C*ps,)
     return DecodeGroup(index, tables, key_pos.numel(), _visible(key_pos[None, :], lens, window, sinks))
 
 

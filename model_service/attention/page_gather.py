@@ -28,3 +28,11 @@ class PageGather:
         # index_select on the flattened table: faster than cache[tables] on CPU.
         torch.index_select(cache, 0, tables.reshape(-1), out=rows)
         return rows.view(b, p * page_shape[0], *page_shape[1:])[:, :length]
+
+
+def window_columns(sink_pages: int, first: int, pages: int, page_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sliding window's page columns, the sinks' then `first` .. `pages` - 1, and the positions
+    of their keys ((C,) int64 and (C * page_size,) int64)."""
+    columns = torch.cat([torch.arange(sink_pages, device=device), torch.arange(first, pages, device=device)])
+    return columns, (columns[:, None] * page_size + torch.arange(page_size, device=device)).reshape(-1)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kvserve.model_service.attention.chunks import PrefillChunk
 from kvserve.model_service.attention.decode import KernelDecodeMeta
-from kvserve.model_service.attention.page_gather import PageGather
+from kvserve.model_service.attention.page_gather import PageGather, window_columns
 from kvserve.model_service.batch import ForwardBatch
 
 
@@ -119,10 +119,8 @@ class PagedAttention:
         if first <= sink_pages:
             return
         device = chunk.pages.device
-        columns = torch.cat([torch.arange(sink_pages, device=device),
-                             torch.arange(first, -(-chunk.seq_len // ps), device=device)])
+        columns, chunk.key_positions = window_columns(sink_pages, first, -(-chunk.seq_len // ps), ps, device)
         chunk.pages = chunk.pages.index_select(0, columns)
-        chunk.key_positions = (columns[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)
 
     def chunk_mask(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A masked chunk's (mask (L, S) bool, True = attend; the matmul path's bias or None), built
