@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 NGRAM_MIN = 2          # a single matching token predicts the next one poorly
 NGRAM_MAX = 4
 # The index covers a sequence's last NGRAM_WINDOW to 2 * NGRAM_WINDOW tokens: a stream that runs
-# for millions (attention sinks) grew it by ~350 MiB a million tokens, and one continued from
-# millions indexed them all at once, seconds on the engine thread. Rebuilt from the last window
+# for millions (attention sinks) grew it with every token, and one continued
+# from millions indexed them all at once on the engine thread. Rebuilt from the last window
 # once it covers two: linear time over the stream, as before.
 NGRAM_WINDOW = 65_536
 MAX_COOLDOWN = 16      # steps a sequence waits, at most, before it tries again

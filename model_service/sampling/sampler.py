@@ -389,9 +389,9 @@ def exponential_from_uniform(
     """Where U = 0 cannot stand for 0 alone:
     - CPU float32 uniforms are multiples of 2^-24, so U = 0 (once in 2^24 cells) stands for all of
       [0, 2^-24): its noise is taken as 2^-25, that interval's middle. Clamped to float32's
-      tiniest instead, any token of nonzero probability won at that cell, however unlikely (a
-      150k vocabulary drew a wrong tail token about once in 110 draws); 0 would also turn a
-      masked token's 0 probability into NaN.
+      tiniest instead, any token of nonzero probability won at that cell, however unlikely (on a
+      large vocabulary, often: docs/benchmarks.md); 0 would also turn a masked token's 0
+      probability into NaN.
     - CUDA's U = 0 is curand's 1: the largest noise, which no token should win with.
     """
     noise = u.neg_().log1p_().neg_()

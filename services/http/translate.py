@@ -95,7 +95,7 @@ MAX_PROMPTS = 256   # a completion's batch of prompts: each is a call of its own
 MAX_LOGIT_BIAS = 1024   # the server's (model_service/sampling/params.py), counted before they are read
 MAX_STOP_TOKEN_IDS = 1024   # the server's too (the same file; a test holds them equal)
 # A list whose server bound (a flag) the front is not told is refused past this, unread: far over
-# any sane setting, far under the ~600,000 items an 8 MB body holds.
+# any sane setting, far under the items an 8 MB body can hold.
 FRONT_MAX_ITEMS = 1 << 16
 # What a batch's prompts may repeat of the request's sampling fields (stop strings, logit_bias, a
 # schema) in their calls, in all: each prompt's call carries its own copy.

@@ -22,7 +22,7 @@ from kvserve.services.plumbing.api_keys import ApiKeys, bearer_token
 DEFAULT_INTERVAL_MS, DEFAULT_HEARTBEAT_MS = 50, 1000
 MIN_INTERVAL_MS, MAX_PERIOD_MS = 10, 60_000
 # A heartbeat says the server is alive: a message every 10 ms with nothing changed cost an idle
-# worker most of a core at 64 streams.
+# worker much of a core at 64 streams.
 MIN_HEARTBEAT_MS = 100
 # Streams at once: each looks at the load every interval on the server's event loop, which every
 # request's tokens go through (gateways following a worker take one each; `kvserve top` one).

@@ -177,8 +177,8 @@ def test_an_id_sent_again_as_its_request_ends_in_a_step_it_could_draft_after(tin
 
 
 def test_the_ngram_index_covers_a_bounded_window_and_still_finds_recent_repeats(monkeypatch):
-    """A stream of millions of tokens (attention sinks) grew the index by ~350 MiB a million, and
-    one continued from millions indexed them all at one step."""
+    """A stream of millions of tokens (attention sinks) grew the index with every token, and one
+    continued from millions indexed them all at one step."""
     from kvserve.model_service.engine import speculation
     from kvserve.model_service.engine.speculation import DraftState, NgramDrafter
 
