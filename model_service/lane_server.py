@@ -190,9 +190,11 @@ class LaneServer:
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection: its calls one after another. The gateway sends nothing while a call runs
-        but closing the connection, which cancels the call; reading all the while, with one reader,
-        sees it at once."""
+        """One connection: its calls one after another. While a call runs the gateway sends only
+        pings, where the call asked for them, or closes the connection, which cancels the call:
+        reading all the while, with one reader, sees it at once. A call whose pings stop is
+        cancelled too: its gateway's host is gone, and the kernel would hold the connection
+        (and the request decoding for nobody) until it gave up retransmitting."""
         if len(self._connections) >= self.max_connections:
             self._refuse(writer)
             return
@@ -200,6 +202,7 @@ class LaneServer:
         self._connections[task] = writer
         loop = asyncio.get_running_loop()
         running: asyncio.Task | None = None
+        quiet_s: float | None = None   # the running call's gateway silent this long is gone
         idle_timer: asyncio.Timeout | None = None   # the read's, while it waits
 
         def call_ended(_task) -> None:   # from now on the connection is idle: it has IDLE_S
@@ -215,21 +218,34 @@ class LaneServer:
                 try:
                     calling = running is not None and not running.done()
                     try:
-                        async with asyncio.timeout(None if calling else IDLE_S) as idle_timer:
+                        async with asyncio.timeout(quiet_s if calling else IDLE_S) as idle_timer:
+                            waited = idle_timer
                             kind, payload = await wire.read_frame(reader, self._call_frame_limit, FRAME_S)
                     finally:
                         idle_timer = None
+                except TimeoutError:
+                    if running is not None and not running.done() and waited.expired():
+                        log.info("a gateway sent no ping for %g s: its call is cancelled", quiet_s)
+                    return
                 except wire.FramingError as exc:
                     if running is not None:
                         await running
                     writer.write(self._too_large(exc.length))
                     await _discard(reader, exc.length)   # read, so that the status is not lost to a reset
                     return
+                if kind == wire.PING:   # (one may cross the call's status: harmless between calls)
+                    continue
                 if kind != wire.CALL:
                     return
                 if running is not None:   # sent before the last one's status: it waits its turn
                     await running
-                running = asyncio.ensure_future(self._call(payload, writer))
+                try:
+                    call = lane_pb.LaneCall.FromString(payload)
+                except DecodeError:
+                    call = None
+                quiet_s = None if call is None or not call.ping_interval_ms else \
+                    wire.QUIET_PINGS * max(call.ping_interval_ms, wire.MIN_PING_INTERVAL_MS) / 1000
+                running = asyncio.ensure_future(self._call(call, len(payload), writer))
                 running.add_done_callback(call_ended)
         except (asyncio.IncompleteReadError, OSError, ssl.SSLError):
             pass   # the gateway closed the connection, went away, left it idle or stopped mid-frame: nothing to tell it
@@ -261,16 +277,15 @@ class LaneServer:
     def _too_large(self, size: int) -> bytes:
         return wire.status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, wire.too_large(size, self._max_request_bytes))
 
-    async def _call(self, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _call(self, call: lane_pb.LaneCall | None, frame_bytes: int, writer: asyncio.StreamWriter) -> None:
+        """`call` None: its frame's bytes were not a LaneCall."""
         outbox = Outbox(writer)
-        try:
-            call = lane_pb.LaneCall.FromString(payload)
-        except DecodeError:
+        if call is None:
             outbox.put(wire.status_frame(grpc.StatusCode.INVALID_ARGUMENT,
                                          "the call's bytes are not a kvserve.inference.v1.LaneCall"))
             return
         # as the gRPC port refuses it; the request's size is walked only when its frame could hold one past the limit
-        if len(payload) > self._max_request_bytes and (size := call.request.ByteSize()) > self._max_request_bytes:
+        if frame_bytes > self._max_request_bytes and (size := call.request.ByteSize()) > self._max_request_bytes:
             outbox.put(self._too_large(size))
             return
         context = LaneContext(wire.metadata_pairs(call.metadata), outbox)

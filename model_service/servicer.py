@@ -203,7 +203,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             attention_sink=s.config.attention_sink, max_waiting=s.config.max_waiting,
             sliding_window=s.model_config.sliding_window or 0, tokenizer_digest=s.tokenizer_digest,
             takes_cache_salt=True, config_digest=s.model_config.digest(),
-            lane_address=self.lane.address if self.lane is not None else "")
+            lane_address=self.lane.address if self.lane is not None else "", lane_pings=self.lane is not None)
 
     async def GetServerStats(self, request, context):
         return await self._stats()

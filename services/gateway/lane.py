@@ -9,7 +9,9 @@ the size taken RESOURCE_EXHAUSTED "Received message larger than max"), so the re
 reads both alike. One call per connection at a time, idle connections kept for the next call:
 TCP's flow control on each is the stream's, so a client that does not read holds its worker's
 stream and no other. A lane that cannot be connected to sends the call over gRPC instead (a
-firewall may pass one port and not the other).
+firewall may pass one port and not the other). Each connection whose call runs is pinged every
+PING_INTERVAL_S where the worker reads pings: were this host to vanish, the worker would end
+the call rather than decode for nobody.
 """
 
 from __future__ import annotations
@@ -62,8 +64,12 @@ class _Connection:
 class LaneChannel:
     """One worker's lane: where it is, and its idle connections."""
 
-    def __init__(self, target: tuple[str, int] | str, tls: ClientTLS | None, grpc_generate: Callable) -> None:
+    def __init__(self, target: tuple[str, int] | str, tls: ClientTLS | None, grpc_generate: Callable,
+                 pings: bool = False) -> None:
         self.target = target   # (host, port), or a Unix socket's path
+        self.pings = pings     # the worker reads PING frames (ModelInfo.lane_pings): its calls are pinged
+        self._calling: set[_Connection] = set()   # connections whose call runs, pinged
+        self._ping_timer: asyncio.TimerHandle | None = None
         self._ssl = tls.ssl_context() if tls is not None and isinstance(target, tuple) else None
         self._server_name = (tls.server_name or None) if tls is not None else None
         self.grpc_generate = grpc_generate   # the worker's stub's Generate, when the lane cannot be reached
@@ -100,13 +106,33 @@ class LaneChannel:
         return LaneCall(self, request, timeout, metadata)
 
     def close(self) -> None:
-        """No connection is kept from now on; calls still running end on theirs."""
+        """No connection is kept from now on; calls still running end on theirs (and are pinged
+        while they run)."""
         self.closed = True
         for conn in self._idle:
             conn.close()
         self._idle.clear()
         if self._prune_timer is not None:
             self._prune_timer.cancel()
+
+    def calling(self, conn: _Connection) -> None:
+        """`conn` carries a call from now on: pinged until it is given back or closed."""
+        if self.pings:
+            self._calling.add(conn)
+            if self._ping_timer is None:
+                self._ping_timer = asyncio.get_running_loop().call_later(wire.PING_INTERVAL_S, self._ping)
+
+    def _ping(self) -> None:
+        """One PING on each connection whose call runs; again in PING_INTERVAL_S while any does."""
+        self._ping_timer = None
+        ping = wire.frame(wire.PING)
+        for conn in list(self._calling):
+            if conn.writer.is_closing():
+                self._calling.discard(conn)
+            else:
+                conn.writer.write(ping)
+        if self._calling:
+            self._ping_timer = asyncio.get_running_loop().call_later(wire.PING_INTERVAL_S, self._ping)
 
     def _prune(self) -> None:
         """Closes the idle connections past IDLE_S or closed by the worker, oldest first (the
@@ -161,6 +187,7 @@ class LaneChannel:
 
     def give_back(self, conn: _Connection) -> None:
         """A connection whose call ended with its status: kept for the next call."""
+        self._calling.discard(conn)
         if not self.closed and len(self._idle) < MAX_IDLE and not conn.writer.is_closing():
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
@@ -257,8 +284,10 @@ class LaneCall:
         self._conn = conn
         left_ms = 0 if self._deadline is None else \
             max(1, int((self._deadline - asyncio.get_running_loop().time()) * 1000))
-        call = lane_pb.LaneCall(request=self._request, timeout_ms=left_ms, metadata=wire.metadata_pb(self._metadata))
+        call = lane_pb.LaneCall(request=self._request, timeout_ms=left_ms, metadata=wire.metadata_pb(self._metadata),
+                                ping_interval_ms=int(wire.PING_INTERVAL_S * 1000) if self._channel.pings else 0)
         conn.writer.write(wire.frame(wire.CALL, call.SerializeToString()))
+        self._channel.calling(conn)
 
     async def _take(self) -> tuple[_Connection, bool] | None:
         """A connection for the call; CancelledError or the deadline's error if either came meanwhile."""

@@ -102,7 +102,7 @@ class Worker:
         target = dial_target(self.address, info.lane_address) if info is not None and info.lane_address else None
         if target is not None and self.lanes:
             try:
-                self.lane = LaneChannel(target, self.tls, self.inference.Generate)
+                self.lane = LaneChannel(target, self.tls, self.inference.Generate, pings=info.lane_pings)
             except (OSError, ValueError) as exc:   # its TLS files unreadable now (being rotated): gRPC serves
                 log.warning("worker %s: its lane at %s cannot be set up (%s); its requests go over gRPC until "
                             "it is asked what it is again", self.address, info.lane_address, exc)

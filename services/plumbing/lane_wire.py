@@ -15,7 +15,12 @@ from kvserve.inference.v1 import lane_pb2 as lane_pb
 from kvserve.services.plumbing.address import parse_address
 
 MAGIC = b"kvlane01"   # a connection's first bytes, from the gateway: a stray client is told nothing
-CALL, HEADERS, MESSAGE, STATUS = 1, 2, 3, 4
+CALL, HEADERS, MESSAGE, STATUS, PING = 1, 2, 3, 4, 5
+# A gateway pings each connection whose call runs this often; a worker ends a call whose gateway
+# is silent QUIET_PINGS intervals, as the gRPC port drops a connection whose pings go unanswered.
+PING_INTERVAL_S = 10.0
+QUIET_PINGS = 4
+MIN_PING_INTERVAL_MS = 1000   # a shorter one a LaneCall asks is taken as this
 HEADER = struct.Struct(">IB")
 CALL_OVERHEAD = 4096   # a LaneCall's bytes around its request: metadata and the deadline
 # A frame the worker sends: a response message (at most 64 MiB, what a gateway's gRPC channel to

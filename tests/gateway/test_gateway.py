@@ -306,7 +306,7 @@ def test_the_gateway_sends_requests_over_the_workers_lanes_and_over_grpc_with_la
     msgs = [request(token_ids=SYSTEM + [7 + i], **greedy(6)) for i in range(4)]
     over_lanes = [generate(fleet.stub, m).tokens for m in msgs]
     lanes = [w.lane for w in fleet.gateway.fleet.workers.values()]
-    assert all(lane is not None for lane in lanes)
+    assert all(lane is not None and lane.pings for lane in lanes)   # the workers read pings: theirs are pinged
     assert sum(lane.calls for lane in lanes) == 4 and sum(lane.fallbacks for lane in lanes) == 0
     off = GatewayThread([w.address for w in fleet.workers], model=str(tiny_dirs["tiny"]), lane="off")
     try:

@@ -1327,7 +1327,7 @@ def test_a_lane_that_cannot_be_set_up_leaves_the_worker_served_over_grpc(tiny_di
     task following the worker's load died with it: the worker stayed starting for good."""
     from kvserve.services.gateway import worker as worker_module
 
-    def unreadable(*_):
+    def unreadable(*_, **__):
         raise ValueError("cannot read CA certificate /etc/tls/ca.crt")
     monkeypatch.setattr(worker_module, "LaneChannel", unreadable)
     caplog.set_level("WARNING", logger="kvserve.services.gateway.worker")

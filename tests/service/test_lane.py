@@ -35,13 +35,13 @@ PROMPT = [random.Random(11).randrange(3, 1024) for _ in range(24)]
 class LaneClient:
     """A gateway's lane to one worker, on a loop of its own."""
 
-    def __init__(self, worker: str, lane_address: str, tls: ClientTLS | None = None) -> None:
+    def __init__(self, worker: str, lane_address: str, tls: ClientTLS | None = None, pings: bool = False) -> None:
         self.thread = LoopThread("lane-client")
 
         async def make():
             grpc_channel = aio_channel(worker, tls)
             return grpc_channel, LaneChannel(wire.dial_target(worker, lane_address), tls,
-                                             pb_grpc.InferenceStub(grpc_channel).Generate)
+                                             pb_grpc.InferenceStub(grpc_channel).Generate, pings=pings)
         self.grpc_channel, self.lane = self.thread.call(make())
 
     def generate(self, msg: pb.GenerateRequest, timeout: float | None = 30, metadata: tuple = ()):
@@ -113,6 +113,55 @@ def test_the_worker_says_where_its_lane_is(served):
         info = pb_grpc.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.lane_address == served.servicer.lane.address
     assert info.lane_address.startswith("127.0.0.1:") and not info.lane_address.endswith(":0")
+    assert info.lane_pings   # a gateway pings its calls
+
+
+def raw_call(lane_address: str, call: "lane_pb2.LaneCall", after: bytes = b"") -> tuple[list[int], bool]:
+    """A call over a bare connection, sending nothing after it but `after`: the kinds of the
+    frames it got, and whether the worker closed the connection without a status."""
+    host, port = lane_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(wire.MAGIC + wire.frame(wire.CALL, call.SerializeToString()) + after)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+            kinds, at = [], 0
+            while at + 5 <= len(data):
+                length, kind = struct.unpack(">IB", data[at:at + 5])
+                if at + 5 + length > len(data):
+                    break
+                kinds.append(kind)
+                at += 5 + length
+            if kinds and kinds[-1] == wire.STATUS:
+                return kinds, False
+    return kinds, True
+
+
+def test_a_call_whose_gateway_stops_pinging_is_cancelled(served, monkeypatch):
+    """A gateway host that vanished mid-stream sends no FIN: the worker's kernel would hold the
+    connection until it gave up retransmitting, and the request decoded for nobody. A call that
+    asked for pings ends once they stop."""
+    from kvserve.inference.v1 import lane_pb2
+    monkeypatch.setattr(wire, "MIN_PING_INTERVAL_MS", 10)
+    silent = lane_pb2.LaneCall(request=request(token_ids=PROMPT, **greedy(1900)), ping_interval_ms=50)
+    kinds, cut = raw_call(served.servicer.lane.address, silent)
+    assert cut and kinds.count(wire.MESSAGE) < 1900, (cut, len(kinds))
+    wait_until(lambda: served.servicer.engine.num_live() == 0, 10, "the unpinged call to end")
+    # a call that asked for none (an older gateway) is never ended for its silence; a PING between
+    # calls (one crossing a status) is nothing
+    quiet = lane_pb2.LaneCall(request=request(token_ids=PROMPT, **greedy(300)))
+    kinds, cut = raw_call(served.servicer.lane.address, quiet, after=wire.frame(wire.PING))
+    assert not cut and kinds.count(wire.MESSAGE) >= 300 and kinds[-1] == wire.STATUS
+
+
+def test_a_gateway_pings_its_calls_and_they_run_on(served, monkeypatch):
+    monkeypatch.setattr(wire, "MIN_PING_INTERVAL_MS", 10)
+    monkeypatch.setattr(wire, "PING_INTERVAL_S", 0.05)   # the worker gives up after 0.2 s without one
+    c = LaneClient(served.address, served.servicer.lane.address, pings=True)
+    try:
+        assert len(tokens(c.generate(request(token_ids=PROMPT, **greedy(1900))))) == 1900
+    finally:
+        c.close()
 
 
 def test_a_lane_call_streams_what_the_grpc_port_streams(served, client):

@@ -287,7 +287,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt", "config_digest", "lane_address")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "page_size", "dtype", "attention_backend", "device", "num_pages", "eos_token_ids", "cpu_gemm", "extra_key_digest", "max_num_seqs", "kv_cache_dtype", "trusts_tenant_metadata", "attention_sink", "max_waiting", "sliding_window", "tokenizer_digest", "takes_cache_salt", "config_digest", "lane_address", "lane_pings")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class ModelInfo(_message.Message):
     TAKES_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LANE_PINGS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -332,7 +333,8 @@ class ModelInfo(_message.Message):
     takes_cache_salt: bool
     config_digest: str
     lane_address: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ..., config_digest: _Optional[str] = ..., lane_address: _Optional[str] = ...) -> None: ...
+    lane_pings: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., num_pages: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cpu_gemm: _Optional[str] = ..., extra_key_digest: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., trusts_tenant_metadata: _Optional[bool] = ..., attention_sink: _Optional[int] = ..., max_waiting: _Optional[int] = ..., sliding_window: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., takes_cache_salt: _Optional[bool] = ..., config_digest: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_pings: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvserve.inference.v1 import inference_pb2 as kvserve_dot_inference_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvserve/inference/v1/lane.proto\x12\x14kvserve.inference.v1\x1a$kvserve/inference/v1/inference.proto\"*\n\x0cLaneMetadata\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x8c\x01\n\x08LaneCall\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.kvserve.inference.v1.GenerateRequest\x12\x34\n\x08metadata\x18\x02 \x03(\x0b\x32\".kvserve.inference.v1.LaneMetadata\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x04\"j\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12=\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.LaneMetadatab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvserve/inference/v1/lane.proto\x12\x14kvserve.inference.v1\x1a$kvserve/inference/v1/inference.proto\"*\n\x0cLaneMetadata\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xa6\x01\n\x08LaneCall\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.kvserve.inference.v1.GenerateRequest\x12\x34\n\x08metadata\x18\x02 \x03(\x0b\x32\".kvserve.inference.v1.LaneMetadata\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x04\x12\x18\n\x10ping_interval_ms\x18\x04 \x01(\r\"j\n\nLaneStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12=\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32\".kvserve.inference.v1.LaneMetadatab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LANEMETADATA']._serialized_start=95
   _globals['_LANEMETADATA']._serialized_end=137
   _globals['_LANECALL']._serialized_start=140
-  _globals['_LANECALL']._serialized_end=280
-  _globals['_LANESTATUS']._serialized_start=282
-  _globals['_LANESTATUS']._serialized_end=388
+  _globals['_LANECALL']._serialized_end=306
+  _globals['_LANESTATUS']._serialized_start=308
+  _globals['_LANESTATUS']._serialized_end=414
 # @@protoc_insertion_point(module_scope)

@@ -16,14 +16,16 @@ class LaneMetadata(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class LaneCall(_message.Message):
-    __slots__ = ("request", "metadata", "timeout_ms")
+    __slots__ = ("request", "metadata", "timeout_ms", "ping_interval_ms")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PING_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request: _inference_pb2.GenerateRequest
     metadata: _containers.RepeatedCompositeFieldContainer[LaneMetadata]
     timeout_ms: int
-    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[LaneMetadata, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    ping_interval_ms: int
+    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[LaneMetadata, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., ping_interval_ms: _Optional[int] = ...) -> None: ...
 
 class LaneStatus(_message.Message):
     __slots__ = ("code", "details", "trailing_metadata")
