@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from kvserve.services.plumbing import server_flags
-from kvserve.services.plumbing.address import check_tcp_listen, parse_flag
+from kvserve.services.plumbing.address import check_tcp_listen, is_private, parse_flag
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ServerTLS
 
@@ -39,6 +39,11 @@ class KVCacheServerConfig:
         check_tcp_listen("--metrics-listen", self.metrics_listen)
         if not (0 <= self.grace_s < math.inf):   # NaN compares false: "nan" drained for no time at all
             raise ValueError(f"--grace-period must be a number of seconds, 0 or more, got {self.grace_s}")
+        open_to = [address for address in self.listen if not is_private(address)]
+        if self.admin_token_file and open_to and not self.tls_cert:
+            raise ValueError(f"--admin-token-file with --listen {open_to[0]}: callers would send the admin token "
+                             "in plaintext; serve TLS there (--tls-cert, --tls-key) or listen on a Unix socket "
+                             "or loopback only")
         self.server_tls()
 
     def server_tls(self) -> ServerTLS | None:

@@ -36,7 +36,7 @@ from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.model_service.config import UINT32_MAX, ModelServiceConfig
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.cli.supervisor import Child, RestartLimit, Supervisor
-from kvserve.services.plumbing.address import free_local_port, parse_flag
+from kvserve.services.plumbing.address import free_local_port, is_private, parse_flag
 from kvserve.services.plumbing.api_keys import read_token
 from kvserve.services.plumbing.metrics_server import serve_metrics
 from kvserve.services.plumbing.temp_dir import require_temp_dir
@@ -295,6 +295,11 @@ def check_together(up: UpConfig, model_config: ModelServiceConfig) -> None:
     if up.workers and up.admin_token_file:
         log.warning("--admin-token-file %s is not used: with --workers each worker's manager listens on a private "
                     "socket only", up.admin_token_file)
+    if (not up.workers and up.admin_token_file and not is_private(up.kvcache_listen)
+            and not model_config.tls_cert):   # (as the manager refuses it)
+        raise BadFlags(f"kvserve up: --admin-token-file with --kvcache-listen {up.kvcache_listen}: callers would "
+                       "send the admin token in plaintext; serve TLS (--tls-cert, --tls-key) or keep the manager "
+                       "on loopback")
     if not up.workers and up.kvcache_listen == model_config.listen:
         raise BadFlags(f"kvserve up: --listen and --kvcache-listen are both {up.kvcache_listen}; the model "
                          "service and its manager need an address each")

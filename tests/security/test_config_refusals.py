@@ -41,3 +41,27 @@ def test_the_admin_token_never_crosses_the_network_in_plaintext():
 def test_keys_and_trusted_metadata_are_two_roles():
     with pytest.raises(ValueError, match="give one"):
         ModelServiceConfig(api_keys="keys", trust_tenant_metadata=True)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:50061", "10.1.2.3:50061", "[::]:50061"])
+def test_a_manager_takes_its_admin_token_over_tls_alone(listen):
+    """A manager on the network with --admin-token-file and no TLS started without a word, and
+    took the token from anyone in plaintext: whoever read it could write to the manager."""
+    from kvserve.kvcache_service.config import KVCacheServerConfig
+
+    with pytest.raises(ValueError, match="in plaintext"):
+        KVCacheServerConfig(listen=("unix:///run/kv.sock", listen), admin_token_file="/etc/kvserve/admin/token")
+    KVCacheServerConfig(listen=("unix:///run/kv.sock", listen), admin_token_file="/etc/kvserve/admin/token",
+                        tls_cert="c.pem", tls_key="k.pem")
+    KVCacheServerConfig(listen=("unix:///run/kv.sock", "127.0.0.1:50061"), admin_token_file="/etc/kvserve/admin/token")
+    KVCacheServerConfig(listen=(listen,))   # no token: its write RPCs answer only the pod itself
+
+
+def test_up_refuses_an_admin_token_its_manager_would_take_in_plaintext():
+    from kvserve.services.cli.up import BadFlags, UpConfig, check_together
+
+    with pytest.raises(BadFlags, match="in plaintext"):
+        check_together(UpConfig(kvcache_listen="0.0.0.0:50061", admin_token_file="/etc/kvserve/admin/token"),
+                       ModelServiceConfig())
+    check_together(UpConfig(kvcache_listen="0.0.0.0:50061", admin_token_file="/etc/kvserve/admin/token"),
+                   ModelServiceConfig(tls_cert="c.pem", tls_key="k.pem"))
