@@ -8,6 +8,7 @@ loads no gRPC).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 from pathlib import Path
@@ -42,7 +43,9 @@ class ApiKeys:
         self.path = path
         self._tenants = self._load()
 
-    def _load(self) -> dict[str, str]:
+    def _load(self, empty_ok: bool = False) -> dict[bytes, str]:
+        """The file's tenants by their keys' SHA-256: a lookup compares digests, never a key's
+        bytes one by one (no timing tells a caller how much of a guess was right)."""
         try:
             if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
                 raise ValueError(f"API key file {self.path!r} is larger than {MAX_KEY_FILE_BYTES >> 20} MiB")
@@ -51,7 +54,7 @@ class ApiKeys:
             raise ValueError(f"cannot read the API key file {self.path!r}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise ValueError(f"the API key file {self.path!r} is not UTF-8 text (byte {exc.start})") from None
-        tenants: dict[str, str] = {}
+        tenants: dict[bytes, str] = {}
         for number, line in enumerate(text.splitlines(), 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
@@ -65,22 +68,28 @@ class ApiKeys:
                 # a gateway passes it on as metadata, and the worker takes no more
                 raise ValueError(f"{self.path}:{number}: a tenant must be printable ASCII of at most "
                                  f"{MAX_TENANT_CHARS} characters")
-            if key in tenants:
+            digest = _digest(key)
+            if digest in tenants:
                 raise ValueError(f"{self.path}:{number}: a key listed twice")
-            tenants[key] = tenant
-        if not tenants:
+            tenants[digest] = tenant
+        if not tenants and not empty_ok:
             raise ValueError(f"the API key file {self.path!r} lists no key")
         return tenants
 
     def reload(self) -> None:
-        """Read the file again; keep the keys in force if it no longer parses."""
+        """Read the file again; keep the keys in force if it no longer parses. A file emptied of
+        keys revokes them all (an operator's answer to a leak): every call is refused then."""
         try:
-            tenants = self._load()
+            tenants = self._load(empty_ok=True)
         except ValueError as exc:
             log.error("API keys not reloaded, the %d in force stay: %s", len(self._tenants), exc)
             return
         self._tenants = tenants
-        log.info("API keys reloaded from %s: %d keys", self.path, len(tenants))
+        if tenants:
+            log.info("API keys reloaded from %s: %d keys", self.path, len(tenants))
+        else:
+            log.warning("API keys reloaded from %s: it lists none, so every call is refused until it does",
+                        self.path)
 
     def reload_on_sighup(self) -> None:
         """From the main thread's running loop (the servers' serve()); a SIGHUP kept while the
@@ -104,7 +113,11 @@ class ApiKeys:
         """The key's tenant; None for a missing or unknown key."""
         if not key:
             return None
-        return self._tenants.get(key)
+        return self._tenants.get(_digest(key))
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 

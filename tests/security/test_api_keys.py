@@ -166,6 +166,22 @@ def test_keys_are_read_again_and_a_broken_file_keeps_those_in_force(tmp_path):
         ApiKeys(str(path))
 
 
+def test_a_key_file_emptied_revokes_every_key(tmp_path, caplog):
+    """An operator's answer to a leaked key file: empty it and SIGHUP. The reload took "lists no
+    key" for a broken file and kept every key in force; only a restart revoked them."""
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    keys = ApiKeys(str(path))
+    path.write_text("# revoked, every one\n")
+    keys.reload()
+    assert (keys.tenant("key-a"), keys.tenant("key-b")) == (None, None)
+    assert keys.refusal((("authorization", "Bearer key-a"),)) == "unknown API key"
+    assert "every call is refused" in caplog.text
+    path.write_text("key-c gamma\n")
+    keys.reload()
+    assert keys.tenant("key-c") == "gamma"
+
+
 def test_through_the_gateway_tenants_are_apart_and_its_hashes_are_the_workers(tiny_dirs, tmp_path):
     path = tmp_path / "keys"
     path.write_text(KEYS)
