@@ -127,6 +127,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
         max_model_len = model_len
     else:
         max_model_len = min(model_len, num_pages * page_size)
+    if cfg.long_prefill_token_threshold:
+        max_chunk = min(max_chunk or cfg.long_prefill_token_threshold, cfg.long_prefill_token_threshold)
     if max_model_len < model_len:
         log.warning("max_model_len capped at %d: the page pool holds no more", max_model_len)
     use_graphs = device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and graph_safe(backend)

@@ -88,6 +88,10 @@ class ModelServiceConfig:
                                             "filters", choices=GENERATION_CONFIGS)
     max_num_seqs: int = option(64, "sequences in one forward pass")
     max_num_batched_tokens: int = option(2048, "tokens in one forward pass; longer prompts are chunked")
+    long_prefill_token_threshold: int = option(0, "a prompt's prefill takes at most this many tokens of a step, "
+                                                  "leaving the rest of --max-num-batched-tokens to other prompts "
+                                                  "(a short request is not held behind a long prompt); 0: a prompt "
+                                                  "takes all the step leaves", metavar="N")
     max_waiting: int = option(1024, "queued requests before RESOURCE_EXHAUSTED")
     stream_interval: int = option(1, "stream a request's tokens in chunks of this many (the first at once); "
                                      "more is less per-message work for higher throughput, less smooth "
@@ -177,7 +181,7 @@ class ModelServiceConfig:
             value = getattr(self, name)   # ModelInfo says each as a uint32
             if isinstance(value, int) and value > UINT32_MAX:
                 raise ValueError(f"--{name.replace('_', '-')} must be at most {UINT32_MAX}, got {value}")
-        for name in ("max_stop_strings", "max_logprobs"):
+        for name in ("max_stop_strings", "max_logprobs", "long_prefill_token_threshold"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)!r}")
         if not self.kvcache_timeout_s < 10**9:   # a deadline that far out is past what a timestamp holds

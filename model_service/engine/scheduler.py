@@ -60,7 +60,8 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     window: int | None = None            # sliding window: pages before a sequence's window leave it
     sinks: int = 0                       # attention sinks: the first tokens stay beside the window
-    max_chunk: int | None = None         # a sequence's prefill tokens per step (a window's pool bounds it)
+    # a sequence's prefill tokens per step: --long-prefill-token-threshold, and a window's pool bounds it
+    max_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

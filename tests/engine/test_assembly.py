@@ -137,3 +137,24 @@ def test_an_end_of_sequence_id_past_the_vocabulary_is_left_out_and_said(caplog) 
     logits[0, 2] = 10.0
     out = Sampler(eos)(logits, [SamplingParams(temperature=0.0, min_tokens=3)], [[5]], [[]])
     assert out.token_ids[0] != 2
+
+
+def test_long_prefill_token_threshold_bounds_a_prompts_chunk_and_changes_no_token(tiny_dirs) -> None:
+    """--long-prefill-token-threshold is each prompt's chunk per step (the smaller of it and a
+    sliding window's bound), and the tokens are those of whole-budget chunks."""
+    prompts = [[(i * 7) % 900 + 3 for i in range(300)], [5, 6, 7, 8]]
+    outputs = []
+    for threshold in (0, 8):
+        h = EngineHarness(tiny_dirs["tiny"], page_size=4, num_pages=256, max_num_batched_tokens=64,
+                          long_prefill_token_threshold=threshold)
+        try:
+            assert h.engine.scheduler.config.max_chunk == (threshold or None)
+            outputs.append([o.tokens for o in h.run(prompts, max_tokens=6, temperature=0.0, ignore_eos=True)])
+        finally:
+            h.close()
+    assert outputs[0] == outputs[1] and all(len(t) == 6 for t in outputs[0])
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=4, num_pages=40, long_prefill_token_threshold=1000)
+    try:
+        assert h.engine.scheduler.config.max_chunk < 1000   # the window's pool bounds it more
+    finally:
+        h.close()

@@ -84,13 +84,13 @@ def members(r: Request) -> list[Request]:
 
 
 def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=32, max_steps=5000,
-        cancel=(), rng=None, drafter=None):
+        cancel=(), rng=None, drafter=None, max_chunk=None, arrivals=None):
     """Runs `requests` to the end; those in `cancel` are cancelled at a random step (all of
     their family). Returns the sequences that finished, and the preemptions."""
     manager = KVCacheManager(ManagerConfig(num_pages=num_pages, page_size=page_size,
                                            max_seqs=16, cpu_pages=cpu_pages))
     kv = InProcessKVClient(manager)
-    sched = Scheduler(SchedulerConfig(page_size, max_seqs, budget, mode), drafter=drafter)
+    sched = Scheduler(SchedulerConfig(page_size, max_seqs, budget, mode, max_chunk=max_chunk), drafter=drafter)
     cache = FakeCache(num_pages, cpu_pages, page_size)
     for r in requests:
         sched.add(r)
@@ -107,7 +107,9 @@ def run(requests, *, num_pages, page_size, cpu_pages, mode, max_seqs=8, budget=3
         proposal = sched.build()
         return proposal, kv.send_step(proposal.step)
 
-    for _ in range(max_steps):
+    for step in range(max_steps):
+        for r in (arrivals or {}).get(step, ()):   # a request that comes in while others run
+            sched.add(r)
         if to_cancel and rng.random() < 0.2:   # between steps, as the engine takes its inbox
             for r in members(to_cancel.pop(rng.randrange(len(to_cancel)))):
                 if r.status is not Status.FINISHED:
@@ -320,3 +322,29 @@ def test_a_prompt_whose_logprobs_are_asked_is_computed_in_short_chunks(monkeypat
     done, _ = run([*asking, plain], num_pages=2000, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE,
                   budget=4096)
     assert len(done) == 4 and max(per_step) == PROMPT_LOGPROBS_CHUNK   # the step's, all such requests together
+
+
+@pytest.mark.parametrize("threshold", [None, 8])
+def test_a_long_prefill_leaves_room_for_a_short_prompt_past_its_threshold(monkeypatch, threshold):
+    """A long prompt's chunks took every step's budget, so a short request that came in behind it
+    waited for the whole prefill; --long-prefill-token-threshold leaves it the rest of the step."""
+    first_work: dict[str, int] = {}
+    steps = [0]
+    apply = Scheduler.apply
+
+    def watched(sched, proposal, answer):
+        work = apply(sched, proposal, answer)
+        steps[0] += 1
+        for w in work:
+            first_work.setdefault(w.request.request_id, steps[0])
+        return work
+    monkeypatch.setattr(Scheduler, "apply", watched)
+    long = Request("long", [(i * 7) % 40 + 1 for i in range(400)], 2, SamplingParams())
+    short = Request("short", [5, 6, 7], 2, SamplingParams())
+    done, _ = run([long], num_pages=400, page_size=4, cpu_pages=0, mode=PreemptionMode.RECOMPUTE, budget=32,
+                  max_chunk=threshold, arrivals={2: [short]})
+    assert {r.request_id for r in done} == {"long", "short"}
+    if threshold is None:   # held behind the whole prefill: 400 tokens at 32 a step
+        assert first_work["short"] >= 400 // 32
+    else:
+        assert first_work["short"] <= 4
