@@ -31,7 +31,8 @@ from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype, pick_kv_cache_dtype
-from kvserve.model_service.prompt_tokens import load_tokenizer, resolve_model_path, tokenizer_digest
+from kvserve.model_service.prompt_tokens import (keeps_message_text, load_tokenizer, resolve_model_path,
+                                                 tokenizer_digest)
 from kvserve.services.plumbing.api_keys import read_token
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class ModelStack:
     grammars: Grammars             # structured output's formats for this model's vocabulary
     tokenizer_digest: str          # what its tokenizer does, for a gateway to compare (prompt_tokens.py)
     generation_defaults: GenerationDefaults = GenerationDefaults()   # sampling for what a request leaves unset
+    chat_keeps_text: bool = True   # its chat template renders each message's text whole (prompt_tokens.py)
 
 
 def pick_device(name: str) -> torch.device:
@@ -73,6 +75,10 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     """on_step_end: what the engine calls after each pass of its loop (the servicer's event relay)."""
 
     path = resolve_model_path(cfg.model)
+    # The tokenizer and its chat template first: one that does not read, or a template that does
+    # not render, is said at once, not minutes into a large model's start.
+    tokenizer = load_tokenizer(path)
+    chat_keeps_text = keeps_message_text(tokenizer)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device, checkpoint_dtype(path))
     kv_dtype = pick_kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)   # before the model loads: a wrong pair fails fast
@@ -146,7 +152,6 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     graphs = _capture_graphs(model, backend, kv_cache, page_size, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                              max_model_len, device) if use_graphs else None
     kv = _connect(cfg, num_pages, page_size)
-    tokenizer = load_tokenizer(path)
     eos_ids = eos_ids_of(mcfg, tokenizer)
 
     mode = PreemptionMode.SWAP if cfg.preemption_mode == "swap" else PreemptionMode.RECOMPUTE
@@ -177,7 +182,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
                       Grammars(tokenizer, mcfg.vocab_size, eos_ids, cfg.format_compile_timeout_s), tokenizer_digest(tokenizer),
-                      generation_defaults.load(path, cfg.generation_config))
+                      generation_defaults.load(path, cfg.generation_config), chat_keeps_text=chat_keeps_text)
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

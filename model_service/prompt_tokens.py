@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +32,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:   # no tokenizer files, or ones that do not read
+    try:   # the directory's files alone: no hub, no code of the checkpoint's own (an auto_map)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:   # noqa: BLE001 - no tokenizer files, or ones that do not read (tokenizers
+        # raises a bare Exception for a tokenizer.json it cannot parse, transformers a KeyError)
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"cannot load a tokenizer from {path}: it has none of the usual tokenizer files "
                              f"({', '.join(TOKENIZER_FILES)})") from None
@@ -151,17 +153,33 @@ _PROBE_CHAT = [{"role": "user", "content": "  kvserve probe one \n"},
                {"role": "user", "content": "\nkvserve probe four  "}]
 
 
-def keeps_message_text(tokenizer) -> bool:
+TEMPLATE_PROBE_S = 10.0   # three short messages rendered within this, or the template is refused
+
+
+def keeps_message_text(tokenizer, timeout_s: float = TEMPLATE_PROBE_S) -> bool:
     """Whether the chat template renders every message's text whole: then a conversation's
     bytes bound its tokens from below (prompt_bound.py). Llama 3's trims each message and Qwen3's
-    drops earlier turns' <think> blocks: for them the messages' size bounds nothing."""
+    drops earlier turns' <think> blocks: for them the messages' size bounds nothing. ValueError
+    for a template that does not render the probe within `timeout_s`: each chat request would
+    hold a tokenizer thread as long (the render cannot be stopped: its thread is left behind)."""
     if not getattr(tokenizer, "chat_template", None):
         return True   # no chat is served
-    try:
-        rendered = tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
-    except Exception:   # a template that wants other roles: nothing is known of it
-        return False
-    return isinstance(rendered, str) and all(m["content"] in rendered for m in _PROBE_CHAT)
+    rendered: list = []
+
+    def render() -> None:
+        try:
+            rendered.append(tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True))
+        except Exception:   # a template that wants other roles: nothing is known of it
+            rendered.append(None)
+
+    probe = threading.Thread(target=render, name="chat-template-probe", daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    if probe.is_alive():
+        raise ValueError(f"the chat template did not render three short messages within {timeout_s:g} s; a chat "
+                         "request would hold a tokenizer thread as long (a loop in its chat_template?)")
+    text = rendered[0]
+    return isinstance(text, str) and all(m["content"] in text for m in _PROBE_CHAT)
 
 
 def render_chat(tokenizer, chat: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:

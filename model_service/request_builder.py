@@ -73,7 +73,7 @@ class RequestBuilder:
         self.vocab_size = stack.model_config.vocab_size
         self.lanes = lanes or TokenizerLanes(stack.config.tokenizer_threads)
         self.bytes_per_token = max_bytes_per_token(stack.tokenizer)
-        self.chat_keeps_text = prompt_tokens.keeps_message_text(stack.tokenizer)   # its size bounds its tokens
+        self.chat_keeps_text = stack.chat_keeps_text   # a chat's size bounds its tokens (prompt_tokens.py)
         self.tokenizer_ids = len(stack.tokenizer)   # more than the model's vocabulary: a fine-tune's added tokens
         self.defaults = getattr(stack, "generation_defaults", GenerationDefaults())
 

@@ -75,7 +75,7 @@ def cuda_pages(model, config, backend, dtype: torch.dtype, device: torch.device,
     log.info("profile run: peak %.2f GiB of %.2f GiB; %d pages of %d tokens fit",
              peak / 2**30, total / 2**30, pages, page_size)
     if pages <= 0:
-        raise RuntimeError(f"no room for KV pages: the profile run peaked at {peak / 2**30:.2f} GiB of "
+        raise ValueError(f"no room for KV pages: the profile run peaked at {peak / 2**30:.2f} GiB of "
                            f"{total / 2**30:.2f} GiB; raise --gpu-memory-utilization or lower "
                            "--max-num-batched-tokens")
     return pages

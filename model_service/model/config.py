@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,8 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
     params.update(getattr(hf, "rope_parameters", None) or {})  # transformers 5
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     theta = 10000.0 if theta is None else float(theta)
+    if not 0 < theta < math.inf:   # 0 made every frequency infinite: NaN logits, with no word
+        raise ValueError(f"rope_theta must be a positive number, got {theta}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor other than 1.0 is not supported")
@@ -205,7 +208,7 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
         return theta, None
     if rope_type == "llama3":
         try:
-            return theta, Llama3RopeScaling(
+            scaling = Llama3RopeScaling(
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
@@ -216,6 +219,12 @@ def _rope(hf: Any) -> tuple[float, Llama3RopeScaling | None]:
             )
         except KeyError as exc:
             raise ValueError(f"llama3 rope scaling is missing {exc.args[0]!r}") from None
+        # (each divides a frequency or a wavelength: a zero made NaN logits)
+        if not (0 < scaling.factor < math.inf and 0 < scaling.low_freq_factor < scaling.high_freq_factor < math.inf
+                and scaling.original_max_position_embeddings > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                             f"original_max_position_embeddings > 0, got {scaling}")
+        return theta, scaling
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 

@@ -53,11 +53,16 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     try:   # a config or weights that do not read, or do not fit each other: a sentence, not a trace
         config = _read_config(path)
         hf = read_safetensors(path)
+        # Names first (a config of more layers than the checkpoint holds fails at the first
+        # missing one, before a module is built for each), then the one width built for real.
+        state = map_hf_weights(hf, config)
+        _check_head_dim(state, config)
         with torch.device("meta"):
             model = CausalLM(config, device=device, dtype=dtype)
-        state = map_hf_weights(hf, config)
         _check_shapes(state, model)
     except (OSError, SafetensorError, ValueError) as exc:
+        raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
+    except (RuntimeError, MemoryError) as exc:   # torch's allocator, past what the machine has
         raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
     # Tied when the checkpoint stores no head, or config.json ties it to an equal one; a head of
     # its own that differs is kept, as transformers keeps it.
@@ -66,7 +71,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if config.tie_word_embeddings and not tie:
         log.warning("config.json ties the LM head to the embedding, but the checkpoint stores a head of its own: "
                     "that one is used, as transformers does")
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    try:
+        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    except (RuntimeError, MemoryError) as exc:   # the weights do not fit on the device
+        raise ValueError(f"cannot load a model from {path} onto {device} as {str(dtype).removeprefix('torch.')}: "
+                         f"{first_line(exc)}") from None
     model.load_state_dict(state, strict=True, assign=True)
     if tie:
         model.tie_weights()
@@ -97,7 +106,19 @@ def _read_config(path: Path) -> ModelConfig:
     except (OSError, ValueError):
         raise
     except Exception as exc:   # transformers' validation, or a value of the wrong type
-        raise ValueError(f"config.json: {type(exc).__name__}: {first_line(exc)}") from None
+        raise ValueError(f"config.json: {type(exc).__name__}: {joined_lines(exc)[:500]}") from None
+
+
+def _check_head_dim(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """The rotary table is built on the device even when the layers are built on "meta": its width
+    is config.json's head_dim, checked against the first layer's q/k/v first (a head_dim of 2^24
+    asked for 64 GB before any shape was compared)."""
+    rows = state["layers.0.self_attn.qkv_proj.weight"].shape[0]
+    want = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    if rows != want:
+        raise ValueError(f"layers.0.self_attn.{{q,k,v}}_proj hold {rows} rows together; config.json's "
+                         f"{config.num_heads} heads, {config.num_kv_heads} KV heads and head_dim "
+                         f"{config.head_dim} make {want}")
 
 
 def _check_shapes(state: dict[str, torch.Tensor], model: CausalLM) -> None:
@@ -134,6 +155,12 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def joined_lines(exc: BaseException) -> str:
+    """An error's message on one line: transformers' config validation says its reason on the
+    second ("Class validation error for validator ...:" first)."""
+    return " ".join(line.strip() for line in (str(exc).strip() or type(exc).__name__).splitlines() if line.strip())
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files, as transformers picks them: model.safetensors, else the
     shards its index lists, else every *.safetensors (a stray file beside model.safetensors, a
@@ -145,9 +172,15 @@ def safetensors_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
+            if not all(isinstance(name, str) for name in files):
+                raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index.name} is not a safetensors index (a JSON object with a weight_map of "
                              "tensor names to files)") from None
+        for name in files:   # a shard is a file beside the index, never one elsewhere on the machine
+            if not name or Path(name).name != name or name in (".", ".."):
+                raise ValueError(f"{index.name} names the shard {name[:200]!r}: shards are files in the "
+                                 "checkpoint's directory")
         return [path / name for name in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -172,7 +205,12 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def map_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names -> CausalLM state_dict names, fusing q/k/v and gate/up. Strict both ways."""
-    src = {name.removeprefix("model."): t for name, t in hf.items()}
+    src: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        short = name.removeprefix("model.")
+        if short in src:   # "model.norm.weight" beside "norm.weight": which one is meant is not ours to guess
+            raise ValueError(f"checkpoint holds both {short!r} and 'model.{short}'")
+        src[short] = t
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:

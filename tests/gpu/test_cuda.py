@@ -153,5 +153,5 @@ def test_profile_run_sizes_the_pool_from_gpu_memory_utilization(checkpoints) -> 
     # Everything but the pages is about the same in both: the 0.2 of the GPU between them is pages,
     # give or take what the first build left outside torch's allocator (library handles).
     assert (large - small) * per_page == pytest.approx(0.2 * total, rel=0.05)
-    with pytest.raises(RuntimeError, match="no room for KV pages"):
+    with pytest.raises(ValueError, match="no room for KV pages"):
         sized(0.001)

@@ -189,3 +189,38 @@ def test_the_rope_table_starts_short_whatever_the_configs_length(tiny_dirs, tmp_
     assert config.max_model_len == 2**40 and model.rope.cos.shape[0] <= 8192
     model.rope.reserve(10_000)
     assert model.rope.cos.shape[0] == 10_000
+
+
+def test_hostile_config_and_index_values_are_refused_before_anything_is_built(tiny_dirs, tmp_path) -> None:
+    """Each of these was a traceback, a wait of minutes, gigabytes asked of the allocator, a file
+    read from elsewhere on the machine, or a reason left out, before it was a sentence."""
+    src = tiny_dirs["tiny"]
+    tensors = load_file(src / "model.safetensors")
+    outside = tmp_path / "outside.safetensors"
+    save_file(tensors, outside)
+    cases = [
+        # a layer built for each of them first (minutes), then the missing weights said
+        (_checkpoint(src, tmp_path / "layers", num_hidden_layers=20000), "checkpoint is missing 'layers.2"),
+        # the rotary table is built for real: 8,192 x 2^23 floats asked before any shape was compared
+        (_checkpoint(src, tmp_path / "head-dim", head_dim=2**24), r"head_dim 16777216 make"),
+        # transformers says why on its second line
+        (_checkpoint(src, tmp_path / "indivisible", hidden_size=64, num_attention_heads=5,
+                     num_key_value_heads=5), "not a multiple of the number of attention heads"),
+        # NaN logits, with no word
+        (_checkpoint(src, tmp_path / "theta", rope_theta=0), "rope_theta must be a positive number"),
+        (_checkpoint(src, tmp_path / "llama3", rope_scaling={
+            "rope_type": "llama3", "factor": 0, "low_freq_factor": 1, "high_freq_factor": 4,
+            "original_max_position_embeddings": 64}), "llama3 rope scaling needs factor > 0"),
+        # transformers reads 'model.norm.weight' and leaves the other: the loader took the other
+        (_checkpoint(src, tmp_path / "twice", {**tensors, "norm.weight": torch.zeros_like(tensors["model.norm.weight"])}),
+         "checkpoint holds both 'norm.weight' and 'model.norm.weight'"),
+    ]
+    for shard, words in [(str(outside), "names the shard"), ("../outside.safetensors", "names the shard"),
+                         (5, "is not a safetensors index"), (None, "is not a safetensors index")]:
+        sharded = copy_without_weights(src, tmp_path / f"index-{len(cases)}")
+        (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            name: shard for name in tensors}}))
+        cases.append((sharded, words))
+    for path, message in cases:
+        with pytest.raises(ValueError, match=f"^cannot load a model from {path}: .*{message}"):
+            load_model(path, gemm="torch")

@@ -85,3 +85,40 @@ def test_a_conversation_is_bounded_by_its_size_only_where_the_template_keeps_its
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_dirs["tiny"])
     tokenizer.chat_template = template
     assert prompt_tokens.keeps_message_text(tokenizer) is keeps
+
+
+def test_a_chat_template_that_does_not_render_is_refused_at_start_not_hung_on(tiny_dirs):
+    """A template looping 10^10 times held the model service's start for ever after its pages
+    were sized, and would have held a tokenizer thread per chat request."""
+    from kvserve.model_service import prompt_tokens
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_dirs["tiny"])
+    # (a few seconds of loop, not 10^10: the render cannot be stopped, and would spin on beside the tests)
+    tokenizer.chat_template = ("{% for i in range(10000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}"
+                               "{{ messages[0]['content'] }}")
+    with pytest.raises(ValueError, match="did not render three short messages within 0.05 s"):
+        prompt_tokens.keeps_message_text(tokenizer, timeout_s=0.05)
+
+
+@pytest.mark.parametrize("damage", ["model type", "no added_tokens"])
+def test_a_tokenizer_that_does_not_read_is_a_sentence_said_before_the_weights_load(tiny_dirs, tmp_path, damage,
+                                                                                   monkeypatch):
+    """tokenizers' bare Exception and transformers' KeyError went up as tracebacks, and only after
+    the weights, the warm-up step and any CUDA graphs."""
+    import json
+    import shutil
+
+    from kvserve.model_service import assembly
+    from kvserve.model_service.config import ModelServiceConfig
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs["tiny"], path)
+    data = json.loads((path / "tokenizer.json").read_text())
+    if damage == "model type":
+        data["model"]["type"] = "Bogus"
+    else:
+        data.pop("added_tokens")
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    monkeypatch.setattr(assembly, "load_model", lambda *a, **k: pytest.fail("the weights were loaded first"))
+    with pytest.raises(ValueError, match=f"^cannot load a tokenizer from {path}: "):
+        assembly.build(ModelServiceConfig(model=str(path), kvcache="inprocess", device="cpu"))
