@@ -122,8 +122,8 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers PretrainedConfig (or any object with its attributes)."""
         arch = _architecture(hf)
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"only hidden_act 'silu' is supported, got {hf.hidden_act!r}")
+        if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):   # one function, as transformers' ACT2FN
+            raise ValueError(f"only hidden_act 'silu' (or 'swish') is supported, got {hf.hidden_act!r}")
         num_heads = hf.num_attention_heads
         if not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads!r}")

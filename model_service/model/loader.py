@@ -184,7 +184,9 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / name for name in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+        pickled = " (its pytorch_model*.bin is not read: pickled weights can run code; convert them to " \
+                  "safetensors)" if any(path.glob("pytorch_model*.bin")) else ""
+        raise FileNotFoundError(f"no *.safetensors in {path}{pickled}")
     return files
 
 

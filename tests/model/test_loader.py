@@ -79,6 +79,16 @@ def test_checkpoint_names_are_strict(tiny_dirs, tmp_path, change: str) -> None:
 def test_no_weights_is_a_clear_error(tiny_dirs, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"cannot load a model from .*empty: no \*\.safetensors in"):
         load_model(copy_without_weights(tiny_dirs["tiny"], tmp_path / "empty"))
+    pickled = copy_without_weights(tiny_dirs["tiny"], tmp_path / "pickled")
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"its pytorch_model\*\.bin is not read: .* convert them to safetensors"):
+        load_model(pickled)
+
+
+def test_swish_is_silu(tiny_dirs, tmp_path) -> None:
+    """transformers runs hidden_act 'swish' as SiLU; it was refused."""
+    _, config = load_model(_checkpoint(tiny_dirs["tiny"], tmp_path / "swish", hidden_act="swish"), gemm="torch")
+    assert config.architecture == "LlamaForCausalLM"
 
 
 def test_dtype_names() -> None:
