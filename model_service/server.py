@@ -47,6 +47,7 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
     try:
         await _on_a_daemon_thread(stack.engine.start, config.kvcache_timeout_s)
         keys = ApiKeys(config.api_keys) if config.api_keys else None
+        server_flags.warn_keys_in_plaintext(config.api_keys, config.tls_cert, config.listen, config.http_listen)
         servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats), keys)
         if config.metrics_listen:
             servicer.metrics_endpoint = serve_metrics(config.metrics_listen, servicer.metrics.registry)

@@ -62,6 +62,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     metrics = GatewayMetrics()
     queue = WaitQueue(config.max_queued, on_leave=metrics.queue_wait.observe)
     keys = ApiKeys(config.api_keys) if config.api_keys else None
+    server_flags.warn_keys_in_plaintext(config.api_keys, config.tls_cert, config.listen, config.http_listen)
     fleet = Fleet(config.cache_salt, config.overlap_weight, config.worker_queue_depth, config.poll_interval_s, queue,
                   config.routing, config.balance_slack, config.worker_tls(), tenants=keys is not None, model=model,
                   lanes=config.lane == "auto")

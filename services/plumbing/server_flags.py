@@ -8,12 +8,17 @@ config dataclass names its fields with these, so a flag reads the same on every 
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
+from kvserve.services.plumbing.address import is_private
 from kvserve.services.plumbing.api_keys import ApiKeys, read_token
 from kvserve.services.plumbing.config_flags import option
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS
+
+
+log = logging.getLogger(__name__)
 
 
 def metrics_listen() -> Any:
@@ -82,3 +87,12 @@ def read_files(*tls: ServerTLS | ClientTLS | None, api_keys: str = "", token_fil
     if api_keys:
         ApiKeys(api_keys)
     read_token(token_file)
+
+
+def warn_keys_in_plaintext(api_keys: str, tls_cert: str, *listens: str) -> None:
+    """Said at start: API keys taken on an address beyond this host without TLS cross the network
+    as they are. Not refused: a mesh or an ingress may terminate TLS in front."""
+    open_to = [address for address in listens if address and not is_private(address)]
+    if api_keys and not tls_cert and open_to:
+        log.warning("--api-keys on %s without --tls-cert: clients send their keys in plaintext unless TLS ends "
+                    "in front of this server (an ingress, a service mesh)", ", ".join(open_to))

@@ -65,3 +65,17 @@ def test_up_refuses_an_admin_token_its_manager_would_take_in_plaintext():
                        ModelServiceConfig())
     check_together(UpConfig(kvcache_listen="0.0.0.0:50061", admin_token_file="/etc/kvserve/admin/token"),
                    ModelServiceConfig(tls_cert="c.pem", tls_key="k.pem"))
+
+
+def test_keys_taken_in_plaintext_beyond_this_host_are_said_at_start(caplog):
+    """Not refused (TLS may end at an ingress in front), but said: before, nothing was."""
+    from kvserve.services.plumbing.server_flags import warn_keys_in_plaintext
+
+    caplog.set_level("WARNING")
+    warn_keys_in_plaintext("keys.txt", "", "127.0.0.1:50051", "0.0.0.0:8000")
+    assert "--api-keys on 0.0.0.0:8000 without --tls-cert" in caplog.text
+    caplog.clear()
+    warn_keys_in_plaintext("keys.txt", "cert.pem", "0.0.0.0:50051")
+    warn_keys_in_plaintext("keys.txt", "", "unix:///run/w.sock", "127.0.0.1:8000", "")
+    warn_keys_in_plaintext("", "", "0.0.0.0:50051")
+    assert not caplog.text
