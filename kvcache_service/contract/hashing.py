@@ -132,16 +132,24 @@ MAX_DEPLOYMENT_SALT_BYTES = 1024
 
 
 def check_deployment_salt(salt: str) -> None:
-    """ValueError for a --cache-salt longer than MAX_DEPLOYMENT_SALT_BYTES."""
-    size = len(salt.encode("utf-8", "surrogatepass"))
+    """ValueError for a --cache-salt longer than MAX_DEPLOYMENT_SALT_BYTES, or not text (a
+    command line's bytes that are not UTF-8 come as lone surrogates, which no hash can take)."""
+    size = _utf8_size(salt, "--cache-salt")
     if size > MAX_DEPLOYMENT_SALT_BYTES:
         raise ValueError(f"--cache-salt has {size:,} bytes of UTF-8; at most {MAX_DEPLOYMENT_SALT_BYTES:,} are allowed")
 
 
 def check_cache_salt(cache_salt: str) -> None:
     """ValueError for a cache_salt no request may carry (a NUL is what parts an extra_key)."""
-    size = len(cache_salt.encode("utf-8", "surrogatepass"))
+    size = _utf8_size(cache_salt, "cache_salt")
     if size > MAX_CACHE_SALT_BYTES:
         raise ValueError(f"cache_salt has {size:,} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed")
     if "\x00" in cache_salt:
         raise ValueError("cache_salt must not contain NUL characters")
+
+
+def _utf8_size(text: str, what: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not Unicode text (it holds a lone surrogate)") from None

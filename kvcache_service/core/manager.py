@@ -158,9 +158,12 @@ class KVCacheManager:
         need = swap.swap_out_cost(state, seq)
         if need > len(state.cpu.free):
             raise ResourceExhausted(f"swap out seq id {seq_id}: needs {need} CPU pages, {len(state.cpu.free)} free")
-        if not self.config.cpu_pages:   # (its pages all shared: it would move nothing, yet be "swapped")
+        if not self.config.cpu_pages:
             raise ResourceExhausted(f"swap out seq id {seq_id}: this manager has no CPU pages (--cpu-pages 0): "
                                     "swapping is off")
+        if not need:   # its pages all shared: it would free nothing, yet be "swapped" (a Step recomputes it)
+            raise ResourceExhausted(f"swap out seq id {seq_id}: every page it holds is shared, so a swap would "
+                                    "free nothing")
         copies = swap.swap_out(state, seq)
         state.settle()
         return copies

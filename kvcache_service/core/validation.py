@@ -47,10 +47,14 @@ def check_request_id(request_id: str, what: str) -> None:
 
 
 def check_extra_key(extra_key: str, what: str) -> None:
-    if len(extra_key) * 4 > MAX_EXTRA_KEY_BYTES:   # (a character is at most 4 bytes of UTF-8)
-        size = len(extra_key.encode("utf-8", "surrogatepass"))
-        if size > MAX_EXTRA_KEY_BYTES:
-            raise InvalidArgument(f"{what}: extra_key has {size:,} bytes; at most {MAX_EXTRA_KEY_BYTES} are allowed")
+    if extra_key.isascii() and len(extra_key) <= MAX_EXTRA_KEY_BYTES:   # the common case, without encoding it
+        return
+    try:   # hashed as UTF-8: a lone surrogate (an in-process caller's) failed the hashing mid-Step
+        size = len(extra_key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what}: extra_key is not Unicode text (it holds a lone surrogate)") from None
+    if size > MAX_EXTRA_KEY_BYTES:
+        raise InvalidArgument(f"{what}: extra_key has {size:,} bytes; at most {MAX_EXTRA_KEY_BYTES} are allowed")
 
 
 def out_of_range(token_ids: Seq[int]) -> int | None:

@@ -114,7 +114,8 @@ def test_a_grow_short_only_of_pages_swapped_sequences_keep_is_not_refused_for_go
     it preempts, and runs again later."""
     m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=8, cpu_pages=8))
     parent, child = _forked_pair(m, "P")
-    m.swap_out(child)              # all its pages are the parent's: it keeps them on the device
+    m.step(StepRequest(needs=[Grow(child, 12)]))   # a page of its own, to move
+    m.swap_out(child)              # the parent's two it keeps on the device
     m.step(StepRequest(releases=[parent]))
     g = m.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
     (result,) = m.step(StepRequest(needs=[Grow(g, 28)])).results
@@ -137,9 +138,15 @@ def test_a_swap_that_would_move_nothing_is_a_recompute(cpu_pages):
     assert modes[a] is (PreemptionMode.SWAP if cpu_pages else PreemptionMode.RECOMPUTE)
     assert m.stats().num_swapped == (1 if cpu_pages else 0)
     check_invariants(m.state)
+    fork = m.step(StepRequest(needs=[Fork(g, "g-fork")])).results[0].seq_id
     if not cpu_pages:
         with pytest.raises(ResourceExhausted, match="no CPU pages \\(--cpu-pages 0\\): swapping is off"):
-            m.swap_out(m.step(StepRequest(needs=[Fork(g, "g-fork")])).results[0].seq_id)
+            m.swap_out(fork)
+    else:   # the call, as the Step: it marked the fork swapped and freed nothing
+        before = snapshot(m.state)
+        with pytest.raises(ResourceExhausted, match="every page it holds is shared, so a swap would free nothing"):
+            m.swap_out(fork)
+        assert snapshot(m.state) == before
 
 
 def test_a_step_of_more_needs_than_any_engine_sends_is_refused_whole_and_changes_nothing():
@@ -212,3 +219,21 @@ def test_a_fork_preempted_in_its_step_leaves_no_copy_behind():
     src, dst = plan.copies[0]
     assert src == m.state.seqs[b].pages[-1] and dst == m.state.seqs[c2.seq_id].pages[-1]
     check_invariants(m.state)
+
+
+def test_an_extra_key_that_is_not_text_is_refused_before_the_step_changes_anything():
+    """An in-process caller's lone surrogate (a --cache-salt from a command line's bytes that are
+    not UTF-8) passed every check, then failed the hashing halfway through a Step: the Step's
+    release had happened and a commit's tokens were moved."""
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=4))
+    a = m.step(StepRequest(needs=[Admit("a", [1, 2, 3, 4])])).results[0].seq_id
+    before = snapshot(m.state)
+    with pytest.raises(InvalidArgument, match="extra_key is not Unicode text"):
+        m.step(StepRequest(releases=[a], needs=[Admit("b", [1, 2, 3], extra_key="\ud800")]))
+    assert snapshot(m.state) == before
+    with pytest.raises(InvalidArgument, match="extra_key is not Unicode text"):
+        m.match_prefix([1, 2, 3, 4], extra_key="salt\udcff")
+    from kvserve.kvcache_service.contract.hashing import check_cache_salt, check_deployment_salt
+    for check in (check_deployment_salt, check_cache_salt):
+        with pytest.raises(ValueError, match="is not Unicode text"):
+            check("\udcff")

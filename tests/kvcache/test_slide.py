@@ -212,6 +212,7 @@ def test_a_prompt_hitting_blocked_pages_is_charged_only_for_what_it_takes():
     assert a.granted and a.cached_tokens == 8
     check_invariants(m.state)
     step(m, releases=[a.seq_id])
+    step(m, needs=[Grow(b, 13)])                    # a page of its own, to move
     m.swap_out(b)                                   # b keeps its tree page 2 (below)
     (r,) = step(m, needs=[Resume(b)]).results
     assert r.granted
