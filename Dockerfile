@@ -7,10 +7,10 @@
 # brings several GB of CUDA libraries with it):
 #   docker build -t kvserve .
 # NVIDIA GPU: PyPI's wheel (it bundles CUDA 13's libraries; the host's driver is all the node
-# needs) and flash-attn 4 (the fa4 extra, with its CUDA 13 build: the pairing the GPU runs of
-# docs/benchmarks.md used, there with torch 2.11.0+cu130), e.g.
+# needs) and flash-attn 4 with its CUDA 13 build (the fa4-cu13 extra: the pairing the GPU runs of
+# docs/benchmarks.md used, there with torch 2.11.0+cu130; fa4 alone on CUDA 12), e.g.
 #   docker build -t kvserve:cuda --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
-#     --build-arg EXTRAS='fa4' .
+#     --build-arg EXTRAS='fa4-cu13' .
 # (EXTRAS=gpu is flash-attn 2, which builds from source: it needs a CUDA -devel BASE_IMAGE, with
 #  nvcc.) Another CUDA: TORCH_INDEX_URL=https://download.pytorch.org/whl/cuXXX.
 ARG BASE_IMAGE=python:3.11-slim
@@ -34,6 +34,12 @@ RUN apt-get update \
 # Own layer: torch is by far the largest download and changes least often.
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 WORKDIR /src
+# The dependencies in a layer of their own, from pyproject.toml alone: an edit to the source does
+# not download them again.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt
 COPY . .
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
  && python -c "from kvserve.model_service.kernels.library import missing_builds as m; \

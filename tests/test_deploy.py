@@ -96,6 +96,7 @@ def pod_template_labels(name: str) -> dict:
 
 
 def test_the_manager_is_a_sidecar_that_outlives_the_model_services_drain():
+    from kvserve.model_service import lane_server
     from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
 
     spec = pod_spec("model-service.yaml")
@@ -110,8 +111,10 @@ def test_the_manager_is_a_sidecar_that_outlives_the_model_services_drain():
     mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (manager, model)]
     assert mounts[0][socket_dir] == mounts[1][socket_dir]
     # the model service's whole drain (model_service/server.py: the grace, 2 s for the streams'
-    # ends, 5 s for their open streams, the server's stop), then the manager's own, in one period
-    drain = served.grace_s + 2 + 5 + LAST_MESSAGES_S + kv.grace_s
+    # ends, 5 s for their open streams, 1 s for the relayed event streams, the lane's close, the
+    # server's stop), then the manager's own, in one period
+    lane_close = LAST_MESSAGES_S + lane_server.CLOSE_WAIT_S if served.lane_listen else 0
+    drain = served.grace_s + 2 + 5 + 1 + lane_close + LAST_MESSAGES_S + kv.grace_s
     assert drain <= spec["terminationGracePeriodSeconds"], drain
     assert model["livenessProbe"]["grpc"]["service"] == "liveness"
     assert "service" not in model["readinessProbe"]["grpc"]
