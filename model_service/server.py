@@ -162,7 +162,7 @@ async def serve(config: ModelServiceConfig) -> None:
     if config.ready_file:
         Path(config.ready_file).touch()
     if servicer.keys is not None:
-        servicer.keys.reload_on_sighup()
+        servicer.keys.watch()
     try:
         hurry = await wait_for_signal(running.server, config.grace_s)
         await drain(running, servicer, config.grace_s, hurry)   # which also ends the relayed event streams and HTTP

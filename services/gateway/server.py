@@ -118,7 +118,7 @@ async def _report_health(running: RunningServer, fleet: Fleet, servicer: Gateway
 async def serve(config: GatewayConfig) -> None:
     gateway = await create_gateway(config)
     if gateway.servicer.keys is not None:
-        gateway.servicer.keys.reload_on_sighup()
+        gateway.servicer.keys.watch()
     log.info("gateway on %s, %d workers given%s", gateway.running.address, len(config.worker),
              f", following {config.workers_dns}" if config.workers_dns else "")
     try:

@@ -8,8 +8,10 @@ loads no gRPC).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -38,10 +40,25 @@ def metadata_value(metadata, name: str) -> str | None:
     return None
 
 
+FILE_POLL_S = 10.0   # how often watch() looks whether the key file changed
+
+
+def _signature(path: str) -> tuple | None:
+    """What changes when the file is replaced or rewritten (a Kubernetes Secret's update swaps a
+    symlink under its path: the file named is a new one)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class ApiKeys:
     def __init__(self, path: str) -> None:
         self.path = path
+        self._seen = _signature(path)   # the file as last read
         self._tenants = self._load()
+        self._poll: asyncio.TimerHandle | None = None
 
     def _load(self, empty_ok: bool = False) -> dict[bytes, str]:
         """The file's tenants by their keys' SHA-256: a lookup compares digests, never a key's
@@ -79,6 +96,7 @@ class ApiKeys:
     def reload(self) -> None:
         """Read the file again; keep the keys in force if it no longer parses. A file emptied of
         keys revokes them all (an operator's answer to a leak): every call is refused then."""
+        self._seen = _signature(self.path)
         try:
             tenants = self._load(empty_ok=True)
         except ValueError as exc:
@@ -91,14 +109,22 @@ class ApiKeys:
             log.warning("API keys reloaded from %s: it lists none, so every call is refused until it does",
                         self.path)
 
-    def reload_on_sighup(self) -> None:
-        """From the main thread's running loop (the servers' serve()); a SIGHUP kept while the
-        server started (keep_sighup_until_watched) is answered now."""
-        import asyncio
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+    def watch(self) -> None:
+        """From the main thread's running loop (the servers' serve()): the file is read again on
+        SIGHUP and, within FILE_POLL_S, whenever it changes (on Kubernetes nothing sends a
+        signal when a Secret is updated). A SIGHUP kept while the server started
+        (keep_sighup_until_watched) is answered now."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         if _sighup_kept:
             _sighup_kept.clear()
             self.reload()
+        self._poll = loop.call_later(FILE_POLL_S, self._look)
+
+    def _look(self) -> None:
+        if _signature(self.path) != self._seen:
+            self.reload()
+        self._poll = asyncio.get_running_loop().call_later(FILE_POLL_S, self._look)
 
     def refusal(self, metadata) -> str | None:
         """Why a call with this metadata (or HTTP headers as pairs) is refused; None if its key is known."""
@@ -125,7 +151,7 @@ def keep_sighup_until_watched() -> None:
     """From the main thread, before a server that checks keys starts (imports, model loading):
     SIGHUP's default action would kill the process, and every request a supervisor such as
     `kvserve up` had sent it meanwhile; kept instead, it is answered by a reload once the keys
-    are read and watched (ApiKeys.reload_on_sighup)."""
+    are read and watched (ApiKeys.watch)."""
     _sighup_kept.clear()
     signal.signal(signal.SIGHUP, lambda _signum, _frame: _sighup_kept.append(True))
     # `kvserve up` starts such a child with SIGHUP blocked (supervisor.py), so that one sent

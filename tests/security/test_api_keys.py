@@ -4,7 +4,10 @@ hashes are the worker's for every tenant; keys are re-read on SIGHUP."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import signal
 import threading
 
 import grpc
@@ -377,7 +380,7 @@ def test_a_sighup_while_a_keyed_server_starts_is_kept_and_answered_once_its_keys
         assert keys.tenant("old-key") == "alpha"
 
         async def watch():
-            keys.reload_on_sighup()
+            keys.watch()
 
         asyncio.run(watch())
         assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
@@ -418,3 +421,40 @@ def test_a_caller_without_a_tenant_cannot_spell_a_tenants_request_id(tiny_dirs):
             assert events[-1].finished.usage.completion_tokens < 1000
     finally:
         server.stop()
+
+
+def test_a_key_file_replaced_is_read_again_without_a_signal(tmp_path, monkeypatch):
+    """On Kubernetes a Secret's update swaps a symlink under the mounted path and nothing sends
+    SIGHUP: a leaked key that was revoked kept working until each pod was signalled."""
+    from kvserve.services.plumbing import api_keys
+
+    monkeypatch.setattr(api_keys, "FILE_POLL_S", 0.05)
+    secret = tmp_path / "secret"
+    first, second = tmp_path / "..2026_11_29_a", tmp_path / "..2026_11_29_b"
+    for folder, text in ((first, "old-key alpha\n"), (second, "new-key alpha\n")):
+        folder.mkdir()
+        (folder / "keys").write_text(text)
+    secret.mkdir()
+    (secret / "..data").symlink_to(first)
+    (secret / "keys").symlink_to(secret / "..data" / "keys")
+    keys = ApiKeys(str(secret / "keys"))
+
+    async def main():
+        keys.watch()
+        await asyncio.sleep(0.2)
+        assert keys.tenant("old-key") == "alpha"   # nothing changed: nothing read again
+        swap = secret / "..data_tmp"
+        swap.symlink_to(second)
+        os.replace(swap, secret / "..data")   # as the kubelet does it
+        for _ in range(100):
+            if keys.tenant("new-key"):
+                break
+            await asyncio.sleep(0.02)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
