@@ -18,6 +18,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import NoReturn
 
@@ -126,7 +127,9 @@ class LaneServer:
         self.max_connections = max_connections
         self.refused = 0   # connections closed unanswered, past max_connections
         self._refusals_said: float | None = None   # when the log last said so
+        self._tls = tls
         self._ssl = tls.ssl_context() if tls is not None else None
+        self._stop_tls: Callable[[], None] = lambda: None   # its certificate kept current while it listens
         self._call_frame_limit = max_request_bytes + wire.CALL_OVERHEAD
         self._max_request_bytes = max_request_bytes
         self._server: asyncio.base_events.Server | None = None
@@ -152,6 +155,8 @@ class LaneServer:
                 self.address = address.with_port(self._server.sockets[0].getsockname()[1])
         except OSError as exc:
             raise CannotListen(f"--lane-listen: cannot listen on {listen}: {exc.strerror or exc}") from None
+        if self._ssl is not None and not address.is_unix:
+            self._stop_tls = self._tls.keep_current(self._ssl)
 
     async def close(self) -> None:
         """No new connections; the calls still running are cancelled and their connections cut
@@ -161,6 +166,7 @@ class LaneServer:
         also threw away what the gateway's kernel had received and it had not read yet.)"""
         if self._server is None:
             return
+        self._stop_tls()
         self._server.close()
         await asyncio.sleep(0)   # frames a call queued on its way out reach their socket first
         flushing = False

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -68,8 +69,10 @@ class _HeadersInTime(H11Protocol):
 
 
 class HttpFront:
-    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str) -> None:
+    def __init__(self, server: _Server, task: asyncio.Task, channel, address: str,
+                 stop_tls: Callable[[], None] = lambda: None) -> None:
         self.server, self.task, self.channel, self.address = server, task, channel, address
+        self._stop_tls = stop_tls   # what keeps its certificate current (tls.py)
 
     @classmethod
     async def start(cls, listen: str, channel, tls: ServerTLS | None = None,
@@ -110,7 +113,9 @@ class HttpFront:
             await asyncio.sleep(0.01)
         bound = address.with_port(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http%s://%s", "s" if tls else "", bound)
-        return cls(server, task, channel, bound)
+        # uvicorn made its context from the files at start: the same context takes them again
+        stop_tls = tls.keep_current(server.config.ssl) if tls is not None and server.config.ssl else (lambda: None)
+        return cls(server, task, channel, bound, stop_tls)
 
     def begin_stop(self, grace_s: float) -> None:
         """A drain's start, HTTP's GOAWAY: the port closes, idle keep-alive connections are closed
@@ -124,6 +129,7 @@ class HttpFront:
         """Requests still running after HTTP_STOP_S (a client that stopped reading its stream)
         are cancelled, their calls with them, and their connections closed: nothing of the front
         is left for the process's exit to find."""
+        self._stop_tls()
         self.server.should_exit = True
         done, _ = await asyncio.wait({self.task}, timeout=HTTP_STOP_S)
         if not done:

@@ -6,16 +6,62 @@ connects: a config's check_files() reads them all up front.
 
 TLS covers TCP addresses. A Unix socket is reachable only on its host (in Kubernetes, inside the
 pod) and its file permissions guard it, so servers serve it in plaintext beside their TLS ports.
+
+A server's certificate, key and client CA are read again when their files change (cert-manager
+renews a Secret, the kubelet swaps the files): gRPC asks at each new connection (looked at most
+once a second), the lane's and the HTTP front's contexts every 10 s. Files that do not load
+leave the certificate in use, said in the log. A client's certificate is read when its channel
+is made.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import grpc
+
+log = logging.getLogger(__name__)
+
+RELOOK_S = 1.0           # gRPC asks at every handshake: the files are looked at most this often
+CONTEXT_RELOOK_S = 10.0  # how often a server's SSLContext (the lane's, HTTP's) looks at its files
+
+
+class _Files:
+    """Whether any of some files was replaced or rewritten since the last look."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        self.paths = tuple(p for p in paths if p)
+        self._seen = self._now()
+        self._looked = time.monotonic()
+
+    def _now(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)   # through a symlink: a Secret's swap names new files
+                out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def changed(self, every_s: float = 0.0) -> bool:
+        now = time.monotonic()
+        if now - self._looked < every_s:
+            return False
+        self._looked = now
+        seen = self._now()
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        return True
 
 
 
@@ -73,11 +119,32 @@ class ServerTLS:
             raise ValueError(f"give both {prefix}-cert and {prefix}-key")
         return cls(cert, key, client_ca)
 
-    def credentials(self) -> grpc.ServerCredentials:
+    def files(self) -> tuple[str, ...]:
+        return self.cert, self.key, self.client_ca
+
+    def _configuration(self):
         import grpc   # here, not at the top: configs import this module, and `kvserve --help` loads no gRPC
         pair = _pair(self.cert, self.key)
         ca = _ca(self.client_ca, "client CA") if self.client_ca else None
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Read again, for the connections after it, when the files change."""
+        import grpc
+        first = self._configuration()
+        files = _Files(self.files())
+
+        def fetch():   # from gRPC's core at each handshake: None keeps the certificate in use
+            if not files.changed(RELOOK_S):
+                return None
+            try:
+                configuration = self._configuration()
+            except Exception as exc:   # noqa: BLE001 - a handshake must not fail for it
+                log.error("the TLS files changed but do not load (%s); the certificate in use stays", exc)
+                return None
+            log.info("TLS certificate %s read again", self.cert)
+            return configuration
+        return grpc.dynamic_ssl_server_credentials(first, fetch, require_client_authentication=bool(self.client_ca))
 
     def ssl_context(self) -> ssl.SSLContext:
         """The same for a server outside gRPC (the lane): client certificates the CA signed
@@ -88,6 +155,28 @@ class ServerTLS:
             context.verify_mode = ssl.CERT_REQUIRED
             context.load_verify_locations(cafile=self.client_ca)
         return context
+
+    def keep_current(self, context: ssl.SSLContext) -> Callable[[], None]:
+        """From a running loop: `context` (ssl_context()'s, or the HTTP server's) takes the files
+        again every CONTEXT_RELOOK_S they changed, for the handshakes after it (a new client CA
+        is added to those trusted). Returns what stops it."""
+        loop = asyncio.get_running_loop()
+        files = _Files(self.files())
+        timer: list[asyncio.TimerHandle] = []
+
+        def look() -> None:
+            if files.changed():
+                try:
+                    _pair(self.cert, self.key)   # a sentence for a pair that does not load
+                    context.load_cert_chain(self.cert, self.key)
+                    if self.client_ca:
+                        context.load_verify_locations(cafile=self.client_ca)
+                    log.info("TLS certificate %s read again", self.cert)
+                except (ValueError, OSError, ssl.SSLError) as exc:
+                    log.error("the TLS files changed but do not load (%s); the certificate in use stays", exc)
+            timer[:] = [loop.call_later(CONTEXT_RELOOK_S, look)]
+        timer.append(loop.call_later(CONTEXT_RELOOK_S, look))
+        return lambda: timer[0].cancel()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,12 @@ required, gets nothing; one that does gets the same tokens as over plaintext."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import socket
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +21,7 @@ from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.kvcache_service.core import ManagerConfig
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS, channel
 from tests.gateway.conftest import GatewayThread, WorkerThreads
+from tests.security.certs import make_certs
 from tests.kvcache.conftest import ServerThread
 from tests.service.conftest import ModelServerThread
 from tests.service.util import generate, greedy, request, rpc_error
@@ -215,3 +221,78 @@ def test_a_lane_over_tls_takes_no_client_without_the_cas_certificate(tiny_dirs, 
     assert asyncio.run(handshake(ClientTLS(ca=certs.ca, cert=certs.client.cert, key=certs.client.key)))
     assert not asyncio.run(handshake(ClientTLS(ca=certs.ca, cert=certs.stranger.cert, key=certs.stranger.key)))
     assert not asyncio.run(handshake(ClientTLS(ca=certs.ca)))
+
+
+def _swap_in(pair, live: Path) -> None:
+    """The server's files replaced as the kubelet replaces a Secret's: whole, at once."""
+    for src, name in ((pair.cert, "tls.crt"), (pair.key, "tls.key")):
+        tmp = live / f".{name}.new"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, live / name)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch):
+    """Certificates were read once: when cert-manager renewed a Secret, servers kept the old one
+    until it expired and every connection failed. gRPC and the lane's and HTTP's contexts read
+    the files again once they change; files that do not load leave the certificate in use."""
+    import asyncio
+    import ssl
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kvserve.services.plumbing import tls as tls_module
+    from tests.server_thread import LoopThread
+
+    monkeypatch.setattr(tls_module, "RELOOK_S", 0.0)
+    monkeypatch.setattr(tls_module, "CONTEXT_RELOOK_S", 0.05)
+    old, new = make_certs(tmp_path / "old"), make_certs(tmp_path / "new")
+    live = tmp_path / "live"
+    live.mkdir()
+    _swap_in(old.server, live)
+    served = ServerTLS(str(live / "tls.crt"), str(live / "tls.key"))
+    loop = LoopThread("tls-rotation")
+
+    async def start():
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_secure_port("127.0.0.1:0", served.credentials())
+        await server.start()
+        context = served.ssl_context()
+        stop = served.keep_current(context)
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
+        return server, port, listener, stop
+
+    def grpc_ok(ca: str) -> bool:
+        with channel(f"localhost:{port}", ClientTLS(ca)) as ch:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                return True
+            except grpc.RpcError:
+                return False
+
+    def context_ok(ca: str) -> bool:
+        client = ssl.create_default_context(cafile=ca)
+        try:
+            with socket.create_connection(("127.0.0.1", listener.sockets[0].getsockname()[1]), timeout=5) as raw:
+                with client.wrap_socket(raw, server_hostname="localhost"):
+                    return True
+        except (ssl.SSLError, OSError):
+            return False
+
+    server, port, listener, stop = loop.call(start())
+    try:
+        assert grpc_ok(old.ca) and not grpc_ok(new.ca) and context_ok(old.ca)
+        (live / "tls.key").write_text("-----BEGIN nothing\n")   # half written: the certificate in use stays
+        time.sleep(0.2)
+        assert grpc_ok(old.ca) and context_ok(old.ca)
+        _swap_in(new.server, live)
+        time.sleep(0.2)
+        assert grpc_ok(new.ca) and not grpc_ok(old.ca)
+        assert context_ok(new.ca) and not context_ok(old.ca)
+    finally:
+        async def stop_all():
+            stop()
+            listener.close()
+            await server.stop(None)
+        loop.call(stop_all())
+        loop.close()
