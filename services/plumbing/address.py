@@ -87,6 +87,16 @@ class CannotListen(OSError):
     """A server cannot listen on the address asked for: in use, or not permitted."""
 
 
+def close_to_others(path: str) -> None:
+    """A socket file this process made, with no permission for users outside its owner and group:
+    a Unix socket counts as private (`is_private`), and under a umask of 0 it was open to every
+    user of the host, who could then name any tenant to a worker that trusts metadata. (The group
+    keeps what the umask gave it: a pod's containers may share one by fsGroup.)"""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o007:
+        os.chmod(path, mode & ~0o007)
+
+
 def remove_stale_socket(path: str) -> None:
     """Delete a socket file left behind by a server that is gone.
 

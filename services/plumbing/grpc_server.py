@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.services.plumbing.address import CannotListen, ListenAddress, parse_address, remove_stale_socket
+from kvserve.services.plumbing.address import (CannotListen, ListenAddress, close_to_others, parse_address,
+                                                remove_stale_socket)
 from kvserve.services.plumbing.local_channel import HandlerRecorder, LocalChannel
 from kvserve.services.plumbing.malformed import RefuseMalformed
 from kvserve.services.plumbing.tls import ServerTLS
@@ -343,4 +344,6 @@ async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str, tl
         if folder and not os.path.isdir(folder):
             raise BindError(f"cannot listen on {address}: the directory {folder} does not exist") from cause
         raise BindError(f"cannot listen on {address} (address in use or not permitted)") from cause
+    if listen.is_unix:   # (the file exists once bound)
+        close_to_others(listen.unix_path)
     return port

@@ -90,3 +90,30 @@ def test_write_rpcs_from_beyond_the_pod_need_the_admin_token(tmp_path):
         assert manager.manager.stats().epoch == 8
     finally:
         manager.stop()
+
+
+def test_a_unix_socket_is_closed_to_other_users_whatever_the_umask(tmp_path):
+    """A Unix socket counts as private (only the pod reaches it); under a umask of 0 a server's
+    socket was open to every user of the host."""
+    import os
+    import stat
+
+    from kvserve.model_service.lane_server import LaneServer
+    from tests.server_thread import LoopThread
+
+    before = os.umask(0)
+    try:
+        manager = ServerThread(f"unix://{tmp_path}/kv.sock", ManagerConfig(num_pages=16, page_size=4, max_seqs=8),
+                               KVCacheServerConfig())
+        lane, loop = LaneServer(servicer=None, tls=None, max_request_bytes=1 << 20), LoopThread("lane")
+        loop.call(lane.start(f"unix://{tmp_path}/lane.sock"))
+    finally:
+        os.umask(before)
+    try:
+        for name in ("kv.sock", "lane.sock"):
+            mode = stat.S_IMODE(os.stat(tmp_path / name).st_mode)
+            assert mode & 0o007 == 0 and mode & 0o600 == 0o600, (name, oct(mode))
+    finally:
+        loop.call(lane.close())
+        loop.close()
+        manager.stop()
