@@ -43,8 +43,9 @@ def scalars(cls: type[_T], msg: Any, **extra: Any) -> _T:
 
 
 def _token_logprobs(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top),
-                              lp.token)
+    return tuple(TokenLogprob(lp.token_id, lp.logprob,
+                              tuple(TopLogprob(t.token_id, t.logprob, t.token, t.token_bytes) for t in lp.top),
+                              lp.token, lp.token_bytes)
                  for lp in items)
 
 

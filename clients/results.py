@@ -52,6 +52,7 @@ class TopLogprob:
     token_id: int
     logprob: float
     token: str = ""  # the token alone as text
+    token_bytes: bytes = b""  # what it stands for, part of a UTF-8 character too (b"": not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class TokenLogprob:
     logprob: float
     top: tuple[TopLogprob, ...] = ()  # most likely first
     token: str = ""  # the token alone as text
+    token_bytes: bytes = b""  # what it stands for, part of a UTF-8 character too (b"": not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,7 @@ class ModelInfo:
     takes_cache_salt: bool = False   # it keeps a request's cache_salt (older versions ignore it)
     config_digest: str = ""     # its model's shape, as 16 hex digits (a gateway compares them)
     lane_address: str = ""      # where it serves Generate to a gateway over the lane (--lane-listen); "": nowhere
+    lane_pings: bool = False    # its lane reads a gateway's pings while a call runs (lane.proto)
 
 
 # kvserve.kvcache.v1.Stats, as the model service reports it: the manager's own type.

@@ -31,6 +31,7 @@ from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
 from kvserve.model_service.dtype_choice import checkpoint_dtype, pick_dtype, pick_kv_cache_dtype
+from kvserve.model_service.token_bytes import token_bytes
 from kvserve.model_service.prompt_tokens import (keeps_message_text, load_tokenizer, resolve_model_path,
                                                  tokenizer_digest)
 from kvserve.services.plumbing.api_keys import read_token
@@ -59,6 +60,7 @@ class ModelStack:
     tokenizer_digest: str          # what its tokenizer does, for a gateway to compare (prompt_tokens.py)
     generation_defaults: GenerationDefaults = GenerationDefaults()   # sampling for what a request leaves unset
     chat_keeps_text: bool = True   # its chat template renders each message's text whole (prompt_tokens.py)
+    token_bytes: Callable[[int], bytes] | None = None   # what each token stands for, in bytes (token_bytes.py)
 
 
 def pick_device(name: str) -> torch.device:
@@ -182,7 +184,8 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     return ModelStack(cfg, path, mcfg, tokenizer, engine, kv, device, dtype, backend.name, model.lm_head.gemm,
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
                       Grammars(tokenizer, mcfg.vocab_size, eos_ids, cfg.format_compile_timeout_s), tokenizer_digest(tokenizer),
-                      generation_defaults.load(path, cfg.generation_config), chat_keeps_text=chat_keeps_text)
+                      generation_defaults.load(path, cfg.generation_config), chat_keeps_text=chat_keeps_text,
+                      token_bytes=token_bytes(tokenizer))
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

@@ -63,7 +63,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._relay = relay   # the engine flushes it after each step (assembly.build's on_step_end)
         self.open_streams = 0   # Generate calls not yet returned: a drain waits for them (server.py)
         self._shared_stats = stats_watch.SharedStats(self._stats, self._load)   # WatchServerStats' messages
-        self._token_text = TokenTexts(stack.tokenizer)   # logprobs name their tokens
+        self._token_text = TokenTexts(stack.tokenizer, stack.token_bytes)   # logprobs name their tokens
 
     def drain(self) -> None:
         """Shutting down: new calls get UNAVAILABLE, running ones finish."""
@@ -257,11 +257,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 class TokenTexts:
     """A token id's text alone, as a logprob names it (the tokenizer's own pieces joined as text:
     "▁the" and "Ġthe" read " the" or "the" as that tokenizer decodes them), cached: a vocabulary is
-    bounded, and the top-n repeat."""
+    bounded, and the top-n repeat. `bytes_of`: the bytes a token stands for (model_service/
+    token_bytes.py), where its text shows U+FFFD for part of a character; None where unknown."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, bytes_of: Callable[[int], bytes] | None = None) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self.bytes_of = bytes_of or (lambda _token_id: b"")
 
     def decode(self, token_ids: list[int]) -> str:
         """Tokens as one text, special tokens kept (an echoed prompt)."""
@@ -276,12 +278,15 @@ class TokenTexts:
         return text
 
 
-def _token_logprob(lp, token_text: Callable[[int], str]) -> pb.TokenLogprob:
+def _token_logprob(lp, token_text: TokenTexts) -> pb.TokenLogprob:
+    raw = token_text.bytes_of
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=token_text(lp.token_id),
-                           top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top])
+                           token_bytes=raw(lp.token_id),
+                           top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t), token_bytes=raw(t))
+                                for t, v in lp.top])
 
 
-def _to_messages(request_id: str, events: list, token_text: Callable[[int], str]):
+def _to_messages(request_id: str, events: list, token_text: TokenTexts):
     """Engine events → (response, finished, failure: RequestFailed | None); consecutive tokens of
     one sequence merge into one chunk. token_text names the tokens of logprobs."""
     chunk: pb.TokenChunk | None = None

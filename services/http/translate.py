@@ -802,5 +802,8 @@ def _ranked(lp, top: int) -> dict:
 
 
 def _named(lp) -> dict:
-    """A chat logprob entry: the token, its logprob and its UTF-8 bytes."""
-    return {"token": lp.token, "logprob": _json_logprob(lp.logprob), "bytes": list(lp.token.encode("utf-8"))}
+    """A chat logprob entry: the token, its logprob and its bytes: those the worker says it stands
+    for (part of a character too, where its text shows U+FFFD: a client joins the bytes back into
+    the text), else its text's (a worker of an older version)."""
+    raw = lp.token_bytes or lp.token.encode("utf-8")
+    return {"token": lp.token, "logprob": _json_logprob(lp.logprob), "bytes": list(raw)}

@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.clients.inference_client import (
     Chunk, Completion, Finished, InferenceClient, KVCacheStats, KVServeError, ModelInfo, PrefillDone,
-    ServerStats, Tokenized,
+    ServerStats, Tokenized, TokenLogprob, TopLogprob,
 )
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
@@ -382,7 +382,7 @@ def test_server_stats(client: InferenceClient) -> None:
 
 @pytest.mark.parametrize("cls, message", [
     (ModelInfo, pb.ModelInfo), (ServerStats, pb.ServerStats), (KVCacheStats, kv_pb.Stats),
-    (PrefillDone, pb.PrefillDone),
+    (PrefillDone, pb.PrefillDone), (TokenLogprob, pb.TokenLogprob), (TopLogprob, pb.TopLogprob),
 ])
 def test_dataclasses_cover_the_contract(cls: type, message) -> None:
     """Every proto field has its dataclass field and back, so the edge drops nothing."""

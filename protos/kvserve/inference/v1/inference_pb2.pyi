@@ -169,26 +169,30 @@ class PromptLogprobs(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_token: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "token")
+    __slots__ = ("token_id", "logprob", "token", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     token: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top", "token")
+    __slots__ = ("token_id", "logprob", "top", "token", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     token: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")

@@ -1,0 +1,30 @@
+"""The bytes each token stands for, beside its text: a byte-level BPE or byte-fallback token may
+hold part of a UTF-8 character, which its text shows as U+FFFD. OpenAI's chat logprobs give
+each token's bytes so that a client can join them back into the text; from the text alone they
+were U+FFFD's three bytes. llguidance reads the bytes from the tokenizer as its grammars need
+them, for every kind of tokenizer transformers loads fast."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def token_bytes(tokenizer) -> Callable[[int], bytes] | None:
+    """A token id's bytes; None (logprobs' bytes then come from their text) for a tokenizer
+    llguidance cannot read."""
+    try:
+        import llguidance.hf
+
+        vocabulary = llguidance.hf.from_tokenizer(tokenizer)
+    except Exception as exc:   # noqa: BLE001 - a slow tokenizer, or one llguidance does not know
+        log.warning("logprobs give their tokens' bytes from their text (U+FFFD for part of a character): "
+                    "the tokenizer's bytes cannot be read (%s)", exc)
+        return None
+    size = vocabulary.vocab_size
+
+    def of(token_id: int) -> bytes:
+        return vocabulary.decode_bytes([token_id]) if 0 <= token_id < size else b""
+    return of
