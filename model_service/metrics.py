@@ -7,6 +7,7 @@ observed where a stream's events reach the server's loop (servicer.py): what a c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -51,19 +52,24 @@ class ServiceMetrics:
 
 
 class StreamClock:
-    """One Generate call's timings: the gaps between each sequence's tokens, and, once, the
-    request's end. A request of n sequences is one request here as in GetServerStats: its
-    histograms and its success count are observed when its last sequence finishes (under that
-    one's reason; abort if any was aborted), its generated tokens summed over them."""
+    """One Generate call's timings: the gaps between each sequence's tokens, the first token's
+    time from the call's arrival (observed when it comes: a long stream's is not held back until
+    its end, nor lost when its client leaves), and, once, the request's end. A request of n
+    sequences is one request here as in GetServerStats: its other histograms and its success
+    count are observed when its last sequence finishes (under that one's reason; abort if any was
+    aborted), its generated tokens summed over them; a request its client left is observed then,
+    as far as it went."""
 
-    __slots__ = ("metrics", "last", "sequences", "ends", "counted")
+    __slots__ = ("metrics", "arrival", "last", "sequences", "ends", "counted", "generated")
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
+        self.arrival = time.monotonic()    # the call's, before its input is tokenized (the engine's clock)
         self.last: dict[int, float] = {}   # each sequence's last token time (its index)
         self.sequences = 1                 # n, once the request is built
         self.ends: list[Finished] = []
         self.counted = False               # the request's end observed (finished or abandoned)
+        self.generated = 0                 # tokens streamed so far, over its sequences
 
     def tokens(self, events) -> None:
         """Tokens events, timed when the engine sent them: a front end that falls behind and
@@ -73,6 +79,9 @@ class StreamClock:
             n = len(event.token_ids)
             if not n:
                 continue
+            if not self.generated:
+                self.metrics.ttft.observe(max(0.0, event.at - self.arrival))
+            self.generated += n
             before = last.get(event.index)
             if before is not None:
                 gap = max(0.0, event.at - before) / n   # tokens sent together share the wait
@@ -90,8 +99,6 @@ class StreamClock:
         self.counted = True
         m, ends = self.metrics, self.ends
         generated = sum(e.completion_tokens for e in ends)
-        if generated:
-            m.ttft.observe(min(e.ttft_ms for e in ends if e.completion_tokens) / 1e3)
         m.e2e.observe(max(e.total_ms for e in ends) / 1e3)
         m.queue.observe(f.queue_ms / 1e3)
         m.prompt.observe(f.prompt_tokens)
@@ -100,9 +107,13 @@ class StreamClock:
 
     def abandoned(self) -> None:
         """The call ended before the request did (the client left, cancelled it or ran out of
-        time; its client did not read): the engine aborts it, and nobody reads that Finished."""
+        time; its client did not read): the engine aborts it, and nobody reads that Finished. Its
+        time and the tokens it got count as its end's, as a client saw them: those who give up
+        waiting are the latency tail."""
         if not self.counted:
             self.counted = True
+            self.metrics.e2e.observe(max(0.0, time.monotonic() - self.arrival))
+            self.metrics.generation.observe(self.generated)
             self.metrics.success.labels("abort").inc()
 
 

@@ -86,6 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 tenant = self._tenant(context)
                 request_id = request.request_id or uuid.uuid4().hex
                 req = await self.builder.build(request, request_id, tenant)
+                req.arrival = clock.arrival   # its time to first token counts its tokenizing too
                 events = StreamBacklog(self.stack.config.max_unread_tokens, 1 + (req.params.logprobs or 0),
                                        lambda: self.engine.cancel(req.request_id, req))
                 await self._submit(req, request_id, self._relay.sink(events))

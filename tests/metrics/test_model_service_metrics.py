@@ -141,5 +141,31 @@ def test_a_request_its_client_left_counts_as_aborted_as_the_engine_counts_it(ser
                     pass
     wait_until(lambda: engine.counters.aborted == aborted + 1, what="the engine's abort")
     after = scrape(address)
-    assert value(after, "kvserve:request_success_total", finished_reason="abort") - \
-        value(before, "kvserve:request_success_total", finished_reason="abort") == 1
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("kvserve:request_success_total", finished_reason="abort") == 1
+    # its first token, its time and the tokens it got are counted as a client saw them: those who
+    # leave are the latency tail (only finished requests were)
+    assert moved("kvserve:time_to_first_token_seconds_count") == 1
+    assert moved("kvserve:e2e_request_latency_seconds_count") == 1
+    assert moved("kvserve:request_generation_tokens_count") == 1 and moved("kvserve:request_generation_tokens_sum") >= 1
+
+
+def test_time_to_first_token_is_observed_when_it_comes_from_the_calls_arrival():
+    """It was observed at the request's end (a long stream's TTFT minutes late), from the request's
+    making, after its prompt was tokenized."""
+    from types import SimpleNamespace
+
+    from kvserve.model_service.engine.events import Tokens
+    from kvserve.model_service.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics(SimpleNamespace(), lambda: None)
+    clock = metrics.stream()
+    clock.arrival = 10.0
+    clock.tokens([Tokens([5], "a", at=10.25)])
+    clock.tokens([Tokens([6], "b", at=11.0)])
+    samples = {s.name: s.value for s in metrics.ttft.collect()[0].samples if not s.labels.get("le")}
+    assert samples["kvserve:time_to_first_token_seconds_count"] == 1
+    assert samples["kvserve:time_to_first_token_seconds_sum"] == pytest.approx(0.25)
