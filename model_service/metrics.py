@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvserve.model_service.engine.events import Finished
 from kvserve.model_service.status import REFUSAL_CODES
 from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
-                                                      TOKEN_LATENCY_BUCKETS)
+                                                      TOKEN_LATENCY_BUCKETS, http_answers)
 
 
 class ServiceMetrics:
@@ -45,6 +45,7 @@ class ServiceMetrics:
                                "full queue, a draining server, ...), by their gRPC status code", ["code"], registry=r)
         for code in REFUSAL_CODES:
             self.refused.labels(code)
+        self.http_answered = http_answers(r)
         r.register(_EngineState(engine, kv_stats))
 
     def stream(self) -> StreamClock:

@@ -77,7 +77,7 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
             servicer.http_front = await HttpFront.start(config.http_listen, running.local_channel(),
                                                         config.server_tls(), config.max_request_bytes, keys,
                                                         server_flags.allowed_origins(config.http_allowed_origins),
-                                                        Limits.of(config))
+                                                        Limits.of(config), servicer.metrics.http_answered)
         return running, servicer
     except Exception:   # nothing half-started outlives the failure
         if running is not None:

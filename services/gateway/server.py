@@ -90,7 +90,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
             gateway.http_front = await HttpFront.start(config.http_listen, gateway.running.local_channel(),
                                                        config.server_tls(), config.max_request_bytes, keys,
                                                        server_flags.allowed_origins(config.http_allowed_origins),
-                                                       Limits.of(config))
+                                                       Limits.of(config), metrics.http_answered)
         return gateway
     except BaseException:
         if gateway.running is not None:

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -515,18 +515,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(INTERNAL_ERROR)
 
 
-def _guarded(endpoint):
+def _guarded(endpoint, route: str, answered: Callable[[str, int], None]):
     """The endpoint, its unexpected failures answered in OpenAI's error shape (not Starlette's
     plain text) from inside the middleware, so that a browser page allowed under CORS can read
-    them too; the log has the traceback."""
+    them too; the log has the traceback. `answered(route, status)` counts each answer (a stream's
+    by the status it began with)."""
     async def guarded(request: Request) -> Response:
         try:
-            return await endpoint(request)
+            response = await endpoint(request)
         except HTTPException:   # a 4xx of Starlette's: its own handler answers it
             raise
         except Exception:
             log.exception("the HTTP front failed answering %s %s", request.method, request.url.path)
-            return error_response(INTERNAL_ERROR)
+            response = error_response(INTERNAL_ERROR)
+        answered(route, response.status_code)
+        return response
     return guarded
 
 
@@ -544,22 +547,26 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
 
 
 def make_app(channel: grpc.aio.Channel, max_body_bytes: int = 8 << 20, keys: ApiKeys | None = None,
-             allowed_origins: list[str] | None = None, limits: Limits | None = None) -> Starlette:
+             allowed_origins: list[str] | None = None, limits: Limits | None = None,
+             answered: Callable[[str, int], None] = lambda _route, _status: None) -> Starlette:
     """`allowed_origins` (--http-allowed-origins): the browser origins answered under CORS, with the
     Authorization header allowed (a key is a header, not a cookie: no credentials mode). `limits`:
-    the server's bounds on a request's lists (Limits.of(config)), refused before they are read."""
+    the server's bounds on a request's lists (Limits.of(config)), refused before they are read.
+    `answered(route, status)`: each answer of a route, for the server's metrics (its refusals
+    before any call too)."""
     front = Front(channel, max_body_bytes, keys, limits)
     middleware = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
                              allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms", "x-should-retry"],
                              max_age=600)] if allowed_origins else []
+    endpoints = [("/v1/completions", front.completions, ["POST"]),
+                 ("/v1/chat/completions", front.chat_completions, ["POST"]),
+                 ("/v1/models", front.models, ["GET"]),
+                 ("/v1/models/{model:path}", front.models, ["GET"]),
+                 ("/tokenize", front.tokenize, ["POST"]),
+                 ("/detokenize", front.detokenize, ["POST"]),
+                 ("/health", front.health_check, ["GET"]),
+                 ("/ping", front.health_check, ["GET", "POST"]),   # vLLM's, for SageMaker
+                 ("/version", front.version, ["GET"])]
     return Starlette(middleware=middleware, routes=[
-        Route("/v1/completions", _guarded(front.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _guarded(front.chat_completions), methods=["POST"]),
-        Route("/v1/models", _guarded(front.models), methods=["GET"]),
-        Route("/v1/models/{model:path}", _guarded(front.models), methods=["GET"]),
-        Route("/tokenize", _guarded(front.tokenize), methods=["POST"]),
-        Route("/detokenize", _guarded(front.detokenize), methods=["POST"]),
-        Route("/health", _guarded(front.health_check), methods=["GET"]),
-        Route("/ping", _guarded(front.health_check), methods=["GET", "POST"]),   # vLLM's, for SageMaker
-        Route("/version", _guarded(front.version), methods=["GET"]),
+        Route(path, _guarded(endpoint, path, answered), methods=methods) for path, endpoint, methods in endpoints
     ], exception_handlers={HTTPException: _routing_error, Exception: _internal_error})

@@ -77,10 +77,12 @@ class HttpFront:
     @classmethod
     async def start(cls, listen: str, channel, tls: ServerTLS | None = None,
                     max_body_bytes: int = 8 << 20, keys=None, allowed_origins: list[str] | None = None,
-                    limits: Limits | None = None) -> HttpFront:
+                    limits: Limits | None = None,
+                    answered: Callable[[str, int], None] = lambda _route, _status: None) -> HttpFront:
         """Serves on `listen` (host:port; 0 picks a port), calling the Inference service through
         `channel` (this process's server's local_channel(): its handlers behind its
-        interceptors, no socket); stop() ends it. `limits`: Limits.of(the server's config)."""
+        interceptors, no socket); stop() ends it. `limits`: Limits.of(the server's config).
+        `answered(route, status)`: each answer, for the server's metrics (metrics_server.http_answers)."""
         address = parse_address(listen)
         if address.is_unix:
             raise ValueError(f"--http-listen must be host:port, got {listen!r}")
@@ -100,7 +102,7 @@ class HttpFront:
         sock.setblocking(False)
         # log_config=None: uvicorn's records go through the process's logging (its format, and the
         # filter that keeps what clients do out of the log: logging_setup.py), not its own handlers
-        app = make_app(channel, max_body_bytes, keys, allowed_origins, limits)
+        app = make_app(channel, max_body_bytes, keys, allowed_origins, limits, answered)
         config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=5, http=_HeadersInTime,
                                 **(_tls_options(tls) if tls is not None else {}))

@@ -19,7 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from typing import TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvserve.services.plumbing.address import CannotListen, parse_address
@@ -43,6 +43,15 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+def http_answers(registry) -> Callable[[str, int], None]:
+    """The HTTP front's answers as a counter of `registry`, by route (its template: a bounded set)
+    and status: what (route, status) the front calls for each. Its refusals are answered before any
+    gRPC call, so no other series sees them."""
+    answers = Counter("kvserve:http_requests", "HTTP requests the OpenAI-compatible front answered, by route "
+                      "and status code (a stream by the status it began with)", ["route", "status"], registry=registry)
+    return lambda route, status: answers.labels(route, str(status)).inc()
 
 
 @dataclass

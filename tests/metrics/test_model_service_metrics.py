@@ -169,3 +169,32 @@ def test_time_to_first_token_is_observed_when_it_comes_from_the_calls_arrival():
     samples = {s.name: s.value for s in metrics.ttft.collect()[0].samples if not s.labels.get("le")}
     assert samples["kvserve:time_to_first_token_seconds_count"] == 1
     assert samples["kvserve:time_to_first_token_seconds_sum"] == pytest.approx(0.25)
+
+
+def test_the_http_fronts_answers_are_counted_its_refusals_too(tiny_dirs):
+    """A 400 the front answers before any gRPC call moved no series: an operator saw none of the
+    HTTP clients' bad requests."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    server = ModelServerThread(tiny_dirs["tiny"], metrics_listen="127.0.0.1:0", http_listen="127.0.0.1:0")
+    try:
+        front = f"http://{server.servicer.http_front.address}"
+
+        def post(body: dict) -> int:
+            req = urllib.request.Request(f"{front}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as response:
+                    return response.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        assert post({"prompt": "hello", "max_tokens": -5}) == 400
+        assert post({"prompt": "hello", "max_tokens": 2}) == 200
+        after = scrape(server.servicer.metrics_endpoint.address)
+        assert value(after, "kvserve:http_requests_total", route="/v1/completions", status="400") == 1
+        assert value(after, "kvserve:http_requests_total", route="/v1/completions", status="200") == 1
+    finally:
+        server.stop()
