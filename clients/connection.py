@@ -20,6 +20,10 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),   # the wait gRPC core really applies to the answer
+    # gRPC stops pinging after 2 pings with no data between them, until data comes: a stream quiet
+    # for a while (queued, a long prefill, a gateway moving it) found a frozen server only a minute
+    # later. Pinging on costs nothing the servers refuse.
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 

@@ -51,6 +51,9 @@ DEFAULT_OPTIONS: Mapping[str, int] = {
     "grpc.keepalive_timeout_ms": 10_000,
     "grpc.http2.ping_timeout_ms": 10_000,
     "grpc.keepalive_permit_without_calls": 1,
+    # Ping on while no data flows (gRPC stops after 2 by default): a client whose request waits
+    # in a queue, quiet, was found frozen only much later.
+    "grpc.http2.max_pings_without_data": 0,
     # Accept client keepalive pings this often without answering GOAWAY.
     "grpc.http2.min_ping_interval_without_data_ms": 10_000,
     # A second server on a busy port must fail to bind, not silently share it.

@@ -58,7 +58,10 @@ def test_a_frozen_client_is_dropped_by_the_server():
         stop(*[p for p in (client, server) if p is not None])
 
 @pytest.mark.slow
-def test_a_frozen_server_ends_the_sdk_call_unavailable_with_a_sentence():
+@pytest.mark.parametrize("quiet_s", [0, 4])
+def test_a_frozen_server_ends_the_sdk_call_unavailable_with_a_sentence(quiet_s):
+    """Quiet first: gRPC stopped pinging after two pings without data, and a stream quiet for
+    a while (queued, a long prefill) found its frozen server only a minute later."""
     # the server accepts the client's shortened pings; the answer's wait is the SDK's default
     server = peer("server", json.dumps({"grpc.http2.min_ping_interval_without_data_ms": 100}))
     try:
@@ -68,6 +71,7 @@ def test_a_frozen_server_ends_the_sdk_call_unavailable_with_a_sentence():
                              options=[("grpc.keepalive_time_ms", 1000)]) as client:
             events = client.generate("a")
             next(events)
+            time.sleep(quiet_s)   # pinged each second, no data either way
             os.kill(server.pid, signal.SIGSTOP)
             frozen_at = time.monotonic()
             with pytest.raises(KVServeError) as err:
