@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdout
+from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdin, tolerant_stdout
 from kvserve.clients.ctrl_c import CtrlCCancels
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def _client(args: argparse.Namespace, command: str, timeout: float | None = None
 # --------------------------------------------------------------------------- generate
 
 def run_generate(args: argparse.Namespace) -> int:
+    tolerant_stdin()
     from kvserve.clients.inference_client import KVServeError
 
     tolerant_stdout()
@@ -202,6 +203,7 @@ def _generate_summary(f: Finished) -> str:
 # --------------------------------------------------------------------------- chat
 
 def run_chat(args: argparse.Namespace) -> int:
+    tolerant_stdin()
     from kvserve.clients.convert import generate_request
     from kvserve.clients.inference_client import KVServeError
 

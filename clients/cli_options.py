@@ -51,3 +51,11 @@ def tolerant_stdout() -> None:
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:
         reconfigure(errors="replace")
+
+
+def tolerant_stdin() -> None:
+    """stdin's bytes that are not UTF-8 read as surrogates, which the prompt's checks then refuse
+    with a sentence: under a UTF-8 locale (not C's) Python reads stdin strictly, and such bytes
+    were a UnicodeDecodeError's traceback."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdout
+from kvserve.clients.cli_options import add_connection_flags, make_client, tolerant_stdin, tolerant_stdout
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -47,6 +47,7 @@ def _add_address(p: argparse.ArgumentParser) -> None:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
+    tolerant_stdin()
     from kvserve.clients.inference_client import KVServeError
 
     tolerant_stdout()   # a token's text the terminal's encoding lacks
@@ -68,6 +69,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 
 def run_detokenize(args: argparse.Namespace) -> int:
+    tolerant_stdin()
     from kvserve.clients.inference_client import KVServeError
 
     tolerant_stdout()

@@ -91,11 +91,19 @@ def test_top_refuses_an_interval_it_cannot_sleep(interval) -> None:
     assert r.stderr.startswith("kvserve top: --interval must be more than 0 seconds and at most 86400")
 
 
-def test_stdin_that_is_not_utf8_is_one_line_and_exit_2() -> None:
+@pytest.mark.parametrize("strict", [False, True])
+def test_stdin_that_is_not_utf8_is_one_line_and_exit_2(strict) -> None:
+    """strict: as under a UTF-8 locale (not C's), where Python reads stdin strictly: it was a
+    UnicodeDecodeError's traceback."""
+    import os
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"} if strict else None
     r = subprocess.run([sys.executable, "-m", "kvserve.services.cli.main", "generate", "-", "--address",
-                        "127.0.0.1:1"], input=b"Hello \xff\xfe", capture_output=True, timeout=60)
+                        "127.0.0.1:1"], input=b"Hello \xff\xfe", capture_output=True, timeout=60, env=env)
     assert r.returncode == 2 and b"Traceback" not in r.stderr
     assert r.stderr.decode().strip() == "kvserve generate: prompt is not valid UTF-8 text"
+    r = subprocess.run([sys.executable, "-m", "kvserve.services.cli.main", "tokenize", "--address",
+                        "127.0.0.1:1"], input=b"Hello \xff\xfe", capture_output=True, timeout=60, env=env)
+    assert r.returncode == 2 and b"Traceback" not in r.stderr, r.stderr
 
 
 def test_generate_with_no_server_is_unavailable() -> None:
