@@ -141,9 +141,9 @@ def _client(args: argparse.Namespace, command: str, timeout: float | None = None
 # --------------------------------------------------------------------------- generate
 
 def run_generate(args: argparse.Namespace) -> int:
-    tolerant_stdin()
     from kvserve.clients.inference_client import KVServeError
 
+    tolerant_stdin()
     tolerant_stdout()
     text = sys.stdin.read() if args.text == "-" else args.text
     inputs: dict[str, object] = {"prompt": text}
@@ -189,7 +189,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return _cancelled(out, "[cancelled]")
     out.end_line()
     print(_generate_summary(finished), file=sys.stderr)
-    return 0
+    return 1 if finished.reason == "abort" else 0   # cut short at the server (a Cancel, a drain): not an answer
 
 
 def _generate_summary(f: Finished) -> str:

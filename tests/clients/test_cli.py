@@ -139,6 +139,26 @@ def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
     assert stats.kvcache.used_pages == 0
 
 
+def test_a_generation_cancelled_at_the_server_exits_1(model_server, client: InferenceClient) -> None:
+    """Cancelled by another client (or ended by a drain), it printed `finish abort` and exited 0:
+    a script could not tell a cut-off answer from a whole one."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.services.cli.main", "generate", "The cache page", "--address", model_server.address,
+         "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+        cwd=REPO)
+    try:
+        assert proc.stdout.read(1), proc.communicate()
+        [request_id] = list(model_server.servicer.engine._live)
+        client.cancel(request_id)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "finish abort" in err and "Traceback" not in err, err
+
+
 def test_chat_reuses_the_conversation_from_the_cache(model_server, client: InferenceClient) -> None:
     page = client.model_info().page_size
     turns = "What is a page?\nAnd a prefix tree?\nThanks, and eviction?\n/reset\nWhat is a page?\n/quit\nnot sent\n"
