@@ -10,17 +10,23 @@ from typing import Any, Union
 import grpc
 
 from kvserve.kvcache_service.contract.types import Stats
+from kvserve.services.plumbing.retry_hints import says_no_retry
 
 
 # --------------------------------------------------------------------------- errors
 
 class KVServeError(Exception):
-    """A call failed; code is the gRPC status name, e.g. "INVALID_ARGUMENT"."""
+    """A call failed; code is the gRPC status name, e.g. "INVALID_ARGUMENT". What the server said
+    of trying again: `retry_after_ms`, its hint (a full queue: RESOURCE_EXHAUSTED), or None; and
+    `retryable`, False where a retry would not mend it or could do harm (a request id already in
+    flight, a request the server marks so: one that two workers died computing)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after_ms: int | None = None, retryable: bool = True) -> None:
         super().__init__(code, message)
         self.code = code
         self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.retryable = retryable and code != "ALREADY_EXISTS"
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -33,8 +39,11 @@ class KVServeError(Exception):
             details = ("the server stopped answering: a keepalive ping got no reply (the server is "
                        "frozen, or the network to it is gone)")
         name = code.name if code is not None else "UNKNOWN"
+        trailers = (exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None) or ()
+        hint = next((v for k, v in trailers if k == "retry-after-ms" and isinstance(v, str) and v.isdigit()), None)
         # (a status without details: a sentence, not the grpc error's multi-line repr)
-        return cls(name, details or f"the server ended the call {name} without saying why")
+        return cls(name, details or f"the server ended the call {name} without saying why",
+                   int(hint) if hint is not None else None, not says_no_retry(trailers))
 
 
 # --------------------------------------------------------------------------- events

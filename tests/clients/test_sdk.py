@@ -453,3 +453,20 @@ def test_a_status_without_details_is_a_sentence_not_grpcs_repr() -> None:
     err = KVServeError.from_rpc_error(Bare())
     assert (err.code, err.message) == ("RESOURCE_EXHAUSTED",
                                        "the server ended the call RESOURCE_EXHAUSTED without saying why")
+
+
+def test_a_failure_says_what_the_server_said_of_trying_again() -> None:
+    """The servers' hints (retry-after-ms on a full queue, kvserve-no-retry on a request that two
+    workers died computing) reached HTTP clients only: the SDK's error kept a code and a message."""
+    import grpc
+
+    def failure(code, *trailers) -> KVServeError:
+        return KVServeError.from_rpc_error(grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
+                                                                grpc.aio.Metadata(*trailers), "no"))
+
+    full = failure(grpc.StatusCode.RESOURCE_EXHAUSTED, ("retry-after-ms", "1000"))
+    assert (full.code, full.retry_after_ms, full.retryable) == ("RESOURCE_EXHAUSTED", 1000, True)
+    deadly = failure(grpc.StatusCode.UNAVAILABLE, ("kvserve-no-retry", "1"))
+    assert (deadly.retry_after_ms, deadly.retryable) == (None, False)
+    assert not failure(grpc.StatusCode.ALREADY_EXISTS).retryable   # it could run the request twice
+    assert KVServeError("UNAVAILABLE", "gone").retryable
