@@ -28,6 +28,7 @@ from kvserve.clients.results import (
     Completion,
     Event,
     Finished,
+    KVCacheStats,
     KVServeError,
     Message,
     ModelInfo,
@@ -35,14 +36,18 @@ from kvserve.clients.results import (
     Queued,
     ServerStats,
     Tokenized,
+    TokenLogprob,
+    TopLogprob,
+    WorkerStats,
 )
 from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.plumbing.tls import ClientTLS, aio_channel
 
-__all__ = [
+__all__ = [   # the result types the sync module exports too
     "AsyncGenerateStream", "AsyncInferenceClient", "Chunk", "ClientTLS", "Completion", "Event", "Finished",
-    "KVServeError", "ModelInfo", "PrefillDone", "Queued", "ServerStats", "Tokenized",
+    "KVCacheStats", "KVServeError", "Message", "ModelInfo", "PrefillDone", "Queued", "ServerStats", "Tokenized",
+    "TokenLogprob", "TopLogprob", "WorkerStats",
 ]
 
 

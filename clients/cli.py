@@ -94,6 +94,8 @@ def run_stats(args: argparse.Namespace) -> int:
         return 0
     table = Table("worker", "state", "running", "waiting", "prefill ahead", "pages used / free / cached", "routed",
                   "cache hits", "index pages", "events", "moved off", "hop")
+    # whole, on as many lines as it needs: cut to the width, two workers' addresses read alike
+    table.columns[0].overflow, table.columns[0].no_wrap = "fold", False
     for w in s.workers:
         hits = f"{w.hit_tokens / w.prompt_tokens:.0%}" if w.prompt_tokens else "-"
         table.add_row(escape(w.address), w.state, str(w.running), str(w.waiting), f"{w.prefill_tokens:,}",

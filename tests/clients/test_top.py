@@ -211,6 +211,34 @@ def test_a_gateway_without_workers_is_shown_as_one_with_its_queue_and_why_it_doe
                                                                            serving=True))
 
 
+def test_stats_shows_each_workers_whole_address_however_long(monkeypatch, capsys) -> None:
+    """Wider than the 200 columns of a pipe, the table cut the worker column: two workers of
+    `kvserve up --workers 2` both read `unix:///tmp/kvserve-up-.../worke…`."""
+    from kvserve.clients import cli
+
+    folder = "unix:///tmp/kvserve-up-1xchiplf-some-long-private-folder-name"
+    workers = tuple(WorkerStats(f"{folder}/worker-{i}.sock", "serving", 0, 0, 0, 20, 0, 0, 0, 0, 0, True, 0, 0)
+                    for i in range(2))
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def server_stats(self):
+            return stats(gateway=True, workers=workers, serving=True)
+
+    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Fake())
+    args = build_parser().parse_args(["stats"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    # the first column's cells, folded over lines, joined back
+    cells = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert "…" not in out and "".join(cells) == "".join(w.address for w in workers), out
+
+
 def test_stats_shows_a_gateway_without_workers_and_ipv6_workers_as_they_are(monkeypatch, capsys) -> None:
     from kvserve.clients import cli
 
