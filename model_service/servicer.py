@@ -91,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                        lambda: self.engine.cancel(req.request_id, req))
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
-                failure = as_request_failed(exc, "building the request failed")
+                failure = as_request_failed(exc, "building the request failed", request.request_id)
                 if not isinstance(failure, NothingToGenerate):   # (a moved stream already complete: no refusal)
                     self.metrics.refused.labels(status_code(failure).name).inc()
                 await abort(context, failure)

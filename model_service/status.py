@@ -41,15 +41,17 @@ STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
 REFUSAL_CODES = tuple(code.name for code in dict.fromkeys(STATUS_OF.values()))
 
 
-def as_request_failed(exc: Exception, what: str) -> RequestFailed:
-    """`exc` as the RequestFailed a client is told; an unexpected one is logged as a bug."""
+def as_request_failed(exc: Exception, what: str, request_id: str = "") -> RequestFailed:
+    """`exc` as the RequestFailed a client is told; an unexpected one is logged as a bug, with the
+    request's id where it has one (as the client sent it: shown escaped)."""
     if isinstance(exc, RequestFailed):
         return exc
+    of = f" (request {request_id!r})" if request_id else ""
     if isinstance(exc, ManagerUnavailable):   # its words name the manager's address: the log's alone
-        log.warning("%s: %s", what, exc)
+        log.warning("%s%s: %s", what, of, exc)
         return Unavailable("its KV-cache manager did not answer; this worker cannot serve until it does")
     error = InternalError(what)
-    log.error("%s (incident %s)", what, error.incident, exc_info=exc)
+    log.error("%s%s (incident %s)", what, of, error.incident, exc_info=exc)
     return error
 
 

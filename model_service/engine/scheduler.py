@@ -472,7 +472,7 @@ class Scheduler:
         sequences ever free pages. Those behind the head give theirs back and wait to be
         recomputed, in their order, ahead of new requests; the head resumes at the next step."""
         behind = list(self.swapped)[1:]
-        log.warning("swap preemption: the head of the swapped queue (%s) cannot come back while %d swapped "
+        log.warning("swap preemption: the head of the swapped queue (%r) cannot come back while %d swapped "
                     "sequences behind it hold device pages and nothing runs; they go back to be recomputed",
                     self.swapped[0].request_id, len(behind))
         for r in behind:

@@ -32,6 +32,7 @@ from kvserve.services.http.translate import (HttpError, Limits, Reply, batch_req
                                              shown, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
 from kvserve.services.plumbing.retry_hints import says_no_retry
+from kvserve.services.plumbing.unexpected import told_as_incident
 from kvserve.services.plumbing.version import kvserve_version
 
 log = logging.getLogger(__name__)
@@ -337,9 +338,8 @@ class Front:
         except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
             yield sse(from_rpc(exc).body())
             yield sse("[DONE]")
-        except Exception:   # this front's own failure: said, as the last event, not a cut connection
-            log.exception("the HTTP front failed streaming a reply")
-            yield sse(INTERNAL_ERROR.body())
+        except Exception as exc:   # this front's own failure: said, as the last event, not a cut connection
+            yield sse(internal_error("streaming a reply", exc).body())
             yield sse("[DONE]")
         finally:
             _cancel(parts)   # the client went away (or the stream ended): nothing left running upstream
@@ -506,13 +506,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its log says why)", "server_error",
-                           code="internal")
+def internal_error(what: str, exc: Exception) -> HttpError:
+    """This front's own failure, logged with its traceback under an incident id that the answer
+    names, so that a client's report finds its log line."""
+    return HttpError(500, told_as_incident(what, exc), "server_error", code="internal")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """What fails outside an endpoint (a middleware): OpenAI's shape all the same, not plain text."""
-    return error_response(INTERNAL_ERROR)
+    return error_response(internal_error(f"{request.method} {request.url.path}", exc))
 
 
 def _guarded(endpoint, route: str, answered: Callable[[str, int], None]):
@@ -525,9 +527,8 @@ def _guarded(endpoint, route: str, answered: Callable[[str, int], None]):
             response = await endpoint(request)
         except HTTPException:   # a 4xx of Starlette's: its own handler answers it
             raise
-        except Exception:
-            log.exception("the HTTP front failed answering %s %s", request.method, request.url.path)
-            response = error_response(INTERNAL_ERROR)
+        except Exception as exc:
+            response = error_response(internal_error(f"{request.method} {request.url.path}", exc))
         answered(route, response.status_code)
         return response
     return guarded

@@ -1492,3 +1492,23 @@ def test_the_server_tells_its_front_its_bound_on_chat_messages(front):
                         json={"messages": [{"role": "user", "content": "hi"}] * 1025, "max_tokens": 1})
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "1,025 chat messages; at most 1,024 are allowed (--max-chat-messages)"
+
+
+def test_the_fronts_own_failure_is_a_500_naming_the_incident_its_log_has(monkeypatch, caplog):
+    """The 500's body named no incident, and its log line no id: a client's report could not be
+    matched to the traceback."""
+    from starlette.testclient import TestClient
+
+    from kvserve.services.http import app as app_module
+
+    async def broken(self, request):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(app_module.Front, "version", broken)
+    answered = []
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")   # never called
+    with TestClient(app_module.make_app(channel, answered=lambda route, status: answered.append((route, status)))) as c:
+        r = c.get("/version")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    incident = r.json()["error"]["message"].rsplit(" ", 1)[-1]
+    assert f"incident {incident}" in caplog.text and "a bug" in caplog.text
+    assert answered == [("/version", 500)]
