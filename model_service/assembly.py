@@ -26,7 +26,7 @@ from kvserve.model_service.engine.speculation import NgramDrafter
 from kvserve.model_service import generation_defaults
 from kvserve.model_service.generation_defaults import GenerationDefaults
 from kvserve.model_service.kv_cache import KVCache
-from kvserve.model_service.model.loader import first_line, load_model
+from kvserve.model_service.model.loader import check_config, first_line, load_model
 from kvserve.model_service.sampling.sampler import Sampler
 from kvserve.model_service.sampling.structured import Grammars
 from kvserve.model_service import dummy_step, host_memory, sizing
@@ -77,8 +77,9 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     """on_step_end: what the engine calls after each pass of its loop (the servicer's event relay)."""
 
     path = resolve_model_path(cfg.model)
-    # The tokenizer and its chat template first: one that does not read, or a template that does
-    # not render, is said at once, not minutes into a large model's start.
+    # config.json, the tokenizer and its chat template first: one that does not read, or a template
+    # that does not render, is said at once, not minutes into a large model's start.
+    check_config(path)
     tokenizer = load_tokenizer(path)
     chat_keeps_text = keeps_message_text(tokenizer)
     device = pick_device(cfg.device)

@@ -98,6 +98,15 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     return model.eval(), config
 
 
+def check_config(path: str | Path) -> None:
+    """config.json read and checked alone, first: its error named as load_model names it, before
+    the tokenizer (which reads it too) or anything else is loaded."""
+    try:
+        _read_config(Path(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
+
+
 def _read_config(path: Path) -> ModelConfig:
     """config.json as a ModelConfig; ValueError (or OSError) saying what is wrong with it, whatever
     transformers' own checks raise."""

@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
+from kvserve.services.plumbing.logging_setup import DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS, configure_logging
 from kvserve.services.plumbing.open_files import raise_open_files_limit
 from kvserve.services.plumbing.version import kvserve_version
 
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, args.log_source)
     if args.command in SERVERS:
         raise_open_files_limit()
     try:
@@ -80,15 +80,23 @@ def _interrupted(command: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving over gRPC.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {kvserve_version()}")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)
+    logging_flags = [("--log-level", dict(choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL)),
+                     ("--log-format", dict(choices=LOG_FORMATS, default="text",
+                                           help="text, or one JSON object a line (time in UTC, level, logger, "
+                                                "message, source, exception)")),
+                     ("--log-source", dict(default="", metavar="NAME",
+                                           help="a name each log line carries (kvserve up names its children)"))]
+    for flag, spec in logging_flags:
+        parser.add_argument(flag, **spec)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for spec in COMMANDS.values():
         _register(subparsers, spec)
     for sub in subparsers.choices.values():
         # Accept `kvserve kvcache --log-level debug` too; SUPPRESS keeps the
         # top-level value when the flag is given before the subcommand.
-        if "--log-level" not in sub._option_string_actions:
-            sub.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS)
+        for flag, spec in logging_flags:
+            if flag not in sub._option_string_actions:
+                sub.add_argument(flag, **{**spec, "default": argparse.SUPPRESS})
     return parser
 
 

@@ -98,6 +98,7 @@ class Pair:
     kv_listen: tuple[str, ...]
     manager_metrics: str = ""   # the manager's private metrics address, when the stack serves metrics
     admin_token_file: str = ""  # lets a caller beyond this machine use the manager's --kvcache-listen
+    name: str = "worker"        # worker, or worker-N: what its children's log lines carry
 
     @classmethod
     def make(cls, name: str, cli: list[str], config: ModelServiceConfig, tmp: Path, kv_listen: str | None,
@@ -116,9 +117,10 @@ class Pair:
         config = replace(config, kvcache=link, sizing_file=str(sizing), ready_file=str(ready))
         listen = tuple(dict.fromkeys((kv_listen, link))) if kv_listen else (link,)
         suffix = f" of {name}" if name != "worker" else ""
-        return cls(Child(f"the model service{suffix}", cli + ["model", *to_argv(config)], ready_path=ready),
+        return cls(Child(f"the model service{suffix}", [*cli, "--log-source", name, "model", *to_argv(config)],
+                         ready_path=ready),
                    Child(f"the KV-cache manager{suffix}", []), config, sizing, listen, manager_metrics,
-                   admin_token_file)
+                   admin_token_file, name)
 
     def start_manager(self, cli: list[str], size: dict, max_seqs: int | None) -> None:
         # TLS for a TCP --kvcache-listen; the model service's link is a Unix socket
@@ -126,11 +128,13 @@ class Pair:
                                      tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                      tls_client_ca=self.config.tls_client_ca, admin_token_file=self.admin_token_file)
         sized = self.config.manager_config(size["num_pages"], size["page_size"], max_seqs)
-        self.manager.argv = cli + ["kvcache", *to_argv(server), *to_argv(sized)]
+        self.manager.argv = [*cli, "--log-source", f"{self.name}/kvcache", "kvcache", *to_argv(server),
+                             *to_argv(sized)]
         self.manager.start()
         # A restarted model service takes the pool size the manager was started with.
-        self.model.argv = cli + ["model", *to_argv(replace(self.config, num_pages=size["num_pages"],
-                                                           kv_cache_memory=None, page_size=size["page_size"]))]
+        self.model.argv = [*cli, "--log-source", self.name, "model",
+                           *to_argv(replace(self.config, num_pages=size["num_pages"], kv_cache_memory=None,
+                                            page_size=size["page_size"]))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"kvserve up: {exc}") from None
     require_temp_dir("kvserve up")   # the children's private sockets, and torch's caches
-    cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level]
+    cli = [sys.executable, "-m", "kvserve.services.cli.main", "--log-level", args.log_level,
+           "--log-format", args.log_format]
     stop = {"signal": None, "hurry": False}
     started: list[Child] = []   # every child, once made: a second Ctrl-C reaches those draining
 
@@ -188,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
                 port = free_local_port()
                 gateway_metrics = [f"--metrics-listen={port}"]
                 metrics.add(port, workers={p.config.listen: f"worker-{i}" for i, p in enumerate(pairs)})
-            gateway = Child("the gateway", cli + gateway_argv(model_config, [p.config.listen for p in pairs],
-                                                              gateway_metrics))
+            gateway = Child("the gateway", [*cli, "--log-source", "gateway",
+                                            *gateway_argv(model_config, [p.config.listen for p in pairs],
+                                                          gateway_metrics)])
         else:
             pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics, up.admin_token_file)]
             gateway = None

@@ -54,3 +54,39 @@ def test_what_a_http_client_does_is_no_warning(capsys):
         assert "DEBUG uvicorn.error: Unsupported upgrade request.: a client's request" in capsys.readouterr().err
     finally:
         configure_logging("info")
+
+
+def test_json_lines_and_a_source_name_for_a_log_pipeline(capsys):
+    """Every line was text with a local time and no name of the process: under `kvserve up
+    --workers 2` two workers' lines could not be told apart, and a pipeline needed a pattern."""
+    import json
+
+    try:
+        configure_logging("info", "json", "worker-1")
+        try:
+            raise ValueError("bad")
+        except ValueError:
+            logging.getLogger("kvserve.x").exception("it failed: %s", "line one\nline two")
+        [line] = capsys.readouterr().err.splitlines()
+        entry = json.loads(line)
+        assert (entry["level"], entry["logger"], entry["source"]) == ("ERROR", "kvserve.x", "worker-1")
+        assert entry["message"] == "it failed: line one\nline two" and "ValueError: bad" in entry["exception"]
+        assert entry["time"].endswith("Z")
+        configure_logging("info", "text", "worker-1/kvcache")
+        logging.getLogger("kvserve.x").info("hello")
+        assert " INFO [worker-1/kvcache] kvserve.x: hello" in capsys.readouterr().err
+    finally:
+        configure_logging("info")
+
+
+def test_kvserve_up_names_each_childs_log_lines(tmp_path, monkeypatch):
+    from kvserve.model_service.config import ModelServiceConfig
+    from kvserve.services.cli import up
+
+    monkeypatch.setattr(up.Child, "start", lambda self: None)
+    pair = up.Pair.make("worker-1", ["kvserve", "--log-format", "json"], ModelServiceConfig(model="tiny"), tmp_path,
+                        None, None)
+    pair.start_manager(["kvserve", "--log-format", "json"], {"num_pages": 64, "page_size": 16}, None)
+    for child, source in ((pair.model, "worker-1"), (pair.manager, "worker-1/kvcache")):
+        argv = child.argv
+        assert argv[argv.index("--log-source") + 1] == source and "--log-format" in argv

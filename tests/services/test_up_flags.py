@@ -205,7 +205,8 @@ def test_a_restarted_model_service_takes_the_pool_size_alone(tmp_path, monkeypat
     monkeypatch.setattr(up.Child, "start", lambda self: None)
     pair = up.Pair.make("worker", ["kvserve"], ModelServiceConfig(kv_cache_memory=64 * 2**20), tmp_path, None, None)
     pair.start_manager(["kvserve"], {"num_pages": 100, "page_size": 16}, None)
-    restarted = from_args(ModelServiceConfig, _parser().parse_args(pair.model.argv[1:]))
+    argv = pair.model.argv
+    restarted = from_args(ModelServiceConfig, _parser().parse_args(argv[argv.index("model"):]))
     assert (restarted.num_pages, restarted.page_size, restarted.kv_cache_memory) == (100, 16, None)
 
 
@@ -217,7 +218,7 @@ def test_the_admin_token_file_reaches_the_manager(tmp_path, monkeypatch):
                         admin_token_file="/secrets/admin")
     pair.start_manager(["kvserve"], {"num_pages": 64, "page_size": 16}, None)
     argv = pair.manager.argv
-    server = from_args(KVCacheServerConfig, _parser().parse_args(argv[1:]))
+    server = from_args(KVCacheServerConfig, _parser().parse_args(argv[argv.index("kvcache"):]))
     assert server.admin_token_file == "/secrets/admin"
     assert "127.0.0.1:50051" in server.listen
 
