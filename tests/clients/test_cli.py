@@ -112,13 +112,18 @@ def test_generate_with_no_server_is_unavailable() -> None:
     assert r.stderr.startswith("kvserve generate: UNAVAILABLE: ")
 
 
-def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
-    before = client.server_stats()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.services.cli.main", "generate", "The cache page", "--address", model_server.address,
+def long_generate(address: str) -> subprocess.Popen:
+    """`kvserve generate` of 1,900 tokens, running."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvserve.services.cli.main", "generate", "The cache page", "--address", address,
          "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
         cwd=REPO)
+
+
+def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
+    before = client.server_stats()
+    proc = long_generate(model_server.address)
     try:
         # Streaming once its first text is out. (Polling the server's stats until it shows the
         # request running missed the whole ~3 s stream once, with a benchmark on the same cores.)
@@ -142,11 +147,7 @@ def test_ctrl_c_cancels_generate(model_server, client: InferenceClient) -> None:
 def test_a_generation_cancelled_at_the_server_exits_1(model_server, client: InferenceClient) -> None:
     """Cancelled by another client (or ended by a drain), it printed `finish abort` and exited 0:
     a script could not tell a cut-off answer from a whole one."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.services.cli.main", "generate", "The cache page", "--address", model_server.address,
-         "--max-tokens", "1900", "--ignore-eos", "--temperature", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
-        cwd=REPO)
+    proc = long_generate(model_server.address)
     try:
         assert proc.stdout.read(1), proc.communicate()
         [request_id] = list(model_server.servicer.engine._live)

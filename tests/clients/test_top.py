@@ -211,6 +211,22 @@ def test_a_gateway_without_workers_is_shown_as_one_with_its_queue_and_why_it_doe
                                                                            serving=True))
 
 
+class Answering:
+    """A client whose server_stats() gives `answers` in turn."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers = answers
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def server_stats(self):
+        return self.answers.pop(0)
+
+
 def test_stats_shows_each_workers_whole_address_however_long(monkeypatch, capsys) -> None:
     """Wider than the 200 columns of a pipe, the table cut the worker column: two workers of
     `kvserve up --workers 2` both read `unix:///tmp/kvserve-up-.../worke…`."""
@@ -220,17 +236,8 @@ def test_stats_shows_each_workers_whole_address_however_long(monkeypatch, capsys
     workers = tuple(WorkerStats(f"{folder}/worker-{i}.sock", "serving", 0, 0, 0, 20, 0, 0, 0, 0, 0, True, 0, 0)
                     for i in range(2))
 
-    class Fake:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def server_stats(self):
-            return stats(gateway=True, workers=workers, serving=True)
-
-    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Fake())
+    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Answering(
+        [stats(gateway=True, workers=workers, serving=True)]))
     args = build_parser().parse_args(["stats"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
@@ -247,17 +254,7 @@ def test_stats_shows_a_gateway_without_workers_and_ipv6_workers_as_they_are(monk
     answers = [stats(gateway=True, queued=2, serving=False, not_serving="no worker is serving"),
                stats(gateway=True, workers=(worker,), serving=False, not_serving="no worker is serving")]
 
-    class Fake:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def server_stats(self):
-            return answers.pop(0)
-
-    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Fake())
+    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Answering(answers))
     for _ in range(2):
         args = build_parser().parse_args(["stats"])
         assert args.func(args) == 0
