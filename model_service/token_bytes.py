@@ -24,7 +24,11 @@ def token_bytes(tokenizer) -> Callable[[int], bytes] | None:
                     "the tokenizer's bytes cannot be read (%s)", exc)
         return None
     size = vocabulary.vocab_size
+    known: dict[int, bytes] = {}   # a vocabulary is bounded, and the top-n repeat
 
     def of(token_id: int) -> bytes:
-        return vocabulary.decode_bytes([token_id]) if 0 <= token_id < size else b""
+        raw = known.get(token_id)
+        if raw is None:
+            raw = known[token_id] = vocabulary.decode_bytes([token_id]) if 0 <= token_id < size else b""
+        return raw
     return of
