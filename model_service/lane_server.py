@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from kvserve.inference.v1 import lane_pb2 as lane_pb
 from kvserve.services.plumbing import lane_wire as wire
-from kvserve.services.plumbing.address import CannotListen, close_to_others, parse_address, remove_stale_socket
+from kvserve.services.plumbing.address import CannotListen, parse_address, private_umask, remove_stale_socket
 from kvserve.services.plumbing.grpc_server import LAST_MESSAGES_S
 from kvserve.services.plumbing.tls import ServerTLS
 from kvserve.services.plumbing.unexpected import told_as_incident
@@ -144,8 +144,8 @@ class LaneServer:
         try:
             if address.is_unix:
                 remove_stale_socket(address.unix_path)
-                self._server = await asyncio.start_unix_server(self._serve, address.unix_path)
-                close_to_others(address.unix_path)
+                with private_umask():   # (bound, and listening, inside it)
+                    self._server = await asyncio.start_unix_server(self._serve, address.unix_path)
                 self._socket_inode = os.stat(address.unix_path).st_ino
                 self.address = address.with_port(0)
             elif address.host in ("::", ""):   # every address, IPv4 too, as gRPC binds it (asyncio's is IPv6 only)

@@ -10,6 +10,7 @@ Port 0 asks the OS for a free port.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -87,14 +88,20 @@ class CannotListen(OSError):
     """A server cannot listen on the address asked for: in use, or not permitted."""
 
 
-def close_to_others(path: str) -> None:
-    """A socket file this process made, with no permission for users outside its owner and group:
-    a Unix socket counts as private (`is_private`), and under a umask of 0 it was open to every
-    user of the host, who could then name any tenant to a worker that trusts metadata. (The group
-    keeps what the umask gave it: a pod's containers may share one by fsGroup.)"""
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o007:
-        os.chmod(path, mode & ~0o007)
+@contextlib.contextmanager
+def private_umask():
+    """While a Unix socket is bound: no permission for users outside its owner and group, from
+    the moment it exists (a chmod after the bind left a window in which a connection got in). A
+    Unix socket counts as private (`is_private`), and under a umask of 0 it was open to every
+    user of the host. The group keeps what the umask gave it (a pod's containers may share one
+    by fsGroup). The umask is the process's: a file another thread makes meanwhile is only
+    closed to others too."""
+    before = os.umask(0o077)
+    os.umask(before | 0o007)
+    try:
+        yield
+    finally:
+        os.umask(before)
 
 
 def remove_stale_socket(path: str) -> None:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.services.plumbing.address import (CannotListen, ListenAddress, close_to_others, parse_address,
+from kvserve.services.plumbing.address import (CannotListen, ListenAddress, parse_address, private_umask,
                                                 remove_stale_socket)
 from kvserve.services.plumbing.local_channel import HandlerRecorder, LocalChannel
 from kvserve.services.plumbing.malformed import RefuseMalformed
@@ -336,7 +336,8 @@ async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str, tl
         if tls is not None and not listen.is_unix:
             port = server.add_secure_port(listen.grpc_target(), tls.credentials())
         else:
-            port = server.add_insecure_port(listen.grpc_target())
+            with private_umask() if listen.is_unix else contextlib.nullcontext():
+                port = server.add_insecure_port(listen.grpc_target())
     except RuntimeError as exc:  # grpcio raises here; older versions returned 0
         port, cause = 0, exc
     else:
@@ -347,6 +348,4 @@ async def _bind(server: grpc.aio.Server, listen: ListenAddress, address: str, tl
         if folder and not os.path.isdir(folder):
             raise BindError(f"cannot listen on {address}: the directory {folder} does not exist") from cause
         raise BindError(f"cannot listen on {address} (address in use or not permitted)") from cause
-    if listen.is_unix:   # (the file exists once bound)
-        close_to_others(listen.unix_path)
     return port

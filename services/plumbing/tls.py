@@ -131,8 +131,8 @@ class ServerTLS:
     def credentials(self) -> grpc.ServerCredentials:
         """Read again, for the connections after it, when the files change."""
         import grpc
+        files = _Files(self.files())   # before the files are read: a change in between is read again
         first = self._configuration()
-        files = _Files(self.files())
 
         def fetch():   # from gRPC's core at each handshake: None keeps the certificate in use
             if not files.changed(RELOOK_S):
@@ -157,24 +157,31 @@ class ServerTLS:
         return context
 
     def keep_current(self, context: ssl.SSLContext) -> Callable[[], None]:
-        """From a running loop: `context` (ssl_context()'s, or the HTTP server's) takes the files
-        again every CONTEXT_RELOOK_S they changed, for the handshakes after it (a new client CA
-        is added to those trusted). Returns what stops it."""
+        """From a running loop: the server serving `context` (ssl_context()'s, or the HTTP
+        server's) hands each handshake to a context made afresh from the files once they changed
+        (looked at every CONTEXT_RELOOK_S), through its SNI callback, called at every handshake,
+        a name sent or not. `context` itself is never changed: a retired client CA is no longer
+        trusted, and files that do not load leave the one in use whole. Returns what stops it."""
         loop = asyncio.get_running_loop()
         files = _Files(self.files())
         timer: list[asyncio.TimerHandle] = []
 
+        def take(said: bool) -> None:
+            try:
+                _pair(self.cert, self.key)   # a sentence for a pair that does not load
+                fresh = self.ssl_context()
+            except (ValueError, OSError, ssl.SSLError) as exc:
+                log.error("the TLS files changed but do not load (%s); the certificate in use stays", exc)
+                return
+            context.sni_callback = lambda connection, _name, _context: setattr(connection, "context", fresh)
+            if said:
+                log.info("TLS certificate %s read again", self.cert)
+
         def look() -> None:
             if files.changed():
-                try:
-                    _pair(self.cert, self.key)   # a sentence for a pair that does not load
-                    context.load_cert_chain(self.cert, self.key)
-                    if self.client_ca:
-                        context.load_verify_locations(cafile=self.client_ca)
-                    log.info("TLS certificate %s read again", self.cert)
-                except (ValueError, OSError, ssl.SSLError) as exc:
-                    log.error("the TLS files changed but do not load (%s); the certificate in use stays", exc)
+                take(said=True)
             timer[:] = [loop.call_later(CONTEXT_RELOOK_S, look)]
+        take(said=False)   # read after the files' first look: a change since `context` was made is not missed
         timer.append(loop.call_later(CONTEXT_RELOOK_S, look))
         return lambda: timer[0].cancel()
 

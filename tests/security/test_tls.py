@@ -223,18 +223,20 @@ def test_a_lane_over_tls_takes_no_client_without_the_cas_certificate(tiny_dirs, 
     assert not asyncio.run(handshake(ClientTLS(ca=certs.ca)))
 
 
-def _swap_in(pair, live: Path) -> None:
-    """The server's files replaced as the kubelet replaces a Secret's: whole, at once."""
-    for src, name in ((pair.cert, "tls.crt"), (pair.key, "tls.key")):
+def _swap_in(certs, live: Path) -> None:
+    """The server's certificate, key and client CA replaced as the kubelet replaces a Secret's
+    files: each one whole (a file renamed over the last)."""
+    for src, name in ((certs.server.cert, "tls.crt"), (certs.server.key, "tls.key"), (certs.ca, "ca.crt")):
         tmp = live / f".{name}.new"
         shutil.copyfile(src, tmp)
         os.replace(tmp, live / name)
 
 
-def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch):
+def test_a_renewed_certificate_and_client_ca_are_served_without_a_restart(tmp_path, monkeypatch):
     """Certificates were read once: when cert-manager renewed a Secret, servers kept the old one
     until it expired and every connection failed. gRPC and the lane's and HTTP's contexts read
-    the files again once they change; files that do not load leave the certificate in use."""
+    the files again once they change: the new certificate is served, and a client certificate of
+    the retired CA is refused; files that do not load leave the ones in use whole."""
     import asyncio
     import ssl
 
@@ -248,9 +250,14 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch
     old, new = make_certs(tmp_path / "old"), make_certs(tmp_path / "new")
     live = tmp_path / "live"
     live.mkdir()
-    _swap_in(old.server, live)
-    served = ServerTLS(str(live / "tls.crt"), str(live / "tls.key"))
+    _swap_in(old, live)
+    served = ServerTLS(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt"))
     loop = LoopThread("tls-rotation")
+
+    async def answer(_reader, writer):
+        writer.write(b"k")
+        await writer.drain()
+        writer.close()
 
     async def start():
         server = grpc.aio.server()
@@ -259,36 +266,37 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch
         await server.start()
         context = served.ssl_context()
         stop = served.keep_current(context)
-        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
+        listener = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=context)
         return server, port, listener, stop
 
-    def grpc_ok(ca: str) -> bool:
-        with channel(f"localhost:{port}", ClientTLS(ca)) as ch:
+    def grpc_ok(certs) -> bool:
+        with channel(f"localhost:{port}", ClientTLS(certs.ca, certs.client.cert, certs.client.key)) as ch:
             try:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 return True
             except grpc.RpcError:
                 return False
 
-    def context_ok(ca: str) -> bool:
-        client = ssl.create_default_context(cafile=ca)
+    def context_ok(certs) -> bool:
+        client = ssl.create_default_context(cafile=certs.ca)
+        client.load_cert_chain(certs.client.cert, certs.client.key)
         try:
             with socket.create_connection(("127.0.0.1", listener.sockets[0].getsockname()[1]), timeout=5) as raw:
-                with client.wrap_socket(raw, server_hostname="localhost"):
-                    return True
+                with client.wrap_socket(raw, server_hostname="localhost") as tls:
+                    return tls.recv(1) == b"k"   # (TLS 1.3 refuses a client's certificate after the handshake)
         except (ssl.SSLError, OSError):
             return False
 
     server, port, listener, stop = loop.call(start())
     try:
-        assert grpc_ok(old.ca) and not grpc_ok(new.ca) and context_ok(old.ca)
-        (live / "tls.key").write_text("-----BEGIN nothing\n")   # half written: the certificate in use stays
+        assert grpc_ok(old) and not grpc_ok(new) and context_ok(old) and not context_ok(new)
+        (live / "tls.key").write_text("-----BEGIN nothing\n")   # half written: the ones in use stay
         time.sleep(0.2)
-        assert grpc_ok(old.ca) and context_ok(old.ca)
-        _swap_in(new.server, live)
+        assert grpc_ok(old) and context_ok(old)
+        _swap_in(new, live)
         time.sleep(0.2)
-        assert grpc_ok(new.ca) and not grpc_ok(old.ca)
-        assert context_ok(new.ca) and not context_ok(old.ca)
+        assert grpc_ok(new) and not grpc_ok(old)
+        assert context_ok(new) and not context_ok(old)   # the retired CA's client is refused too
     finally:
         async def stop_all():
             stop()
