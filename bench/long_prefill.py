@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """A short request behind a long prompt's prefill, with and without --long-prefill-token-threshold.
 
-    .venv/bin/python bench/long_prefill.py                          # 8,000-token prompt, thresholds 0 256 512
-    .venv/bin/python bench/long_prefill.py --long 16000 --thresholds 0 512 --rounds 3
+    .venv/bin/python bench/long_prefill.py                          # 4,000-token prompt, thresholds 0 256 512
+    .venv/bin/python bench/long_prefill.py --long 2000 --thresholds 0 512 --rounds 3
 
 The bench model on the engine alone (the model service's build, in-process manager, CPU
-defaults: --max-num-batched-tokens 2048). One request of --long prompt tokens and 8 new ones;
+defaults: --max-num-batched-tokens 2048); its model length (4,096) bounds --long. One request of --long prompt tokens and 8 new ones;
 once its prefill has begun (its first step computed), --shorts requests of 32 prompt tokens
 and 16 new ones each. Per threshold: the short requests' time to first token (mean, worst),
 their time to their last token, and the long request's time to its first token, the price it
@@ -81,7 +81,7 @@ def one_run(engine, rng: random.Random, long_len: int, shorts: int, vocab: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--long", type=int, default=8000, help="the long prompt's tokens")
+    ap.add_argument("--long", type=int, default=4000, help="the long prompt's tokens")
     ap.add_argument("--shorts", type=int, default=4, help="short requests sent once the long prefill began")
     ap.add_argument("--thresholds", type=int, nargs="+", default=[0, 256, 512])
     ap.add_argument("--rounds", type=int, default=2)
@@ -90,8 +90,9 @@ def main() -> None:
     results: dict[int, list[dict]] = {}
     for threshold in args.thresholds:
         stack = build_on_a_thread_that_ends(ModelServiceConfig(
-            model=str(path), kvcache="inprocess", device="cpu", long_prefill_token_threshold=threshold,
-            max_model_len=max(4096, args.long + 64)))
+            model=str(path), kvcache="inprocess", device="cpu", long_prefill_token_threshold=threshold))
+        if args.long + 8 > stack.max_model_len:   # (the engine alone checks no length: the server would refuse it)
+            raise SystemExit(f"--long {args.long}: the model length is {stack.max_model_len}")
         engine = stack.engine
         engine.start()
         try:
