@@ -116,25 +116,29 @@ def test_the_worker_says_where_its_lane_is(served):
     assert info.lane_pings   # a gateway pings its calls
 
 
-def raw_call(lane_address: str, call: "lane_pb2.LaneCall", after: bytes = b"") -> tuple[list[int], bool]:
-    """A call over a bare connection, sending nothing after it but `after`: the kinds of the
-    frames it got, and whether the worker closed the connection without a status."""
+def raw_calls(lane_address: str, *frames: bytes) -> tuple[list[int], bool]:
+    """Frames over a bare connection, each after the last call's status: the tokens each call
+    got, and whether the worker closed the connection without a status (the last call's)."""
     host, port = lane_address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(wire.MAGIC + wire.frame(wire.CALL, call.SerializeToString()) + after)
-        data = b""
-        while chunk := s.recv(1 << 16):
-            data += chunk
-            kinds, at = [], 0
-            while at + 5 <= len(data):
-                length, kind = struct.unpack(">IB", data[at:at + 5])
-                if at + 5 + length > len(data):
+    got: list[int] = []
+    with socket.create_connection((host, int(port)), timeout=30) as s, s.makefile("rb") as replies:
+        s.sendall(wire.MAGIC)
+        for data in frames:
+            s.sendall(data)
+            if data[4] != wire.CALL:
+                continue
+            got.append(0)
+            while True:
+                header = replies.read(5)
+                if len(header) < 5:
+                    return got, True
+                length, kind = struct.unpack(">IB", header)
+                payload = replies.read(length)
+                if kind == wire.STATUS:
                     break
-                kinds.append(kind)
-                at += 5 + length
-            if kinds and kinds[-1] == wire.STATUS:
-                return kinds, False
-    return kinds, True
+                if kind == wire.MESSAGE:
+                    got[-1] += len(pb.GenerateResponse.FromString(payload).chunk.token_ids)
+    return got, False
 
 
 def test_a_call_whose_gateway_stops_pinging_is_cancelled(served, monkeypatch):
@@ -144,14 +148,14 @@ def test_a_call_whose_gateway_stops_pinging_is_cancelled(served, monkeypatch):
     from kvserve.inference.v1 import lane_pb2
     monkeypatch.setattr(wire, "MIN_PING_INTERVAL_MS", 10)
     silent = lane_pb2.LaneCall(request=request(token_ids=PROMPT, **greedy(1900)), ping_interval_ms=50)
-    kinds, cut = raw_call(served.servicer.lane.address, silent)
-    assert cut and kinds.count(wire.MESSAGE) < 1900, (cut, len(kinds))
+    got, cut = raw_calls(served.servicer.lane.address, wire.frame(wire.CALL, silent.SerializeToString()))
+    assert cut and got[-1] < 1900, (cut, got)
     wait_until(lambda: served.servicer.engine.num_live() == 0, 10, "the unpinged call to end")
     # a call that asked for none (an older gateway) is never ended for its silence; a PING between
-    # calls (one crossing a status) is nothing
-    quiet = lane_pb2.LaneCall(request=request(token_ids=PROMPT, **greedy(300)))
-    kinds, cut = raw_call(served.servicer.lane.address, quiet, after=wire.frame(wire.PING))
-    assert not cut and kinds.count(wire.MESSAGE) >= 300 and kinds[-1] == wire.STATUS
+    # calls (one crossing a status) is nothing: the next call is answered
+    quiet = wire.frame(wire.CALL, lane_pb2.LaneCall(request=request(token_ids=PROMPT, **greedy(300))).SerializeToString())
+    got, cut = raw_calls(served.servicer.lane.address, quiet, wire.frame(wire.PING), quiet)
+    assert got == [300, 300] and not cut
 
 
 def test_a_gateway_pings_its_calls_and_they_run_on(served, monkeypatch):
