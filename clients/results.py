@@ -10,23 +10,27 @@ from typing import Any, Union
 import grpc
 
 from kvserve.kvcache_service.contract.types import Stats
-from kvserve.services.plumbing.retry_hints import says_no_retry
+from kvserve.services.plumbing.retry_hints import retry_after_ms, says_no_retry
 
 
 # --------------------------------------------------------------------------- errors
 
+# Failures a later try may not meet: the server busy, away, or in its drain.
+TRANSIENT = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED"})
+
+
 class KVServeError(Exception):
     """A call failed; code is the gRPC status name, e.g. "INVALID_ARGUMENT". What the server said
     of trying again: `retry_after_ms`, its hint (a full queue: RESOURCE_EXHAUSTED), or None; and
-    `retryable`, False where a retry would not mend it or could do harm (a request id already in
-    flight, a request the server marks so: one that two workers died computing)."""
+    `retryable`: the failure is a transient one (TRANSIENT) and the server did not forbid a retry
+    (one that two workers died computing could kill more)."""
 
-    def __init__(self, code: str, message: str, retry_after_ms: int | None = None, retryable: bool = True) -> None:
+    def __init__(self, code: str, message: str, retry_after_ms: int | None = None, no_retry: bool = False) -> None:
         super().__init__(code, message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
-        self.retryable = retryable and code != "ALREADY_EXISTS"
+        self.retryable = code in TRANSIENT and not no_retry
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -40,10 +44,9 @@ class KVServeError(Exception):
                        "frozen, or the network to it is gone)")
         name = code.name if code is not None else "UNKNOWN"
         trailers = (exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None) or ()
-        hint = next((v for k, v in trailers if k == "retry-after-ms" and isinstance(v, str) and v.isdigit()), None)
         # (a status without details: a sentence, not the grpc error's multi-line repr)
         return cls(name, details or f"the server ended the call {name} without saying why",
-                   int(hint) if hint is not None else None, not says_no_retry(trailers))
+                   retry_after_ms(trailers), says_no_retry(trailers))
 
 
 # --------------------------------------------------------------------------- events

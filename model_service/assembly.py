@@ -82,6 +82,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
     check_config(path)
     tokenizer = load_tokenizer(path)
     chat_keeps_text = keeps_message_text(tokenizer)
+    bytes_of = token_bytes(tokenizer)   # (read on a thread of its own while the model loads)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device, checkpoint_dtype(path))
     kv_dtype = pick_kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)   # before the model loads: a wrong pair fails fast
@@ -186,7 +187,7 @@ def build(cfg: ModelServiceConfig, on_step_end: Callable[[], None] = lambda: Non
                       page_size, num_pages, max_model_len, eos_ids, kv_dtype,
                       Grammars(tokenizer, mcfg.vocab_size, eos_ids, cfg.format_compile_timeout_s), tokenizer_digest(tokenizer),
                       generation_defaults.load(path, cfg.generation_config), chat_keeps_text=chat_keeps_text,
-                      token_bytes=token_bytes(tokenizer))
+                      token_bytes=bytes_of)
 
 
 def _capture_graphs(model, backend, kv_cache, page_size: int, max_batch: int, max_model_len: int,

@@ -61,7 +61,7 @@ class StreamClock:
     aborted), its generated tokens summed over them; a request its client left is observed then,
     as far as it went."""
 
-    __slots__ = ("metrics", "arrival", "last", "sequences", "ends", "counted", "generated")
+    __slots__ = ("metrics", "arrival", "last", "sequences", "ends", "counted", "generated", "prompt_tokens")
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
@@ -71,6 +71,7 @@ class StreamClock:
         self.ends: list[Finished] = []
         self.counted = False               # the request's end observed (finished or abandoned)
         self.generated = 0                 # tokens streamed so far, over its sequences
+        self.prompt_tokens: int | None = None   # once the request is built
 
     def tokens(self, events) -> None:
         """Tokens events, timed when the engine sent them: a front end that falls behind and
@@ -109,11 +110,13 @@ class StreamClock:
     def abandoned(self) -> None:
         """The call ended before the request did (the client left, cancelled it or ran out of
         time; its client did not read): the engine aborts it, and nobody reads that Finished. Its
-        time and the tokens it got count as its end's, as a client saw them: those who give up
-        waiting are the latency tail."""
+        time, its prompt and the tokens it got count as its end's, as a client saw them: those
+        who give up waiting are the latency tail. (Its time in the queue is the engine's, unread.)"""
         if not self.counted:
             self.counted = True
             self.metrics.e2e.observe(max(0.0, time.monotonic() - self.arrival))
+            if self.prompt_tokens is not None:
+                self.metrics.prompt.observe(self.prompt_tokens)
             self.metrics.generation.observe(self.generated)
             self.metrics.success.labels("abort").inc()
 

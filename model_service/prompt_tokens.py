@@ -39,8 +39,13 @@ def load_tokenizer(path: Path):
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"cannot load a tokenizer from {path}: it has none of the usual tokenizer files "
                              f"({', '.join(TOKENIZER_FILES)})") from None
-        text = " ".join(line.strip() for line in str(exc).strip().splitlines())   # the whole reason, on one line
-        raise ValueError(f"cannot load a tokenizer from {path}: {text[:1000] or type(exc).__name__}") from None
+        raise ValueError(f"cannot load a tokenizer from {path}: {joined_lines(exc)[:1000]}") from None
+
+
+def joined_lines(exc: BaseException) -> str:
+    """An error's whole message on one line: transformers says its reason after the first
+    ("Class validation error for validator ...:", then why)."""
+    return " ".join(line.strip() for line in (str(exc).strip() or type(exc).__name__).splitlines() if line.strip())
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -79,19 +79,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.open_streams += 1
         try:
             clock = self.metrics.stream()
+            request_id = request.request_id or uuid.uuid4().hex
             try:
                 if self.draining:
                     raise Unavailable("the server is draining: it takes no new requests (another worker, "
                                       "or this one once restarted, will)")
                 tenant = self._tenant(context)
-                request_id = request.request_id or uuid.uuid4().hex
                 req = await self.builder.build(request, request_id, tenant)
                 req.arrival = clock.arrival   # its time to first token counts its tokenizing too
+                clock.prompt_tokens = len(req.prompt_ids)
                 events = StreamBacklog(self.stack.config.max_unread_tokens, 1 + (req.params.logprobs or 0),
                                        lambda: self.engine.cancel(req.request_id, req))
                 await self._submit(req, request_id, self._relay.sink(events))
             except Exception as exc:
-                failure = as_request_failed(exc, "building the request failed", request.request_id)
+                failure = as_request_failed(exc, "building the request failed", request_id)
                 if not isinstance(failure, NothingToGenerate):   # (a moved stream already complete: no refusal)
                     self.metrics.refused.labels(status_code(failure).name).inc()
                 await abort(context, failure)

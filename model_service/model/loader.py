@@ -33,6 +33,7 @@ from kvserve.model_service.kernels import small_linear as small_linear_kernel
 from kvserve.model_service.kernels.gemm import choose_gemm, widens_bfloat16
 from kvserve.model_service.kernels.library import KernelUnavailable
 from kvserve.model_service.model.llama import CausalLM
+from kvserve.model_service.prompt_tokens import joined_lines
 
 DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
 log = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
         with torch.device("meta"):
             model = CausalLM(config, device=device, dtype=dtype)
         _check_shapes(state, model)
-    except (OSError, SafetensorError, ValueError) as exc:
+    except (OSError, SafetensorError, ValueError, MemoryError, torch.OutOfMemoryError) as exc:
         raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
-    except (RuntimeError, MemoryError) as exc:   # torch's allocator, past what the machine has
+    except RuntimeError as exc:
+        if not _out_of_memory(exc):   # a bug: its traceback
+            raise
         raise ValueError(f"cannot load a model from {path}: {first_line(exc)}") from None
     # Tied when the checkpoint stores no head, or config.json ties it to an equal one; a head of
     # its own that differs is kept, as transformers keeps it.
@@ -74,6 +77,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     try:
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     except (RuntimeError, MemoryError) as exc:   # the weights do not fit on the device
+        if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
+            raise
         raise ValueError(f"cannot load a model from {path} onto {device} as {str(dtype).removeprefix('torch.')}: "
                          f"{first_line(exc)}") from None
     model.load_state_dict(state, strict=True, assign=True)
@@ -118,10 +123,15 @@ def _read_config(path: Path) -> ModelConfig:
         raise ValueError(f"config.json: {type(exc).__name__}: {joined_lines(exc)[:500]}") from None
 
 
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """torch's CPU allocator says it in a RuntimeError (CUDA's is torch.OutOfMemoryError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
 def _check_head_dim(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """The rotary table is built on the device even when the layers are built on "meta": its width
-    is config.json's head_dim, checked against the first layer's q/k/v first (a head_dim of 2^24
-    asked for 64 GB before any shape was compared)."""
+    is config.json's head_dim, checked against the first layer's q/k/v first (a huge head_dim asked
+    the allocator for positions x head_dim / 2 floats, twice, before any shape was compared)."""
     rows = state["layers.0.self_attn.qkv_proj.weight"].shape[0]
     want = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     if rows != want:
@@ -164,10 +174,6 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def joined_lines(exc: BaseException) -> str:
-    """An error's message on one line: transformers' config validation says its reason on the
-    second ("Class validation error for validator ...:" first)."""
-    return " ".join(line.strip() for line in (str(exc).strip() or type(exc).__name__).splitlines() if line.strip())
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -31,8 +31,7 @@ from kvserve.services.http.translate import (HttpError, Limits, Reply, batch_req
                                              detokenize_request, echo_only, prompt_top_of, prompts_of, request_of,
                                              shown, stream_usage, tokenize_request)
 from kvserve.services.plumbing.api_keys import ApiKeys
-from kvserve.services.plumbing.retry_hints import says_no_retry
-from kvserve.services.plumbing.unexpected import told_as_incident
+from kvserve.services.plumbing.retry_hints import retry_after_ms, says_no_retry
 from kvserve.services.plumbing.version import kvserve_version
 
 log = logging.getLogger(__name__)
@@ -65,10 +64,10 @@ def retry_headers(exc: grpc.aio.AioRpcError) -> dict[str, str] | None:
     is one the server marks so (a request two workers died computing: a retry could kill more)."""
     if exc.code() == grpc.StatusCode.ALREADY_EXISTS or says_no_retry(exc.trailing_metadata()):
         return {"x-should-retry": "false"}
-    for key, value in exc.trailing_metadata() or ():
-        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
-            return {"retry-after-ms": value, "retry-after": str(max(1, math.ceil(int(value) / 1000)))}
-    return None
+    hint = retry_after_ms(exc.trailing_metadata())
+    if hint is None:
+        return None
+    return {"retry-after-ms": str(hint), "retry-after": str(max(1, math.ceil(hint / 1000)))}
 
 
 def error_response(err: HttpError) -> JSONResponse:
@@ -506,15 +505,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def internal_error(what: str, exc: Exception) -> HttpError:
-    """This front's own failure, logged with its traceback under an incident id that the answer
-    names, so that a client's report finds its log line."""
-    return HttpError(500, told_as_incident(what, exc), "server_error", code="internal")
+INTERNAL_ERROR = HttpError(500, "the server failed to answer this request (its log says why)", "server_error",
+                           code="internal")
+
+
+def internal_error(what: str, exc: Exception, request: Request | None = None) -> HttpError:
+    """This front's own failure (`what` it was doing), logged with its traceback under an incident
+    id that the answer names, so that a client's report finds its log line; the request's path
+    as its client sent it, escaped."""
+    incident = uuid.uuid4().hex[:12]
+    on = f" ({request.method} {request.url.path!r})" if request is not None else ""
+    log.error("the HTTP front failed %s%s (incident %s)", what, on, incident, exc_info=exc)
+    return HttpError(500, f"internal error {what}; the server log has the details under incident {incident}",
+                     "server_error", code="internal")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    """What fails outside an endpoint (a middleware): OpenAI's shape all the same, not plain text."""
-    return error_response(internal_error(f"{request.method} {request.url.path}", exc))
+    """What fails outside an endpoint (a middleware): OpenAI's shape all the same, not plain text
+    (Starlette raises it on to the server, which logs it)."""
+    return error_response(INTERNAL_ERROR)
 
 
 def _guarded(endpoint, route: str, answered: Callable[[str, int], None]):
@@ -528,7 +537,7 @@ def _guarded(endpoint, route: str, answered: Callable[[str, int], None]):
         except HTTPException:   # a 4xx of Starlette's: its own handler answers it
             raise
         except Exception as exc:
-            response = error_response(internal_error(f"{request.method} {request.url.path}", exc))
+            response = error_response(internal_error(f"answering {route}", exc, request))
         answered(route, response.status_code)
         return response
     return guarded

@@ -59,6 +59,7 @@ class ApiKeys:
         self._seen = _signature(path)   # the file as last read
         self._tenants = self._load()
         self._poll: asyncio.TimerHandle | None = None
+        self._empty_pending = False   # the last look found the file emptied, and put it off
 
     def _load(self, empty_ok: bool = False) -> dict[bytes, str]:
         """The file's tenants by their keys' SHA-256: a lookup compares digests, never a key's
@@ -93,15 +94,21 @@ class ApiKeys:
             raise ValueError(f"the API key file {self.path!r} lists no key")
         return tenants
 
-    def reload(self) -> None:
+    def reload(self, empty_seen_before: bool = True) -> None:
         """Read the file again; keep the keys in force if it no longer parses. A file emptied of
-        keys revokes them all (an operator's answer to a leak): every call is refused then."""
-        self._seen = _signature(self.path)
+        keys revokes them all (an operator's answer to a leak): every call is refused then.
+        `empty_seen_before` False (a look, not a signal): an empty file is taken only when the next
+        look finds it empty still (an editor truncates a file before it writes it)."""
+        seen = _signature(self.path)
         try:
             tenants = self._load(empty_ok=True)
         except ValueError as exc:
+            self._seen = seen
             log.error("API keys not reloaded, the %d in force stay: %s", len(self._tenants), exc)
             return
+        if not tenants and self._tenants and not empty_seen_before:
+            return   # (not marked seen: the next look reads it again)
+        self._seen = seen
         self._tenants = tenants
         if tenants:
             log.info("API keys reloaded from %s: %d keys", self.path, len(tenants))
@@ -114,6 +121,8 @@ class ApiKeys:
         SIGHUP and, within FILE_POLL_S, whenever it changes (on Kubernetes nothing sends a
         signal when a Secret is updated). A SIGHUP kept while the server started
         (keep_sighup_until_watched) is answered now."""
+        if self._poll is not None:   # watched already
+            return
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         if _sighup_kept:
@@ -123,7 +132,9 @@ class ApiKeys:
 
     def _look(self) -> None:
         if _signature(self.path) != self._seen:
-            self.reload()
+            self.reload(empty_seen_before=self._empty_pending)
+            # an empty file put off leaves it unseen: the next look takes it if it is empty still
+            self._empty_pending = _signature(self.path) != self._seen
         self._poll = asyncio.get_running_loop().call_later(FILE_POLL_S, self._look)
 
     def refusal(self, metadata) -> str | None:

@@ -469,4 +469,5 @@ def test_a_failure_says_what_the_server_said_of_trying_again() -> None:
     deadly = failure(grpc.StatusCode.UNAVAILABLE, ("kvserve-no-retry", "1"))
     assert (deadly.retry_after_ms, deadly.retryable) == (None, False)
     assert not failure(grpc.StatusCode.ALREADY_EXISTS).retryable   # it could run the request twice
+    assert not failure(grpc.StatusCode.INVALID_ARGUMENT).retryable   # the same request meets the same answer
     assert KVServeError("UNAVAILABLE", "gone").retryable

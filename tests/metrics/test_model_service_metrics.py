@@ -151,6 +151,7 @@ def test_a_request_its_client_left_counts_as_aborted_as_the_engine_counts_it(ser
     assert moved("kvserve:time_to_first_token_seconds_count") == 1
     assert moved("kvserve:e2e_request_latency_seconds_count") == 1
     assert moved("kvserve:request_generation_tokens_count") == 1 and moved("kvserve:request_generation_tokens_sum") >= 1
+    assert moved("kvserve:request_prompt_tokens_count") == 1 and moved("kvserve:request_prompt_tokens_sum") == 20
 
 
 def test_time_to_first_token_is_observed_when_it_comes_from_the_calls_arrival():

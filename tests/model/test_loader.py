@@ -211,7 +211,7 @@ def test_hostile_config_and_index_values_are_refused_before_anything_is_built(ti
     cases = [
         # a layer built for each of them first (minutes), then the missing weights said
         (_checkpoint(src, tmp_path / "layers", num_hidden_layers=20000), "checkpoint is missing 'layers.2"),
-        # the rotary table is built for real: 8,192 x 2^23 floats asked before any shape was compared
+        # the rotary table is built for real: positions x head_dim / 2 floats asked before any shape was compared
         (_checkpoint(src, tmp_path / "head-dim", head_dim=2**24), r"head_dim 16777216 make"),
         # transformers says why on its second line
         (_checkpoint(src, tmp_path / "indivisible", hidden_size=64, num_attention_heads=5,

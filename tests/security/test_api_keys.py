@@ -458,3 +458,32 @@ def test_a_key_file_replaced_is_read_again_without_a_signal(tmp_path, monkeypatc
     finally:
         signal.signal(signal.SIGHUP, before)
     assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
+
+
+def test_a_file_found_emptied_by_a_look_revokes_the_keys_only_if_the_next_look_finds_it_so(tmp_path):
+    """An editor truncates a file before it writes it: a look in between revoked every key for a
+    while. A signal still takes an emptied file at once."""
+    path = tmp_path / "keys"
+    path.write_text("key-a alpha\n")
+    keys = ApiKeys(str(path))
+
+    async def main():
+        keys.watch()
+        keys.watch()   # (twice: one watch)
+        path.write_text("")
+        keys._look()
+        assert keys.tenant("key-a") == "alpha"   # put off
+        path.write_text("key-a alpha\nkey-b beta\n")   # the editor's write
+        keys._look()
+        assert keys.tenant("key-b") == "beta"
+        path.write_text("# revoked\n")
+        keys._look()
+        keys._look()
+        assert keys.tenant("key-a") is None   # empty on two looks: revoked
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGHUP, before)
