@@ -221,7 +221,8 @@ class BrokenWriter:
 def test_a_gateway_gone_under_a_write_ends_the_call_without_a_status():
     async def main():
         writer = BrokenWriter()
-        await LaneServer(Answering(), None, 1 << 16)._call(call_frame()[wire.HEADER.size:], writer)
+        payload = call_frame()[wire.HEADER.size:]
+        await LaneServer(Answering(), None, 1 << 16)._call(lane_pb.LaneCall.FromString(payload), len(payload), writer)
         await asyncio.sleep(0)   # what the call queued is written
         return writer.written
 
