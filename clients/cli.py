@@ -12,6 +12,7 @@ keep `kvserve --help` fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -340,6 +341,8 @@ def _stream_text(stream: GenerateStream, out: _Output, collect: list[str] | None
             prefill = event
         elif isinstance(event, Finished):
             finished = event
+        else:
+            _say_queued(event)
     if finished is None:
         raise KVServeError("INTERNAL", "the stream ended without a finished event")
     return prefill, finished
@@ -353,10 +356,23 @@ def _print_sequences(stream: GenerateStream, out: _Output) -> Finished:
     collected = Collector()
     for event in stream:
         collected.add(event)
+        _say_queued(event)
     for choice in collected.completion().choices:
         out.write(f"--- sequence {choice.finished.index} ({choice.finished.reason}, "
                   f"{choice.finished.completion_tokens} tokens) ---\n{choice.text}\n")
-    return max(collected.finished.values(), key=lambda f: f.total_ms)
+    ends = collected.finished.values()
+    # the request's summary: the last to end, with every sequence's tokens
+    return dataclasses.replace(max(ends, key=lambda f: f.total_ms),
+                               completion_tokens=sum(f.completion_tokens for f in ends))
+
+
+def _say_queued(event) -> None:
+    """A request waiting for room, told on stderr where it stands (nothing came, it looked hung)."""
+    from kvserve.clients.inference_client import Queued
+
+    if isinstance(event, Queued) and event.position:
+        eta = f", about {event.eta_ms / 1000:.1f} s" if event.eta_ms else ""
+        print(f"[queued: position {event.position}{eta}]", file=sys.stderr, flush=True)
 
 
 def _cancelled(out: _Output, note: str, force: bool = False) -> int:

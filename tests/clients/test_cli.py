@@ -254,3 +254,37 @@ def test_tokenize_and_detokenize_from_the_shell(model_server, client: InferenceC
     assert r.returncode == 2 and "token ids are integers, got '1 x'" in r.stderr
     r = kvserve("detokenize", str(1 << 30), "--address", model_server.address)
     assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "outside the vocabulary" in r.stderr
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_generate_says_where_a_queued_request_stands_and_sums_n_sequences(monkeypatch, capsys, n) -> None:
+    """A queued request showed nothing (the CLI looked hung); with n = 2 the summary counted one
+    sequence's tokens."""
+    from kvserve.clients import cli
+    from kvserve.clients.inference_client import Chunk, Finished, Queued
+    from kvserve.services.cli.main import build_parser
+
+    events = [Queued(2, 3100), Queued(1, 1500), Queued(0, 0)]
+    for i in range(n):
+        events += [Chunk((5, 6), "ab", index=i), Finished("length", 3, 2, 0, 10.0, 20.0 + i, index=i)]
+
+    class Stream(list):
+        def cancel(self) -> None:
+            pass
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def generate(self, **_):
+            return Stream(events)
+
+    monkeypatch.setattr(cli, "_client", lambda args, command, timeout=None: Client())
+    args = build_parser().parse_args(["generate", "hello", "-n", str(n)])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    assert "[queued: position 2, about 3.1 s]" in err and "[queued: position 1, about 1.5 s]" in err
+    assert "position 0" not in err and f"{2 * n} completion tokens" in err, err
