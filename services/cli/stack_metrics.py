@@ -1,6 +1,9 @@
 """`kvserve up --metrics-listen`: the whole stack's series at one address. Each child serves its
 own on a private port; at each scrape this collector fetches them and serves them together, with
-a `worker` label on a worker's series when there are several.
+a `worker` label on a worker's series when there are several. Its own two say what the merge
+cannot: whether each child's series came in this scrape (`kvserve:stack_source_up`: a child
+restarting or hung is left out, its series gone without a word otherwise), and how often `up`
+started each child again (`kvserve:stack_child_restarts_total`: its counters start again from 0).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import logging
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -28,15 +32,21 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class StackMetrics:
     def __init__(self) -> None:
-        # (labels to add, worker label values to rename, the child's metrics URL)
-        self.sources: list[tuple[dict[str, str], dict[str, str], str]] = []
+        # (labels to add, worker label values to rename, the child's metrics URL, its name)
+        self.sources: list[tuple[dict[str, str], dict[str, str], str, str]] = []
+        self.children: list[tuple[str, object]] = []   # (name, supervisor.Child): its restarts counted
         self._failing: set[str] = set()   # URLs whose last fetch failed: said once, at warning
 
-    def add(self, address: str, workers: dict[str, str] | None = None, **labels: str) -> None:
+    def add(self, address: str, workers: dict[str, str] | None = None, source: str = "", **labels: str) -> None:
         """`workers`: the child names workers in a `worker` label by these keys (the gateway, by
         their private addresses, a temporary directory's); served as the values, the names the
-        workers' own series carry, so that the two join and stay across restarts."""
-        self.sources.append((labels, workers or {}, f"http://{address}/metrics"))
+        workers' own series carry, so that the two join and stay across restarts. `source`: the
+        child's name in kvserve:stack_source_up (default: its address)."""
+        self.sources.append((labels, workers or {}, f"http://{address}/metrics", source or address))
+
+    def count_restarts(self, name: str, child) -> None:
+        """`child`'s restarts (its `restarts`) served under `name`."""
+        self.children.append((name, child))
 
     def describe(self):
         return []
@@ -44,8 +54,18 @@ class StackMetrics:
     def collect(self):
         families: dict[str, Metric] = {}
         with ThreadPoolExecutor(max(1, len(self.sources)), thread_name_prefix="kvserve-metrics-fetch") as pool:
-            texts = list(pool.map(self._fetch, [url for _, _, url in self.sources]))
-        for (labels, workers, _), text in zip(self.sources, texts):
+            texts = list(pool.map(self._fetch, [url for _, _, url, _ in self.sources]))
+        up = GaugeMetricFamily("kvserve:stack_source_up", "1 when the child's series came in this scrape (0: it is "
+                               "restarting, or does not answer)", labels=["source"])
+        for (_, _, _, source), text in zip(self.sources, texts):
+            up.add_metric([source], 0 if text is None else 1)
+        yield up
+        restarts = CounterMetricFamily("kvserve:stack_child_restarts", "Times kvserve up started the child again "
+                                       "after it exited (its own counters start again from 0)", labels=["child"])
+        for name, child in self.children:
+            restarts.add_metric([name], child.restarts)
+        yield restarts
+        for (labels, workers, _, _), text in zip(self.sources, texts):
             if text is None:
                 continue
             for family in text_string_to_metric_families(text):

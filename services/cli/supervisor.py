@@ -73,6 +73,7 @@ class Child:
     ready_path: Path | None = None
     ready_at: float | None = None       # when it was first seen (monotonic: a file's time is the wall clock's)
     unsteady: int = 0                   # exits in a row without a steady run
+    restarts: int = 0                   # times started again after it exited (up's metrics serve it)
 
     def start(self) -> None:
         self.ready_at = None
@@ -186,6 +187,7 @@ class Supervisor:
         self.sleep(child.backoff_s)
         child.backoff_s = min(child.backoff_s * 2, MAX_BACKOFF_S)
         if not self.stopping():
+            child.restarts += 1
             child.start()
 
     def sleep(self, seconds: float) -> None:

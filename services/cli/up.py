@@ -108,8 +108,8 @@ class Pair:
         manager_metrics = ""
         if metrics is not None:   # each process serves its own series privately; `up` serves them together
             config, manager_metrics = replace(config, metrics_listen=free_local_port()), free_local_port()
-            metrics.add(config.metrics_listen, **labels)
-            metrics.add(manager_metrics, **labels)
+            metrics.add(config.metrics_listen, source=name, **labels)
+            metrics.add(manager_metrics, source=f"{name}/kvcache", **labels)
         # The engine reaches the manager over a private Unix socket; a --kvcache-listen TCP
         # address stays open beside it for everyone else (grpcurl).
         link = kv_listen if kv_listen and kv_listen.startswith("unix:") else f"unix://{tmp}/{name}-kv.sock"
@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 port = free_local_port()
                 gateway_metrics = [f"--metrics-listen={port}"]
-                metrics.add(port, workers={p.config.listen: f"worker-{i}" for i, p in enumerate(pairs)})
+                metrics.add(port, workers={p.config.listen: f"worker-{i}" for i, p in enumerate(pairs)},
+                            source="gateway")
             gateway = Child("the gateway", [*cli, "--log-source", "gateway",
                                             *gateway_argv(model_config, [p.config.listen for p in pairs],
                                                           gateway_metrics)])
@@ -200,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
             pairs = [Pair.make("worker", cli, model_config, Path(tmp), up.kvcache_listen, metrics, up.admin_token_file)]
             gateway = None
         if metrics is not None:
+            for p in pairs:
+                metrics.count_restarts(p.name, p.model)
+                metrics.count_restarts(f"{p.name}/kvcache", p.manager)
+            if gateway is not None:
+                metrics.count_restarts("gateway", gateway)
             registry = CollectorRegistry()
             registry.register(metrics)
             try:

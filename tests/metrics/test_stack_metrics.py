@@ -12,6 +12,7 @@ import http.client
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -36,6 +37,7 @@ def test_children_series_are_served_together_with_their_worker_label():
             endpoints.append(serve_metrics("127.0.0.1:0", registry))
             stack.add(endpoints[-1].address, worker=name)
         stack.add(f"127.0.0.1:{free_port()}", worker="gone")   # a child restarting: left out, no error
+        stack.count_restarts("worker-1", SimpleNamespace(restarts=2))
         # the gateway names workers by their private addresses (a temporary directory's): served
         # under the names the workers' own series carry, so that the two join
         registry = CollectorRegistry()
@@ -51,6 +53,10 @@ def test_children_series_are_served_together_with_their_worker_label():
         assert value(samples, "kvserve:prompt_tokens_total", worker="worker-1") == 9
         assert value(samples, "kvserve:gateway_routed_requests_total", worker="worker-1") == 3
         assert not any(dict(labels).get("worker") == "gone" for _, labels in samples)
+        # the child left out is said, and a restarted child's counters starting again from 0 too
+        assert value(samples, "kvserve:stack_source_up", source=endpoints[0].address) == 1
+        assert [v for (name, _), v in samples.items() if name == "kvserve:stack_source_up"].count(0) == 1
+        assert value(samples, "kvserve:stack_child_restarts_total", child="worker-1") == 2
     finally:
         for e in endpoints:
             e.close()
