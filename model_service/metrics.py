@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.model_service.engine.events import Finished
@@ -20,9 +20,14 @@ from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIME
 
 
 class ServiceMetrics:
-    def __init__(self, engine, kv_stats: Callable[..., object]) -> None:
+    def __init__(self, engine, kv_stats: Callable[..., object], model: dict[str, str] | None = None) -> None:
+        """`model`: what kvserve:model_info says of the served model (its name, dtype, device,
+        attention backend, GEMM), as GetModelInfo says it."""
         self.registry = CollectorRegistry()
         r = self.registry
+        if model:   # one series, 1: dashboards join on its labels
+            Gauge("kvserve:model_info", "The served model, in its labels; always 1", sorted(model),
+                  registry=r).labels(**model).set(1)
         self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token, per request",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvserve:inter_token_latency_seconds", "Time between a request's tokens, per token",

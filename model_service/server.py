@@ -14,7 +14,7 @@ from kvserve.model_service import assembly
 from kvserve.model_service.cache_events import SERVICE_NAME as EVENTS_SERVICE_NAME, CacheEventsServicer
 from kvserve.model_service.event_relay import EventRelay
 from kvserve.model_service.config import ModelServiceConfig
-from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer
+from kvserve.model_service.servicer import SERVICE_NAME, InferenceServicer, model_labels
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.model_service.engine.errors import Unavailable
 from kvserve.model_service.health import NOT_SERVING, HealthReporter
@@ -48,7 +48,8 @@ async def create_server(config: ModelServiceConfig) -> tuple[RunningServer, Infe
         await _on_a_daemon_thread(stack.engine.start, config.kvcache_timeout_s)
         keys = ApiKeys(config.api_keys) if config.api_keys else None
         server_flags.warn_keys_in_plaintext(config.api_keys, config.tls_cert, config.listen, config.http_listen)
-        servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats), keys)
+        servicer = InferenceServicer(stack, relay, ServiceMetrics(stack.engine, stack.kv.stats, model_labels(stack)),
+                                     keys)
         if config.metrics_listen:
             servicer.metrics_endpoint = serve_metrics(config.metrics_listen, servicer.metrics.registry)
         servicer.cache_events = CacheEventsServicer(config.kvcache, config.kvcache_tls(),

@@ -195,7 +195,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         s = self.stack
         return pb.ModelInfo(
-            name=s.config.served_model_name or (s.config.model if s.config.model in PRESETS else s.model_path.name),
+            name=served_name(s),
             architecture=s.model_config.architecture, max_model_len=s.max_model_len,
             vocab_size=s.model_config.vocab_size, page_size=s.page_size, dtype=str(s.dtype).removeprefix("torch."),
             attention_backend=s.backend_name, cpu_gemm=s.gemm, device=str(s.device), num_pages=s.num_pages,
@@ -254,6 +254,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except KVCacheError:
             stats.manager_reachable = False
         return stats
+
+
+def served_name(stack) -> str:
+    """The model's name to clients: --served-model-name, else the preset's or its folder's."""
+    config = stack.config
+    return config.served_model_name or (config.model if config.model in PRESETS else stack.model_path.name)
+
+
+def model_labels(stack) -> dict[str, str]:
+    """kvserve:model_info's labels (metrics.py), as GetModelInfo says them."""
+    return {"model_name": served_name(stack), "dtype": str(stack.dtype).removeprefix("torch."),
+            "device": str(stack.device), "attention_backend": stack.backend_name, "cpu_gemm": stack.gemm}
 
 
 class TokenTexts:

@@ -199,3 +199,9 @@ def test_the_http_fronts_answers_are_counted_its_refusals_too(tiny_dirs):
         assert value(after, "kvserve:http_requests_total", route="/v1/completions", status="200") == 1
     finally:
         server.stop()
+
+
+def test_the_served_model_is_a_series_of_its_own(served):
+    samples = scrape(served.servicer.metrics_endpoint.address)
+    [(labels, one)] = [(dict(labels), v) for (name, labels), v in samples.items() if name == "kvserve:model_info"]
+    assert one == 1 and labels["model_name"] == "tiny" and labels["dtype"] == "float32" and labels["device"] == "cpu"
