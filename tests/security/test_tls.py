@@ -19,6 +19,7 @@ from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache.v1 import kvcache_pb2_grpc as kv_pb_grpc
 from kvserve.kvcache_service.config import KVCacheServerConfig
 from kvserve.kvcache_service.core import ManagerConfig
+from kvserve.model_service.lane_server import LaneServer
 from kvserve.services.plumbing.tls import ClientTLS, ServerTLS, channel
 from tests.gateway.conftest import GatewayThread, WorkerThreads
 from tests.security.certs import make_certs
@@ -267,7 +268,9 @@ def test_a_renewed_certificate_and_client_ca_are_served_without_a_restart(tmp_pa
         context = served.ssl_context()
         stop = served.keep_current(context)
         listener = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=context)
-        return server, port, listener, stop
+        lane = LaneServer(servicer=None, tls=served, max_request_bytes=1 << 16)   # its own context, kept so
+        await lane.start("127.0.0.1:0")
+        return server, port, listener, stop, lane
 
     def grpc_ok(certs) -> bool:
         with channel(f"localhost:{port}", ClientTLS(certs.ca, certs.client.cert, certs.client.key)) as ch:
@@ -287,7 +290,19 @@ def test_a_renewed_certificate_and_client_ca_are_served_without_a_restart(tmp_pa
         except (ssl.SSLError, OSError):
             return False
 
-    server, port, listener, stop = loop.call(start())
+    def lane_serves(certs) -> bool:
+        """The lane's certificate is the one `certs`' CA signed (a handshake, no client certificate asked of it)."""
+        client = ssl.create_default_context(cafile=certs.ca)
+        client.load_cert_chain(certs.client.cert, certs.client.key)
+        host, port = lane.address.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as raw:
+                with client.wrap_socket(raw, server_hostname="localhost"):
+                    return True
+        except (ssl.SSLError, OSError):
+            return False
+
+    server, port, listener, stop, lane = loop.call(start())
     try:
         assert grpc_ok(old) and not grpc_ok(new) and context_ok(old) and not context_ok(new)
         (live / "tls.key").write_text("-----BEGIN nothing\n")   # half written: the ones in use stay
@@ -297,10 +312,12 @@ def test_a_renewed_certificate_and_client_ca_are_served_without_a_restart(tmp_pa
         time.sleep(0.2)
         assert grpc_ok(new) and not grpc_ok(old)
         assert context_ok(new) and not context_ok(old)   # the retired CA's client is refused too
+        assert lane_serves(new) and not lane_serves(old)
     finally:
         async def stop_all():
             stop()
             listener.close()
+            await lane.close()
             await server.stop(None)
         loop.call(stop_all())
         loop.close()
