@@ -38,6 +38,10 @@ WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
 BIASES = frozenset(name for name in WEIGHTS if name.endswith("_bias"))   # float32 whatever the layer's dtype
 
 
+class Unsupported(ValueError):
+    """A model whose geometry this kernel does not take: its layers run module by module."""
+
+
 class LayerStruct(ctypes.Structure):   # decode_layer.c's kvserve_layer
     _fields_ = ([(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
                                                      "intermediate")]
@@ -99,9 +103,9 @@ class DecodeLayerKernel:
         have."""
         g = geometry
         if g.num_heads % g.num_kv_heads or g.head_dim % 2 or g.num_heads * g.head_dim > MAX_HEAD_FLOATS:
-            raise ValueError("decode layer: heads or head_dim out of the kernel's range")
+            raise Unsupported("decode layer: heads or head_dim out of the kernel's range")
         if g.dtype not in DTYPES:
-            raise ValueError(f"decode layer: float32 or bfloat16, not {g.dtype}")
+            raise Unsupported(f"decode layer: float32 or bfloat16, not {g.dtype}")
         shapes = g.shapes()
         required = {"input_norm", "qkv", "o", "post_norm", "gate", "up", "down"}
         if (weights.get("q_norm") is None) != (weights.get("k_norm") is None):
@@ -274,14 +278,18 @@ class DirectStep:
         table): the tensor path takes it. An id outside the vocabulary, or a slot or page outside
         the caches, is refused (ValueError), never read or written."""
         rows = len(ids)
+        if not len(positions) == len(slots) == len(tables) == len(lens) == rows:
+            raise ValueError("decode step: a row without its position, slot, table or length")
         cos, sin = self._rope_tables()
         if not (1 <= rows <= MAX_ROWS and max(positions) < cos.shape[0] and cos.dtype == self._x.dtype
                 and cos.is_contiguous() and sin.is_contiguous()):
             return None
+        if min(positions) < 0:
+            raise ValueError("decode step: a negative position")
         num_pages, page_size, *kv_shape = self._whole.take_caches(kv_caches)
         width = max(map(len, tables))
         if not (0 < page_size <= MAX_PAGE_SIZE and tuple(kv_shape) == self._kv_shape and min(lens) >= 1
-                and max(lens) <= width * page_size):
+                and all(n <= len(table) * page_size for n, table in zip(lens, tables))):   # each row's own table
             return None
         if min(ids) < 0 or max(ids) >= self.vocab:
             raise ValueError("decode step: a token id outside the vocabulary")

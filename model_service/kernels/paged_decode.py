@@ -48,6 +48,15 @@ class PagedDecodeKernel:
         softmax.restype = None
         self._softmax = softmax
 
+    @staticmethod
+    def _check_values(tables: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int) -> None:
+        """Every length >= 1 and within its table's width, every page id within the cache: the C
+        side reads where they say (a page id past the pool was a segfault). One pass over each,
+        at every call: inference tensors keep no version to tell a change by."""
+        (shortest, longest), (lowest, highest) = (map(int, t.aminmax()) for t in (seq_lens, tables))
+        if not (shortest >= 1 and longest <= tables.shape[1] * page_size and 0 <= lowest and highest < num_pages):
+            raise ValueError("paged decode kernel: a length or a page id outside the tables or the KV cache")
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
         """q and the caches float32, or all bfloat16, or q float32 over bfloat16 caches
@@ -57,6 +66,8 @@ class PagedDecodeKernel:
         n, h, d = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
+        if not n:   # (the C side divides the work by the sequences)
+            return out
         # The C side trusts every pointer and stride: check what it cannot.
         if not (tables.shape[0] == seq_lens.shape[0] == n and k_cache.shape == v_cache.shape
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
@@ -67,6 +78,7 @@ class PagedDecodeKernel:
                 and h * d <= MAX_HEAD_FLOATS and k_cache.shape[1] <= MAX_PAGE_SIZE
                 and max_len <= tables.shape[1] * k_cache.shape[1]):
             raise ValueError("paged decode kernel: inconsistent shapes, strides or dtypes")
+        self._check_values(tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
         # ctypes drops the GIL for the call, as a torch op does.
         self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
                  seq_lens.data_ptr(), out.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1],

@@ -29,7 +29,8 @@ class RmsNormKernel:
     def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this call can take x: contiguous on CPU, its last dim the weight's, one dtype."""
         return (x.dtype in self._fns and x.dtype == weight.dtype and x.device.type == "cpu"
-                and x.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.shape[0] and weight.is_contiguous())
+                and x.is_contiguous() and x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0] >= 1
+                and weight.is_contiguous())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * normalised x over the last dim; x (..., n) as runs() accepts."""

@@ -18,6 +18,7 @@ between them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,13 +26,14 @@ from torch import nn
 
 from kvserve.model_service.attention.base import AttentionBackend
 from kvserve.model_service.batch import ForwardBatch
-from kvserve.model_service.kernels.decode_layer import DecodeLayerKernel, DirectStep, Geometry
+from kvserve.model_service.kernels.decode_layer import DecodeLayerKernel, DirectStep, Geometry, Unsupported
 from kvserve.model_service.model.config import ModelConfig
 from kvserve.model_service.model.layers import GatedMLP, RMSNorm
 from kvserve.model_service.model.linear import Linear
 from kvserve.model_service.model.rope import RotaryEmbedding, apply_rope
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+log = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -172,7 +174,11 @@ class CausalLM(nn.Module):
         c = self.config
         self.decode_geometry = Geometry(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                         c.intermediate_size, c.rms_norm_eps, self.norm.weight.dtype)
-        layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
+        try:
+            layers = [kernel.bind(self.decode_geometry, layer.decode_weights()) for layer in self.layers]
+        except Unsupported as exc:   # a geometry the kernel does not take (the attention backend serves it)
+            log.info("decode steps run layer by layer: %s", exc)
+            return
         self.decode_whole = kernel.bind_step(layers, self.norm.weight.detach(), head.weight, self.norm.eps)
         self.decode_kernel = kernel
         embedding = self.embed_tokens.weight.detach()

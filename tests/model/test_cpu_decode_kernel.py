@@ -156,6 +156,18 @@ def test_bfloat16_refuses_mixed_dtypes(kernel) -> None:
         kernel(q, k_cache.bfloat16(), v_cache, tables, seq_lens, scale=0.125, max_len=20)
 
 
+def test_lengths_and_page_ids_outside_the_cache_are_refused_and_no_sequence_is_nothing(kernel) -> None:
+    """The C side reads where they say: a page id past the pool or a length past the table was a
+    segfault, a length of 0 NaN, and no sequence at all divided by zero (SIGFPE)."""
+    q, k_cache, v_cache, tables, seq_lens = random_case(1, 2, 2, 64, 16, [20], 0)
+    assert kernel(q[:0], k_cache, v_cache, tables[:0], seq_lens[:0], scale=0.125, max_len=0).shape == (0, 4, 64)
+    num_pages, width = k_cache.shape[0], tables.shape[1] * k_cache.shape[1]
+    for bad_tables, bad_lens in ((torch.full_like(tables, num_pages), seq_lens), (tables, seq_lens * 0),
+                                 (tables, torch.full_like(seq_lens, width + 1)), (tables - 1000, seq_lens)):
+        with pytest.raises(ValueError, match="outside the tables or the KV cache"):
+            kernel(q, k_cache, v_cache, bad_tables.contiguous(), bad_lens.contiguous(), scale=0.125, max_len=20)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), num_kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([8, 16, 64, 80, 128]), page_size=st.sampled_from([1, 3, 16, 32]),

@@ -222,13 +222,38 @@ def test_the_direct_step_refuses_bad_indices_and_passes_on_steps_it_does_not_tak
             ([-1, ids[1]], slots, tables, "outside the vocabulary"),
             (ids, [slots[0], PAGES * PAGE], tables, "outside the KV cache"),
             (ids, [-1, slots[1]], tables, "outside the KV cache"),
-            (ids, slots, [tables[0], [PAGES] * len(tables[1])], "outside the KV cache")):
+            (ids, slots, [tables[0], [PAGES] * len(tables[1])], "outside the KV cache"),
+            # a row without its slot: the missing one was 0, and its K/V overwrote another's slot 0
+            (ids, slots[:1], tables, "a row without its position, slot, table or length")):
         with pytest.raises(ValueError, match=match):
             direct(bad_ids, positions, bad_slots, bad_tables, lens, cache.layers)
+    with pytest.raises(ValueError, match="a negative position"):   # read before the RoPE table
+        direct(ids, [-3, positions[1]], slots, tables, lens, cache.layers)
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(cache.layers, before))
     many = decode_layer.MAX_ROWS + 1   # the tensor path's (the packed GEMMs) from here
     assert direct([ids[0]] * many, [positions[0]] * many, [slots[0]] * many, [tables[0]] * many,
                   [lens[0]] * many, cache.layers) is None
     past = model.rope.cos.shape[0]   # past the RoPE table: the tensor path grows it
     assert direct(ids[:1], [past], slots[:1], tables[:1], [past + 1], cache.layers) is None
+    # a row's length past its own table (not the widest's): it read the padding's page 0
+    assert direct(ids, positions, slots, [tables[1], tables[0][:1]], [lens[1], lens[1]], cache.layers) is None
     assert direct(ids, positions, slots, tables, lens, cache.layers) is not None
+
+
+def test_a_geometry_the_fused_step_does_not_take_runs_layer_by_layer(kernel, caplog) -> None:
+    """bind's refusal escaped use_decode_kernel: such a model failed to load, where the attention
+    backend would have served it."""
+    from kvserve.model_service.kernels import small_linear
+    from kvserve.model_service.model.config import ModelConfig
+    from kvserve.model_service.model.llama import CausalLM
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, num_layers=1,
+                         num_heads=130, num_kv_heads=2, head_dim=128, intermediate_size=32, rms_norm_eps=1e-6,
+                         rope_theta=1e4, rope_scaling=None, qkv_bias=False, o_bias=False, mlp_bias=False,
+                         qk_norm=False, tie_word_embeddings=False, max_position_embeddings=64, sliding_window=None,
+                         max_model_len=64, bos_token_id=None, eos_token_ids=())   # heads x head_dim past its range
+    model = CausalLM(config).eval()
+    model.use_small(small_linear.load())
+    caplog.set_level("INFO")
+    model.use_decode_kernel(kernel)
+    assert model.decode_whole is None and model.decode_ints is None and "layer by layer" in caplog.text

@@ -53,6 +53,8 @@ def test_takes_only_what_it_can_read(kernel) -> None:
     assert not kernel.runs(torch.randn(3, 8).double(), w.double())   # float64
     assert not kernel.runs(torch.randn(3, 8).bfloat16(), w)          # dtypes differ
     assert not kernel.runs(torch.randn(3, 7), w)                     # sizes differ
+    assert not kernel.runs(torch.randn(3, 8), torch.ones(8, 2))      # a 2-D weight: its first row was read
+    assert not kernel.runs(torch.randn(3, 0), torch.ones(0))         # nothing to normalise: it divided by 0
     with pytest.raises(ValueError, match="rms norm"):
         kernel(torch.randn(3, 7), w, 1e-6)
 
