@@ -450,14 +450,25 @@ def test_a_key_file_replaced_is_read_again_without_a_signal(tmp_path, monkeypatc
             if keys.tenant("new-key"):
                 break
             await asyncio.sleep(0.02)
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    watched(main)
+    assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
+
+
+def watched(main) -> None:
+    """asyncio.run(main()), which watches keys (a SIGHUP handler on its loop): the process's own
+    handler back after it."""
+    async def run():
+        try:
+            await main()
+        finally:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
     before = signal.getsignal(signal.SIGHUP)
     try:
-        asyncio.run(main())
+        asyncio.run(run())
     finally:
         signal.signal(signal.SIGHUP, before)
-    assert keys.tenant("new-key") == "alpha" and keys.tenant("old-key") is None
 
 
 def test_a_file_found_emptied_by_a_look_revokes_the_keys_only_if_the_next_look_finds_it_so(tmp_path):
@@ -480,10 +491,5 @@ def test_a_file_found_emptied_by_a_look_revokes_the_keys_only_if_the_next_look_f
         keys._look()
         keys._look()
         assert keys.tenant("key-a") is None   # empty on two looks: revoked
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
-    before = signal.getsignal(signal.SIGHUP)
-    try:
-        asyncio.run(main())
-    finally:
-        signal.signal(signal.SIGHUP, before)
+    watched(main)
