@@ -14,14 +14,17 @@
 enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* How far ahead of its loads a row's stream asks for weights: the hardware prefetchers alone
-   left one core's stream well under the memory's bandwidth (4 KiB ahead measured best of 1-16;
-   docs/benchmarks.md, "Ice Lake"). Rows are read one after another, so past a row's end this
-   asks for the next one's start; a prefetch never faults, past the weights' end included. */
-#define PREFETCH_AHEAD 4096
+/* How far ahead of its loads a row's stream asks for weights, in bytes: the hardware prefetchers
+   alone left one core's stream well under the memory's bandwidth. The distances are the ones
+   measured best on both an Intel (Ice Lake) and an AMD (Zen 3) CPU, where 4 KiB, Ice Lake's best
+   by a hair, made Zen 3's float32 step markedly slower (docs/benchmarks.md, "prefetch distance").
+   Rows are read one after another, so past a row's end this asks for the next one's start; a
+   prefetch never faults, past the weights' end included. */
+#define PREFETCH_AHEAD_F32 1024
+#define PREFETCH_AHEAD_BF16 2048
 
 static inline void prefetch_w(const float *wf, const uint16_t *wh, int64_t j, int bf16, int bytes) {
-    const char *at = (bf16 ? (const char *)(wh + j) : (const char *)(wf + j)) + PREFETCH_AHEAD;
+    const char *at = bf16 ? (const char *)(wh + j) + PREFETCH_AHEAD_BF16 : (const char *)(wf + j) + PREFETCH_AHEAD_F32;
     for (int line = 0; line < bytes; line += 64)
         _mm_prefetch(at + line, _MM_HINT_T0);
 }
