@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.kvcache_service.core.manager import KVCacheManager
-from kvserve.services.plumbing.metrics_server import read_on_loop
+from kvserve.services.plumbing.metrics_server import add_process_series, read_on_loop
 
 # Seconds: a Step is tens of microseconds idle, milliseconds for a large batch.
 STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -19,6 +19,7 @@ STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 class ManagerMetrics:
     def __init__(self, manager: KVCacheManager, loop: asyncio.AbstractEventLoop) -> None:
         self.registry = CollectorRegistry()
+        add_process_series(self.registry)
         self.step_seconds = Histogram("kvserve:kv_step_seconds", "Time the manager takes to answer one Step",
                                       buckets=STEP_BUCKETS, registry=self.registry)
         # A dead model service's sequences stay (a live one that reconnects keeps its epoch and

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvserve.model_service.engine.events import Finished
 from kvserve.model_service.status import REFUSAL_CODES
 from kvserve.services.plumbing.metrics_server import (LATENCY_BUCKETS, PEER_TIMEOUT_S, TOKEN_COUNT_BUCKETS,
-                                                      TOKEN_LATENCY_BUCKETS, http_answers)
+                                                      TOKEN_LATENCY_BUCKETS, add_process_series, http_answers)
 
 
 class ServiceMetrics:
@@ -24,6 +24,7 @@ class ServiceMetrics:
         """`model`: what kvserve:model_info says of the served model (its name, dtype, device,
         attention backend, GEMM), as GetModelInfo says it."""
         self.registry = CollectorRegistry()
+        add_process_series(self.registry)
         r = self.registry
         if model:   # one series, 1: dashboards join on its labels
             Gauge("kvserve:model_info", "The served model, in its labels; always 1", sorted(model),

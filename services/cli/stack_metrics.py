@@ -1,6 +1,8 @@
 """`kvserve up --metrics-listen`: the whole stack's series at one address. Each child serves its
 own on a private port; at each scrape this collector fetches them and serves them together, with
-a `worker` label on a worker's series when there are several. Its own two say what the merge
+a `worker` label on a worker's series when there are several, and a `source` label (the child's
+name) on each child's process series (process_*, python_*), which all serve under the same names.
+Its own two say what the merge
 cannot: whether each child's series came in this scrape (`kvserve:stack_source_up`: a child
 restarting or hung is left out, its series gone without a word otherwise), and how often `up`
 started each child again (`kvserve:stack_child_restarts_total`: its counters start again from 0).
@@ -17,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvserve.services.plumbing.metrics_server import SCRAPE_TIMEOUT_S
+from kvserve.services.plumbing.metrics_server import PROCESS_SERIES_PREFIXES, SCRAPE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class StackMetrics:
         for name, child in self.children:
             restarts.add_metric([name], child.restarts)
         yield restarts
-        for (labels, workers, _, _), text in zip(self.sources, texts):
+        for (labels, workers, _, source), text in zip(self.sources, texts):
             if text is None:
                 continue
             for family in text_string_to_metric_families(text):
@@ -73,7 +75,9 @@ class StackMetrics:
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type,
                                                             family.unit)
-                merged.samples.extend(Sample(s.name, _renamed({**labels, **s.labels}, workers), s.value, s.timestamp,
+                # every child serves its process's series under the same names: told apart by child
+                extra = {**labels, "source": source} if family.name.startswith(PROCESS_SERIES_PREFIXES) else labels
+                merged.samples.extend(Sample(s.name, _renamed({**extra, **s.labels}, workers), s.value, s.timestamp,
                                              s.exemplar) for s in family.samples)
         yield from families.values()
 

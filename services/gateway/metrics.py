@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvserve.model_service.status import REFUSAL_CODES   # the workers' (each there from the start, at 0)
 from kvserve.services.gateway.fleet import Fleet
 from kvserve.services.gateway.worker import DOWN, NOT_SERVING, SERVING, STARTING
-from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS, http_answers, read_on_loop
+from kvserve.services.plumbing.metrics_server import LATENCY_BUCKETS, add_process_series, http_answers, read_on_loop
 
 STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
 
@@ -20,6 +20,7 @@ STATES = (STARTING, SERVING, NOT_SERVING, DOWN)
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        add_process_series(self.registry)
         self.queue_wait = Histogram("kvserve:gateway_queue_wait_seconds", "Time a request waited in the gateway's "
                                     "queue for a worker with room (0 for one that found room at once)", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.http_answered = http_answers(self.registry)

@@ -19,7 +19,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from typing import TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, GCCollector, PlatformCollector,
+                               ProcessCollector, disable_created_metrics, generate_latest)
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvserve.services.plumbing.address import CannotListen, parse_address
@@ -43,6 +44,20 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+# The series every Prometheus client library serves of its own process, which stock dashboards
+# and a leak's alert read: process_* (resident memory, CPU seconds, open files, start time),
+# python_gc_* and python_info. Each server's registry holds them beside its `kvserve:` series.
+PROCESS_SERIES_PREFIXES = ("process_", "python_")
+
+
+def add_process_series(registry: CollectorRegistry) -> None:
+    """The process's standard series (PROCESS_SERIES_PREFIXES) into `registry`: the library puts
+    them in its global registry only, which no server here serves."""
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
 
 
 def http_answers(registry) -> Callable[[str, int], None]:

@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.kvcache_service.metrics import ManagerMetrics
+from kvserve.services.plumbing.metrics_server import PROCESS_SERIES_PREFIXES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -36,6 +37,8 @@ def series(text: str) -> dict[str, tuple[str, frozenset]]:
     a histogram's `le` is its own)."""
     out = {}
     for family in text_string_to_metric_families(text):
+        if family.name.startswith(PROCESS_SERIES_PREFIXES):   # the library's own, documented apart
+            continue
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = frozenset(label for sample in family.samples for label in sample.labels if label != "le")
         out[name] = (family.type, labels if family.samples else None)   # (None: no sample to tell)
@@ -48,9 +51,13 @@ def assert_as_documented(served: dict, table: dict) -> None:
         assert labels is None or labels == table[name][1], (name, sorted(labels), sorted(table[name][1]))
 
 
-def scraped(address: str) -> dict:
+def fetched(address: str) -> str:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        return series(response.read().decode())
+        return response.read().decode()
+
+
+def scraped(address: str) -> dict:
+    return series(fetched(address))
 
 
 def test_the_table_has_each_server():
@@ -62,7 +69,13 @@ def check_each_server(fleet) -> None:
     (test_gateway_metrics.py runs it on its fleet, which costs its start once)."""
     table = documented()
     worker = fleet.workers[0]
-    assert_as_documented(scraped(worker.model.servicer.metrics_endpoint.address), table["model service"])
-    assert_as_documented(scraped(fleet.gateway.gateway.metrics_endpoint.address), table["gateway"])
     manager = ManagerMetrics(worker.manager.manager, worker.manager.loop)
-    assert_as_documented(series(generate_latest(manager.registry).decode()), table["manager"])
+    texts = {"model service": fetched(worker.model.servicer.metrics_endpoint.address),
+             "gateway": fetched(fleet.gateway.gateway.metrics_endpoint.address),
+             "manager": generate_latest(manager.registry).decode()}
+    for server, text in texts.items():
+        assert_as_documented(series(text), table[server])
+        # and the process's own series, as every Prometheus client serves them
+        names = {family.name for family in text_string_to_metric_families(text)}
+        assert {"process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
+                "python_gc_collections", "python_info"} <= names, (server, sorted(names))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import signal
 import socket
+import sys
 import http.client
 import time
 import urllib.error
@@ -21,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.services.cli.stack_metrics import StackMetrics
 from kvserve.services.plumbing.address import CannotListen
-from kvserve.services.plumbing.metrics_server import serve_metrics
+from kvserve.services.plumbing.metrics_server import add_process_series, serve_metrics
 from tests.metrics.scrape import scrape, value
 from tests.service.processes import children, free_port, kvserve, terminate, wait_serving
 from tests.service.util import generate, greedy, request, wait_until
@@ -34,8 +36,9 @@ def test_children_series_are_served_together_with_their_worker_label():
         for name in ("worker-0", "worker-1"):
             registry = CollectorRegistry()
             Counter("kvserve:prompt_tokens", "x", registry=registry).inc(len(name) + int(name[-1]))
+            add_process_series(registry)
             endpoints.append(serve_metrics("127.0.0.1:0", registry))
-            stack.add(endpoints[-1].address, worker=name)
+            stack.add(endpoints[-1].address, source=name, worker=name)
         stack.add(f"127.0.0.1:{free_port()}", worker="gone")   # a child restarting: left out, no error
         stack.count_restarts("worker-1", SimpleNamespace(restarts=2))
         # the gateway names workers by their private addresses (a temporary directory's): served
@@ -49,12 +52,21 @@ def test_children_series_are_served_together_with_their_worker_label():
         registry.register(stack)
         endpoints.append(serve_metrics("127.0.0.1:0", registry))
         samples = scrape(endpoints[-1].address)
+        # each child's process series under the same names, told apart by the child: no sample twice
+        for name in ("worker-0", "worker-1"):
+            assert value(samples, "process_resident_memory_bytes", source=name, worker=name) > 0
+            assert value(samples, "python_info", source=name, worker=name, implementation="CPython",
+                         major="3", minor=str(sys.version_info.minor), patchlevel=str(sys.version_info.micro),
+                         version=platform.python_version()) == 1
+        with urllib.request.urlopen(f"http://{endpoints[-1].address}/metrics", timeout=10) as response:
+            lines = [line for line in response.read().decode().splitlines() if not line.startswith("#")]
+        assert len(lines) == len(set(lines))
         assert value(samples, "kvserve:prompt_tokens_total", worker="worker-0") == 8
         assert value(samples, "kvserve:prompt_tokens_total", worker="worker-1") == 9
         assert value(samples, "kvserve:gateway_routed_requests_total", worker="worker-1") == 3
         assert not any(dict(labels).get("worker") == "gone" for _, labels in samples)
         # the child left out is said, and a restarted child's counters starting again from 0 too
-        assert value(samples, "kvserve:stack_source_up", source=endpoints[0].address) == 1
+        assert value(samples, "kvserve:stack_source_up", source="worker-0") == 1
         assert [v for (name, _), v in samples.items() if name == "kvserve:stack_source_up"].count(0) == 1
         assert value(samples, "kvserve:stack_child_restarts_total", child="worker-1") == 2
     finally:
@@ -166,6 +178,10 @@ def test_up_serves_the_manager_and_the_model_service_at_one_address(tiny_dirs, t
         assert value(samples, "kvserve:prefix_cache_hits_total") == value(samples, "kvserve:kv_prefix_hit_tokens_total")
         assert value(samples, "kvserve:time_to_first_token_seconds_count") == 2
         assert value(samples, "kvserve:num_requests_running") == 0
+        # each process's own memory and CPU, named as its log lines name it
+        for source in ("worker", "worker/kvcache"):
+            assert value(samples, "process_resident_memory_bytes", source=source) > 0
+            assert value(samples, "process_cpu_seconds_total", source=source) > 0
         with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as response:
             assert json.loads(response.read())["data"][0]["max_model_len"] > 0
         host, port = http.rsplit(":", 1)
