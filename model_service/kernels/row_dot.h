@@ -15,9 +15,9 @@ enum { OP_NONE = 0, OP_SILU = 1, OP_MUL = 2, OP_ADD = 3 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* How far ahead of its loads a row's stream asks for weights, in bytes: the hardware prefetchers
-   alone left one core's stream well under the memory's bandwidth. The distances are the ones
-   measured best on both an Intel (Ice Lake) and an AMD (Zen 3) CPU, where 4 KiB, Ice Lake's best
-   by a hair, made Zen 3's float32 step markedly slower (docs/benchmarks.md, "prefetch distance").
+   alone left one core's stream well under the memory's bandwidth. The distances are an AMD Zen 3's
+   best and within a few per cent of an Intel Ice Lake's, whose best, 4 KiB, made Zen 3's float32
+   step markedly slower (docs/benchmarks.md, "prefetch distance").
    Rows are read one after another, so past a row's end this asks for the next one's start; a
    prefetch never faults, past the weights' end included. */
 #define PREFETCH_AHEAD_F32 1024
