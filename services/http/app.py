@@ -277,11 +277,20 @@ class Front:
 
     @staticmethod
     async def _first(request: Request, parts: list[Part]) -> None:
-        """Each call's first event (None if it ends without one), or the first call's error. A
-        client that leaves before them (its request queued, or prefilling) cancels the calls, as
-        it would later: their places in the queue and their prefills are freed at once."""
+        """Each call's first event (None if it ends without one), or the first call's error. Until
+        every call has its first, those that have one are read on (_read_ahead): a batch's prompt
+        queued behind the others would otherwise leave theirs unread, and their server ends a
+        stream left unread too long (--max-unread-tokens). A client that leaves before them (its
+        request queued, or prefilling) cancels the calls, as it would later: their places in the
+        queue and their prefills are freed at once."""
+        all_in, left = asyncio.Event(), [len(parts)]
+
         async def first_of(part: Part) -> None:
             part.first = await anext(part.events, None)
+            left[0] -= 1
+            if not left[0]:
+                all_in.set()
+            await _read_ahead(part, all_in)
         firsts = asyncio.ensure_future(_each(first_of(part) for part in parts))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -353,6 +362,47 @@ class Part:
         self.first: pb.GenerateResponse | None = None
         self.reply: Reply = None   # made once the server took the call
         self.offset = 0
+
+
+async def _read_ahead(part: Part, all_in: asyncio.Event) -> None:
+    """Reads `part`'s events after its first into memory until `all_in` is set, then puts them
+    (and a read still under way) back in front of the rest of its events. Bounded by what the
+    request asked for: the whole reply is held the same way when it is not streamed."""
+    early: list[pb.GenerateResponse] = []
+    ahead = None   # the read under way when all_in came: the reply's reader awaits it
+    event = part.first
+    waiting = asyncio.ensure_future(all_in.wait())
+    try:
+        while event is not None and not all_in.is_set():
+            ahead = asyncio.ensure_future(anext(part.events, None))
+            await asyncio.wait({ahead, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if not ahead.done():
+                break
+            event, ahead = ahead.result(), None
+            if event is not None:
+                early.append(event)
+    except BaseException:   # cancelled, or the call failed: no read of it left running unseen
+        if ahead is not None:
+            ahead.cancel()
+        raise
+    finally:
+        waiting.cancel()
+    if ahead is not None:   # an error it ends with, should nobody await it, is not "never retrieved"
+        ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
+    if early or ahead is not None:
+        part.events = _replayed(early, ahead, part.events)
+
+
+async def _replayed(early: list, ahead, events: AsyncIterator) -> AsyncIterator:
+    for event in early:
+        yield event
+    if ahead is not None:
+        event = await ahead
+        if event is None:
+            return
+        yield event
+    async for event in events:
+        yield event
 
 
 def _cancel(parts: list[Part]) -> None:

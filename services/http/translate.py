@@ -123,11 +123,15 @@ class Limits:
     (docs/benchmarks.md)."""
     max_chat_messages: int | None = None
     max_stop_strings: int | None = None   # (a gateway's config has none: its workers check)
+    # A model service's --max-waiting: a batch's prompts enter its queue at once, so a batch of
+    # more is refused however idle the server is. (A gateway's queue takes a batch any size.)
+    max_waiting: int | None = None
 
     @classmethod
     def of(cls, config) -> Limits:
         """A model service's or a gateway's config's."""
-        return cls(getattr(config, "max_chat_messages", None), getattr(config, "max_stop_strings", None))
+        return cls(getattr(config, "max_chat_messages", None), getattr(config, "max_stop_strings", None),
+                   getattr(config, "max_waiting", None))
 
 
 def _count(items: list, told: int | None, what: str, flag: str, param: str) -> None:
@@ -388,6 +392,10 @@ def prompts_of(body: dict) -> list | None:
 def batch_requests(body: dict, prompts: list, limits: Limits = Limits()) -> list[pb.GenerateRequest]:
     """One Generate message a prompt of a completion's batch; refused (400) before the second is
     built when their copies of the sampling fields would pass MAX_BATCH_SAMPLING_BYTES."""
+    if limits.max_waiting is not None and len(prompts) > limits.max_waiting:   # never taken: not a 429
+        raise HttpError(400, f"{len(prompts):,} prompts in one request; this server queues at most "
+                             f"{limits.max_waiting:,} requests at once (--max-waiting): send at most that many",
+                        param="prompt")
     first = request_of("completion", body, prompts[0], limits)
     shared = first.sampling.ByteSize()
     if len(prompts) * shared > MAX_BATCH_SAMPLING_BYTES:
