@@ -146,10 +146,13 @@ class RequestBuilder:
     def _primed_output(self, request: Request, tokens: list[int]) -> OutputProcessor:
         output = OutputProcessor(request, self.tokenizer, self.stack.eos_token_ids)
         for token in tokens:
-            if output.add(token)[1]:
+            _, done, _, stop = output.add(token)
+            if done:   # (a gateway ends the stream as the tokens ended it: by which stop, said)
                 raise NothingToGenerate("the continuation already meets a stop condition (EOS, a stop token "
                                         "id or a stop string): there is nothing left to generate",
-                                        "FINISH_REASON_STOP")
+                                        "FINISH_REASON_STOP",
+                                        stop_index=request.params.stop.index(stop) if isinstance(stop, str) else None,
+                                        stop_token_id=stop if isinstance(stop, int) else None)
         return output
 
     async def tokenize(self, msg) -> list[int]:

@@ -14,7 +14,6 @@ from kvserve.kvcache_service.contract.errors import ManagerUnavailable
 from kvserve.model_service.engine.errors import (
     DuplicateRequest,
     InternalError,
-    ENDED_TRAILER,
     FINAL_TRAILER,
     ClientTooSlow,
     InvalidRequest,
@@ -72,7 +71,7 @@ def status_code(error: RequestFailed) -> grpc.StatusCode:
 
 async def abort(context: grpc.aio.ServicerContext, error: RequestFailed) -> NoReturn:
     code = status_code(error)
-    trailers = ((ENDED_TRAILER, error.finish_reason),) if isinstance(error, NothingToGenerate) else \
+    trailers = error.trailers() if isinstance(error, NothingToGenerate) else \
         ((FINAL_TRAILER, "1"),) if isinstance(error, ClientTooSlow) else \
         (("retry-after-ms", str(error.retry_after_ms)),) if isinstance(error, QueueFull) else ()
     await context.abort(code, status_message(error), trailers)

@@ -20,14 +20,29 @@ class InvalidRequest(RequestFailed, ValueError):
 # FinishReason its tokens already reached, so that a gateway whose worker died between a
 # sequence's last token and its end can end the stream as it would have ended.
 ENDED_TRAILER = "kvserve-already-ended"
+# Beside it, where a stop ended the tokens, which one, as Finished.stop and .stop_token_id say it:
+# the index of the stop string among the request's own (short, and ASCII, as metadata must be),
+# or the stop token id (EOS included).
+ENDED_STOP_TRAILER = "kvserve-already-ended-stop"
+ENDED_STOP_TOKEN_TRAILER = "kvserve-already-ended-stop-token"
 
 
 class NothingToGenerate(InvalidRequest):
     """A continuation (GenerateRequest.continuation) whose tokens already end the sequence."""
 
-    def __init__(self, message: str, finish_reason: str) -> None:
+    def __init__(self, message: str, finish_reason: str, stop_index: int | None = None,
+                 stop_token_id: int | None = None) -> None:
         super().__init__(message)
         self.finish_reason = finish_reason   # a FinishReason name: FINISH_REASON_LENGTH, _STOP
+        self.stop_index, self.stop_token_id = stop_index, stop_token_id
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        out = [(ENDED_TRAILER, self.finish_reason)]
+        if self.stop_index is not None:
+            out.append((ENDED_STOP_TRAILER, str(self.stop_index)))
+        if self.stop_token_id is not None:
+            out.append((ENDED_STOP_TOKEN_TRAILER, str(self.stop_token_id)))
+        return tuple(out)
 
 
 class QueueFull(RequestFailed):

@@ -27,7 +27,8 @@ from contextlib import aclosing
 import grpc
 
 from kvserve.inference.v1 import inference_pb2 as pb
-from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER, TAKEN_HEADER
+from kvserve.model_service.engine.errors import (ENDED_STOP_TOKEN_TRAILER, ENDED_STOP_TRAILER, ENDED_TRAILER,
+                                                 FINAL_TRAILER, TAKEN_HEADER)
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.request_ids import MAX_REQUEST_ID_CHARS
 from kvserve.model_service.status import status_message
@@ -85,6 +86,19 @@ def _already_ended(exc: grpc.aio.AioRpcError) -> int | None:
     if "leaves none to generate" in details or "fill the model length" in details:
         return pb.FINISH_REASON_LENGTH
     return pb.FINISH_REASON_STOP if "nothing left to generate" in details else None
+
+
+def _ended_by(exc: grpc.aio.AioRpcError, request: pb.GenerateRequest) -> pb.Finished:
+    """The Finished fields saying which stop ended the sequence, as the refusing worker's
+    trailers tell it (the index of one of `request`'s stop strings, or a stop token id)."""
+    trailers = dict(exc.trailing_metadata() or ())
+    out = pb.Finished()
+    index, token = trailers.get(ENDED_STOP_TRAILER, ""), trailers.get(ENDED_STOP_TOKEN_TRAILER, "")
+    if index.isdigit() and int(index) < len(request.sampling.stop):
+        out.stop = request.sampling.stop[int(index)]
+    if token.lstrip("-").isdigit():
+        out.stop_token_id = int(token)
+    return out
 
 
 def _failure(exc: grpc.aio.AioRpcError) -> str:
@@ -245,15 +259,19 @@ class Relay:
             output, length = "min_tokens", len(self.ids) + max(1, sampling.min_tokens)
 
         def route() -> Choice | None:
+            continued = len(earlier) + len(streamed.get(0, []))
+            need, asked = length, output
+            if output == "min_tokens" and len(self.ids) + continued + 1 > length:
+                # max_tokens unset, a moved stream needs room for what it streamed and a token more
+                need, asked = len(self.ids) + continued + 1, "the tokens streamed and one more"
             # a queue's head that no worker can take would stall it
-            why = fleet.never_fits(len(self.ids), length, output, salted)
+            why = fleet.never_fits(len(self.ids), need, asked, salted)
             if why is not None and prefill_sent:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"no serving worker can go on with the request: {why}")
             if why is not None:
-                raise unfit(fleet, why, len(self.ids), length, output, salted)
+                raise unfit(fleet, why, len(self.ids), need, asked, salted)
             session = session_key(self.tenant, self.request.session_id)
-            return fleet.choose(self.ids, hashes_for(), session, avoid, length, n, salted, output,
-                                continued=len(earlier) + len(streamed.get(0, [])))
+            return fleet.choose(self.ids, hashes_for(), session, avoid, need, n, salted, asked, continued=continued)
 
         if fleet.page_size and len(self.ids) >= HASH_OFF_LOOP_TOKENS:
             ps = fleet.page_size
@@ -353,7 +371,10 @@ class Relay:
                 if reason is not None:   # the worker failed between the sequence's last token and its end
                     usage = pb.Usage(prompt_tokens=len(self.ids), cached_tokens=first_cached,
                                      completion_tokens=len(earlier) + len(streamed.get(0, [])))
-                    yield pb.GenerateResponse(finished=pb.Finished(finish_reason=reason, usage=usage), index=0)
+                    end = _ended_by(exc, self.request)
+                    end.finish_reason = reason
+                    end.usage.CopyFrom(usage)
+                    yield pb.GenerateResponse(finished=end, index=0)
                     return
                 if _too_large(exc) and not self._moved:   # as large at any worker: no move helps
                     raise Refused(exc.code(), f"the request is larger than the workers take ({exc.details()})") \

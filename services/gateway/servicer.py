@@ -42,6 +42,14 @@ FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.
                     grpc.StatusCode.DATA_LOSS})
 
 
+def _timed(finished: pb.Finished, arrival: float, first_token_at: float | None) -> None:
+    """A stream's times from its arrival here, its wait in the queue and every worker it ran on
+    counted: a worker's own cover its call only (a moved stream's, the last worker's part)."""
+    finished.total_ms = 1e3 * (time.monotonic() - arrival)
+    if first_token_at is not None:   # (none streamed: the worker's, if it says one)
+        finished.ttft_ms = 1e3 * (first_token_at - arrival)
+
+
 class GatewayServicer(pb_grpc.InferenceServicer):
     def __init__(self, fleet: Fleet, inputs: Inputs, migration_limit: int, no_worker_timeout_s: float = 30.0,
                  keys: ApiKeys | None = None, max_n: int = MAX_N) -> None:
@@ -58,6 +66,7 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         self._load_key: tuple[float, tuple] | None = None   # (when, _load()'s key then)
 
     async def Generate(self, request, context):
+        arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             tenant = self._tenant(context)
@@ -98,9 +107,14 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         streamed = False   # a response went out: a refusal after it is a failure, not a refusal
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
+            first_token_at = None
             async with aclosing(relay.run(context.time_remaining)) as responses:
                 async for response in responses:
                     streamed = True
+                    if first_token_at is None and response.chunk.token_ids:
+                        first_token_at = time.monotonic()
+                    elif response.HasField("finished"):   # timed from this call: the one its client made
+                        _timed(response.finished, arrival, first_token_at)
                     yield response
             ended = "aborted" if relay.cancelled else "finished"
         except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed

@@ -20,7 +20,8 @@ from kvserve.inference.v1 import inference_pb2 as pb
 from kvserve.inference.v1 import inference_pb2_grpc as pb_grpc
 from kvserve.kvcache.v1 import kvcache_pb2 as kv_pb
 from kvserve.kvcache_service.contract.hashing import extra_key_digest
-from kvserve.model_service.engine.errors import ENDED_TRAILER, FINAL_TRAILER, TAKEN_HEADER
+from kvserve.model_service.engine.errors import (ENDED_STOP_TOKEN_TRAILER, ENDED_STOP_TRAILER, ENDED_TRAILER,
+                                                 FINAL_TRAILER, TAKEN_HEADER)
 from kvserve.model_service.engine.family import child_seed
 from kvserve.model_service.tokenizing import LONG_CHARS
 from kvserve.services.gateway.inputs import InputError, Inputs
@@ -728,6 +729,83 @@ def test_a_worker_failing_between_the_last_token_and_its_end_ends_the_stream_as_
     assert end.finish_reason == pb.FINISH_REASON_LENGTH and end.usage.completion_tokens == 4
     assert end.usage.prompt_tokens == 3 and len(strict.requests) == 1
 
+
+
+class StoppedWorker(ScriptedWorker):
+    """Refuses every continuation as already ended by a stop, saying which as a worker does."""
+
+    def __init__(self, said: tuple, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.said = said
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the continuation already meets a stop condition",
+                            ((ENDED_TRAILER, "FINISH_REASON_STOP"), *self.said))
+        yield pb.GenerateResponse()
+
+
+@pytest.mark.parametrize("said, stop, stop_token_id", [
+    (((ENDED_STOP_TRAILER, "1"),), "b", None),
+    (((ENDED_STOP_TOKEN_TRAILER, "30"),), "", 30),
+    (((ENDED_STOP_TRAILER, "7"), (ENDED_STOP_TOKEN_TRAILER, "x")), "", None),   # nonsense: left out
+])
+def test_a_stream_the_next_worker_finds_ended_by_a_stop_says_which_stop(tiny_dirs, said, stop, stop_token_id):
+    """The finished the gateway writes for it names the stop string or token id, as the worker
+    that failed would have (the HTTP front's stop_reason reads them)."""
+    endless, stopped = EndlessWorker(running=0), StoppedWorker(said, running=3)
+    with scripted_fleet(tiny_dirs, endless, stopped) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, stop=["a", "b"]),
+                                    timeout=30))
+    (end,) = [e.finished for e in events if e.HasField("finished")]
+    assert end.finish_reason == pb.FINISH_REASON_STOP and end.usage.completion_tokens == 4
+    assert end.stop == stop
+    assert (end.stop_token_id if end.HasField("stop_token_id") else None) == stop_token_id
+
+
+class FailingOnce(ScriptedWorker):
+    """Fails its first request UNAVAILABLE after `fail_at` tokens; streams a continuation on
+    from where it left off."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        skip = len(request.continuation.ids)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        for i, token in enumerate(self.tokens[skip:]):
+            if len(self.requests) == 1 and i == self.fail_at:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is going away")
+            await asyncio.sleep(self.delay_s)
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token]))
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, ttft_ms=1.0,
+                                                       total_ms=2.0))
+
+
+def test_a_moved_streams_times_count_from_its_arrival_at_the_gateway(tiny_dirs):
+    """A worker's ttft_ms and total_ms cover its own call: a moved stream's said only the last
+    worker's part."""
+    failing = FailingOnce(tokens=[5, 6, 7, 8], fail_at=2, delay_s=0.25)
+    busier = ScriptedWorker(tokens=[7, 8], running=3)
+    with scripted_fleet(tiny_dirs, failing, busier, migration_limit=1) as (_, stub, _):
+        start = time.monotonic()
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], **greedy(4)), timeout=30))
+        took_ms = 1e3 * (time.monotonic() - start)
+    assert tokens_of(events) == [5, 6, 7, 8] and len(busier.requests) == 1
+    (end,) = [e.finished for e in events if e.HasField("finished")]
+    assert 250 <= end.ttft_ms < end.total_ms <= took_ms   # the first token came after one delay
+    assert end.total_ms >= 500                             # and the second after two, before the move
+
+
+def test_a_moved_stream_without_max_tokens_goes_only_where_its_tokens_fit(tiny_dirs):
+    """In a fleet mixing --max-model-len, a stream that has run past a short worker's length
+    goes on only at a worker that holds it: the short one ended it LENGTH (or refused the
+    continuation) as if the client's request were at fault."""
+    long_ = FailingOnce(tokens=list(range(100, 170)), fail_at=60, max_model_len=1000)
+    short = ScriptedWorker(tokens=[9], max_model_len=64, running=3)   # busier: long is chosen first
+    with scripted_fleet(tiny_dirs, long_, short, migration_limit=1) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[5] * 8, temperature=0.0), timeout=30))
+    assert tokens_of(events) == list(range(100, 170))
+    assert len(short.requests) == 0 and len(long_.requests) == 2
+    assert list(long_.requests[1].continuation.ids) == list(range(100, 160))
 
 
 class PrefillFailure(ScriptedWorker):

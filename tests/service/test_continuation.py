@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvserve.model_service.engine.errors import ENDED_TRAILER
+from kvserve.model_service.engine.errors import ENDED_STOP_TOKEN_TRAILER, ENDED_STOP_TRAILER, ENDED_TRAILER
 from tests.service.util import assert_pages_free, generate, greedy, request, rpc_error
 
 PROMPT = "The model token cache pages the batch memory"
@@ -62,6 +62,16 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub, model_server):
     err = rpc_error(lambda: stub.Generate(msg, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop condition" in err.details()
     assert ended(err) == "FINISH_REASON_STOP"
+    # which stop, for the finished a gateway writes: the token id, or the stop string's index
+    assert trailer(err, ENDED_STOP_TOKEN_TRAILER) == "6" and trailer(err, ENDED_STOP_TRAILER) is None
+    whole = generate(stub, request(prompt=PROMPT, **greedy(6)))
+    stop = whole.text.strip()[:2]
+    assert len(stop) == 2, whole.text
+    msg = request(prompt=PROMPT, temperature=0.0, max_tokens=8, stop=["never in this text \x01", stop])
+    msg.continuation.ids.extend(whole.tokens)
+    err = rpc_error(lambda: stub.Generate(msg, timeout=30))
+    assert ended(err) == "FINISH_REASON_STOP"
+    assert trailer(err, ENDED_STOP_TRAILER) == "1" and trailer(err, ENDED_STOP_TOKEN_TRAILER) is None
     # max_tokens unset: the model length is the bound, and the message names it, not a value never sent
     msg = request(token_ids=[5] * 2040, temperature=0.0)
     msg.continuation.ids.extend([6] * 8)
@@ -80,4 +90,8 @@ def test_a_continuation_that_cannot_go_on_is_refused(stub, model_server):
 
 
 def ended(err: grpc.RpcError) -> str | None:
-    return dict(err.trailing_metadata() or ()).get(ENDED_TRAILER)
+    return trailer(err, ENDED_TRAILER)
+
+
+def trailer(err: grpc.RpcError, key: str) -> str | None:
+    return dict(err.trailing_metadata() or ()).get(key)
