@@ -46,8 +46,9 @@ def why_not(s: Shape, prompt_tokens: int, length: int, output: str = "max_tokens
     if s.max_model_len and prompt_tokens >= s.max_model_len:
         return (f"the prompt has {prompt_tokens} tokens; the model length is {s.max_model_len}, which leaves no "
                 "room for output")
-    if s.max_model_len and length > s.max_model_len and (not s.streams or output == "min_tokens"):
-        # (sinks let a stream run past the model length, not min_tokens ask for it: the worker refuses)
+    if s.max_model_len and length > s.max_model_len and (not s.streams or output != "max_tokens"):
+        # (sinks let a stream run past the model length where max_tokens asks for it, nothing else:
+        # min_tokens, or a moved stream's tokens with max_tokens unset, the worker refuses)
         return (f"prompt ({prompt_tokens} tokens) + {output} ({length - prompt_tokens}) = {length} exceeds "
                 f"the model length {s.max_model_len}")
     if s.num_pages and not s.slides and -(-prompt_tokens // s.page_size) > s.num_pages:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -93,12 +94,17 @@ def _ended_by(exc: grpc.aio.AioRpcError, request: pb.GenerateRequest) -> pb.Fini
     trailers tell it (the index of one of `request`'s stop strings, or a stop token id)."""
     trailers = dict(exc.trailing_metadata() or ())
     out = pb.Finished()
-    index, token = trailers.get(ENDED_STOP_TRAILER, ""), trailers.get(ENDED_STOP_TOKEN_TRAILER, "")
-    if index.isdigit() and int(index) < len(request.sampling.stop):
-        out.stop = request.sampling.stop[int(index)]
-    if token.lstrip("-").isdigit():
-        out.stop_token_id = int(token)
+    index, token = _int(trailers.get(ENDED_STOP_TRAILER)), _int(trailers.get(ENDED_STOP_TOKEN_TRAILER))
+    if index is not None and 0 <= index < len(request.sampling.stop):
+        out.stop = request.sampling.stop[index]
+    if token is not None and -2**31 <= token < 2**31:   # (an int32 field)
+        out.stop_token_id = token
     return out
+
+
+def _int(value: str | None) -> int | None:
+    """A trailer's decimal integer; None for anything else (whatever a worker sends)."""
+    return int(value) if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,10}", value) else None
 
 
 def _failure(exc: grpc.aio.AioRpcError) -> str:

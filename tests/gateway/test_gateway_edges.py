@@ -749,6 +749,8 @@ class StoppedWorker(ScriptedWorker):
     (((ENDED_STOP_TRAILER, "1"),), "b", None),
     (((ENDED_STOP_TOKEN_TRAILER, "30"),), "", 30),
     (((ENDED_STOP_TRAILER, "7"), (ENDED_STOP_TOKEN_TRAILER, "x")), "", None),   # nonsense: left out
+    (((ENDED_STOP_TRAILER, "-1"), (ENDED_STOP_TOKEN_TRAILER, "--5")), "", None),
+    (((ENDED_STOP_TRAILER, "9" * 5000), (ENDED_STOP_TOKEN_TRAILER, "4294967296")), "", None),
 ])
 def test_a_stream_the_next_worker_finds_ended_by_a_stop_says_which_stop(tiny_dirs, said, stop, stop_token_id):
     """The finished the gateway writes for it names the stop string or token id, as the worker
@@ -806,6 +808,25 @@ def test_a_moved_stream_without_max_tokens_goes_only_where_its_tokens_fit(tiny_d
     assert tokens_of(events) == list(range(100, 170))
     assert len(short.requests) == 0 and len(long_.requests) == 2
     assert list(long_.requests[1].continuation.ids) == list(range(100, 160))
+
+
+class SinkWorker(ScriptedWorker):
+    async def GetModelInfo(self, request, context):
+        info = await super().GetModelInfo(request, context)
+        info.attention_sink = 4
+        return info
+
+
+def test_a_moved_stream_without_max_tokens_goes_to_no_sink_worker_it_has_outrun(tiny_dirs):
+    """Attention sinks let a stream run past the model length only where max_tokens asks for
+    it: with max_tokens unset the worker's bound is its model length, and it would end the
+    moved stream LENGTH."""
+    long_ = FailingOnce(tokens=list(range(100, 170)), fail_at=60, max_model_len=1000)
+    short = SinkWorker(tokens=[9], max_model_len=64, running=3)
+    with scripted_fleet(tiny_dirs, long_, short, migration_limit=1) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[5] * 8, temperature=0.0), timeout=30))
+    assert tokens_of(events) == list(range(100, 170))
+    assert len(short.requests) == 0 and len(long_.requests) == 2
 
 
 class PrefillFailure(ScriptedWorker):
