@@ -14,6 +14,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -272,7 +273,7 @@ class Front:
             raise
         if not stream:
             return await self._whole(request, parts)
-        return StreamingResponse(self._stream(parts, usage, continuous), media_type="text/event-stream",
+        return _ClosingStream(self._stream(parts, usage, continuous), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     @staticmethod
@@ -335,12 +336,13 @@ class Front:
     async def _stream(self, parts: list[Part], usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
         left = sum(part.reply.n for part in parts)   # choices not yet sent finished
         try:
-            async for chunks in _merged(parts, continuous):
-                out = b"".join(sse(chunk) for chunk in chunks)
-                left -= sum(c.get("finish_reason") is not None for chunk in chunks for c in chunk["choices"])
-                if not left:   # the calls' last event: the end goes in the same write
-                    out += (sse(_usage_chunk(parts)) if usage else b"") + sse("[DONE]")
-                yield out
+            async with aclosing(_merged(parts, continuous)) as merged:   # its pumps stop with it
+                async for chunks in merged:
+                    out = b"".join(sse(chunk) for chunk in chunks)
+                    left -= sum(c.get("finish_reason") is not None for chunk in chunks for c in chunk["choices"])
+                    if not left:   # the calls' last event: the end goes in the same write
+                        out += (sse(_usage_chunk(parts)) if usage else b"") + sse("[DONE]")
+                    yield out
             if left:
                 yield sse("[DONE]")
         except grpc.aio.AioRpcError as exc:   # after the 200 went out: the error is the stream's last event
@@ -353,6 +355,19 @@ class Front:
             _cancel(parts)   # the client went away (or the stream ended): nothing left running upstream
 
 
+class _ClosingStream(StreamingResponse):
+    """Closes its body however the response ends. Starlette leaves a body it stopped reading (its
+    client gone while a write waited) to the garbage collector, and with it the body's `finally`
+    that cancels the calls: until a collection, a client that stopped reading and left kept its
+    requests generating (up to --max-unread-tokens)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 class Part:
     """One Generate call of a reply: a request's only one, or one prompt of a batch, whose
     choices come after the `offset` choices of the prompts before it."""
@@ -362,6 +377,7 @@ class Part:
         self.first: pb.GenerateResponse | None = None
         self.reply: Reply = None   # made once the server took the call
         self.offset = 0
+        self.ahead: asyncio.Future | None = None   # a read _read_ahead left under way (_replayed awaits it)
 
 
 async def _read_ahead(part: Part, all_in: asyncio.Event) -> None:
@@ -389,6 +405,7 @@ async def _read_ahead(part: Part, all_in: asyncio.Event) -> None:
         waiting.cancel()
     if ahead is not None:   # an error it ends with, should nobody await it, is not "never retrieved"
         ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
+        part.ahead = ahead
     if early or ahead is not None:
         part.events = _replayed(early, ahead, part.events)
 
@@ -408,6 +425,8 @@ async def _replayed(early: list, ahead, events: AsyncIterator) -> AsyncIterator:
 def _cancel(parts: list[Part]) -> None:
     for part in parts:
         part.call.cancel()
+        if part.ahead is not None:   # a reader: an in-process call stops only through it (local_channel.py)
+            part.ahead.cancel()
 
 
 async def _each(coroutines: Iterable[Awaitable]) -> None:

@@ -6,6 +6,7 @@ servicer, as the model service's own front runs over one to the real servicer.""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import httpx
@@ -79,3 +80,51 @@ def test_a_call_failing_mid_generation_cancels_the_others_of_a_whole_reply():
                                                               "max_tokens": 9}, ["long", "long2"]))
     assert answer.status_code == 503, answer.text
     assert all(closed.get(p, TOKENS) < TOKENS for p in ("long", "long2")), closed
+
+
+async def _stop_reading_then_leave(servicer: Scripted, prompts: list[str]) -> dict:
+    """A streamed request whose client takes the first write, never reads another, then leaves;
+    which handlers had ended 2 s later (no garbage collection asked for)."""
+    recorder = HandlerRecorder()
+    pb_grpc.add_InferenceServicer_to_server(servicer, recorder)
+    app = make_app(LocalChannel(recorder.handlers, []))
+    body = json.dumps({"prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 400,
+                       "stream": True}).encode()
+    gone, wrote = asyncio.Event(), asyncio.Event()
+    asked = []
+
+    async def receive():
+        if not asked:
+            asked.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            if wrote.is_set():
+                await asyncio.Event().wait()   # stopped reading: this write never completes
+            wrote.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("front", 80)}
+    answering = asyncio.ensure_future(app(scope, receive, send))
+    await wrote.wait()
+    await asyncio.sleep(0.2)   # tokens come meanwhile, the writes wait
+    gone.set()
+    await asyncio.wait_for(answering, 10)
+    for _ in range(200):
+        if all(prompt in servicer.closed for prompt in prompts):
+            break
+        await asyncio.sleep(0.01)
+    return dict(servicer.closed)
+
+
+@pytest.mark.parametrize("prompts", [["long"], ["long", "long2"]])
+def test_a_client_that_stops_reading_and_leaves_ends_its_calls_at_once(prompts):
+    """Starlette leaves a stream's body it stopped reading to the garbage collector, and the
+    body's `finally` cancels the calls: until a collection the requests went on generating."""
+    closed = asyncio.run(_stop_reading_then_leave(Scripted(), prompts))
+    assert set(closed) == set(prompts) and all(sent < TOKENS for sent in closed.values()), closed
