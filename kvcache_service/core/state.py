@@ -50,7 +50,7 @@ class Counters:
 
 class ManagerState:
     __slots__ = ("page_size", "pool", "cpu", "tree", "seq_ids", "events", "seqs",
-                 "by_request", "running", "pending_seq_ids", "counters", "epoch")
+                 "by_request", "running", "swapped", "pending_seq_ids", "counters", "epoch")
 
     def __init__(self, config: ManagerConfig) -> None:
         self.page_size = config.page_size
@@ -62,6 +62,7 @@ class ManagerState:
         self.seqs: dict[int, Sequence] = {}
         self.by_request: dict[str, int] = {}
         self.running: dict[int, None] = {}    # running order: admitted / resumed / forked, oldest first
+        self.swapped: dict[int, None] = {}    # swap-out order, earliest first
         self.pending_seq_ids: list[int] = []  # freed by preemption; reusable after the step
         self.counters = Counters()
         self.epoch = 0
@@ -163,6 +164,7 @@ class ManagerState:
         del self.seqs[seq.seq_id]
         del self.by_request[seq.request_id]
         self.running.pop(seq.seq_id, None)
+        self.swapped.pop(seq.seq_id, None)
 
     def settle(self) -> None:
         """End of a call: deferred CPU pages and seq ids become free."""
@@ -183,6 +185,7 @@ class ManagerState:
         self.seqs.clear()
         self.by_request.clear()
         self.running.clear()
+        self.swapped.clear()
         self.pending_seq_ids.clear()
         self.events.reset()
 
@@ -198,5 +201,5 @@ class ManagerState:
             prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
             evictions=c.evictions, preemptions_recompute=c.preemptions_recompute,
             preemptions_swap=c.preemptions_swap, page_size=self.page_size,
-            max_seqs=self.seq_ids.max_seqs, num_swapped=len(self.seqs) - len(self.running),
+            max_seqs=self.seq_ids.max_seqs, num_swapped=len(self.swapped),
             epoch=self.epoch, tree_pages=len(self.tree), last_event=self.events.last)

@@ -7,7 +7,9 @@ prefix hit before its commit) → needs, highest priority first.
 Policy:
 - A Grow that does not fit preempts running sequences from the tail of the
   running order (the most recently admitted, resumed or forked first) until it
-  fits; when the tail is the growing sequence itself, it is the victim.
+  fits. When the tail is the growing sequence itself, and swapped sequences hold
+  device pages enough to make it fit, they go back to be recomputed instead (they
+  rank below every running one), the earliest swapped first; else it is the victim.
 - Admissions and resumes never preempt. Once one is refused, every later
   admission and resume in the step is refused too, so nobody overtakes it
   (FCFS; swapped sequences resume before new ones when the engine lists them first).
@@ -126,6 +128,8 @@ class _Step:
         cost = Cost(n)
         while not state.fits(cost):
             victim = next(reversed(state.running))
+            if victim == need.seq_id and self._recompute_swapped(cost):
+                break
             self._preempt(victim)
             self.queue_closed = self.queue_closed or _PREEMPTED
             if victim == need.seq_id:
@@ -133,15 +137,47 @@ class _Step:
                                   "preempting every lower-priority sequence")
         return allocation.grow(state, seq, need.num_tokens)
 
+    def _recompute_swapped(self, cost: Cost) -> bool:
+        """Sends swapped sequences that hold device pages back to be recomputed, earliest swapped
+        first, until `cost` fits; False, with nothing changed, when all of them together would
+        not make it fit. Swapped sequences rank below every running one, and the engine resumes
+        the latest swapped first. (A slid sequence keeps its tree pages on the device when
+        swapped: _leaving in swap.py. Left there, they made the only running sequence preempt
+        itself and lose its work to a swapped one, which lost its own the same way a few steps
+        later, round and round.)"""
+        state = self.state
+        holding = [state.seqs[seq_id] for seq_id in state.swapped
+                   if any(page >= 0 for page in state.seqs[seq_id].pages)]
+        forecast = release.DropForecast(state)
+        gain = sum(forecast.drop(page) for seq in holding for page in reversed(seq.pages) if page >= 0)
+        if not holding or not state.fits(Cost(cost.pages - gain, cost.parked_hits)):
+            return False
+        plan = self.plan
+        for seq in holding:
+            recompute = Preemption(seq.seq_id, seq.request_id, PreemptionMode.RECOMPUTE)
+            if seq.seq_id in self.preempted:   # swapped in this step: its swap is undone, as a recompute
+                moved = {cpu_page for _, cpu_page, _ in seq.swapped}
+                plan.swap_out[:] = [pair for pair in plan.swap_out if pair[1] not in moved]
+                plan.preempted[:] = [recompute if p.seq_id == seq.seq_id else p for p in plan.preempted]
+                state.counters.preemptions_swap -= 1
+            else:
+                plan.preempted.append(recompute)
+                self.preempted.add(seq.seq_id)
+            release.release(state, seq, defer_id=True)
+            state.counters.preemptions_recompute += 1
+            self.queue_closed = self.queue_closed or _PREEMPTED
+            if state.fits(cost):
+                return True
+        return False   # (the forecast counts what releasing them frees: not reached)
+
     def _room_ever(self, seq, seq_id: int, wanted: int) -> int:
         """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own
         pages, and less the pages a slide of its own left blocked (they come back only when it
         lets go of the pages below them). Worked out page by page (every other sequence's table)
         only when blocked pages could make the difference to the `wanted` pages: there are none
         without sliding windows, and a Grow past the pool less its own pages is refused without.
-        (Pages swapped sequences keep on the device count as room: they come back when those
-        resume and end, so a Grow short of them now is preempted and runs later, not refused for
-        good.)"""
+        (Pages swapped sequences keep on the device count as room: a Grow short of them sends
+        those sequences back to be recomputed: _recompute_swapped.)"""
         state = self.state
         bound = state.pool.num_pages - sum(1 for page in seq.pages if page >= 0)
         blocked = state.tree.num_parked - state.tree.num_evictable

@@ -40,6 +40,7 @@ def swap_out(state: ManagerState, seq: Sequence) -> list[tuple[int, int]]:
         state.drop(page)  # a tree page stays cached on the device: swap-in may find it there
     seq.state = SeqState.SWAPPED
     state.running.pop(seq.seq_id, None)
+    state.swapped[seq.seq_id] = None
     return copies
 
 
@@ -91,6 +92,7 @@ def swap_in(state: ManagerState, seq: Sequence, num_tokens: int = 0,
     state.cpu.put_later([cpu_page for _, cpu_page, _ in seq.swapped])
     seq.swapped = []
     seq.state = SeqState.RUNNING
+    del state.swapped[seq.seq_id]
     state.running[seq.seq_id] = None
     result = NeedResult(True, seq.seq_id, table_view(seq.pages), True)
     if num_tokens:

@@ -439,8 +439,9 @@ class Scheduler:
                 count = min(result.num_tokens, r.compute_end - result.cached_tokens)  # a parent stops at its fork
                 if count > 0:
                     work.append(Work(r, result.cached_tokens, count))
-        if resume_refused and not self.running and not self._releases and not self._last_commits \
-                and len(self.swapped) > 1:
+        # (A step that preempted closes the manager's queue: a resume refused then says nothing of room.)
+        if resume_refused and not plan.preempted and not self.running and not self._releases \
+                and not self._last_commits and len(self.swapped) > 1:
             self._unswap_behind_the_head()
         if refused and not self.by_seq and not self._releases and not self._last_commits:
             # Every seq id and page there is free or cached as far as this engine goes, and still

@@ -250,3 +250,29 @@ def test_the_smallest_pool_accepted_serves_a_stream_past_two_windows(tiny_dirs):
         assert h.stats().used_pages == 0
     finally:
         h.close()
+
+
+def test_swapped_sequences_do_not_livelock_a_small_pool(tiny_dirs):
+    """A slid sequence keeps its tree pages on the device when swapped. With two long prompts in a
+    small pool and a CPU pool of three pages, the running one, short of exactly those pages,
+    preempted itself (its work lost), the swapped one came back and lost its own the same way,
+    and neither ever finished (thousands of steps). The manager now sends the swapped one back to
+    be recomputed instead; both finish, token for token, with every page back."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[10 + (i * 7 + j * 13) % 900 for j in range(n)] for i, n in enumerate((96, 87))]
+    new_tokens = (20, 1)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["tiny-mistral"], dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, new_tokens)]
+    h = EngineHarness(tiny_dirs["tiny-mistral"], page_size=3, num_pages=50, preemption_mode="swap", swap_pages=3,
+                      long_prefill_token_threshold=3, max_num_batched_tokens=14, max_num_seqs=4)
+    try:
+        watch(h, lambda work: check_invariants(h.stack.kv.manager.state))
+        outcomes = [h.submit(p, n) for p, n in zip(prompts, new_tokens)]
+        wait(outcomes, timeout=60)
+        for o, ref in zip(outcomes, refs):
+            assert_same_tokens(o.tokens, *ref, o.request_id)
+        assert h.engine.counters.preemptions["swap"] >= 1   # the case is the one it was
+        assert h.stats().used_pages == 0
+    finally:
+        h.close()

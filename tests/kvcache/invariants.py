@@ -137,6 +137,9 @@ def _check_sequences(state: ManagerState) -> None:
     running = {sid for sid, s in state.seqs.items() if s.state is SeqState.RUNNING}
     if set(state.running) != running:
         _fail(f"running order {list(state.running)} != running sequences {sorted(running)}")
+    swapped = {sid for sid, s in state.seqs.items() if s.state is SeqState.SWAPPED}
+    if set(state.swapped) != swapped:
+        _fail(f"swap order {list(state.swapped)} != swapped sequences {sorted(swapped)}")
     for sid, seq in state.seqs.items():
         if seq.seq_id != sid:
             _fail(f"seqs[{sid}] has seq_id {seq.seq_id}")
@@ -366,8 +369,9 @@ def snapshot(state: ManagerState) -> tuple:
               s.num_published, s.diverged_at, list(s.hashes), s.cached_tokens)
         for sid, s in state.seqs.items()
     }
-    return (state.stats(), seqs, dict(state.by_request), list(state.running), dict(state.tree.page_of),
-            list(state.tree.parent_of), list(state.tree.children), list(state.pool.free), state.tree.parked(),
+    return (state.stats(), seqs, dict(state.by_request), list(state.running), list(state.swapped),
+            dict(state.tree.page_of), list(state.tree.parent_of), list(state.tree.children),
+            list(state.pool.free), state.tree.parked(),
             list(state.pool.ref), state.seq_ids.free_ids(), list(state.cpu.free), list(state.cpu.pending),
             list(state.pending_seq_ids), state.epoch, state.events.last)
 

@@ -108,19 +108,87 @@ def _forked_pair(m: KVCacheManager, first: str = "A") -> tuple[int, int]:
     return a, b
 
 
-def test_a_grow_short_only_of_pages_swapped_sequences_keep_is_not_refused_for_good():
-    """Swapped sequences keep the device pages they share; they come back when those resume and
-    end. A Grow short of them now is not "could never fit" (the engine would end its request):
-    it preempts, and runs again later."""
-    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=8, cpu_pages=8))
-    parent, child = _forked_pair(m, "P")
+def _swapped_fork_of_a_released_parent(m: KVCacheManager, first: str) -> int:
+    """A fork that swapped its own page out and keeps on the device the two tree pages it shares
+    with its parent, which is gone: no running sequence holds them, and they are not evictable."""
+    parent = m.step(StepRequest(needs=[Admit(first, [ord(first)] * 8)])).results[0].seq_id
+    m.step(StepRequest(commits=[Commit(parent, 8)]))
+    child = m.step(StepRequest(needs=[Fork(parent, first + "-fork")])).results[0].seq_id
     m.step(StepRequest(needs=[Grow(child, 12)]))   # a page of its own, to move
-    m.swap_out(child)              # the parent's two it keeps on the device
+    m.swap_out(child)
     m.step(StepRequest(releases=[parent]))
+    return child
+
+
+def _modes(plan) -> dict[int, PreemptionMode]:
+    return {p.seq_id: p.mode for p in plan.preempted}
+
+
+def test_a_grow_takes_back_the_device_pages_of_swapped_sequences_before_preempting_itself():
+    """Swapped sequences rank below every running one. A Grow short only of the pages they keep
+    on the device (shared pages; a slid sequence's tree pages) preempted its own sequence, which
+    lost its work while they kept theirs: with sliding windows the two took turns for ever. Now
+    they go back to be recomputed, earliest swapped first, only as many as it takes; one that
+    keeps no device page is left alone."""
+    m = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8, cpu_pages=8))
+    first = _swapped_fork_of_a_released_parent(m, "P")
+    second = _swapped_fork_of_a_released_parent(m, "Q")
+    alone = m.step(StepRequest(needs=[Admit("N", [200] * 6)])).results[0].seq_id   # two private pages
+    m.swap_out(alone)                                                               # both moved
     g = m.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
-    (result,) = m.step(StepRequest(needs=[Grow(g, 28)])).results
-    assert not result.granted and "could never fit" not in result.reason and "even with every other" not in \
-        result.reason, result.reason
+    assert m.stats().free_pages == 5   # 10 less the forks' four less G's one
+    plan = m.step(StepRequest(needs=[Grow(g, 28), Resume(first, 12)], preemption_mode=PreemptionMode.SWAP))
+    assert plan.results[0].granted, plan.results[0].reason
+    assert _modes(plan) == {first: PreemptionMode.RECOMPUTE}   # its two pages were enough
+    assert not plan.results[1].granted   # the step preempted: nobody resumes
+    assert {first} & set(m.state.seqs) == set() and {second, alone} <= m.state.swapped.keys()
+    stats = m.stats()
+    assert (stats.num_swapped, stats.preemptions_recompute, stats.cpu_free_pages) == (2, 1, 8 - 1 - 2)
+    check_invariants(m.state)
+
+
+def test_a_grow_that_swapped_sequences_cannot_make_fit_preempts_itself_and_leaves_them_alone():
+    """Taking back what swapped sequences keep only makes sense when it is enough: otherwise the
+    Grow's own sequence is the victim, as before, and they lose nothing."""
+    m = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8, cpu_pages=8))
+    older = m.step(StepRequest(needs=[Admit("O", [300] * 12)])).results[0].seq_id   # three pages, running
+    child = _swapped_fork_of_a_released_parent(m, "P")
+    g = m.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
+    plan = m.step(StepRequest(needs=[Grow(g, 28)]))   # six more: four free, and the fork's two
+    assert plan.results[0].granted   # (O is older: it keeps running)
+    assert _modes(plan) == {child: PreemptionMode.RECOMPUTE}
+    m2 = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8, cpu_pages=8))
+    older = m2.step(StepRequest(needs=[Admit("O", [300] * 12)])).results[0].seq_id
+    child = _swapped_fork_of_a_released_parent(m2, "P")
+    g = m2.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
+    before = m2.state.seqs[child].pages[:]
+    plan = m2.step(StepRequest(needs=[Grow(g, 32)]))   # seven more: the fork's two are not enough
+    assert not plan.results[0].granted and "could never fit" not in plan.results[0].reason
+    assert _modes(plan) == {g: PreemptionMode.RECOMPUTE}
+    assert m2.state.seqs[child].pages == before and child in m2.state.swapped and older in m2.state.running
+    check_invariants(m2.state)
+
+
+def test_a_sequence_swapped_in_the_step_that_takes_back_its_pages_is_one_recompute():
+    """The tail swapped first keeps the pages it shares with a swapped sibling; then both go back
+    to be recomputed. The victim is listed once, as a recompute, with no swap-out copy left (its
+    CPU pages are free again)."""
+    m = KVCacheManager(ManagerConfig(num_pages=8, page_size=4, max_seqs=8, cpu_pages=8))
+    g = m.step(StepRequest(needs=[Admit("G", [100] * 4)])).results[0].seq_id
+    parent, first = _forked_pair(m, "P")
+    m.step(StepRequest(needs=[Grow(first, 12)]))
+    m.swap_out(first)
+    second = m.step(StepRequest(needs=[Fork(parent, "P-fork-2")])).results[0].seq_id
+    m.step(StepRequest(needs=[Grow(second, 12)], releases=[parent]))
+    # G 1 page, the shared 2, second's own 1: 4 free. Six more for G: second swaps its own page out
+    # (5 free), then the shared pages, held only by the two swapped forks, make it 7.
+    plan = m.step(StepRequest(needs=[Grow(g, 28)], preemption_mode=PreemptionMode.SWAP))
+    assert plan.results[0].granted, plan.results[0].reason
+    assert sorted((p.seq_id, p.mode.name) for p in plan.preempted) == sorted(
+        [(second, "RECOMPUTE"), (first, "RECOMPUTE")])
+    assert plan.swap_out == []
+    stats = m.stats()
+    assert (stats.num_swapped, stats.preemptions_swap, stats.cpu_free_pages, stats.num_sequences) == (0, 0, 8, 1)
     check_invariants(m.state)
 
 
