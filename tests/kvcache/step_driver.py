@@ -198,6 +198,8 @@ class StepDriver(ShadowEngine):
                 del self.seqs[pre.seq_id]
                 if not s.swapped:  # (a swapped one resumed and preempted in this step was never listed)
                     self.order.remove(pre.seq_id)
+                else:   # its device pages went to a Grow whose own sequence would have been the victim
+                    COVERAGE["swapped, then recomputed"] += 1
                 self.waiting.append((list(s.tokens), s.ek))
                 COVERAGE["preempt recompute"] += 1
             else:
