@@ -150,7 +150,19 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     # NaN fails every comparison, so `ok` is False for it too; infinities are rejected here.
     if not ok or (isinstance(value, float) and not math.isfinite(value)):
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise ValueError(f"{name} must be {expected}, got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """`value` as a person wrote it: a proto float field's 0.001 arrives as 0.0010000000474974513,
+    and is shown as the shortest decimal that is the same float32."""
+    if not isinstance(value, float) or not math.isfinite(value) or _float32(value) != value:
+        return repr(value)
+    for digits in range(1, 10):
+        nearest = float(f"{value:.{digits}g}")
+        if _float32(nearest) == value:
+            return repr(nearest)
+    return repr(value)
 
 
 def _check_int(value: object, name: str, expected: str) -> None:

@@ -67,3 +67,14 @@ def test_validation_message_is_readable():
         SamplingParams(top_p=1.5).validate(VOCAB)
     with pytest.raises(ValueError, match=r"^stop_token_ids must be token ids in \[0, 100\), got 100$"):
         SamplingParams(stop_token_ids=(100,)).validate(VOCAB)
+
+
+def test_a_float_from_the_wire_is_shown_as_it_was_written():
+    """A proto float field holds 0.001 as 0.0010000000474974513: the refusal said that."""
+    import struct
+
+    wire = struct.unpack("f", struct.pack("f", 0.001))[0]
+    with pytest.raises(ValueError, match=r"^repetition_penalty must be in \[0\.01, 100\], got 0\.001$"):
+        SamplingParams(repetition_penalty=wire).validate(VOCAB)
+    with pytest.raises(ValueError, match=r"^presence_penalty must be in \[-2, 2\], got 2\.3$"):
+        SamplingParams(presence_penalty=struct.unpack("f", struct.pack("f", 2.3))[0]).validate(VOCAB)
