@@ -67,7 +67,7 @@ class ApiKeys:
         try:
             if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
                 raise ValueError(f"API key file {self.path!r} is larger than {MAX_KEY_FILE_BYTES >> 20} MiB")
-            text = Path(self.path).read_text(encoding="utf-8")
+            text = Path(self.path).read_text(encoding="utf-8-sig")   # (a byte order mark some editors write)
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {self.path!r}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
@@ -178,12 +178,13 @@ def read_token(path: str, what: str = "admin token") -> str:
     if not path:
         return ""
     try:
-        token = Path(path).read_text().strip()
+        token = Path(path).read_text(encoding="utf-8-sig").strip()   # (a byte order mark some editors write)
     except OSError as exc:
         raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the {what} file {path!r} is not UTF-8 text (byte {exc.start})") from None
     if not token:
         raise ValueError(f"the {what} file {path!r} is empty")
     if not (token.isascii() and token.isprintable()):   # gRPC metadata carries it
-        raise ValueError(f"the {what} file {path!r} holds characters other than printable ASCII (a byte order "
-                         "mark?)")
+        raise ValueError(f"the {what} file {path!r} holds characters other than printable ASCII")
     return token

@@ -392,11 +392,27 @@ def test_an_admin_token_that_metadata_cannot_carry_is_refused_when_read(tmp_path
     from kvserve.services.plumbing.api_keys import read_token
 
     path = tmp_path / "token"
-    path.write_text("\ufeffs3cret\n")   # a byte order mark, as some editors write
+    path.write_text("s3cr\u00e9t\n")
     with pytest.raises(ValueError, match="holds characters other than printable ASCII"):
         read_token(str(path))
+    path.write_bytes(b"s3\xffcret\n")
+    with pytest.raises(ValueError, match=r"the admin token file '.*token' is not UTF-8 text \(byte 2\)"):
+        read_token(str(path))   # (it was a traceback)
     path.write_text("  s3cret\n")
     assert read_token(str(path)) == "s3cret"
+    path.write_text("\ufeffs3cret\n")   # a byte order mark, as some editors write, is not the token's
+    assert read_token(str(path)) == "s3cret"
+
+
+def test_a_key_file_that_opens_with_a_byte_order_mark_is_read(tmp_path):
+    """Some editors open a UTF-8 file with one; it was taken for the first key's first character
+    and the file refused ("a key must be printable ASCII")."""
+    from kvserve.services.plumbing.api_keys import ApiKeys
+
+    path = tmp_path / "keys"
+    path.write_text("\ufeffkey-a alpha\nkey-b beta\n")
+    keys = ApiKeys(str(path))
+    assert (keys.tenant("key-a"), keys.tenant("key-b")) == ("alpha", "beta")
 
 
 def test_a_caller_without_a_tenant_cannot_spell_a_tenants_request_id(tiny_dirs):
