@@ -7,9 +7,10 @@ prefix hit before its commit) → needs, highest priority first.
 Policy:
 - A Grow that does not fit preempts running sequences from the tail of the
   running order (the most recently admitted, resumed or forked first) until it
-  fits. When the tail is the growing sequence itself, and swapped sequences hold
-  device pages enough to make it fit, they go back to be recomputed instead (they
-  rank below every running one), the earliest swapped first; else it is the victim.
+  fits. When the tail is the growing sequence itself, and swapped sequences keep
+  device pages enough to make it fit (pages no running sequence holds), they go back
+  to be recomputed instead, earliest swapped first: a sequence that is running must
+  not lose its work to one that is not; else it is the victim.
 - Admissions and resumes never preempt. Once one is refused, every later
   admission and resume in the step is refused too, so nobody overtakes it
   (FCFS; swapped sequences resume before new ones when the engine lists them first).
@@ -138,21 +139,31 @@ class _Step:
         return allocation.grow(state, seq, need.num_tokens)
 
     def _recompute_swapped(self, cost: Cost) -> bool:
-        """Sends swapped sequences that hold device pages back to be recomputed, earliest swapped
-        first, until `cost` fits; False, with nothing changed, when all of them together would
-        not make it fit. Swapped sequences rank below every running one, and the engine resumes
-        the latest swapped first. (A slid sequence keeps its tree pages on the device when
-        swapped: _leaving in swap.py. Left there, they made the only running sequence preempt
-        itself and lose its work to a swapped one, which lost its own the same way a few steps
-        later, round and round.)"""
+        """Sends swapped sequences back to be recomputed, earliest swapped first, until `cost`
+        fits; False, with nothing changed, when all of them together would not make it fit. Only
+        those holding a device page no running sequence holds: releasing one that shares all its
+        pages with running ones (a family's prompt) frees nothing. They go ahead of this step's
+        other victims in the plan: the engine reads it lowest priority first, and resumes the
+        latest swapped first. (A slid sequence keeps its tree pages on the device when swapped:
+        _leaving in swap.py. Left there, they made the only running sequence preempt itself and
+        lose its work to a swapped one, which lost its own the same way a few steps later, round
+        and round.)"""
         state = self.state
-        holding = [state.seqs[seq_id] for seq_id in state.swapped
-                   if any(page >= 0 for page in state.seqs[seq_id].pages)]
+        ref = state.pool.ref
+        swapped = [state.seqs[seq_id] for seq_id in state.swapped]
+        held_by_swapped: dict[int, int] = {}
+        for seq in swapped:
+            for page in seq.pages:
+                if page >= 0:
+                    held_by_swapped[page] = held_by_swapped.get(page, 0) + 1
+        holding = [seq for seq in swapped if any(page >= 0 and ref[page] == held_by_swapped[page]
+                                                 for page in seq.pages)]
         forecast = release.DropForecast(state)
         gain = sum(forecast.drop(page) for seq in holding for page in reversed(seq.pages) if page >= 0)
         if not holding or not state.fits(Cost(cost.pages - gain, cost.parked_hits)):
             return False
         plan = self.plan
+        ahead = 0   # where the next one goes in plan.preempted: after those before it, before the running victims
         for seq in holding:
             recompute = Preemption(seq.seq_id, seq.request_id, PreemptionMode.RECOMPUTE)
             if seq.seq_id in self.preempted:   # swapped in this step: its swap is undone, as a recompute
@@ -161,7 +172,8 @@ class _Step:
                 plan.preempted[:] = [recompute if p.seq_id == seq.seq_id else p for p in plan.preempted]
                 state.counters.preemptions_swap -= 1
             else:
-                plan.preempted.append(recompute)
+                plan.preempted.insert(ahead, recompute)
+                ahead += 1
                 self.preempted.add(seq.seq_id)
             release.release(state, seq, defer_id=True)
             state.counters.preemptions_recompute += 1

@@ -125,11 +125,11 @@ def _modes(plan) -> dict[int, PreemptionMode]:
 
 
 def test_a_grow_takes_back_the_device_pages_of_swapped_sequences_before_preempting_itself():
-    """Swapped sequences rank below every running one. A Grow short only of the pages they keep
-    on the device (shared pages; a slid sequence's tree pages) preempted its own sequence, which
-    lost its work while they kept theirs: with sliding windows the two took turns for ever. Now
-    they go back to be recomputed, earliest swapped first, only as many as it takes; one that
-    keeps no device page is left alone."""
+    """A Grow short only of the pages swapped sequences keep on the device (shared pages; a slid
+    sequence's tree pages) preempted its own sequence, which lost its work while they kept
+    theirs: with sliding windows the two took turns for ever. Now they go back to be
+    recomputed, earliest swapped first, only as many as it takes; one that keeps no device page
+    is left alone."""
     m = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8, cpu_pages=8))
     first = _swapped_fork_of_a_released_parent(m, "P")
     second = _swapped_fork_of_a_released_parent(m, "Q")
@@ -305,3 +305,27 @@ def test_an_extra_key_that_is_not_text_is_refused_before_the_step_changes_anythi
     for check in (check_deployment_salt, check_cache_salt):
         with pytest.raises(ValueError, match="is not Unicode text"):
             check("\udcff")
+
+
+def test_a_swapped_sequence_whose_pages_a_running_one_shares_is_not_recomputed_for_nothing():
+    """A swapped fork keeps on the device only the pages it shares with its running parent:
+    releasing it frees nothing. It was recomputed anyway, being swapped first, beside the one
+    whose pages made the Grow fit; and the recomputed went after the step's running victims in
+    the plan, which the engine reads lowest priority first, so they came back before them."""
+    m = KVCacheManager(ManagerConfig(num_pages=12, page_size=4, max_seqs=8, cpu_pages=8))
+    g = m.step(StepRequest(needs=[Admit("G", [100] * 8)])).results[0].seq_id
+    m.step(StepRequest(commits=[Commit(g, 8)]))
+    shares = m.step(StepRequest(needs=[Fork(g, "G-fork")])).results[0].seq_id
+    m.step(StepRequest(needs=[Grow(shares, 12)]))
+    m.swap_out(shares)                                     # swapped first; keeps G's two pages
+    keeps = _swapped_fork_of_a_released_parent(m, "P")     # swapped second; keeps two of its own
+    h = m.step(StepRequest(needs=[Admit("H", [101] * 4)])).results[0].seq_id   # the tail, running
+    stats = m.stats()
+    assert stats.free_pages + stats.cached_pages == 7   # 12 less G's 2, P-fork's 2 and H's 1
+    # G wants 10 pages more: the 7, H's 1 (H is swapped), then P-fork's 2 (G's own 2 are the fork's too)
+    plan = m.step(StepRequest(needs=[Grow(g, 48)], preemption_mode=PreemptionMode.SWAP))
+    assert plan.results[0].granted, plan.results[0].reason
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(keeps, PreemptionMode.RECOMPUTE),
+                                                             (h, PreemptionMode.SWAP)]
+    assert shares in m.state.swapped and h in m.state.swapped
+    check_invariants(m.state)
