@@ -107,14 +107,14 @@ class GatewayServicer(pb_grpc.InferenceServicer):
         streamed = False   # a response went out: a refusal after it is a failure, not a refusal
         try:
             # closed here, not whenever it is collected, if the client goes away while this waits to send
-            first_token_at = None
+            first_token_at: dict[int, float] = {}   # each sequence's (n > 1: each choice's own)
             async with aclosing(relay.run(context.time_remaining)) as responses:
                 async for response in responses:
                     streamed = True
-                    if first_token_at is None and response.chunk.token_ids:
-                        first_token_at = time.monotonic()
+                    if response.chunk.token_ids and response.index not in first_token_at:
+                        first_token_at[response.index] = time.monotonic()
                     elif response.HasField("finished"):   # timed from this call: the one its client made
-                        _timed(response.finished, arrival, first_token_at)
+                        _timed(response.finished, arrival, first_token_at.get(response.index))
                     yield response
             ended = "aborted" if relay.cancelled else "finished"
         except Refused as exc:   # a request refused (its input, a full queue) neither ran nor failed

@@ -797,6 +797,28 @@ def test_a_moved_streams_times_count_from_its_arrival_at_the_gateway(tiny_dirs):
     assert end.total_ms >= 500                             # and the second after two, before the move
 
 
+class TwoChoices(ScriptedWorker):
+    """Answers n = 2: choice 0's token at once, choice 1's after `delay_s`, each ending on its own."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(prefill_done=pb.PrefillDone(prompt_tokens=len(request.token_ids.ids)))
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[5]), index=0)
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH), index=0)
+        await asyncio.sleep(self.delay_s)
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[6]), index=1)
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH), index=1)
+
+
+def test_each_choice_of_a_request_is_timed_from_its_own_first_token(tiny_dirs):
+    """Every choice of n > 1 through the gateway said the request's first token as its ttft_ms, as
+    a worker does not."""
+    with scripted_fleet(tiny_dirs, TwoChoices(delay_s=0.3)) as (_, stub, _):
+        events = list(stub.Generate(request(token_ids=[1, 2, 3], n=2, max_tokens=1, temperature=0.0), timeout=30))
+    ends = {e.index: e.finished for e in events if e.HasField("finished")}
+    assert ends[0].ttft_ms < ends[1].ttft_ms <= ends[1].total_ms and ends[1].ttft_ms >= 300, ends
+
+
 def test_a_moved_stream_without_max_tokens_goes_only_where_its_tokens_fit(tiny_dirs):
     """In a fleet mixing --max-model-len, a stream that has run past a short worker's length
     goes on only at a worker that holds it: the short one ended it LENGTH (or refused the
