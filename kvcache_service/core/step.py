@@ -66,6 +66,7 @@ class _Step:
         self.resumed: dict[int, tuple[list, list[int]]] = {}  # seq id -> (swap-in copies, pages to re-publish)
         self.granted: dict[int, int] = {}             # seq id -> index of its granted result
         self.queue_closed: str | None = None          # why admissions and resumes are refused now
+        self.swapped_recomputed = 0                   # swapped sent back to be recomputed: first in plan.preempted
 
     def run(self) -> StepPlan:
         state, req, plan = self.state, self.req, self.plan
@@ -163,7 +164,6 @@ class _Step:
         if not holding or not state.fits(Cost(cost.pages - gain, cost.parked_hits)):
             return False
         plan = self.plan
-        ahead = 0   # where the next one goes in plan.preempted: after those before it, before the running victims
         for seq in holding:
             recompute = Preemption(seq.seq_id, seq.request_id, PreemptionMode.RECOMPUTE)
             if seq.seq_id in self.preempted:   # swapped in this step: its swap is undone, as a recompute
@@ -172,8 +172,9 @@ class _Step:
                 plan.preempted[:] = [recompute if p.seq_id == seq.seq_id else p for p in plan.preempted]
                 state.counters.preemptions_swap -= 1
             else:
-                plan.preempted.insert(ahead, recompute)
-                ahead += 1
+                # after the swapped sent back before it in this step, before the running victims
+                plan.preempted.insert(self.swapped_recomputed, recompute)
+                self.swapped_recomputed += 1
                 self.preempted.add(seq.seq_id)
             release.release(state, seq, defer_id=True)
             state.counters.preemptions_recompute += 1

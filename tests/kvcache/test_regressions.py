@@ -329,3 +329,19 @@ def test_a_swapped_sequence_whose_pages_a_running_one_shares_is_not_recomputed_f
                                                              (h, PreemptionMode.SWAP)]
     assert shares in m.state.swapped and h in m.state.swapped
     check_invariants(m.state)
+
+
+def test_the_swapped_sequences_two_grows_send_back_stay_lowest_priority_first_in_the_plan():
+    """The engine reads a plan's victims lowest priority first. A second Grow of the step put the
+    swapped sequence it sent back ahead of the one the first Grow had, which was swapped earlier."""
+    m = KVCacheManager(ManagerConfig(num_pages=10, page_size=4, max_seqs=8, cpu_pages=8))
+    first = _swapped_fork_of_a_released_parent(m, "A")
+    second = _swapped_fork_of_a_released_parent(m, "B")
+    g1 = m.step(StepRequest(needs=[Admit("G1", [100] * 4)])).results[0].seq_id
+    g2 = m.step(StepRequest(needs=[Admit("G2", [101] * 4)])).results[0].seq_id
+    # G2, the tail, takes the 4 free pages and A's 2; then G1 takes what G2 frees and B's 2
+    plan = m.step(StepRequest(needs=[Grow(g2, 28), Grow(g1, 40)]))
+    assert [r.granted for r in plan.results] == [False, True], plan.results
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [
+        (first, PreemptionMode.RECOMPUTE), (second, PreemptionMode.RECOMPUTE), (g2, PreemptionMode.RECOMPUTE)]
+    check_invariants(m.state)
