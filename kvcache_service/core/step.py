@@ -8,9 +8,9 @@ Policy:
 - A Grow that does not fit preempts running sequences from the tail of the
   running order (the most recently admitted, resumed or forked first) until it
   fits. When the tail is the growing sequence itself, and swapped sequences keep
-  device pages enough to make it fit (pages no running sequence holds), they go back
-  to be recomputed instead, earliest swapped first: a sequence that is running must
-  not lose its work to one that is not; else it is the victim.
+  device pages enough to make it fit, the fewest of them that do, earliest swapped
+  first, go back to be recomputed instead: the growing sequence does not lose its
+  work to sequences that are not running; else it is the victim.
 - Admissions and resumes never preempt. Once one is refused, every later
   admission and resume in the step is refused too, so nobody overtakes it
   (FCFS; swapped sequences resume before new ones when the engine lists them first).
@@ -140,31 +140,21 @@ class _Step:
         return allocation.grow(state, seq, need.num_tokens)
 
     def _recompute_swapped(self, cost: Cost) -> bool:
-        """Sends swapped sequences back to be recomputed, earliest swapped first, until `cost`
-        fits; False, with nothing changed, when all of them together would not make it fit. Only
-        those holding a device page no running sequence holds: releasing one that shares all its
-        pages with running ones (a family's prompt) frees nothing. They go ahead of this step's
-        other victims in the plan: the engine reads it lowest priority first, and resumes the
-        latest swapped first. (A slid sequence keeps its tree pages on the device when swapped:
-        _leaving in swap.py. Left there, they made the only running sequence preempt itself and
-        lose its work to a swapped one, which lost its own the same way a few steps later, round
-        and round.)"""
+        """Sends swapped sequences back to be recomputed so that `cost` fits; False, with nothing
+        changed, when all of them together would not make it fit. Which: the earliest swapped
+        that make it fit, less any the rest of them make it fit without (latest first), so that
+        none loses its work for nothing (one whose pages another swapped one shares, or a running
+        one: a family's prompt). They go ahead of this step's other victims in the plan: the
+        engine reads it lowest priority first, and resumes the latest swapped first. (A slid
+        sequence keeps its tree pages on the device when swapped: _leaving in swap.py. Left
+        there, they made the only running sequence preempt itself and lose its work to a swapped
+        one, which lost its own the same way a few steps later, round and round.)"""
         state = self.state
-        ref = state.pool.ref
-        swapped = [state.seqs[seq_id] for seq_id in state.swapped]
-        held_by_swapped: dict[int, int] = {}
-        for seq in swapped:
-            for page in seq.pages:
-                if page >= 0:
-                    held_by_swapped[page] = held_by_swapped.get(page, 0) + 1
-        holding = [seq for seq in swapped if any(page >= 0 and ref[page] == held_by_swapped[page]
-                                                 for page in seq.pages)]
-        forecast = release.DropForecast(state)
-        gain = sum(forecast.drop(page) for seq in holding for page in reversed(seq.pages) if page >= 0)
-        if not holding or not state.fits(Cost(cost.pages - gain, cost.parked_hits)):
+        chosen = self._fewest_swapped_for(cost)
+        if not chosen:
             return False
         plan = self.plan
-        for seq in holding:
+        for seq in chosen:
             recompute = Preemption(seq.seq_id, seq.request_id, PreemptionMode.RECOMPUTE)
             if seq.seq_id in self.preempted:   # swapped in this step: its swap is undone, as a recompute
                 moved = {cpu_page for _, cpu_page, _ in seq.swapped}
@@ -179,9 +169,37 @@ class _Step:
             release.release(state, seq, defer_id=True)
             state.counters.preemptions_recompute += 1
             self.queue_closed = self.queue_closed or _PREEMPTED
-            if state.fits(cost):
-                return True
-        return False   # (the forecast counts what releasing them frees: not reached)
+        return state.fits(cost)   # (the forecast counts exactly what releasing them frees)
+
+    def _fewest_swapped_for(self, cost: Cost) -> list:
+        """The swapped sequences _recompute_swapped sends back, earliest swapped first; [] when
+        none or all of them would not make `cost` fit. Worked out with forecasts of their drops
+        (release.DropForecast), before any is made."""
+        state = self.state
+
+        def gained(forecast, seq) -> int:
+            return sum(forecast.drop(page) for page in reversed(seq.pages) if page >= 0)
+
+        def fits_with(gain: int) -> bool:
+            return state.fits(Cost(cost.pages - gain, cost.parked_hits))
+
+        chosen, forecast, gain = [], release.DropForecast(state), 0
+        for seq_id in state.swapped:
+            seq = state.seqs[seq_id]
+            if any(page >= 0 for page in seq.pages):
+                chosen.append(seq)
+                gain += gained(forecast, seq)
+                if fits_with(gain):
+                    break
+        else:
+            return []
+        # the last one chosen is needed (those before it did not make it fit); any other may not be
+        for seq in reversed(chosen[:-1]):
+            rest = [other for other in chosen if other is not seq]
+            forecast = release.DropForecast(state)
+            if fits_with(sum(gained(forecast, other) for other in rest)):
+                chosen = rest
+        return chosen
 
     def _room_ever(self, seq, seq_id: int, wanted: int) -> int:
         """Pages a Grow of `seq` could have were every other sequence gone: the pool less its own

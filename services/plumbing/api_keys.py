@@ -9,6 +9,7 @@ loads no gRPC).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import logging
 import os
@@ -67,11 +68,9 @@ class ApiKeys:
         try:
             if Path(self.path).stat().st_size > MAX_KEY_FILE_BYTES:
                 raise ValueError(f"API key file {self.path!r} is larger than {MAX_KEY_FILE_BYTES >> 20} MiB")
-            text = Path(self.path).read_text(encoding="utf-8-sig")   # (a byte order mark some editors write)
+            text = _utf8_text(Path(self.path).read_bytes(), f"the API key file {self.path!r}")
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {self.path!r}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"the API key file {self.path!r} is not UTF-8 text (byte {exc.start})") from None
         tenants: dict[bytes, str] = {}
         for number, line in enumerate(text.splitlines(), 1):
             fields = line.split("#", 1)[0].split()
@@ -173,16 +172,23 @@ def keep_sighup_until_watched() -> None:
 _sighup_kept: list[bool] = []   # a SIGHUP came while the server started
 
 
+def _utf8_text(data: bytes, what: str) -> str:
+    """A file's bytes as UTF-8 text, without the byte order mark some editors open it with."""
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not UTF-8 text (byte {skip + exc.start})") from None
+
+
 def read_token(path: str, what: str = "admin token") -> str:
     """A token from its file (a Kubernetes Secret mounted as a file), surrounding space removed."""
     if not path:
         return ""
     try:
-        token = Path(path).read_text(encoding="utf-8-sig").strip()   # (a byte order mark some editors write)
+        token = _utf8_text(Path(path).read_bytes(), f"the {what} file {path!r}").strip()
     except OSError as exc:
         raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the {what} file {path!r} is not UTF-8 text (byte {exc.start})") from None
     if not token:
         raise ValueError(f"the {what} file {path!r} is empty")
     if not (token.isascii() and token.isprintable()):   # gRPC metadata carries it

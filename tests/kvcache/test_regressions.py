@@ -345,3 +345,33 @@ def test_the_swapped_sequences_two_grows_send_back_stay_lowest_priority_first_in
     assert [(p.seq_id, p.mode) for p in plan.preempted] == [
         (first, PreemptionMode.RECOMPUTE), (second, PreemptionMode.RECOMPUTE), (g2, PreemptionMode.RECOMPUTE)]
     check_invariants(m.state)
+
+
+def test_of_two_swapped_sequences_sharing_pages_only_the_one_that_makes_room_is_recomputed():
+    """S1 and S2 share a prompt's two pages, which only they hold; S2 alone keeps a third page.
+    A Grow one page short recomputed S1 (swapped first), which freed nothing while S2 held the
+    shared pages, and then S2: S1 lost its work for nothing."""
+    m = KVCacheManager(ManagerConfig(num_pages=9, page_size=4, max_seqs=8, cpu_pages=8))
+
+    def step(**kw):
+        return m.step(StepRequest(**kw))
+
+    p1 = step(needs=[Admit("P1", [7] * 8)]).results[0].seq_id            # the shared two pages
+    step(commits=[Commit(p1, 8)])
+    p2 = step(needs=[Fork(p1, "P2")]).results[0].seq_id
+    step(needs=[Grow(p2, 12)])
+    step(commits=[Commit(p2, 12, [9] * 4)])                                # and a third, P2's
+    s1 = step(needs=[Fork(p1, "S1")]).results[0].seq_id
+    step(needs=[Grow(s1, 12)])
+    s2 = step(needs=[Fork(p2, "S2")]).results[0].seq_id
+    step(needs=[Grow(s2, 16)])
+    m.swap_out(s1)                     # keeps the shared two
+    m.swap_out(s2)                     # keeps the shared two and the third
+    step(releases=[p1, p2])
+    g = step(needs=[Admit("G", [100] * 4)]).results[0].seq_id
+    stats = m.stats()
+    plan = step(needs=[Grow(g, 4 * (2 + stats.free_pages + stats.cached_pages))])   # one page past them
+    assert plan.results[0].granted, plan.results[0].reason
+    assert [(p.seq_id, p.mode) for p in plan.preempted] == [(s2, PreemptionMode.RECOMPUTE)]
+    assert s1 in m.state.swapped
+    check_invariants(m.state)

@@ -402,6 +402,9 @@ def test_an_admin_token_that_metadata_cannot_carry_is_refused_when_read(tmp_path
     assert read_token(str(path)) == "s3cret"
     path.write_text("\ufeffs3cret\n")   # a byte order mark, as some editors write, is not the token's
     assert read_token(str(path)) == "s3cret"
+    path.write_bytes(b"\xef\xbb\xbfs3\xffcret\n")
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 5\)"):   # counted in the file, the mark's too
+        read_token(str(path))
 
 
 def test_a_key_file_that_opens_with_a_byte_order_mark_is_read(tmp_path):
