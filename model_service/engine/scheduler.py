@@ -130,7 +130,7 @@ class Scheduler:
         self.by_seq: dict[int, Request] = {}
         self.forks = 0                     # children of parallel sampling forked, since start
         self.slid_pages = 0                # pages sequences let go of past their sliding window, since start
-        self.unswapped = 0                 # swapped sequences sent back to recompute to end a deadlock, since start
+        self.unswapped = 0                 # swapped sequences sent back to be recomputed (manager or here), since start
         self.available_pages = 0           # free + evictable pages after the last plan
         self.first_admitted = 0            # requests the last plan took in for the first time
 
@@ -532,6 +532,8 @@ class Scheduler:
                 r.status = Status.SWAPPED
                 self.swapped.appendleft(r)
             else:
+                if r.status is Status.SWAPPED:   # its device pages went to a Grow (the manager's Step)
+                    self.unswapped += 1
                 del self.by_seq[p.seq_id]
                 r.forget_pages()
                 self.waiting.appendleft(r)
